@@ -1,0 +1,234 @@
+// Package testproc runs the test binary again as a helper process, the way
+// the standard library's os/exec tests do: TestMain calls Main, which runs a
+// registered helper instead of the tests when the environment asks for one.
+//
+// A helper talks over its standard streams: it prints lines (one readiness
+// line first), and reads command lines from its standard input. Processes
+// started here end with the test: they get the test's context and are killed
+// and reaped at cleanup.
+package testproc
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+const (
+	envHelper = "MPMR_TEST_HELPER"
+	envArgs   = "MPMR_TEST_HELPER_ARGS"
+)
+
+var helpers = map[string]func(args []string) int{}
+
+// Register makes fn runnable as helper name. Call it from init or from
+// TestMain before Main.
+func Register(name string, fn func(args []string) int) {
+	if _, dup := helpers[name]; dup {
+		panic("testproc: helper registered twice: " + name)
+	}
+	helpers[name] = fn
+}
+
+// Main runs the helper named by the environment, or the tests.
+func Main(m *testing.M) {
+	name := os.Getenv(envHelper)
+	if name == "" {
+		os.Exit(m.Run())
+	}
+	fn, ok := helpers[name]
+	if !ok {
+		fmt.Fprintf(os.Stderr, "testproc: no helper %q\n", name)
+		os.Exit(2)
+	}
+	var args []string
+	if err := json.Unmarshal([]byte(os.Getenv(envArgs)), &args); err != nil {
+		fmt.Fprintf(os.Stderr, "testproc: bad args: %v\n", err)
+		os.Exit(2)
+	}
+	os.Exit(fn(args))
+}
+
+// IsHelper reports whether this process runs as a helper.
+func IsHelper() bool { return os.Getenv(envHelper) != "" }
+
+// Proc is a running helper process.
+type Proc struct {
+	tb     testing.TB
+	name   string
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	lines  chan string
+	stderr *lockedBuffer
+	done   chan struct{}
+	err    error // Wait's result, after done
+}
+
+// DefaultTimeout bounds Expect when no deadline is given.
+const DefaultTimeout = 20 * time.Second
+
+// Start runs helper name with args and extra environment entries ("K=V").
+func Start(tb testing.TB, name string, args []string, env ...string) *Proc {
+	tb.Helper()
+	a, _ := json.Marshal(args)
+	cmd := exec.CommandContext(tb.Context(), os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envHelper+"="+name, envArgs+"="+string(a))
+	cmd.Env = append(cmd.Env, env...)
+	cmd.Cancel = func() error { return cmd.Process.Kill() }
+	p := &Proc{tb: tb, name: name, cmd: cmd, lines: make(chan string, 1024),
+		stderr: &lockedBuffer{}, done: make(chan struct{})}
+	cmd.Stderr = p.stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		tb.Fatalf("testproc: %v", err)
+	}
+	if p.stdin, err = cmd.StdinPipe(); err != nil {
+		tb.Fatalf("testproc: %v", err)
+	}
+	if err := cmd.Start(); err != nil {
+		tb.Fatalf("testproc: start %s: %v", name, err)
+	}
+	go func() {
+		sc := bufio.NewScanner(out)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			p.lines <- sc.Text()
+		}
+		close(p.lines)
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	tb.Cleanup(func() {
+		p.Kill()
+		<-p.done
+		if tb.Failed() && p.stderr.Len() > 0 {
+			tb.Logf("helper %s (pid %d) stderr:\n%s", name, p.PID(), p.stderr.String())
+		}
+	})
+	return p
+}
+
+// PID returns the helper's process id.
+func (p *Proc) PID() int { return p.cmd.Process.Pid }
+
+// Expect waits for the next line that starts with prefix, skipping others,
+// and returns it. It fails the test if the helper ends first or timeout
+// passes (DefaultTimeout when 0).
+func (p *Proc) Expect(prefix string, timeout time.Duration) string {
+	p.tb.Helper()
+	line, err := p.Next(prefix, timeout)
+	if err != nil {
+		p.tb.Fatalf("%v; stderr:\n%s", err, p.stderr.String())
+	}
+	return line
+}
+
+// Next is Expect returning an error instead of failing.
+func (p *Proc) Next(prefix string, timeout time.Duration) (string, error) {
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	for {
+		select {
+		case line, ok := <-p.lines:
+			if !ok {
+				<-p.done
+				return "", fmt.Errorf("helper %s ended (%v) before printing %q", p.name, p.err, prefix)
+			}
+			if strings.HasPrefix(line, prefix) {
+				return line, nil
+			}
+		case <-t.C:
+			return "", fmt.Errorf("helper %s printed no %q within %v", p.name, prefix, timeout)
+		}
+	}
+}
+
+// Send writes one command line to the helper's standard input.
+func (p *Proc) Send(format string, args ...any) {
+	p.tb.Helper()
+	if _, err := fmt.Fprintf(p.stdin, format+"\n", args...); err != nil {
+		p.tb.Fatalf("testproc: send to %s: %v", p.name, err)
+	}
+}
+
+// Kill sends SIGKILL (if the helper still runs).
+func (p *Proc) Kill() {
+	_ = p.cmd.Process.Signal(syscall.SIGKILL)
+}
+
+// Wait waits for the helper to end and returns its exit error (nil for
+// status 0).
+func (p *Proc) Wait(timeout time.Duration) error {
+	p.tb.Helper()
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	select {
+	case <-p.done:
+		return p.err
+	case <-time.After(timeout):
+		p.tb.Fatalf("helper %s did not end within %v", p.name, timeout)
+		return nil
+	}
+}
+
+// Killed reports whether the helper ended by SIGKILL; call after Wait.
+func (p *Proc) Killed() bool {
+	ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+// Signal returns the signal that ended the helper, or 0; call after Wait.
+func (p *Proc) Signal() syscall.Signal {
+	if ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return ws.Signal()
+	}
+	return 0
+}
+
+// Stderr returns what the helper wrote to its standard error so far.
+func (p *Proc) Stderr() string { return p.stderr.String() }
+
+// Commands returns a scanner over the helper's standard input, for use in
+// the helper process.
+func Commands() *bufio.Scanner { return bufio.NewScanner(os.Stdin) }
+
+// Say prints one line to the test, for use in the helper process.
+func Say(format string, args ...any) {
+	fmt.Fprintf(os.Stdout, format+"\n", args...)
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+func (l *lockedBuffer) Len() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Len()
+}

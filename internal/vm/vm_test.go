@@ -1,0 +1,50 @@
+package vm
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestReserveAtTakenAddressFails(t *testing.T) {
+	size := 4 * PageSize
+	base, err := Reserve(0, size)
+	require.NoError(t, err)
+	defer Unmap(base, size)
+
+	_, err = Reserve(base+PageSize, PageSize)
+	assert.ErrorIs(t, err, ErrRangeTaken)
+}
+
+func TestMapFileReleaseAndCheck(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "data"))
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(int64(2*PageSize)))
+
+	base, err := Reserve(0, 4*PageSize)
+	require.NoError(t, err)
+	defer Unmap(base, 4*PageSize)
+
+	assert.ErrorIs(t, CheckReadable(base, PageSize), ErrNotMapped, "a bare reservation is not readable")
+
+	require.NoError(t, MapFile(base+PageSize, 2*PageSize, int(f.Fd()), 0))
+	assert.NoError(t, CheckReadable(base+PageSize, 2*PageSize))
+	assert.ErrorIs(t, CheckReadable(base, 2*PageSize), ErrNotMapped, "the range starts in the reservation")
+
+	b := Bytes(base+PageSize, 2*PageSize)
+	b[0], b[len(b)-1] = 0xa5, 0x5a
+	got := make([]byte, 1)
+	_, err = f.ReadAt(got, int64(2*PageSize-1))
+	require.NoError(t, err)
+	assert.Equal(t, byte(0x5a), got[0], "writes go to the file")
+
+	require.NoError(t, Release(base+PageSize, PageSize))
+	assert.ErrorIs(t, CheckReadable(base+PageSize, PageSize), ErrNotMapped)
+	assert.NoError(t, CheckReadable(base+2*PageSize, PageSize))
+	_, err = Reserve(base+PageSize, PageSize)
+	assert.ErrorIs(t, err, ErrRangeTaken, "a released range stays reserved")
+}

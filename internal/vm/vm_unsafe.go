@@ -1,0 +1,161 @@
+// Package vm wraps the virtual-memory system calls the project needs beyond
+// what the standard library offers: reserving an address range at a fixed
+// address without clobbering anything already there, mapping a file into
+// part of a reservation, handing part of it back, and checking or pinning a
+// range the way a device driver's page walk would.
+//
+// Addresses are uintptr because the ranges live outside the Go heap and must
+// stay at the same virtual address in every process that maps them.
+package vm
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+var (
+	// ErrRangeTaken means something is already mapped inside the range a
+	// fixed reservation asked for.
+	ErrRangeTaken = errors.New("vm: address range already in use")
+	// ErrNotMapped means part of a range is unmapped or inaccessible.
+	ErrNotMapped = errors.New("vm: range not mapped readable")
+)
+
+// PageSize is the base page size of the system.
+var PageSize = uintptr(os.Getpagesize())
+
+func mmap(addr, length uintptr, prot, flags int, fd int, off int64) (uintptr, error) {
+	r, _, e := unix.Syscall6(unix.SYS_MMAP, addr, length, uintptr(prot), uintptr(flags),
+		uintptr(fd), uintptr(off))
+	if e != 0 {
+		return 0, e
+	}
+	return r, nil
+}
+
+// Reserve reserves length bytes of address space with no access, backed by
+// nothing. With addr != 0 the reservation is at exactly addr or fails with
+// ErrRangeTaken (MAP_FIXED_NOREPLACE: nothing already mapped is replaced);
+// with addr == 0 the kernel picks the address.
+func Reserve(addr, length uintptr) (uintptr, error) {
+	flags := unix.MAP_PRIVATE | unix.MAP_ANONYMOUS | unix.MAP_NORESERVE
+	if addr != 0 {
+		flags |= unix.MAP_FIXED_NOREPLACE
+	}
+	got, err := mmap(addr, length, unix.PROT_NONE, flags, -1, 0)
+	if errors.Is(err, unix.EEXIST) {
+		return 0, fmt.Errorf("%w: [0x%x, 0x%x)", ErrRangeTaken, addr, addr+length)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("vm: reserve 0x%x bytes at 0x%x: %w", length, addr, err)
+	}
+	if addr != 0 && got != addr {
+		// Kernels before 4.17 ignore MAP_FIXED_NOREPLACE and treat the
+		// address as a hint; a different result means the range is taken.
+		_ = Unmap(got, length)
+		return 0, fmt.Errorf("%w: [0x%x, 0x%x)", ErrRangeTaken, addr, addr+length)
+	}
+	return got, nil
+}
+
+// MapFile maps length bytes of fd at off, shared and read-write, at exactly
+// addr, replacing whatever part of a reservation is there (MAP_FIXED). The
+// caller must own [addr, addr+length).
+func MapFile(addr, length uintptr, fd int, off int64) error {
+	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_SHARED|unix.MAP_FIXED, fd, off)
+	if err != nil {
+		return fmt.Errorf("vm: map fd %d at 0x%x (+0x%x, off 0x%x): %w", fd, addr, length, off, err)
+	}
+	return nil
+}
+
+// MapShared maps length bytes of fd from offset 0, shared and read-write, at
+// an address the kernel picks. With noreserve, hugetlbfs does not reserve
+// pages for the whole length: only the part the file has been allocated for
+// may be touched.
+func MapShared(fd int, length uintptr, noreserve bool) (uintptr, error) {
+	flags := unix.MAP_SHARED
+	if noreserve {
+		flags |= unix.MAP_NORESERVE
+	}
+	addr, err := mmap(0, length, unix.PROT_READ|unix.PROT_WRITE, flags, fd, 0)
+	if err != nil {
+		return 0, fmt.Errorf("vm: map fd %d (0x%x bytes): %w", fd, length, err)
+	}
+	return addr, nil
+}
+
+// Release turns [addr, addr+length) back into an inaccessible reservation:
+// whatever was mapped there is dropped, and a later touch faults instead of
+// reaching memory. The range stays reserved so nothing else is placed there.
+func Release(addr, length uintptr) error {
+	_, err := mmap(addr, length, unix.PROT_NONE,
+		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE|unix.MAP_FIXED, -1, 0)
+	if err != nil {
+		return fmt.Errorf("vm: release [0x%x, 0x%x): %w", addr, addr+length, err)
+	}
+	return nil
+}
+
+// Unmap removes [addr, addr+length) from the address space.
+func Unmap(addr, length uintptr) error {
+	if _, _, e := unix.Syscall(unix.SYS_MUNMAP, addr, length, 0); e != 0 {
+		return fmt.Errorf("vm: unmap [0x%x, 0x%x): %w", addr, addr+length, e)
+	}
+	return nil
+}
+
+// CheckReadable reports whether every page of [addr, addr+length) is mapped
+// and readable in this process, faulting pages in as a device driver's page
+// walk would. It fails with ErrNotMapped for unmapped or PROT_NONE parts,
+// never by crashing. It needs Linux 5.14 (MADV_POPULATE_READ).
+func CheckReadable(addr, length uintptr) error {
+	start := addr &^ (PageSize - 1)
+	end := (addr + length + PageSize - 1) &^ (PageSize - 1)
+	_, _, e := unix.Syscall(unix.SYS_MADVISE, start, end-start, unix.MADV_POPULATE_READ)
+	switch e {
+	case 0:
+		return nil
+	case unix.ENOMEM, unix.EFAULT, unix.EINVAL:
+		return fmt.Errorf("%w: [0x%x, 0x%x): %v", ErrNotMapped, addr, addr+length, e)
+	default:
+		return fmt.Errorf("vm: check [0x%x, 0x%x): %w", addr, addr+length, e)
+	}
+}
+
+// Lock pins [addr, addr+length) in memory (mlock). The kernel treats
+// hugetlbfs ranges as always resident and leaves them alone.
+func Lock(addr, length uintptr) error {
+	if _, _, e := unix.Syscall(unix.SYS_MLOCK, addr, length, 0); e != 0 {
+		return fmt.Errorf("vm: mlock [0x%x, 0x%x): %w", addr, addr+length, e)
+	}
+	return nil
+}
+
+// Unlock undoes Lock.
+func Unlock(addr, length uintptr) error {
+	if _, _, e := unix.Syscall(unix.SYS_MUNLOCK, addr, length, 0); e != 0 {
+		return fmt.Errorf("vm: munlock [0x%x, 0x%x): %w", addr, addr+length, e)
+	}
+	return nil
+}
+
+// Bytes returns the mapped range [addr, addr+length) as a byte slice. The
+// caller guarantees the range stays mapped while the slice is in use.
+func Bytes(addr, length uintptr) []byte {
+	return unsafe.Slice((*byte)(Pointer(addr)), length)
+}
+
+// Pointer converts the address of memory outside the Go heap (a mapping made
+// by this package) into an unsafe.Pointer. The garbage collector ignores such
+// pointers, so holding one is safe as long as the mapping stays.
+func Pointer(addr uintptr) unsafe.Pointer {
+	// Going through memory keeps vet's uintptr-to-pointer check quiet; the
+	// conversion is sound because the target is not Go-managed memory.
+	return *(*unsafe.Pointer)(unsafe.Pointer(&addr))
+}

@@ -1,0 +1,103 @@
+package shm_test
+
+import (
+	"math/rand/v2"
+	"sort"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/shm"
+)
+
+type block struct{ off, n, stamp uint64 }
+
+func TestArenaAgainstModel(t *testing.T) {
+	s, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Size = 1; o.MaxSize = 32 << 20 })
+	rng := rand.New(rand.NewPCG(1, 2))
+	var live []block
+	initial := s.ArenaStats()
+
+	check := func() {
+		sorted := append([]block(nil), live...)
+		sort.Slice(sorted, func(i, j int) bool { return sorted[i].off < sorted[j].off })
+		for i := 1; i < len(sorted); i++ {
+			require.LessOrEqual(t, sorted[i-1].off+sorted[i-1].n, sorted[i].off, "blocks overlap")
+		}
+		for _, b := range live {
+			// Each block keeps the stamp written when it was allocated.
+			require.Equal(t, b.stamp, atomic.LoadUint64(shm.At[uint64](s, b.off)))
+			require.Equal(t, b.stamp, atomic.LoadUint64(shm.At[uint64](s, b.off+b.n-8)))
+		}
+	}
+	for step := range 4000 {
+		if len(live) == 0 || rng.IntN(3) != 0 {
+			n := uint64(8+rng.IntN(4096)) &^ 7
+			align := uint64(16) << rng.IntN(4)
+			off, err := s.Alloc(n, align)
+			require.NoError(t, err)
+			require.Zero(t, off%align, "alignment")
+			size, err := s.BlockSize(off)
+			require.NoError(t, err)
+			require.GreaterOrEqual(t, size, n)
+			for i := uint64(0); i < n; i += 8 {
+				require.Zero(t, atomic.LoadUint64(shm.At[uint64](s, off+i)), "fresh blocks are zeroed")
+			}
+			b := block{off, n, uint64(step) + 1}
+			atomic.StoreUint64(shm.At[uint64](s, off), b.stamp)
+			atomic.StoreUint64(shm.At[uint64](s, off+n-8), b.stamp)
+			live = append(live, b)
+		} else {
+			i := rng.IntN(len(live))
+			require.NoError(t, s.Free(live[i].off))
+			live[i] = live[len(live)-1]
+			live = live[:len(live)-1]
+		}
+		if step%100 == 0 {
+			check()
+		}
+	}
+	check()
+	for _, b := range live {
+		require.NoError(t, s.Free(b.off))
+	}
+	st := s.ArenaStats()
+	assert.Zero(t, st.UsedBytes)
+	assert.Zero(t, st.Blocks)
+	assert.Equal(t, 1, st.FreeBlocks, "freeing everything coalesces the arena into one block")
+	assert.Equal(t, st.End-st.Start, st.FreeBytes)
+	assert.GreaterOrEqual(t, st.End, initial.End)
+}
+
+func TestArenaRejectsBadFrees(t *testing.T) {
+	s, _ := newSegment(t, testenv.Tmpfs(t))
+	off, err := s.Alloc(100, 16)
+	require.NoError(t, err)
+	require.NoError(t, s.Free(off))
+	assert.ErrorIs(t, s.Free(off), shm.ErrBadBlock, "double free")
+	assert.ErrorIs(t, s.Free(8), shm.ErrBadBlock, "inside the header")
+	assert.ErrorIs(t, s.Free(s.Size()+4096), shm.ErrBadBlock, "past the end")
+	off, err = s.Alloc(256, 16)
+	require.NoError(t, err)
+	assert.ErrorIs(t, s.Free(off+32), shm.ErrBadBlock, "inside a block")
+	assert.NoError(t, s.Free(off))
+}
+
+func TestArenaExhaustion(t *testing.T) {
+	s, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Size = 1 << 20; o.MaxSize = 1 << 20 })
+	var n int
+	for {
+		_, err := s.Alloc(64<<10, 16)
+		if err != nil {
+			assert.ErrorIs(t, err, shm.ErrArenaFull)
+			assert.Contains(t, err.Error(), "max")
+			break
+		}
+		n++
+		require.Less(t, n, 100, "a 1 MiB arena cannot hold 100 blocks of 64 KiB")
+	}
+	assert.Greater(t, n, 10)
+}

@@ -1,0 +1,200 @@
+package shm
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"sync/atomic"
+
+	"github.com/mpmr/mpmr/internal/ofd"
+)
+
+// Role is what a process does in an instance.
+type Role uint32
+
+// Roles recorded in the process table.
+const (
+	RoleNone      Role = 0
+	RolePrimary   Role = 1
+	RoleSecondary Role = 2
+	RoleObserver  Role = 3 // tools that attach to read
+)
+
+func (r Role) String() string {
+	switch r {
+	case RoleNone:
+		return "none"
+	case RolePrimary:
+		return "primary"
+	case RoleSecondary:
+		return "secondary"
+	case RoleObserver:
+		return "observer"
+	}
+	return "role(" + strconv.Itoa(int(r)) + ")"
+}
+
+const (
+	slotFree uint32 = 0
+	slotLive uint32 = 1
+)
+
+// Proc describes one process-table slot.
+type Proc struct {
+	Slot  int
+	PID   int
+	UID   int
+	Start uint64 // process start time, clock ticks after boot
+	Role  Role
+	Epoch uint32 // how many times the slot has been claimed
+	// Live is what the slot says: a process claimed it and has not
+	// released it.
+	Live bool
+	// Alive is what the kernel says: the claimant still holds the slot's
+	// lock. A Live slot that is not Alive belongs to a process that died.
+	Alive bool
+}
+
+// selfStart is this process's start time, read once.
+var selfStart = func() uint64 {
+	st, _ := ProcessStart(os.Getpid())
+	return st
+}()
+
+// ProcessStart returns the start time of process pid in clock ticks after
+// boot (field 22 of /proc/PID/stat). Together with the pid it names one
+// process for its whole life.
+func ProcessStart(pid int) (uint64, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) may hold spaces and parentheses; fields
+	// after the last ')' are plain.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("shm: unexpected /proc/%d/stat", pid)
+	}
+	fields := bytes.Fields(b[i+1:])
+	const startField = 22 - 3 // field 3 is fields[0]
+	if len(fields) <= startField {
+		return 0, fmt.Errorf("shm: short /proc/%d/stat", pid)
+	}
+	return strconv.ParseUint(string(fields[startField]), 10, 64)
+}
+
+func (s *Segment) slots() []procSlot {
+	return Slice[procSlot](s, atomic.LoadUint64(&s.hdr.ProcsOff), int(atomic.LoadUint32(&s.hdr.Slots)))
+}
+
+// claimSlot takes the first slot whose lock byte nobody holds: a free slot,
+// or one whose process died. Holding the byte's lock from here on is what
+// makes this process alive in everyone else's eyes.
+func (s *Segment) claimSlot(role Role) error {
+	slots := s.slots()
+	for i := range slots {
+		err := ofd.TryLock(s.lockf, int64(i), true)
+		if errors.Is(err, ofd.ErrLocked) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		p := &slots[i]
+		if atomic.LoadUint32(&p.State) == slotLive {
+			s.log.Info("reclaiming slot of dead process", "slot", i, "pid", atomic.LoadUint32(&p.PID))
+		}
+		epoch := atomic.AddUint32(&p.Epoch, 1)
+		atomic.StoreUint32(&p.Role, uint32(role))
+		atomic.StoreUint32(&p.PID, uint32(os.Getpid()))
+		atomic.StoreUint32(&p.UID, uint32(os.Getuid()))
+		atomic.StoreUint64(&p.Start, selfStart)
+		s.resetReaderLines(i, epoch)
+		atomic.StoreUint32(&p.State, slotLive)
+		s.slot, s.epoch = i, epoch
+		return nil
+	}
+	return fmt.Errorf("%w: all %d slots are held by live processes", ErrNoSlot, len(slots))
+}
+
+func (s *Segment) releaseSlot() {
+	if s.slot < 0 {
+		return
+	}
+	p := &s.slots()[s.slot]
+	atomic.StoreUint32(&p.State, slotFree)
+	atomic.StoreUint32(&p.PID, 0)
+	_ = ofd.Unlock(s.lockf, int64(s.slot))
+	s.slot = -1
+}
+
+// Slot returns this process's process-table slot.
+func (s *Segment) Slot() int { return s.slot }
+
+// Alive reports whether the process in slot i is alive: it holds the slot's
+// lock byte. This process's own slot is always alive. A lock-file error
+// counts as alive, so that a failure to look never discards live state.
+func (s *Segment) Alive(i int) bool {
+	if i == s.slot {
+		return true
+	}
+	held, err := ofd.Held(s.lockf, int64(i))
+	if err != nil {
+		s.log.Warn("liveness check failed; assuming alive", "slot", i, "err", err)
+		return true
+	}
+	return held
+}
+
+// Procs returns every slot that is live or whose process is alive.
+func (s *Segment) Procs() []Proc {
+	var out []Proc
+	for i := range s.slots() {
+		p := s.Proc(i)
+		if p.Live || p.Alive {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// Proc describes slot i.
+func (s *Segment) Proc(i int) Proc {
+	p := &s.slots()[i]
+	return Proc{
+		Slot:  i,
+		PID:   int(atomic.LoadUint32(&p.PID)),
+		UID:   int(atomic.LoadUint32(&p.UID)),
+		Start: atomic.LoadUint64(&p.Start),
+		Role:  Role(atomic.LoadUint32(&p.Role)),
+		Epoch: atomic.LoadUint32(&p.Epoch),
+		Live:  atomic.LoadUint32(&p.State) == slotLive,
+		Alive: s.Alive(i),
+	}
+}
+
+// Reap marks the slots of dead processes free and returns their numbers.
+// Each is locked while it is cleared, so Reap never races a process that is
+// claiming the same slot. Locks those processes held are repaired by the
+// lock operations themselves; Reap only tidies the table.
+func (s *Segment) Reap() []int {
+	var reaped []int
+	slots := s.slots()
+	for i := range slots {
+		p := &slots[i]
+		if i == s.slot || atomic.LoadUint32(&p.State) != slotLive {
+			continue
+		}
+		if err := ofd.TryLock(s.lockf, int64(i), true); err != nil {
+			continue // alive, or being claimed
+		}
+		if atomic.LoadUint32(&p.State) == slotLive {
+			atomic.StoreUint32(&p.State, slotFree)
+			reaped = append(reaped, i)
+		}
+		_ = ofd.Unlock(s.lockf, int64(i))
+	}
+	return reaped
+}

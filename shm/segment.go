@@ -1,0 +1,343 @@
+package shm
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/vm"
+)
+
+// Defaults for Options.
+const (
+	DefaultSize    = 1 << 20
+	DefaultMaxSize = 64 << 20
+	DefaultSlots   = 64
+	MaxSlots       = 1024
+)
+
+// Options configure Create and Attach.
+type Options struct {
+	// Path is the segment file, on hugetlbfs or tmpfs.
+	Path string
+	// LockPath is the file whose bytes carry the process table's liveness
+	// locks. Default: Path + ".lock".
+	LockPath string
+	// Size is the initial usable size (Create only), rounded up to the
+	// backing page size. Default DefaultSize.
+	Size uint64
+	// MaxSize bounds growth (Create only); every process reserves this much
+	// address space. Default DefaultMaxSize.
+	MaxSize uint64
+	// Slots is the process-table length (Create only). Default DefaultSlots.
+	Slots int
+	// LayoutTag is mixed into the layout hash: the layers above pass a hash
+	// of their own shared structs (see LayoutHash) so that builds that
+	// disagree refuse each other. Create and Attach must pass the same tag.
+	LayoutTag uint32
+	// Role is recorded in the process table for this process.
+	Role Role
+	// Logger receives diagnostics. Default slog.Default().
+	Logger *slog.Logger
+}
+
+func (o *Options) lockPath() string {
+	if o.LockPath != "" {
+		return o.LockPath
+	}
+	return o.Path + ".lock"
+}
+
+func (o *Options) logger() *slog.Logger {
+	if o.Logger != nil {
+		return o.Logger
+	}
+	return slog.Default()
+}
+
+// Segment is one process's view of a control segment. The creating process
+// (the owner) is the only one that allocates from the arena, grows the
+// segment or changes its state; any process may read and may take locks.
+// Segment's methods are safe for concurrent use.
+type Segment struct {
+	path    string
+	f       *os.File
+	lockf   *os.File
+	base    uintptr
+	mapLen  uintptr
+	hdr     *header
+	owner   bool
+	slot    int
+	epoch   uint32
+	log     *slog.Logger
+	mu      sync.Mutex // owner: serializes arena and growth
+	closeMu sync.Mutex
+	closed  atomic.Bool
+}
+
+func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
+
+// Create makes a new segment file at o.Path (failing with ErrExists if one is
+// there), maps it, lays out the header, process table and arena, and claims
+// a process-table slot for the caller, who becomes the owner. The segment
+// stays in the initializing state until MarkReady, so attachers refuse it
+// while the layers above build their state.
+func Create(o Options) (*Segment, error) {
+	if o.Slots == 0 {
+		o.Slots = DefaultSlots
+	}
+	if o.Slots < 1 || o.Slots > MaxSlots {
+		return nil, fmt.Errorf("shm: create %s: %d process slots, want 1..%d", o.Path, o.Slots, MaxSlots)
+	}
+	if o.Size == 0 {
+		o.Size = DefaultSize
+	}
+	if o.MaxSize == 0 {
+		o.MaxSize = DefaultMaxSize
+	}
+	f, err := os.OpenFile(o.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("%w: %s", ErrExists, o.Path)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("shm: create: %w", err)
+	}
+	s, err := create(f, &o)
+	if err != nil {
+		f.Close()
+		os.Remove(o.Path)
+		return nil, fmt.Errorf("shm: create %s: %w", o.Path, err)
+	}
+	return s, nil
+}
+
+func create(f *os.File, o *Options) (*Segment, error) {
+	page, _, err := falloc.BlockSize(int(f.Fd()))
+	if err != nil {
+		return nil, err
+	}
+	procsOff := uint64(headerSize)
+	arenaOff := roundUp(procsOff+uint64(o.Slots)*slotSize, lineSize)
+	size := roundUp(max(o.Size, arenaOff+4096), page)
+	maxSize := roundUp(max(o.MaxSize, size), page)
+	if err := falloc.Allocate(int(f.Fd()), 0, int64(size)); err != nil {
+		return nil, err
+	}
+	s, err := mapSegment(f, o, maxSize)
+	if err != nil {
+		return nil, err
+	}
+	s.owner = true
+	h := s.hdr
+	atomic.StoreUint32(&h.Version, Version)
+	atomic.StoreUint32(&h.Layout, ownLayout^o.LayoutTag)
+	atomic.StoreUint32(&h.State, stateInitializing)
+	atomic.StoreUint32(&h.Slots, uint32(o.Slots))
+	atomic.StoreUint32(&h.CreatorPID, uint32(os.Getpid()))
+	atomic.StoreUint32(&h.CreatorUID, uint32(os.Getuid()))
+	atomic.StoreUint64(&h.CreatorStart, selfStart)
+	atomic.StoreUint64(&h.Size, size)
+	atomic.StoreUint64(&h.MaxSize, maxSize)
+	atomic.StoreUint64(&h.PageSize, page)
+	atomic.StoreUint64(&h.ProcsOff, procsOff)
+	atomic.StoreUint64(&h.ArenaOff, arenaOff)
+	s.arenaInit(arenaOff, size)
+	// The magic goes in last: a reader that sees it sees a complete header.
+	atomic.StoreUint64(&h.Magic, Magic)
+	if err := s.claimSlot(o.Role); err != nil {
+		s.unmap()
+		return nil, err
+	}
+	return s, nil
+}
+
+// Attach opens and maps an existing segment after validating its header
+// (see Probe for the checks), then claims a process-table slot.
+func Attach(o Options) (*Segment, error) {
+	f, err := os.OpenFile(o.Path, os.O_RDWR, 0)
+	if err != nil {
+		return nil, fmt.Errorf("shm: attach: %w", err)
+	}
+	info, err := probeFile(f, o.LayoutTag)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("shm: attach %s: %w", o.Path, err)
+	}
+	s, err := mapSegment(f, &o, info.MaxSize)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("shm: attach %s: %w", o.Path, err)
+	}
+	if err := s.claimSlot(o.Role); err != nil {
+		s.unmap()
+		return nil, fmt.Errorf("shm: attach %s: %w", o.Path, err)
+	}
+	return s, nil
+}
+
+func mapSegment(f *os.File, o *Options, maxSize uint64) (*Segment, error) {
+	lockf, err := os.OpenFile(o.lockPath(), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open lock file: %w", err)
+	}
+	base, err := vm.MapShared(int(f.Fd()), uintptr(maxSize), true)
+	if err != nil {
+		lockf.Close()
+		return nil, err
+	}
+	return &Segment{
+		path:   o.Path,
+		f:      f,
+		lockf:  lockf,
+		base:   base,
+		mapLen: uintptr(maxSize),
+		hdr:    (*header)(vm.Pointer(base)),
+		slot:   -1,
+		log:    o.logger(),
+	}, nil
+}
+
+func (s *Segment) unmap() {
+	_ = vm.Unmap(s.base, s.mapLen)
+	s.lockf.Close()
+	s.f.Close()
+}
+
+func (s *Segment) basePtr() unsafe.Pointer { return vm.Pointer(s.base) }
+
+func (s *Segment) mustRange(off, size, align uint64) {
+	if off%align != 0 || off+size < off || off+size > atomic.LoadUint64(&s.hdr.Size) {
+		panic(fmt.Sprintf("shm: [0x%x, +0x%x) outside segment %s (size 0x%x) or misaligned",
+			off, size, s.path, atomic.LoadUint64(&s.hdr.Size)))
+	}
+}
+
+// CheckRange reports whether [off, off+size) lies inside the segment's
+// arena. Use it on offsets read from shared memory before trusting them.
+func (s *Segment) CheckRange(off, size uint64) error {
+	if off < atomic.LoadUint64(&s.hdr.ArenaOff) || off+size < off || off+size > atomic.LoadUint64(&s.hdr.Size) {
+		return fmt.Errorf("%w: [0x%x, +0x%x) in %s", ErrBadOffset, off, size, s.path)
+	}
+	return nil
+}
+
+// Path returns the segment file's path.
+func (s *Segment) Path() string { return s.path }
+
+// Owner reports whether this process created the segment.
+func (s *Segment) Owner() bool { return s.owner }
+
+// Size returns the usable size of the segment in bytes.
+func (s *Segment) Size() uint64 { return atomic.LoadUint64(&s.hdr.Size) }
+
+// MaxSize returns the size the segment may grow to.
+func (s *Segment) MaxSize() uint64 { return atomic.LoadUint64(&s.hdr.MaxSize) }
+
+// PageSize returns the backing page size.
+func (s *Segment) PageSize() uint64 { return atomic.LoadUint64(&s.hdr.PageSize) }
+
+// MarkReady moves the segment from initializing to ready; attachers accept
+// it from then on. Owner only.
+func (s *Segment) MarkReady() error {
+	if !s.owner {
+		return ErrNotOwner
+	}
+	atomic.StoreUint32(&s.hdr.State, stateReady)
+	return nil
+}
+
+// MarkDead marks the segment as belonging to an ended instance: attachers
+// refuse it with ErrDead. The owner does this when it shuts down; a new
+// owner does it to a stale segment it found.
+func (s *Segment) MarkDead() {
+	atomic.StoreUint32(&s.hdr.State, stateDead)
+}
+
+// Ready reports whether the segment is in the ready state.
+func (s *Segment) Ready() bool { return atomic.LoadUint32(&s.hdr.State) == stateReady }
+
+// Root returns the offset stored in named root i (0 if unset).
+func (s *Segment) Root(i int) uint64 { return atomic.LoadUint64(&s.hdr.Roots[i]) }
+
+// SetRoot stores off in named root i. Owner only. The layers above keep the
+// offsets of their top-level structures here; see the Root constants.
+func (s *Segment) SetRoot(i int, off uint64) error {
+	if !s.owner {
+		return ErrNotOwner
+	}
+	atomic.StoreUint64(&s.hdr.Roots[i], off)
+	return nil
+}
+
+// Well-known roots.
+const (
+	RootMemory = 0 // hugetlb: memseg list table
+	RootCache  = 1 // cache: global share cache
+	RootDevice = 2 // verbs: soft device
+	RootUser   = 8 // first root free for applications
+)
+
+// Grow makes at least need more bytes available past the current size,
+// extending the backing file in whole pages. The mapping already covers
+// MaxSize, so nothing moves. Owner only; it fails with ErrArenaFull when
+// MaxSize would be exceeded.
+func (s *Segment) Grow(need uint64) error {
+	if !s.owner {
+		return ErrNotOwner
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.growLocked(need)
+}
+
+func (s *Segment) growLocked(need uint64) error {
+	old := atomic.LoadUint64(&s.hdr.Size)
+	page := atomic.LoadUint64(&s.hdr.PageSize)
+	size := roundUp(old+max(need, old/2), page)
+	if limit := atomic.LoadUint64(&s.hdr.MaxSize); size > limit {
+		size = roundUp(old+need, page)
+		if size > limit {
+			return fmt.Errorf("%w: need 0x%x more bytes, size 0x%x, max 0x%x", ErrArenaFull, need, old, limit)
+		}
+	}
+	if err := falloc.Allocate(int(s.f.Fd()), int64(old), int64(size-old)); err != nil {
+		return fmt.Errorf("shm: grow %s to 0x%x: %w", s.path, size, err)
+	}
+	atomic.StoreUint64(&s.hdr.Size, size)
+	s.arenaExtend(old, size)
+	s.log.Debug("segment grew", "path", s.path, "from", old, "to", size)
+	return nil
+}
+
+// Close releases this process's slot, unmaps the segment and closes its
+// files. It is idempotent. The files stay on disk; removing them is the
+// owner's decision (see Remove).
+func (s *Segment) Close() error {
+	s.closeMu.Lock()
+	defer s.closeMu.Unlock()
+	if s.closed.Load() {
+		return nil
+	}
+	s.closed.Store(true)
+	s.releaseSlot()
+	s.unmap()
+	return nil
+}
+
+// Remove deletes the segment file and its lock file. Processes that still
+// map the segment keep their mapping; the memory is returned to the system
+// when the last one unmaps it.
+func Remove(o Options) error {
+	var errs []error
+	for _, p := range []string{o.Path, o.lockPath()} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

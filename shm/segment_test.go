@@ -1,0 +1,201 @@
+package shm_test
+
+import (
+	"encoding/binary"
+	"os"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func TestCreateAttachShareMemory(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		owner, o := newSegment(t, b)
+		off, err := owner.Alloc(64, 64)
+		require.NoError(t, err)
+		require.NoError(t, owner.SetRoot(shm.RootUser, off))
+		atomic.StoreUint64(shm.At[uint64](owner, off), 0xfeedface)
+
+		other := attach(t, o)
+		assert.NotEqual(t, owner.Slot(), other.Slot())
+		assert.Equal(t, off, other.Root(shm.RootUser))
+		assert.Equal(t, uint64(0xfeedface), atomic.LoadUint64(shm.At[uint64](other, off)))
+		atomic.StoreUint64(shm.At[uint64](other, off+8), 42)
+		assert.Equal(t, uint64(42), atomic.LoadUint64(shm.At[uint64](owner, off+8)))
+
+		_, err = other.Alloc(64, 16)
+		assert.ErrorIs(t, err, shm.ErrNotOwner)
+		assert.ErrorIs(t, other.SetRoot(shm.RootUser, 0), shm.ErrNotOwner)
+	})
+}
+
+func TestCreateRefusesExistingFile(t *testing.T) {
+	_, o := newSegment(t, testenv.Tmpfs(t))
+	_, err := shm.Create(o)
+	assert.ErrorIs(t, err, shm.ErrExists)
+}
+
+func TestGrowKeepsMappingsAndContent(t *testing.T) {
+	testenv.ForEachBackend(t, 8, func(t *testing.T, b hugetlb.Backend) {
+		owner, o := newSegment(t, b, func(o *shm.Options) { o.Size = 1; o.MaxSize = 16 << 20 })
+		other := attach(t, o)
+		first, err := owner.Alloc(128, 16)
+		require.NoError(t, err)
+		p := shm.At[uint64](owner, first)
+		atomic.StoreUint64(p, 7)
+		size := owner.Size()
+
+		// A block larger than what is left forces growth.
+		big, err := owner.Alloc(size, 64)
+		require.NoError(t, err)
+		assert.Greater(t, owner.Size(), size)
+		assert.Equal(t, owner.Size(), other.Size(), "the attacher sees the new size")
+		assert.Equal(t, uint64(7), atomic.LoadUint64(p), "old pointers stay valid")
+
+		last := big + size - 8
+		atomic.StoreUint64(shm.At[uint64](owner, last), 99)
+		assert.Equal(t, uint64(99), atomic.LoadUint64(shm.At[uint64](other, last)))
+	})
+}
+
+func TestGrowStopsAtMaxSize(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Size = 1 << 20; o.MaxSize = 2 << 20 })
+	_, err := owner.Alloc(4<<20, 16)
+	assert.ErrorIs(t, err, shm.ErrArenaFull)
+	off, err := owner.Alloc(1<<19, 16)
+	require.NoError(t, err, "a failed growth leaves the arena usable")
+	assert.NotZero(t, off)
+}
+
+func TestCloseIsIdempotentAndFreesSlot(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	s, err := shm.Attach(o)
+	require.NoError(t, err)
+	slot := s.Slot()
+	require.True(t, owner.Proc(slot).Live)
+	require.NoError(t, s.Close())
+	require.NoError(t, s.Close())
+	p := owner.Proc(slot)
+	assert.False(t, p.Live)
+	assert.False(t, p.Alive)
+}
+
+func TestRemoveDeletesFiles(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	require.NoError(t, owner.Close())
+	require.NoError(t, shm.Remove(o))
+	_, err := os.Stat(o.Path)
+	assert.ErrorIs(t, err, os.ErrNotExist)
+	_, err = os.Stat(o.Path + ".lock")
+	assert.ErrorIs(t, err, os.ErrNotExist)
+	assert.NoError(t, shm.Remove(o), "removing twice is fine")
+}
+
+// Offsets of header fields, from the layout comment in layout_unsafe.go.
+const (
+	offMagic   = 0
+	offVersion = 8
+	offLayout  = 12
+	offState   = 16
+	offSlots   = 20
+	offSize    = 40
+	offMaxSize = 48
+	offArena   = 72
+)
+
+func TestAttachValidatesHeader(t *testing.T) {
+	put32 := func(off int64, v uint32) func(*os.File) error {
+		return func(f *os.File) error {
+			var b [4]byte
+			binary.LittleEndian.PutUint32(b[:], v)
+			_, err := f.WriteAt(b[:], off)
+			return err
+		}
+	}
+	put64 := func(off int64, v uint64) func(*os.File) error {
+		return func(f *os.File) error {
+			var b [8]byte
+			binary.LittleEndian.PutUint64(b[:], v)
+			_, err := f.WriteAt(b[:], off)
+			return err
+		}
+	}
+	cases := []struct {
+		name    string
+		corrupt func(*os.File) error
+		want    error
+	}{
+		{"wrong magic", put64(offMagic, 0x1234), shm.ErrBadMagic},
+		{"newer ABI version", put32(offVersion, shm.Version+1), shm.ErrVersionMismatch},
+		{"other layout", put32(offLayout, 0xdeadbeef), shm.ErrLayoutMismatch},
+		{"still initializing", put32(offState, 1), shm.ErrNotReady},
+		{"instance ended", put32(offState, 3), shm.ErrDead},
+		{"unknown state", put32(offState, 77), shm.ErrCorrupt},
+		{"zero slots", put32(offSlots, 0), shm.ErrCorrupt},
+		{"size past max", put64(offSize, 1<<40), shm.ErrCorrupt},
+		{"size not page multiple", put64(offSize, 4097), shm.ErrCorrupt},
+		{"max below size", put64(offMaxSize, 4096), shm.ErrCorrupt},
+		{"arena inside table", put64(offArena, 64), shm.ErrCorrupt},
+		{"file shorter than header says", func(f *os.File) error { return f.Truncate(8192) }, shm.ErrTruncated},
+		{"file shorter than a header", func(f *os.File) error { return f.Truncate(100) }, shm.ErrTruncated},
+		{"header never written", func(f *os.File) error {
+			_, err := f.WriteAt(make([]byte, 4096), 0)
+			return err
+		}, shm.ErrNotReady},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			owner, o := newSegment(t, testenv.Tmpfs(t))
+			require.NoError(t, owner.Close())
+			f, err := os.OpenFile(o.Path, os.O_RDWR, 0)
+			require.NoError(t, err)
+			require.NoError(t, c.corrupt(f))
+			require.NoError(t, f.Close())
+
+			_, err = shm.Attach(o)
+			assert.ErrorIs(t, err, c.want)
+			// Every other sentinel must not match: each mismatch has its
+			// own error.
+			for _, other := range []error{shm.ErrBadMagic, shm.ErrVersionMismatch, shm.ErrLayoutMismatch,
+				shm.ErrNotReady, shm.ErrDead, shm.ErrCorrupt, shm.ErrTruncated} {
+				if other != c.want {
+					assert.NotErrorIs(t, err, other)
+				}
+			}
+		})
+	}
+}
+
+func TestAttachRefusesOtherLayoutTag(t *testing.T) {
+	_, o := newSegment(t, testenv.Tmpfs(t))
+	o.LayoutTag++
+	_, err := shm.Attach(o)
+	assert.ErrorIs(t, err, shm.ErrLayoutMismatch)
+}
+
+func TestAttachRefusesUnreadySegment(t *testing.T) {
+	o := opts(testenv.File(t, testenv.Tmpfs(t).Dir))
+	s, err := shm.Create(o)
+	require.NoError(t, err)
+	defer s.Close()
+	_, err = shm.Attach(o)
+	assert.ErrorIs(t, err, shm.ErrNotReady)
+
+	info, err := shm.Probe(o.Path, testTag)
+	assert.ErrorIs(t, err, shm.ErrNotReady)
+	assert.Equal(t, os.Getpid(), info.CreatorPID, "Probe describes a segment it refuses")
+
+	require.NoError(t, s.MarkReady())
+	info, err = shm.Probe(o.Path, testTag)
+	require.NoError(t, err)
+	assert.Equal(t, "ready", info.State)
+	s.MarkDead()
+	_, err = shm.Attach(o)
+	assert.ErrorIs(t, err, shm.ErrDead)
+}
