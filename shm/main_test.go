@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"log/slog"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -15,8 +16,12 @@ func TestMain(m *testing.M) { testproc.Main(m) }
 
 const testTag = 0x5eed
 
+// quiet drops the segment's diagnostics (dead holders discarded and the
+// like), which the tests provoke on purpose.
+var quiet = slog.New(slog.DiscardHandler)
+
 func opts(path string) shm.Options {
-	return shm.Options{Path: path, LayoutTag: testTag, Slots: 16, Role: shm.RoleSecondary}
+	return shm.Options{Path: path, LayoutTag: testTag, Slots: 16, Role: shm.RoleSecondary, Logger: quiet}
 }
 
 // newSegment creates a ready segment on b, closed and removed at cleanup.

@@ -2,6 +2,7 @@ package shm
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
@@ -45,12 +46,13 @@ import (
 // and is safe for use by many goroutines. A goroutine must not take the
 // lock recursively.
 type RWLock struct {
-	seg   *Segment
-	off   uint64
-	head  *lockHead
-	lines []readerLine
-	me    uint32  // this process's slot + 1: its mark in the writer word
-	mine  *uint64 // this process's reader count
+	seg    *Segment
+	off    uint64
+	head   *lockHead
+	lines  []readerLine
+	me     uint32  // this process's slot + 1: its mark in the writer word
+	mine   *uint64 // this process's reader count
+	writer *uint32 // &head.Writer, one indirection less on the fast paths
 }
 
 const (
@@ -119,21 +121,30 @@ func (s *Segment) RWLock(off uint64) (*RWLock, error) {
 	if s.slot < 0 || s.slot >= len(lines) {
 		return nil, fmt.Errorf("shm: lock at 0x%x: this process has no slot", off)
 	}
-	return &RWLock{seg: s, off: off, head: head, lines: lines, me: uint32(s.slot) + 1, mine: &lines[s.slot].Count}, nil
+	return &RWLock{seg: s, off: off, head: head, lines: lines, me: uint32(s.slot) + 1, mine: &lines[s.slot].Count, writer: &head.Writer}, nil
 }
 
 // RLock takes a read hold. It waits while a writer holds the lock, up to
 // ctx's end. It fails with ErrOwnerDied if the writer died (the state may be
 // half-written), ErrNotRecoverable if a repair was abandoned, or ctx's error.
 func (l *RWLock) RLock(ctx context.Context) error {
+	atomic.AddUint64(l.mine, 1)
+	if atomic.LoadUint32(l.writer) == 0 {
+		return nil
+	}
+	return l.rlockSlow(ctx)
+}
+
+//go:noinline
+func (l *RWLock) rlockSlow(ctx context.Context) error {
 	for {
-		atomic.AddUint64(l.mine, 1)
-		if atomic.LoadUint32(&l.head.Writer) == 0 {
-			return nil
-		}
 		l.RUnlock()
 		if err := l.waitWriter(ctx); err != nil {
 			return err
+		}
+		atomic.AddUint64(l.mine, 1)
+		if atomic.LoadUint32(&l.head.Writer) == 0 {
+			return nil
 		}
 	}
 }
@@ -153,13 +164,23 @@ func (l *RWLock) TryRLock() (bool, error) {
 // RUnlock drops a read hold.
 func (l *RWLock) RUnlock() {
 	n := uint32(atomic.AddUint64(l.mine, math.MaxUint64))
-	if n == 0 && atomic.LoadUint32(&l.head.Writer) != 0 {
-		// A writer may be asleep waiting for this count to drain.
-		_, _ = futex.Wake(lowHalf(l.mine), 1)
-	} else if n == math.MaxUint32 {
-		panic("shm: RUnlock of an RWLock not read-locked")
+	if n == 0 && atomic.LoadUint32(l.writer) != 0 || n == math.MaxUint32 {
+		l.runlockSlow(n)
 	}
 }
+
+// runlockSlow wakes a writer that may be asleep waiting for this process's
+// count to drain, or reports an unbalanced RUnlock.
+//
+//go:noinline
+func (l *RWLock) runlockSlow(n uint32) {
+	if n == math.MaxUint32 {
+		panic(errUnbalanced)
+	}
+	_, _ = futex.Wake(lowHalf(l.mine), 1)
+}
+
+var errUnbalanced = errors.New("shm: RUnlock of an RWLock not read-locked")
 
 // writerError classifies a non-zero writer word for a reader.
 func (l *RWLock) writerError(w uint32) error {

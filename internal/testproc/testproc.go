@@ -163,6 +163,14 @@ func (p *Proc) Send(format string, args ...any) {
 	}
 }
 
+// CloseInput closes the helper's standard input: its command loop sees EOF.
+func (p *Proc) CloseInput() {
+	p.tb.Helper()
+	if err := p.stdin.Close(); err != nil {
+		p.tb.Fatalf("testproc: close input of %s: %v", p.name, err)
+	}
+}
+
 // Kill sends SIGKILL (if the helper still runs).
 func (p *Proc) Kill() {
 	_ = p.cmd.Process.Signal(syscall.SIGKILL)

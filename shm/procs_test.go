@@ -1,0 +1,111 @@
+package shm_test
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func slotOf(t *testing.T, p *testproc.Proc) int {
+	var slot int
+	_, err := fmt.Sscanf(p.Expect("slot ", 0), "slot %d", &slot)
+	require.NoError(t, err)
+	return slot
+}
+
+func TestProcessTableClaimAndRelease(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	me := owner.Proc(owner.Slot())
+	assert.Equal(t, os.Getpid(), me.PID)
+	assert.Equal(t, shm.RolePrimary, me.Role)
+	assert.True(t, me.Live && me.Alive)
+
+	h := testproc.Start(t, "attach", []string{o.Path})
+	slot := slotOf(t, h)
+	p := owner.Proc(slot)
+	assert.Equal(t, h.PID(), p.PID)
+	assert.Equal(t, shm.RoleSecondary, p.Role)
+	assert.True(t, p.Live && p.Alive)
+	assert.Len(t, owner.Procs(), 2)
+
+	h.Send("close")
+	h.Expect("closed", 0)
+	p = owner.Proc(slot)
+	assert.False(t, p.Live, "a released slot is free")
+	assert.False(t, p.Alive)
+}
+
+func TestKilledProcessSlotIsDeadAndReclaimed(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 2 })
+	h := testproc.Start(t, "attach", []string{o.Path})
+	slot := slotOf(t, h)
+	h.Kill()
+	require.Error(t, h.Wait(0))
+
+	p := owner.Proc(slot)
+	assert.True(t, p.Live, "the slot still says live")
+	assert.False(t, p.Alive, "but the kernel dropped the lock")
+
+	// The table is full (2 slots) only if the dead slot is not reusable.
+	s := attach(t, o)
+	assert.Equal(t, slot, s.Slot(), "a dead process's slot is claimed again")
+	assert.Equal(t, os.Getpid(), owner.Proc(slot).PID)
+	assert.Equal(t, uint32(2), owner.Proc(slot).Epoch)
+}
+
+func TestReapFreesDeadSlots(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	h := testproc.Start(t, "attach", []string{o.Path})
+	slot := slotOf(t, h)
+	assert.Empty(t, owner.Reap(), "nothing to reap while it lives")
+	h.Kill()
+	require.Error(t, h.Wait(0))
+	assert.Equal(t, []int{slot}, owner.Reap())
+	assert.False(t, owner.Proc(slot).Live)
+	assert.Empty(t, owner.Reap())
+}
+
+func TestReusedPidDoesNotLookAlive(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	h := testproc.Start(t, "attach", []string{o.Path})
+	slot := slotOf(t, h)
+	require.True(t, owner.Proc(slot).Alive)
+
+	// Replace the helper's program: the pid lives on in a process that is
+	// not attached, exactly as if the pid had been reused.
+	h.Send("exec")
+	require.Eventually(t, func() bool {
+		comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", h.PID()))
+		return err == nil && strings.TrimSpace(string(comm)) == "sleep"
+	}, testproc.DefaultTimeout, time.Millisecond)
+	require.NoError(t, syscall.Kill(h.PID(), 0), "the pid is alive")
+
+	p := owner.Proc(slot)
+	assert.Equal(t, h.PID(), p.PID, "the slot names the live pid")
+	assert.False(t, p.Alive, "yet the slot is dead")
+}
+
+func TestProcessTableFull(t *testing.T) {
+	_, o := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 1 })
+	_, err := shm.Attach(o)
+	assert.ErrorIs(t, err, shm.ErrNoSlot)
+}
+
+func TestProcessStart(t *testing.T) {
+	st, err := shm.ProcessStart(os.Getpid())
+	require.NoError(t, err)
+	assert.NotZero(t, st)
+	parent, err := shm.ProcessStart(os.Getppid())
+	require.NoError(t, err)
+	assert.LessOrEqual(t, parent, st, "a parent starts before its child")
+}

@@ -1,0 +1,236 @@
+package shm_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// bound is how long a lock call may take before a test calls it hung. The
+// recovery targets themselves are measured by benchmarks.
+const bound = 5 * time.Second
+
+func ctxBound(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(t.Context(), bound)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func TestRWLockInProcess(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	l := f.lock
+
+	require.NoError(t, l.RLock(ctxBound(t)))
+	require.NoError(t, l.RLock(ctxBound(t)), "read holds share")
+	ok, err := l.TryLock()
+	require.NoError(t, err)
+	assert.False(t, ok, "a writer waits for readers")
+
+	short, cancel := context.WithTimeout(t.Context(), 20*time.Millisecond)
+	defer cancel()
+	assert.ErrorIs(t, l.Lock(short), context.DeadlineExceeded)
+	assert.Equal(t, 2, l.State().Readers[owner.Slot()])
+	assert.Equal(t, -1, l.State().WriterSlot, "a writer that gave up leaves no trace")
+
+	l.RUnlock()
+	l.RUnlock()
+	require.NoError(t, l.Lock(ctxBound(t)))
+	ok, err = l.TryRLock()
+	require.NoError(t, err)
+	assert.False(t, ok, "readers wait for a writer")
+	_, valid := l.Optimistic()
+	assert.False(t, valid, "optimistic reads fail while a writer holds")
+	l.Unlock()
+
+	stamp, valid := l.Optimistic()
+	require.True(t, valid)
+	assert.True(t, l.Validate(stamp))
+	require.NoError(t, l.Lock(ctxBound(t)))
+	l.Unlock()
+	assert.False(t, l.Validate(stamp), "a write in between invalidates the stamp")
+}
+
+func TestRWLockGoroutinesNeverOverlap(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	var wg sync.WaitGroup
+	var torn atomic.Int64
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 2000 {
+				if (g+i)%4 == 0 {
+					require.NoError(t, f.lock.Lock(ctxBound(t)))
+					atomic.AddUint64(f.a, 1)
+					atomic.AddUint64(f.b, 1)
+					f.lock.Unlock()
+					continue
+				}
+				if stamp, ok := f.lock.Optimistic(); ok && i%2 == 0 {
+					a, b := atomic.LoadUint64(f.a), atomic.LoadUint64(f.b)
+					if f.lock.Validate(stamp) && a != b {
+						torn.Add(1)
+					}
+					continue
+				}
+				require.NoError(t, f.lock.RLock(ctxBound(t)))
+				if atomic.LoadUint64(f.a) != atomic.LoadUint64(f.b) {
+					torn.Add(1)
+				}
+				f.lock.RUnlock()
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Zero(t, torn.Load())
+	assert.Equal(t, atomic.LoadUint64(f.a), atomic.LoadUint64(f.b))
+}
+
+func TestRWLockAcrossProcesses(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		owner, o := newSegment(t, b)
+		f := newLockFixture(t, owner)
+		readers := []*testproc.Proc{
+			testproc.Start(t, "reader", []string{o.Path, "4"}),
+			testproc.Start(t, "reader", []string{o.Path, "4"}),
+		}
+		writer := testproc.Start(t, "writer", []string{o.Path, "3000"})
+		for _, r := range readers {
+			r.Expect("ready", 0)
+		}
+		writer.Expect("ready", 0)
+		for range 3000 {
+			require.NoError(t, f.lock.Lock(ctxBound(t)))
+			atomic.AddUint64(f.a, 1)
+			atomic.AddUint64(f.b, 1)
+			f.lock.Unlock()
+		}
+		writer.Expect("done", 0)
+		for i, r := range readers {
+			r.CloseInput()
+			var reads, torn int64
+			_, err := fmt.Sscanf(r.Expect("done", 0), "done %d %d", &reads, &torn)
+			require.NoError(t, err)
+			assert.Positive(t, reads, "reader %d read", i)
+			assert.Zero(t, torn, "reader %d saw a writer's half-done update", i)
+		}
+		assert.Equal(t, uint64(6000), atomic.LoadUint64(f.a))
+		assert.Equal(t, atomic.LoadUint64(f.a), atomic.LoadUint64(f.b))
+	})
+}
+
+func TestRWLockWriterRecoversFromDeadReader(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		owner, o := newSegment(t, b)
+		f := newLockFixture(t, owner)
+		h := testproc.Start(t, "rlock-hold", []string{o.Path})
+		h.Expect("held", 0)
+		slot := -1
+		for s, n := range f.lock.State().Readers {
+			assert.Equal(t, 1, n)
+			slot = s
+		}
+		require.NotEqual(t, owner.Slot(), slot, "the helper holds a read lock")
+
+		// The writer is already waiting when the reader dies.
+		got := make(chan error, 1)
+		go func() { got <- f.lock.Lock(ctxBound(t)) }()
+		require.Eventually(t, func() bool { return f.lock.State().WriterSlot == owner.Slot() },
+			bound, time.Millisecond, "the writer claims the lock and waits for the reader")
+		h.Kill()
+		require.Error(t, h.Wait(0))
+		died := time.Now()
+		require.NoError(t, <-got, "the dead reader's hold is discarded")
+		t.Logf("writer got the lock %v after the reader's death", time.Since(died))
+		assert.Empty(t, f.lock.State().Readers)
+		f.lock.Unlock()
+	})
+}
+
+func TestRWLockOwnerDiedMidUpdate(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	h := testproc.Start(t, "wlock-hold", []string{o.Path})
+	h.Expect("held", 0)
+	ok, err := f.lock.TryRLock()
+	require.NoError(t, err)
+	assert.False(t, ok, "a live writer makes readers wait")
+
+	h.Kill()
+	require.Error(t, h.Wait(0))
+	assert.ErrorIs(t, f.lock.RLock(ctxBound(t)), shm.ErrOwnerDied, "readers are told instead of reading a torn update")
+	_, valid := f.lock.Optimistic()
+	assert.False(t, valid, "optimistic readers too")
+
+	err = f.lock.Lock(ctxBound(t))
+	require.ErrorIs(t, err, shm.ErrOwnerDied, "the next writer gets the lock and the news")
+	assert.True(t, f.lock.State().Inconsistent)
+	assert.NotEqual(t, atomic.LoadUint64(f.a), atomic.LoadUint64(f.b), "the update was half done")
+	atomic.StoreUint64(f.b, atomic.LoadUint64(f.a))
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
+
+	require.NoError(t, f.lock.RLock(ctxBound(t)))
+	assert.Equal(t, atomic.LoadUint64(f.a), atomic.LoadUint64(f.b))
+	f.lock.RUnlock()
+	require.NoError(t, f.lock.Lock(ctxBound(t)), "a repaired lock is an ordinary lock again")
+	f.lock.Unlock()
+	_, valid = f.lock.Optimistic()
+	assert.True(t, valid)
+}
+
+func TestRWLockAbandonedRepairIsNotRecoverable(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	h := testproc.Start(t, "wlock-hold", []string{o.Path})
+	h.Expect("held", 0)
+	h.Kill()
+	require.Error(t, h.Wait(0))
+
+	require.ErrorIs(t, f.lock.Lock(ctxBound(t)), shm.ErrOwnerDied)
+	f.lock.Unlock() // without MarkConsistent
+	assert.ErrorIs(t, f.lock.Lock(ctxBound(t)), shm.ErrNotRecoverable)
+	assert.ErrorIs(t, f.lock.RLock(ctxBound(t)), shm.ErrNotRecoverable)
+	_, err := f.lock.TryLock()
+	assert.ErrorIs(t, err, shm.ErrNotRecoverable)
+	assert.True(t, f.lock.State().NotRecoverable)
+}
+
+func TestRWLockWriterNotStarvedByReaderFlood(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	floods := []*testproc.Proc{
+		testproc.Start(t, "flood", []string{o.Path}),
+		testproc.Start(t, "flood", []string{o.Path}),
+	}
+	for _, p := range floods {
+		p.Expect("ready", 0)
+	}
+	var worst time.Duration
+	for range 50 {
+		start := time.Now()
+		require.NoError(t, f.lock.Lock(ctxBound(t)), "a writer gets in despite the readers")
+		worst = max(worst, time.Since(start))
+		atomic.AddUint64(f.a, 1)
+		atomic.AddUint64(f.b, 1)
+		f.lock.Unlock()
+	}
+	t.Logf("slowest write acquisition under a reader flood: %v", worst)
+	for _, p := range floods {
+		p.CloseInput()
+		require.NoError(t, p.Wait(0))
+	}
+}
