@@ -1,0 +1,314 @@
+// Package sock wraps unix SOCK_SEQPACKET sockets: listen, accept and dial,
+// one message per send and per receive with optional file descriptors
+// (SCM_RIGHTS), and the peer's credentials (SO_PEERCRED).
+//
+// SOCK_SEQPACKET keeps message boundaries like a datagram socket and is
+// connection-oriented like a stream: a peer that dies is seen as end of
+// file, never as silence. The sockets live on Go's network poller (they are
+// net.UnixConn underneath), so a blocked receive is interrupted by Close and
+// honours deadlines, and a goroutine waiting on one does not hold a thread.
+//
+// Received descriptors arrive close-on-exec (MSG_CMSG_CLOEXEC). A receive
+// that fails for any reason closes whatever descriptors came with the
+// message, so a misbehaving peer cannot make this process leak them.
+package sock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// MaxFiles is the most descriptors one message may carry. A message that
+// comes with more is refused (ErrTooManyFiles) and all of them are closed.
+const MaxFiles = 16
+
+// Errors of this package; system errors are wrapped with what failed.
+var (
+	// ErrTruncated means a received message was larger than the buffer
+	// given to Recv (the kernel set MSG_TRUNC); the rest of it is lost.
+	ErrTruncated = errors.New("sock: message truncated")
+	// ErrTooManyFiles means a message carried more than MaxFiles
+	// descriptors (on receive: the kernel set MSG_CTRUNC).
+	ErrTooManyFiles = errors.New("sock: too many file descriptors in one message")
+	// ErrPeerClosed means a send found the peer's end closed (EPIPE or
+	// ECONNRESET). A receive reports the same situation as io.EOF.
+	ErrPeerClosed = errors.New("sock: peer closed the connection")
+	// ErrNoSocket means nothing exists at the path that was dialled.
+	ErrNoSocket = errors.New("sock: no socket at path")
+	// ErrRefused means a socket file exists at the path but nobody
+	// listens on it (ECONNREFUSED): it was left by a process that ended.
+	ErrRefused = errors.New("sock: connection refused")
+	// ErrAddressInUse means the path is already bound (EADDRINUSE).
+	ErrAddressInUse = errors.New("sock: address in use")
+)
+
+const network = "unixpacket" // SOCK_SEQPACKET in the net package's terms
+
+// Cred is a peer's identity as the kernel recorded it when the connection
+// was made (SO_PEERCRED): the connecting process for an accepted
+// connection, the listening process for a dialled one.
+type Cred struct {
+	PID int
+	UID int
+	GID int
+}
+
+// Listener accepts SOCK_SEQPACKET connections on a path. It does not remove
+// the socket file when closed: which file to remove, and when, is the
+// caller's policy. Safe for concurrent use.
+type Listener struct {
+	l *net.UnixListener
+}
+
+// Listen binds and listens on path. The socket file is created with the
+// process's umask; tighten it with chmod if needed (the directory around it
+// is what really keeps strangers out).
+func Listen(path string) (*Listener, error) {
+	l, err := net.ListenUnix(network, &net.UnixAddr{Name: path, Net: network})
+	if err != nil {
+		if errors.Is(err, unix.EADDRINUSE) {
+			return nil, fmt.Errorf("%w: %s", ErrAddressInUse, path)
+		}
+		return nil, fmt.Errorf("sock: listen on %s: %w", path, err)
+	}
+	l.SetUnlinkOnClose(false)
+	return &Listener{l: l}, nil
+}
+
+// Accept waits for the next connection. After Close it returns an error
+// that satisfies errors.Is(err, net.ErrClosed).
+func (l *Listener) Accept() (*Conn, error) {
+	c, err := l.l.AcceptUnix()
+	if err != nil {
+		return nil, fmt.Errorf("sock: accept: %w", err)
+	}
+	return newConn(c), nil
+}
+
+// Close stops listening; a blocked Accept returns. It is idempotent.
+func (l *Listener) Close() error {
+	err := l.l.Close()
+	if errors.Is(err, net.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+// Path returns the path the listener is bound to.
+func (l *Listener) Path() string { return l.l.Addr().String() }
+
+// Dial connects to the listener at path. It fails with ErrNoSocket when no
+// file exists there and ErrRefused when nobody listens on it.
+func Dial(ctx context.Context, path string) (*Conn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, network, path)
+	if err != nil {
+		switch {
+		case errors.Is(err, unix.ENOENT):
+			return nil, fmt.Errorf("%w: %s", ErrNoSocket, path)
+		case errors.Is(err, unix.ECONNREFUSED):
+			return nil, fmt.Errorf("%w: %s", ErrRefused, path)
+		}
+		return nil, fmt.Errorf("sock: dial %s: %w", path, err)
+	}
+	return newConn(c.(*net.UnixConn)), nil
+}
+
+// Pair returns two connected sockets, for tests and for handing one end to
+// a child process.
+func Pair() (*Conn, *Conn, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("sock: socketpair: %w", err)
+	}
+	var cs [2]*Conn
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "seqpacket-pair")
+		c, err := net.FileConn(f) // dups fd
+		f.Close()
+		if err != nil {
+			if i == 1 {
+				cs[0].Close()
+			} else {
+				unix.Close(fds[1])
+			}
+			return nil, nil, fmt.Errorf("sock: socketpair: %w", err)
+		}
+		cs[i] = newConn(c.(*net.UnixConn))
+	}
+	return cs[0], cs[1], nil
+}
+
+// Conn is one SOCK_SEQPACKET connection. Send may be called from several
+// goroutines at once (each message goes out whole); Recv must be called
+// from one goroutine at a time, since it reuses a control buffer.
+type Conn struct {
+	c   *net.UnixConn
+	oob []byte // control-message buffer of Recv
+}
+
+func newConn(c *net.UnixConn) *Conn {
+	return &Conn{c: c, oob: make([]byte, unix.CmsgSpace(MaxFiles*4))}
+}
+
+// Send sends b as one message, with files' descriptors attached when there
+// are any. The files stay open and owned by the caller; the peer receives
+// duplicates. A send blocks while the peer's receive queue is full, until
+// the write deadline.
+func (c *Conn) Send(b []byte, files []*os.File) error {
+	if len(files) > MaxFiles {
+		return fmt.Errorf("%w: %d > %d", ErrTooManyFiles, len(files), MaxFiles)
+	}
+	var oob []byte
+	if len(files) > 0 {
+		fds := make([]int, len(files))
+		for i, f := range files {
+			fd, err := rawFD(f)
+			if err != nil {
+				return fmt.Errorf("sock: send: descriptor of %s: %w", f.Name(), err)
+			}
+			fds[i] = fd
+		}
+		oob = unix.UnixRights(fds...)
+	}
+	_, _, err := c.c.WriteMsgUnix(b, oob, nil)
+	runtime.KeepAlive(files) // the raw descriptors are in use until here
+	if err != nil {
+		if errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET) {
+			return ErrPeerClosed
+		}
+		return fmt.Errorf("sock: send: %w", err)
+	}
+	return nil
+}
+
+// rawFD returns f's descriptor without what f.Fd() also does: switching it
+// to blocking mode, which would change the caller's file behind its back.
+func rawFD(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd := -1
+	if err := rc.Control(func(d uintptr) { fd = int(d) }); err != nil {
+		return -1, err
+	}
+	return fd, nil
+}
+
+// Recv receives one message into b and returns its length and the files
+// that came with it, which the caller then owns. A peer that has closed its
+// end (or died) reads as io.EOF, and so does an empty message, which this
+// socket type cannot tell from the end of the connection. A message longer
+// than b fails with ErrTruncated, one with more than MaxFiles descriptors
+// with ErrTooManyFiles; either way its descriptors are closed.
+func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
+	n, oobn, flags, _, err := c.c.ReadMsgUnix(b, c.oob)
+	var files []*os.File
+	if oobn > 0 {
+		var perr error
+		files, perr = parseRights(c.oob[:oobn])
+		if err == nil {
+			err = perr
+		}
+	}
+	switch {
+	case err != nil:
+	case flags&unix.MSG_CTRUNC != 0:
+		err = ErrTooManyFiles
+	case flags&unix.MSG_TRUNC != 0:
+		err = fmt.Errorf("%w: longer than %d bytes", ErrTruncated, len(b))
+	case n == 0 && len(files) == 0:
+		return 0, nil, io.EOF
+	}
+	if err != nil {
+		closeAll(files)
+		if errors.Is(err, unix.ECONNRESET) {
+			return 0, nil, io.EOF // the peer died with our data unread
+		}
+		if errors.Is(err, ErrTooManyFiles) || errors.Is(err, ErrTruncated) {
+			return 0, nil, err
+		}
+		return 0, nil, fmt.Errorf("sock: receive: %w", err)
+	}
+	return n, files, nil
+}
+
+// parseRights returns the descriptors of every SCM_RIGHTS message in oob as
+// files. Each descriptor is wrapped as soon as it is seen, so that on error
+// the caller can close all of them.
+func parseRights(oob []byte) ([]*os.File, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("sock: control message: %w", err)
+	}
+	var files []*os.File
+	for i := range msgs {
+		if msgs[i].Header.Level != unix.SOL_SOCKET || msgs[i].Header.Type != unix.SCM_RIGHTS {
+			continue
+		}
+		fds, perr := unix.ParseUnixRights(&msgs[i])
+		if perr != nil {
+			err = fmt.Errorf("sock: control message: %w", perr)
+			continue
+		}
+		for _, fd := range fds {
+			files = append(files, os.NewFile(uintptr(fd), "received-fd"))
+		}
+	}
+	return files, err
+}
+
+func closeAll(files []*os.File) {
+	for _, f := range files {
+		f.Close()
+	}
+}
+
+// PeerCred returns the peer's credentials (SO_PEERCRED).
+func (c *Conn) PeerCred() (Cred, error) {
+	rc, err := c.c.SyscallConn()
+	if err != nil {
+		return Cred{}, fmt.Errorf("sock: peer credentials: %w", err)
+	}
+	var uc *unix.Ucred
+	var gerr error
+	if err := rc.Control(func(fd uintptr) {
+		uc, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return Cred{}, fmt.Errorf("sock: peer credentials: %w", err)
+	}
+	if gerr != nil {
+		return Cred{}, fmt.Errorf("sock: peer credentials: %w", gerr)
+	}
+	return Cred{PID: int(uc.Pid), UID: int(uc.Uid), GID: int(uc.Gid)}, nil
+}
+
+// SetReadDeadline bounds a blocked Recv, which then fails with an error
+// that satisfies errors.Is(err, os.ErrDeadlineExceeded). Zero means none.
+func (c *Conn) SetReadDeadline(t time.Time) error { return c.c.SetReadDeadline(t) }
+
+// SetWriteDeadline bounds a blocked Send the same way.
+func (c *Conn) SetWriteDeadline(t time.Time) error { return c.c.SetWriteDeadline(t) }
+
+// Close closes the connection; a blocked Recv or Send returns an error that
+// satisfies errors.Is(err, net.ErrClosed). It is idempotent.
+func (c *Conn) Close() error {
+	err := c.c.Close()
+	if errors.Is(err, net.ErrClosed) {
+		return nil
+	}
+	return err
+}
+
+// IsClosed reports whether err comes from using a connection or listener
+// after Close.
+func IsClosed(err error) bool { return errors.Is(err, net.ErrClosed) }

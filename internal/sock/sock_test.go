@@ -1,0 +1,240 @@
+package sock
+
+import (
+	"context"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+func pair(t *testing.T) (*Conn, *Conn) {
+	t.Helper()
+	a, b, err := Pair()
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return a, b
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	return len(ents)
+}
+
+func TestMessageBoundariesAreKept(t *testing.T) {
+	a, b := pair(t)
+	msgs := [][]byte{[]byte("one"), make([]byte, 40000), []byte("x")}
+	for _, m := range msgs {
+		require.NoError(t, a.Send(m, nil))
+	}
+	buf := make([]byte, 64<<10)
+	for _, m := range msgs {
+		n, files, err := b.Recv(buf)
+		require.NoError(t, err)
+		assert.Empty(t, files)
+		assert.Equal(t, len(m), n)
+	}
+}
+
+func TestClosedPeerReadsAsEOF(t *testing.T) {
+	a, b := pair(t)
+	require.NoError(t, a.Send([]byte("last words"), nil))
+	require.NoError(t, a.Close())
+	buf := make([]byte, 64)
+	n, _, err := b.Recv(buf)
+	require.NoError(t, err, "what was sent before the close is still delivered")
+	assert.Equal(t, "last words", string(buf[:n]))
+	_, _, err = b.Recv(buf)
+	assert.ErrorIs(t, err, io.EOF)
+	assert.ErrorIs(t, b.Send([]byte("anyone?"), nil), ErrPeerClosed)
+}
+
+func TestPeerClosedWithUnreadDataReadsAsEOF(t *testing.T) {
+	a, b := pair(t)
+	require.NoError(t, b.Send([]byte("never read"), nil))
+	require.NoError(t, a.Close()) // the kernel reports ECONNRESET to b
+	_, _, err := b.Recv(make([]byte, 64))
+	assert.ErrorIs(t, err, io.EOF)
+}
+
+func TestTruncatedMessageIsAnErrorAndTheNextOneIsIntact(t *testing.T) {
+	a, b := pair(t)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+	before := openFDs(t)
+
+	require.NoError(t, a.Send(make([]byte, 100), []*os.File{w}))
+	require.NoError(t, a.Send([]byte("next"), nil))
+	buf := make([]byte, 50)
+	_, files, err := b.Recv(buf)
+	assert.ErrorIs(t, err, ErrTruncated)
+	assert.Nil(t, files)
+	assert.Equal(t, before, openFDs(t), "the truncated message's descriptor was closed")
+
+	n, _, err := b.Recv(buf)
+	require.NoError(t, err)
+	assert.Equal(t, "next", string(buf[:n]))
+}
+
+func TestFilesTravelAndArriveCloseOnExec(t *testing.T) {
+	a, b := pair(t)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+
+	require.NoError(t, a.Send([]byte("here"), []*os.File{w}))
+	buf := make([]byte, 16)
+	n, files, err := b.Recv(buf)
+	require.NoError(t, err)
+	require.Len(t, files, 1)
+	defer files[0].Close()
+	assert.Equal(t, "here", string(buf[:n]))
+
+	flags, err := unix.FcntlInt(files[0].Fd(), unix.F_GETFD, 0)
+	require.NoError(t, err)
+	assert.NotZero(t, flags&unix.FD_CLOEXEC, "received descriptors are close-on-exec")
+
+	_, err = files[0].Write([]byte("through the passed pipe"))
+	require.NoError(t, err)
+	got := make([]byte, 64)
+	n, err = r.Read(got)
+	require.NoError(t, err)
+	assert.Equal(t, "through the passed pipe", string(got[:n]))
+}
+
+func TestSendDoesNotChangeTheFilesBlockingMode(t *testing.T) {
+	a, b := pair(t)
+	r, w, err := os.Pipe() // non-blocking, on the poller
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+	require.NoError(t, a.Send([]byte("x"), []*os.File{r}))
+	_, files, err := b.Recv(make([]byte, 4))
+	require.NoError(t, err)
+	closeAll(files)
+
+	// A read deadline only works on a file that is still on the poller.
+	require.NoError(t, r.SetReadDeadline(time.Now().Add(time.Millisecond)))
+	_, err = r.Read(make([]byte, 1))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded)
+}
+
+func TestTooManyFilesAreRefusedAndClosed(t *testing.T) {
+	a, b := pair(t)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+	many := make([]*os.File, MaxFiles+1)
+	for i := range many {
+		many[i] = w
+	}
+	assert.ErrorIs(t, a.Send([]byte("x"), many), ErrTooManyFiles, "Send refuses to send them")
+
+	// A peer that does not use this package can still send them.
+	fds := make([]int, MaxFiles+4)
+	for i := range fds {
+		fds[i] = int(w.Fd())
+	}
+	before := openFDs(t)
+	rc, err := a.c.SyscallConn()
+	require.NoError(t, err)
+	var serr error
+	require.NoError(t, rc.Control(func(fd uintptr) {
+		serr = unix.Sendmsg(int(fd), []byte("x"), unix.UnixRights(fds...), nil, 0)
+	}))
+	require.NoError(t, serr)
+	_, files, err := b.Recv(make([]byte, 4))
+	assert.ErrorIs(t, err, ErrTooManyFiles)
+	assert.Nil(t, files)
+	assert.Equal(t, before, openFDs(t), "none of the descriptors stays open")
+}
+
+func TestPeerCred(t *testing.T) {
+	a, _ := pair(t)
+	c, err := a.PeerCred()
+	require.NoError(t, err)
+	assert.Equal(t, Cred{PID: os.Getpid(), UID: os.Getuid(), GID: os.Getgid()}, c)
+}
+
+func TestCloseInterruptsRecvAndDeadlinesWork(t *testing.T) {
+	a, _ := pair(t)
+	require.NoError(t, a.SetReadDeadline(time.Now().Add(time.Millisecond)))
+	_, _, err := a.Recv(make([]byte, 4))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	require.NoError(t, a.SetReadDeadline(time.Time{}))
+
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := a.Recv(make([]byte, 4))
+		done <- err
+	}()
+	require.NoError(t, a.Close())
+	select {
+	case err := <-done:
+		assert.True(t, IsClosed(err), "got %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not interrupt Recv")
+	}
+	assert.NoError(t, a.Close(), "Close is idempotent")
+}
+
+func TestListenDialAccept(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s")
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+
+	_, err := Dial(ctx, path)
+	assert.ErrorIs(t, err, ErrNoSocket)
+
+	l, err := Listen(path)
+	require.NoError(t, err)
+	_, err = Listen(path)
+	assert.ErrorIs(t, err, ErrAddressInUse)
+
+	accepted := make(chan *Conn, 1)
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			close(accepted)
+			return
+		}
+		accepted <- c
+	}()
+	c, err := Dial(ctx, path)
+	require.NoError(t, err)
+	defer c.Close()
+	s, ok := <-accepted
+	require.True(t, ok)
+	defer s.Close()
+
+	cred, err := s.PeerCred()
+	require.NoError(t, err)
+	assert.Equal(t, os.Getpid(), cred.PID)
+	require.NoError(t, c.Send([]byte("hi"), nil))
+	buf := make([]byte, 8)
+	n, _, err := s.Recv(buf)
+	require.NoError(t, err)
+	assert.Equal(t, "hi", string(buf[:n]))
+
+	require.NoError(t, l.Close())
+	require.NoError(t, l.Close(), "Close is idempotent")
+	_, err = os.Stat(path)
+	require.NoError(t, err, "the socket file stays: removing it is the caller's policy")
+	_, err = Dial(ctx, path)
+	assert.ErrorIs(t, err, ErrRefused)
+	_, err = l.Accept()
+	assert.True(t, IsClosed(err) || errors.Is(err, os.ErrClosed), "got %v", err)
+}
