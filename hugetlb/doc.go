@@ -1,9 +1,43 @@
 // Package hugetlb finds hugepage memory and manages the shared data memory
 // that applications put their buffers in.
 //
+// # Discovery
+//
 // Discovery reads /proc/mounts for hugetlbfs mounts and
 // /sys/kernel/mm/hugepages for the page pools, and Choose picks a backend:
 // hugetlbfs when a writable mount of the wanted page size has enough free
 // pages, else tmpfs under /dev/shm with the same page granularity. A caller
 // can force either; the chosen Backend says which and why.
+//
+// # Data memory
+//
+// A Memory is a set of memseg lists, as in DPDK. Each list is a range of
+// virtual addresses, reserved with no access in every process of an
+// instance at the same address (MR table entries are virtual addresses),
+// and one backing file (mpmr.<prefix>.msl<N>) in the backend's directory.
+// Page i of a list lives at base + i*pagesize and at offset i*pagesize of
+// the file.
+//
+// The primary (Create) allocates runs of pages: it allocates the file's
+// blocks (fallocate, so a missing hugepage fails the allocation instead of
+// killing the process with SIGBUS later), maps them MAP_SHARED|MAP_FIXED
+// over the reservation, and records them in the list's page bitmap in the
+// control segment. Freeing reverses it: the range becomes an inaccessible
+// reservation again and the blocks are punched out of the file, so on
+// hugetlbfs the hugepages return to the kernel's pool.
+//
+// Subscribers hear of allocations after the pages are mapped and of frees
+// before anything is unmapped; the MR cache uses the free events to
+// invalidate its registrations first, as the DPDK drivers do.
+//
+// A secondary (Attach) reads the descriptors, reserves each list at the
+// same address with MAP_FIXED_NOREPLACE (failing with ErrAddressInUse if
+// anything is there) and maps the allocated pages. It then follows the
+// primary through MapPages and UnmapPages, which the IPC layer calls so that
+// the primary's Alloc and Free return only after every secondary followed;
+// Resync rebuilds a secondary's mappings from the descriptors. A secondary
+// that touches freed memory faults instead of reaching a new page.
+//
+// On the tmpfs backend everything behaves the same with the configured page
+// size; only physical contiguity and TLB reach differ.
 package hugetlb

@@ -1,0 +1,624 @@
+package hugetlb
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// DefaultBase is where the first memseg list goes unless ListConfig.Base
+// says otherwise: 1 TiB, clear of the Go heap (0xc0_0000_0000 up, also with
+// the race detector), the race detector's shadow (0x1000_0000_0000 up), PIE
+// binaries and the kernel's mmap area. Further lists follow one after
+// another, each aligned to 1 GiB (or its page size, if larger) and separated
+// by a 1 GiB gap.
+const DefaultBase uintptr = 0x0100_0000_0000
+
+const (
+	listGap   = 1 << 30
+	listAlign = 1 << 30
+
+	// MaxLists bounds the number of memseg lists of one instance.
+	MaxLists = 64
+	// MaxPages bounds the capacity of one list.
+	MaxPages = 1 << 20
+
+	// maxUserAddr is the end of the user address space with 4-level page
+	// tables; nothing is placed above it.
+	maxUserAddr = 1 << 47
+	maxPageSize = 1 << 30
+)
+
+// Errors of the data memory. Operations wrap them with what failed.
+var (
+	// ErrAddressInUse means a list's address range is already mapped in
+	// this process, so the list cannot sit at the same address as in the
+	// other processes. The message names the range, what occupies it and
+	// the setting that moves the lists.
+	ErrAddressInUse = errors.New("hugetlb: address range already in use")
+	// ErrNoHugepages means the kernel had fewer free hugepages than an
+	// allocation needed; it is the same sentinel as ErrNoPages.
+	ErrNoHugepages = ErrNoPages
+	// ErrNoFreeRun means no list has a run of free pages long enough.
+	ErrNoFreeRun = errors.New("hugetlb: no free run of pages large enough")
+	// ErrDoubleFree means part of a range given to Free is not allocated.
+	ErrDoubleFree = errors.New("hugetlb: freeing memory that is not allocated")
+	// ErrUnaligned means a range does not start or end on a page boundary.
+	ErrUnaligned = errors.New("hugetlb: range not page-aligned")
+	// ErrForeign means a range is not inside one memseg list.
+	ErrForeign = errors.New("hugetlb: range outside the memseg lists")
+	// ErrZeroLength means an empty allocation or range.
+	ErrZeroLength = errors.New("hugetlb: zero length")
+	// ErrNotAllocated means a secondary was asked to map pages the primary
+	// has not allocated.
+	ErrNotAllocated = errors.New("hugetlb: pages not allocated")
+	// ErrNotPrimary means a primary-only operation was called in a
+	// secondary.
+	ErrNotPrimary = errors.New("hugetlb: only the primary may do this")
+	// ErrNotSecondary means a secondary-only operation was called in the
+	// primary.
+	ErrNotSecondary = errors.New("hugetlb: only a secondary may do this")
+	// ErrExists means the segment already holds memory, or a backing file
+	// is left over from an instance that ended (see RemoveFiles).
+	ErrExists = errors.New("hugetlb: memory already exists")
+	// ErrBadDescriptor means the descriptors in the segment are missing or
+	// make no sense; Attach refuses them.
+	ErrBadDescriptor = errors.New("hugetlb: bad memseg list descriptor")
+	// ErrClosed means the Memory, or the primary's memory, was closed.
+	ErrClosed = errors.New("hugetlb: memory closed")
+)
+
+// ListConfig configures one memseg list.
+type ListConfig struct {
+	// PageSize of the list; 0 means the backend's page size. On hugetlbfs
+	// it must be the mount's page size.
+	PageSize uint64
+	// Pages is the list's capacity. Only the address range is reserved up
+	// front; pages take memory when they are allocated.
+	Pages int
+	// Base is the list's fixed virtual address, aligned to PageSize; 0
+	// places it after the previous list (the first at DefaultBase).
+	Base uintptr
+}
+
+// Config configures Create.
+type Config struct {
+	// Prefix names the instance; list N's backing file is
+	// <Backend.Dir>/mpmr.<Prefix>.msl<N>.
+	Prefix string
+	// Backend is where the backing files go, from Choose.
+	Backend Backend
+	// Lists are the memseg lists, at least one. Alloc tries them in order.
+	Lists []ListConfig
+	// Logger receives diagnostics; default slog.Default().
+	Logger *slog.Logger
+}
+
+// AttachOptions configure Attach.
+type AttachOptions struct {
+	// Logger receives diagnostics; default slog.Default().
+	Logger *slog.Logger
+}
+
+// Memory is one process's view of an instance's data memory: its memseg
+// lists, each a reserved address range at the same virtual address in every
+// process, whose allocated pages are mapped from the list's backing file.
+//
+// The primary (Create) allocates and frees pages; it is the only process
+// that writes the shared descriptors. Secondaries (Attach) map what the
+// descriptors say is allocated and follow later changes through MapPages,
+// UnmapPages and Resync.
+//
+// Memory is safe for concurrent use. Queries (PageOf, ContigRun, Runs,
+// InList, Lists) take no lock and read the shared descriptors atomically;
+// hold RLock to get a view that does not change between queries.
+type Memory struct {
+	seg     *shm.Segment
+	primary bool
+	log     *slog.Logger
+	table   *tableHeader
+	lists   []*list // fixed after Create/Attach
+
+	mu     sync.RWMutex // the memory lock; see RLock
+	closed atomic.Bool
+
+	subMu sync.Mutex
+	subs  atomic.Pointer[[]*subscriber]
+}
+
+// list is one memseg list as this process sees it.
+type list struct {
+	index    int
+	base     uintptr
+	pageSize uint64
+	pages    int
+	kind     Kind
+	path     string
+	f        *os.File
+	desc     *listDesc
+	state    bitmap // shared: allocated pages
+	mapped   bitmap // private: pages mapped in this process, under Memory.mu
+	reserved bool   // the address range is reserved
+}
+
+func (l *list) end() uintptr       { return l.base + uintptr(l.size()) }
+func (l *list) size() uint64       { return uint64(l.pages) * l.pageSize }
+func (l *list) addr(i int) uintptr { return l.base + uintptr(uint64(i)*l.pageSize) }
+func (l *list) fd() int            { return int(l.f.Fd()) }
+
+// spec is a list's fixed description, from a Config or from descriptors.
+type spec struct {
+	base     uintptr
+	pageSize uint64
+	pages    int
+	kind     Kind
+	path     string
+}
+
+// FileName returns the backing file name of list n of instance prefix.
+func FileName(prefix string, n int) string {
+	return "mpmr." + prefix + ".msl" + strconv.Itoa(n)
+}
+
+// RemoveFiles deletes the backing files of instance prefix in dir, such as
+// those an instance left behind when it died. Memory still mapped by live
+// processes stays until they unmap it.
+func RemoveFiles(dir, prefix string) error {
+	if err := checkPrefix(prefix); err != nil {
+		return err
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return fmt.Errorf("hugetlb: remove files of %q: %w", prefix, err)
+	}
+	var errs []error
+	for _, e := range ents {
+		n, ok := strings.CutPrefix(e.Name(), "mpmr."+prefix+".msl")
+		if _, err := strconv.ParseUint(n, 10, 32); !ok || err != nil {
+			continue
+		}
+		if err := os.Remove(filepath.Join(dir, e.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func checkPrefix(p string) error {
+	if p == "" || len(p) > 100 || strings.ContainsAny(p, "/\x00") {
+		return fmt.Errorf("hugetlb: bad instance prefix %q (want 1..100 characters without '/' or NUL)", p)
+	}
+	return nil
+}
+
+// plan checks cfg and works out each list's place.
+func plan(cfg *Config) ([]spec, error) {
+	b := cfg.Backend
+	if err := checkPrefix(cfg.Prefix); err != nil {
+		return nil, err
+	}
+	if b.Kind != Hugetlbfs && b.Kind != Tmpfs {
+		return nil, fmt.Errorf("hugetlb: backend kind %s: want hugetlbfs or tmpfs (use Choose)", b.Kind)
+	}
+	if len(cfg.Lists) == 0 || len(cfg.Lists) > MaxLists {
+		return nil, fmt.Errorf("hugetlb: %d memseg lists, want 1..%d", len(cfg.Lists), MaxLists)
+	}
+	var dirPage uint64
+	if b.Kind == Hugetlbfs {
+		page, huge, err := falloc.DirBlockSize(b.Dir)
+		if err != nil {
+			return nil, fmt.Errorf("hugetlb: backend: %w", err)
+		}
+		if !huge {
+			return nil, fmt.Errorf("%w: %s is not on hugetlbfs", ErrNoMount, b.Dir)
+		}
+		dirPage = page
+	}
+	specs := make([]spec, len(cfg.Lists))
+	for i, lc := range cfg.Lists {
+		s := spec{pageSize: lc.PageSize, pages: lc.Pages, base: lc.Base, kind: b.Kind,
+			path: filepath.Join(b.Dir, FileName(cfg.Prefix, i))}
+		if s.pageSize == 0 {
+			s.pageSize = b.PageSize
+		}
+		switch {
+		case s.pageSize < uint64(vm.PageSize) || s.pageSize > maxPageSize || s.pageSize&(s.pageSize-1) != 0:
+			return nil, fmt.Errorf("hugetlb: list %d: page size %d, want a power of two from %d to %s",
+				i, s.pageSize, vm.PageSize, FormatSize(maxPageSize))
+		case dirPage != 0 && s.pageSize != dirPage:
+			return nil, fmt.Errorf("hugetlb: list %d: page size %s, but the hugetlbfs mount %s has %s pages",
+				i, FormatSize(s.pageSize), b.Dir, FormatSize(dirPage))
+		case s.pages < 1 || s.pages > MaxPages:
+			return nil, fmt.Errorf("hugetlb: list %d: %d pages, want 1..%d", i, s.pages, MaxPages)
+		case len(s.path) > maxPathLen:
+			return nil, fmt.Errorf("hugetlb: list %d: backing file path %s longer than %d bytes", i, s.path, maxPathLen)
+		}
+		if s.base == 0 {
+			s.base = DefaultBase
+			if i > 0 {
+				prev := specs[i-1]
+				align := uintptr(max(listAlign, s.pageSize))
+				s.base = (prev.base + uintptr(uint64(prev.pages)*prev.pageSize) + listGap + align - 1) &^ (align - 1)
+			}
+		}
+		if err := checkPlace(s); err != nil {
+			return nil, fmt.Errorf("hugetlb: list %d: %w (ListConfig.Base)", i, err)
+		}
+		for j := range i {
+			if overlaps(s, specs[j]) {
+				return nil, fmt.Errorf("hugetlb: list %d at [0x%x, 0x%x) overlaps list %d at [0x%x, 0x%x) (ListConfig.Base)",
+					i, s.base, s.end(), j, specs[j].base, specs[j].end())
+			}
+		}
+		specs[i] = s
+	}
+	return specs, nil
+}
+
+func (s spec) end() uintptr { return s.base + uintptr(uint64(s.pages)*s.pageSize) }
+
+func checkPlace(s spec) error {
+	size := uint64(s.pages) * s.pageSize
+	switch {
+	case s.base == 0 || uint64(s.base)%s.pageSize != 0:
+		return fmt.Errorf("base 0x%x not aligned to the page size %s", s.base, FormatSize(s.pageSize))
+	case uint64(s.base) >= maxUserAddr || size > maxUserAddr-uint64(s.base):
+		return fmt.Errorf("range [0x%x, +%s) goes past the user address space (0x%x)", s.base, FormatSize(size), uint64(maxUserAddr))
+	}
+	return nil
+}
+
+func overlaps(a, b spec) bool { return a.base < b.end() && b.base < a.end() }
+
+// Create lays out the data memory described by cfg in seg (whose owner the
+// caller must be): for each list it creates the backing file, reserves the
+// list's whole address range at its base with no access, and writes the
+// list's descriptor, then publishes the descriptor table under root
+// shm.RootMemory. No page is allocated yet. The caller becomes the primary.
+func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
+	if !seg.Owner() {
+		return nil, fmt.Errorf("hugetlb: create: %w (%w)", ErrNotPrimary, shm.ErrNotOwner)
+	}
+	if seg.Root(shm.RootMemory) != 0 {
+		return nil, fmt.Errorf("%w: segment %s already holds a memory table", ErrExists, seg.Path())
+	}
+	specs, err := plan(&cfg)
+	if err != nil {
+		return nil, err
+	}
+	m := &Memory{seg: seg, primary: true, log: logger(cfg.Logger)}
+	var blocks []uint64
+	fail := func(err error) (*Memory, error) {
+		m.release(true)
+		for _, off := range blocks {
+			_ = seg.Free(off)
+		}
+		return nil, fmt.Errorf("hugetlb: create: %w", err)
+	}
+	tableOff, err := seg.Alloc(tableHeaderSize+uint64(len(specs))*listDescSize, 64)
+	if err != nil {
+		return fail(err)
+	}
+	blocks = append(blocks, tableOff)
+	m.table = shm.At[tableHeader](seg, tableOff)
+	descs := shm.Slice[listDesc](seg, tableOff+tableHeaderSize, len(specs))
+	for i, s := range specs {
+		bitsOff, err := seg.Alloc(uint64(words(s.pages))*8, 64)
+		if err != nil {
+			return fail(err)
+		}
+		blocks = append(blocks, bitsOff)
+		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path,
+			desc: &descs[i], state: shm.Slice[uint64](seg, bitsOff, words(s.pages)), mapped: make(bitmap, words(s.pages))}
+		m.lists = append(m.lists, l)
+		f, err := os.OpenFile(s.path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		if errors.Is(err, os.ErrExist) {
+			return fail(fmt.Errorf("%w: backing file %s (left by an instance that ended? see RemoveFiles)", ErrExists, s.path))
+		}
+		if err != nil {
+			return fail(err)
+		}
+		l.f = f
+		// The size covers the whole list; blocks come with fallocate.
+		if err := f.Truncate(int64(l.size())); err != nil {
+			return fail(fmt.Errorf("size %s: %w", s.path, err))
+		}
+		if err := m.reserve(l, "set ListConfig.Base to a free range"); err != nil {
+			return fail(err)
+		}
+		d := l.desc
+		atomic.StoreUint64(&d.Base, uint64(s.base))
+		atomic.StoreUint64(&d.PageSize, s.pageSize)
+		atomic.StoreUint64(&d.Capacity, uint64(s.pages))
+		atomic.StoreUint64(&d.Allocated, 0)
+		atomic.StoreUint64(&d.BitsOff, bitsOff)
+		atomic.StoreUint32(&d.Kind, uint32(s.kind))
+		atomic.StoreUint32(&d.FileLen, uint32(len(s.path)))
+		putPath(&d.File, s.path)
+	}
+	h := m.table
+	atomic.StoreUint32(&h.Version, tableVersion)
+	atomic.StoreUint32(&h.Lists, uint32(len(specs)))
+	atomic.StoreUint32(&h.State, tableLive)
+	atomic.StoreUint64(&h.Gen, 0)
+	atomic.StoreUint64(&h.Magic, tableMagic)
+	if err := seg.SetRoot(shm.RootMemory, tableOff); err != nil {
+		return fail(err)
+	}
+	for _, l := range m.lists {
+		m.log.Info("memseg list created", "list", l.index, "base", fmt.Sprintf("0x%x", l.base),
+			"page_size", FormatSize(l.pageSize), "pages", l.pages, "backend", l.kind, "file", l.path)
+	}
+	return m, nil
+}
+
+// Attach maps the data memory whose descriptors the primary published in
+// seg: it reserves every list's address range at the same address as in the
+// primary and maps the pages allocated there. If any part of a range is
+// already taken in this process, it fails with ErrAddressInUse.
+func Attach(seg *shm.Segment, o AttachOptions) (*Memory, error) {
+	table, specs, err := readTable(seg)
+	if err != nil {
+		return nil, fmt.Errorf("hugetlb: attach: %w", err)
+	}
+	m := &Memory{seg: seg, log: logger(o.Logger), table: table}
+	descs := shm.Slice[listDesc](seg, seg.Root(shm.RootMemory)+tableHeaderSize, len(specs))
+	fail := func(err error) (*Memory, error) {
+		m.release(false)
+		return nil, fmt.Errorf("hugetlb: attach: %w", err)
+	}
+	for i, s := range specs {
+		d := &descs[i]
+		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path, desc: d,
+			state:  shm.Slice[uint64](seg, atomic.LoadUint64(&d.BitsOff), words(s.pages)),
+			mapped: make(bitmap, words(s.pages))}
+		m.lists = append(m.lists, l)
+		if err := m.reserve(l, "start the primary with another base address (ListConfig.Base, the runtime's memory base setting)"); err != nil {
+			return fail(err)
+		}
+		f, err := openBacking(s)
+		if err != nil {
+			return fail(err)
+		}
+		l.f = f
+	}
+	m.mu.Lock()
+	err = m.resyncLocked()
+	m.mu.Unlock()
+	if err != nil {
+		return fail(err)
+	}
+	return m, nil
+}
+
+// openBacking opens a list's backing file and checks that it can back the
+// list.
+func openBacking(s spec) (*os.File, error) {
+	f, err := os.OpenFile(s.path, os.O_RDWR, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open backing file: %w", err)
+	}
+	page, huge, err := falloc.BlockSize(int(f.Fd()))
+	var st unix.Stat_t
+	if err == nil {
+		err = unix.Fstat(int(f.Fd()), &st)
+	}
+	switch {
+	case err != nil:
+	case (s.kind == Hugetlbfs) != huge:
+		err = fmt.Errorf("%w: %s: descriptor says %s, file is on %s", ErrBadDescriptor, s.path, s.kind, fsName(huge))
+	case huge && page != s.pageSize:
+		err = fmt.Errorf("%w: %s: descriptor says %s pages, file system has %s", ErrBadDescriptor, s.path,
+			FormatSize(s.pageSize), FormatSize(page))
+	case uint64(st.Size) < uint64(s.pages)*s.pageSize:
+		err = fmt.Errorf("%w: %s has %d bytes, the list needs %d", ErrBadDescriptor, s.path, st.Size, uint64(s.pages)*s.pageSize)
+	}
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+func fsName(huge bool) string {
+	if huge {
+		return "hugetlbfs"
+	}
+	return "another file system"
+}
+
+// reserve reserves l's address range, or says who holds it.
+func (m *Memory) reserve(l *list, knob string) error {
+	if _, err := vm.Reserve(l.base, uintptr(l.size())); err != nil {
+		if errors.Is(err, vm.ErrRangeTaken) {
+			return fmt.Errorf("%w: list %d needs [0x%x, 0x%x), where this process (pid %d) already maps %s; %s",
+				ErrAddressInUse, l.index, l.base, l.end(), os.Getpid(), describeOccupants(l.base, l.end()), knob)
+		}
+		return fmt.Errorf("list %d: %w", l.index, err)
+	}
+	l.reserved = true
+	return nil
+}
+
+// readTable reads and validates the descriptors under shm.RootMemory. The
+// bytes were written by another process: each field is read once, checked,
+// and only the checked copy is used.
+func readTable(seg *shm.Segment) (*tableHeader, []spec, error) {
+	off := seg.Root(shm.RootMemory)
+	if off == 0 {
+		return nil, nil, fmt.Errorf("%w: segment %s has no memory table (the primary has not created its memory)",
+			ErrBadDescriptor, seg.Path())
+	}
+	if off%64 != 0 || seg.CheckRange(off, tableHeaderSize) != nil {
+		return nil, nil, fmt.Errorf("%w: table offset 0x%x outside the segment", ErrBadDescriptor, off)
+	}
+	h := shm.At[tableHeader](seg, off)
+	if magic := atomic.LoadUint64(&h.Magic); magic != tableMagic {
+		return nil, nil, fmt.Errorf("%w: table magic 0x%016x", ErrBadDescriptor, magic)
+	}
+	if v := atomic.LoadUint32(&h.Version); v != tableVersion {
+		return nil, nil, fmt.Errorf("%w: table version %d, this build %d", ErrBadDescriptor, v, tableVersion)
+	}
+	if st := atomic.LoadUint32(&h.State); st != tableLive {
+		if st == tableClosed {
+			return nil, nil, fmt.Errorf("the primary closed its memory: %w", ErrClosed)
+		}
+		return nil, nil, fmt.Errorf("%w: table state %d", ErrBadDescriptor, st)
+	}
+	n := int(atomic.LoadUint32(&h.Lists))
+	if n < 1 || n > MaxLists || seg.CheckRange(off+tableHeaderSize, uint64(n)*listDescSize) != nil {
+		return nil, nil, fmt.Errorf("%w: %d lists", ErrBadDescriptor, n)
+	}
+	descs := shm.Slice[listDesc](seg, off+tableHeaderSize, n)
+	specs := make([]spec, n)
+	for i := range descs {
+		s, err := readDesc(seg, &descs[i])
+		if err != nil {
+			return nil, nil, fmt.Errorf("%w: list %d: %v", ErrBadDescriptor, i, err)
+		}
+		for j := range i {
+			if overlaps(s, specs[j]) {
+				return nil, nil, fmt.Errorf("%w: list %d overlaps list %d", ErrBadDescriptor, i, j)
+			}
+		}
+		specs[i] = s
+	}
+	return h, specs, nil
+}
+
+func readDesc(seg *shm.Segment, d *listDesc) (spec, error) {
+	s := spec{
+		base:     uintptr(atomic.LoadUint64(&d.Base)),
+		pageSize: atomic.LoadUint64(&d.PageSize),
+		kind:     Kind(atomic.LoadUint32(&d.Kind)),
+	}
+	capacity := atomic.LoadUint64(&d.Capacity)
+	bitsOff := atomic.LoadUint64(&d.BitsOff)
+	fileLen := atomic.LoadUint32(&d.FileLen)
+	switch {
+	case s.pageSize < uint64(vm.PageSize) || s.pageSize > maxPageSize || s.pageSize&(s.pageSize-1) != 0:
+		return s, fmt.Errorf("page size %d", s.pageSize)
+	case capacity < 1 || capacity > MaxPages:
+		return s, fmt.Errorf("capacity %d pages", capacity)
+	case s.kind != Hugetlbfs && s.kind != Tmpfs:
+		return s, fmt.Errorf("backend kind %d", int(s.kind))
+	case fileLen < 2 || fileLen > maxPathLen:
+		return s, fmt.Errorf("file name length %d", fileLen)
+	case bitsOff%8 != 0 || seg.CheckRange(bitsOff, uint64(words(int(capacity)))*8) != nil:
+		return s, fmt.Errorf("page bitmap at 0x%x outside the segment", bitsOff)
+	}
+	s.pages = int(capacity)
+	if err := checkPlace(s); err != nil {
+		return s, err
+	}
+	s.path = getPath(&d.File, int(fileLen))
+	if !filepath.IsAbs(s.path) || strings.IndexByte(s.path, 0) >= 0 || filepath.Clean(s.path) != s.path {
+		return s, fmt.Errorf("file name %q", s.path)
+	}
+	return s, nil
+}
+
+func putPath(dst *[fileWords]uint64, p string) {
+	var b [maxPathLen]byte
+	copy(b[:], p)
+	for i := range dst {
+		var w uint64
+		for j := 7; j >= 0; j-- {
+			w = w<<8 | uint64(b[i*8+j])
+		}
+		atomic.StoreUint64(&dst[i], w)
+	}
+}
+
+func getPath(src *[fileWords]uint64, n int) string {
+	var b [maxPathLen]byte
+	for i := range src {
+		w := atomic.LoadUint64(&src[i])
+		for j := range 8 {
+			b[i*8+j] = byte(w >> (8 * j))
+		}
+	}
+	return string(b[:n])
+}
+
+func logger(l *slog.Logger) *slog.Logger {
+	if l != nil {
+		return l
+	}
+	return slog.Default()
+}
+
+// Primary reports whether this process created the memory.
+func (m *Memory) Primary() bool { return m.primary }
+
+// RLock takes the memory read lock: while it is held, no Alloc or Free (in
+// the primary) and no MapPages, UnmapPages or Resync (in a secondary) runs,
+// so the allocated pages and the answers of the queries stay as they are.
+// The MR cache takes it to re-check a contiguous chunk before registering
+// it. The lock is process-local. Lock order: the memory lock before the
+// cache's locks. Do not call RLock from an event callback: the write lock is
+// held there.
+func (m *Memory) RLock() { m.mu.RLock() }
+
+// RUnlock releases the memory read lock.
+func (m *Memory) RUnlock() { m.mu.RUnlock() }
+
+// Close releases this process's view: it unmaps every list (pages and
+// reservation) and closes the backing files. The primary also marks the
+// descriptors closed, so later attaches fail, and removes the backing files,
+// so the hugepages go back to the kernel once no process maps them any
+// more. No events are delivered. Close is idempotent.
+func (m *Memory) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed.Load() {
+		return nil
+	}
+	m.closed.Store(true)
+	if m.primary {
+		atomic.StoreUint32(&m.table.State, tableClosed)
+	}
+	return m.release(m.primary)
+}
+
+// release unmaps and closes whatever the lists hold, removing the files if
+// remove is set.
+func (m *Memory) release(remove bool) error {
+	var errs []error
+	for _, l := range m.lists {
+		if l.reserved {
+			if err := vm.Unmap(l.base, uintptr(l.size())); err != nil {
+				errs = append(errs, err)
+			}
+			l.reserved = false
+			l.mapped.clearRange(0, l.pages)
+		}
+		if l.f != nil {
+			if err := l.f.Close(); err != nil {
+				errs = append(errs, err)
+			}
+			l.f = nil
+			if remove {
+				if err := os.Remove(l.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+					errs = append(errs, err)
+				}
+			}
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("hugetlb: close: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,464 @@
+package hugetlb
+
+import (
+	"errors"
+	"fmt"
+	"math/bits"
+	"runtime"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/vm"
+)
+
+// Region is a range of data memory: whole pages of one list.
+type Region struct {
+	Addr uintptr
+	Len  uint64
+}
+
+// End returns the first address past the region.
+func (r Region) End() uintptr { return r.Addr + uintptr(r.Len) }
+
+// Bytes returns the region's memory. It is valid while the region stays
+// allocated (and, in a secondary, mapped); touching it after Free faults.
+func (r Region) Bytes() []byte { return vm.Bytes(r.Addr, uintptr(r.Len)) }
+
+// EventKind says what happened to a range of memory.
+type EventKind int
+
+// Event kinds.
+const (
+	// EventAlloc: the range was just mapped; it is readable and writable.
+	EventAlloc EventKind = iota + 1
+	// EventFree: the range is about to be unmapped; it is still readable.
+	EventFree
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case EventAlloc:
+		return "alloc"
+	case EventFree:
+		return "free"
+	}
+	return fmt.Sprintf("event(%d)", int(k))
+}
+
+// Event reports a change of the memory mapped in this process: whole pages
+// of one list.
+type Event struct {
+	Kind EventKind
+	Addr uintptr
+	Len  uint64
+}
+
+type subscriber struct {
+	fn   func(Event)
+	live atomic.Bool
+}
+
+// Subscribe registers fn for events and returns a function that cancels the
+// subscription (idempotent; an event being delivered at that moment may
+// still reach fn, no later one does).
+//
+// In the primary, Alloc delivers EventAlloc after it mapped the pages and
+// Free delivers EventFree before it unmaps anything, so a subscriber can
+// drop what refers to the range first (the MR cache invalidates its
+// registrations). In a secondary, MapPages, UnmapPages and Resync deliver
+// the same events for the pages whose mapping they change in this process.
+//
+// Events are delivered synchronously, in subscription order, on the
+// goroutine that changes the memory, with the memory write lock held: fn
+// must not call Alloc, Free, MapPages, UnmapPages, Resync, RLock or Close.
+// It may call the queries and take other locks (lock order: the memory lock,
+// then the cache's locks).
+func (m *Memory) Subscribe(fn func(Event)) (cancel func()) {
+	s := &subscriber{fn: fn}
+	s.live.Store(true)
+	m.subMu.Lock()
+	var subs []*subscriber
+	if p := m.subs.Load(); p != nil {
+		subs = append(subs, *p...)
+	}
+	subs = append(subs, s)
+	m.subs.Store(&subs)
+	m.subMu.Unlock()
+	return func() {
+		if !s.live.Swap(false) {
+			return
+		}
+		m.subMu.Lock()
+		defer m.subMu.Unlock()
+		var rest []*subscriber
+		for _, o := range *m.subs.Load() {
+			if o != s {
+				rest = append(rest, o)
+			}
+		}
+		m.subs.Store(&rest)
+	}
+}
+
+// deliver calls the subscribers. Called with m.mu held for writing.
+func (m *Memory) deliver(kind EventKind, l *list, first, n int) {
+	p := m.subs.Load()
+	if p == nil {
+		return
+	}
+	e := Event{Kind: kind, Addr: l.addr(first), Len: uint64(n) * l.pageSize}
+	for _, s := range *p {
+		if s.live.Load() {
+			s.fn(e)
+		}
+	}
+}
+
+// beginChange and endChange bracket a change of the shared page state in the
+// primary (the table's Gen is odd in between), so that a secondary's Resync
+// can tell a consistent snapshot from a torn one. Called with m.mu held.
+func (m *Memory) beginChange() { atomic.AddUint64(&m.table.Gen, 1) }
+func (m *Memory) endChange()   { atomic.AddUint64(&m.table.Gen, 1) }
+
+// Alloc allocates a region of at least size bytes: the first run of free,
+// virtually contiguous pages long enough, trying the lists in order. It
+// allocates the pages in the backing file first (so a missing hugepage is an
+// error now, ErrNoHugepages, and not a SIGBUS at the first touch), maps them
+// at base + index*pagesize, marks them allocated in the shared descriptor and
+// then delivers EventAlloc. New pages read as zeros. Primary only.
+func (m *Memory) Alloc(size uint64) (Region, error) {
+	if !m.primary {
+		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrNotPrimary)
+	}
+	if size == 0 {
+		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrZeroLength)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed.Load() {
+		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrClosed)
+	}
+	var best struct {
+		bytes    uint64
+		pages    int
+		list     int
+		pageSize uint64
+	}
+	for _, l := range m.lists {
+		pages := size / l.pageSize
+		if size%l.pageSize != 0 {
+			pages++
+		}
+		n := int(min(pages, uint64(l.pages)+1))
+		first, longest := l.state.firstFit(n, l.pages)
+		if first >= 0 {
+			return m.allocPages(l, first, n)
+		}
+		if b := uint64(longest) * l.pageSize; b > best.bytes || best.pageSize == 0 {
+			best.bytes, best.pages, best.list, best.pageSize = b, longest, l.index, l.pageSize
+		}
+	}
+	return Region{}, fmt.Errorf("hugetlb: alloc %s (%d bytes): %w: the largest free run is %s (%d pages of %s in list %d)",
+		FormatSize(size), size, ErrNoFreeRun, FormatSize(best.bytes), best.pages, FormatSize(best.pageSize), best.list)
+}
+
+// allocPages allocates pages [first, first+n) of l. Called with m.mu held.
+func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
+	r := Region{Addr: l.addr(first), Len: uint64(n) * l.pageSize}
+	off := int64(uint64(first) * l.pageSize)
+	m.beginChange()
+	if err := falloc.Allocate(l.fd(), off, int64(r.Len)); err != nil {
+		// A partial allocation keeps what it got: give it back.
+		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
+		m.endChange()
+		if errors.Is(err, falloc.ErrNoSpace) && l.kind == Hugetlbfs {
+			return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w: asked %d pages of %s, %d free",
+				FormatSize(r.Len), l.index, ErrNoHugepages, n, FormatSize(l.pageSize), freeHugepages(l))
+		}
+		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d (%s): %w", FormatSize(r.Len), l.index, l.path, err)
+	}
+	if err := vm.MapFile(r.Addr, uintptr(r.Len), l.fd(), off); err != nil {
+		_ = vm.Release(r.Addr, uintptr(r.Len))
+		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
+		m.endChange()
+		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w", FormatSize(r.Len), l.index, err)
+	}
+	l.mapped.setRange(first, n)
+	l.state.setRange(first, n)
+	atomic.AddUint64(&l.desc.Allocated, uint64(n))
+	m.endChange()
+	m.log.Debug("pages allocated", "list", l.index, "first", first, "pages", n, "addr", fmt.Sprintf("0x%x", r.Addr))
+	m.deliver(EventAlloc, l, first, n)
+	return r, nil
+}
+
+// freeHugepages says how many hugepages of l's size an allocation could
+// still get: the pool's free pages, or fewer if the mount has a size limit.
+func freeHugepages(l *list) uint64 {
+	free := uint64(0)
+	if p, err := PoolFor(l.pageSize); err == nil {
+		free = p.Available()
+	}
+	var st unix.Statfs_t
+	if unix.Fstatfs(l.fd(), &st) == nil && st.Blocks != ^uint64(0) && st.Blocks != 0 {
+		free = min(free, st.Bavail)
+	}
+	return free
+}
+
+// Free frees r, any page-aligned part of allocated memory inside one list.
+// It delivers EventFree first, while the range is still mapped, then turns
+// the range back into an inaccessible reservation (a later touch faults),
+// punches the pages out of the backing file (on hugetlbfs they go back to
+// the kernel's pool) and marks them free in the shared descriptor. Primary
+// only.
+func (m *Memory) Free(r Region) error {
+	if !m.primary {
+		return fmt.Errorf("hugetlb: free: %w", ErrNotPrimary)
+	}
+	if r.Len == 0 {
+		return fmt.Errorf("hugetlb: free [0x%x, +0): %w", r.Addr, ErrZeroLength)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed.Load() {
+		return fmt.Errorf("hugetlb: free: %w", ErrClosed)
+	}
+	l, first, n, err := m.locate(r)
+	if err != nil {
+		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w", r.Addr, r.Addr+uintptr(r.Len), err)
+	}
+	if i := l.state.next(first, first+n, false); i < first+n {
+		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x is free",
+			r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i))
+	}
+	m.deliver(EventFree, l, first, n)
+	m.beginChange()
+	defer m.endChange()
+	if err := vm.Release(r.Addr, uintptr(r.Len)); err != nil {
+		return fmt.Errorf("hugetlb: free: %w", err)
+	}
+	l.mapped.clearRange(first, n)
+	punchErr := falloc.PunchHole(l.fd(), int64(uint64(first)*l.pageSize), int64(r.Len))
+	l.state.clearRange(first, n)
+	atomic.AddUint64(&l.desc.Allocated, -uint64(n))
+	m.log.Debug("pages freed", "list", l.index, "first", first, "pages", n, "addr", fmt.Sprintf("0x%x", r.Addr))
+	if punchErr != nil {
+		// The pages are unmapped and free; only their blocks linger.
+		return fmt.Errorf("hugetlb: free: the memory is free but its blocks were not returned: %w", punchErr)
+	}
+	return nil
+}
+
+// locate maps a range to its list and pages.
+func (m *Memory) locate(r Region) (l *list, first, n int, err error) {
+	for _, c := range m.lists {
+		if r.Addr >= c.base && r.Addr < c.end() {
+			l = c
+			break
+		}
+	}
+	if l == nil {
+		return nil, 0, 0, ErrForeign
+	}
+	if r.Len > uint64(l.end()-r.Addr) {
+		return nil, 0, 0, fmt.Errorf("%w: runs past the end of list %d at 0x%x", ErrForeign, l.index, l.end())
+	}
+	if uint64(r.Addr-l.base)%l.pageSize != 0 || r.Len%l.pageSize != 0 {
+		return nil, 0, 0, fmt.Errorf("%w: list %d has %s pages", ErrUnaligned, l.index, FormatSize(l.pageSize))
+	}
+	return l, int(uint64(r.Addr-l.base) / l.pageSize), int(r.Len / l.pageSize), nil
+}
+
+// pages checks a page range of a list given by index.
+func (m *Memory) pages(list, first, n int) (*list, error) {
+	if list < 0 || list >= len(m.lists) {
+		return nil, fmt.Errorf("%w: no list %d", ErrForeign, list)
+	}
+	l := m.lists[list]
+	if n <= 0 {
+		return nil, ErrZeroLength
+	}
+	if first < 0 || first >= l.pages || n > l.pages-first {
+		return nil, fmt.Errorf("%w: pages [%d, %d) of list %d, which has %d", ErrForeign, first, first+n, list, l.pages)
+	}
+	return l, nil
+}
+
+// MapPages maps pages [first, first+n) of a list in this secondary, after
+// the primary allocated them, and delivers EventAlloc for the pages that
+// were not mapped here yet. Mapping pages that are mapped already is
+// harmless. The pages must be allocated in the shared descriptor
+// (ErrNotAllocated otherwise). Secondary only.
+func (m *Memory) MapPages(list, first, n int) error {
+	if m.primary {
+		return fmt.Errorf("hugetlb: map pages: %w", ErrNotSecondary)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed.Load() {
+		return fmt.Errorf("hugetlb: map pages: %w", ErrClosed)
+	}
+	l, err := m.pages(list, first, n)
+	if err != nil {
+		return fmt.Errorf("hugetlb: map pages: %w", err)
+	}
+	if i := l.state.next(first, first+n, false); i < first+n {
+		return fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w: page %d is free",
+			first, first+n, list, ErrNotAllocated, i)
+	}
+	return m.mapRun(l, first, n)
+}
+
+// mapRun maps pages of l here and announces the newly mapped ones. Called
+// with m.mu held.
+func (m *Memory) mapRun(l *list, first, n int) error {
+	if err := vm.MapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
+		return fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
+	}
+	var fresh [][2]int
+	eachRun(l.mapped, first, first+n, false, func(a, b int) { fresh = append(fresh, [2]int{a, b}) })
+	l.mapped.setRange(first, n)
+	for _, r := range fresh {
+		m.deliver(EventAlloc, l, r[0], r[1]-r[0])
+	}
+	return nil
+}
+
+// UnmapPages turns pages [first, first+n) of a list back into an
+// inaccessible reservation in this secondary, so that a touch faults
+// instead of reaching memory the primary freed. It delivers EventFree for
+// the pages mapped here before it unmaps them. Unmapping pages that are not
+// mapped is harmless. Secondary only.
+func (m *Memory) UnmapPages(list, first, n int) error {
+	if m.primary {
+		return fmt.Errorf("hugetlb: unmap pages: %w", ErrNotSecondary)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed.Load() {
+		return fmt.Errorf("hugetlb: unmap pages: %w", ErrClosed)
+	}
+	l, err := m.pages(list, first, n)
+	if err != nil {
+		return fmt.Errorf("hugetlb: unmap pages: %w", err)
+	}
+	return m.unmapRun(l, first, n)
+}
+
+// unmapRun announces and unmaps pages of l here. Called with m.mu held.
+func (m *Memory) unmapRun(l *list, first, n int) error {
+	eachRun(l.mapped, first, first+n, true, func(a, b int) { m.deliver(EventFree, l, a, b-a) })
+	if err := vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize)); err != nil {
+		return fmt.Errorf("hugetlb: unmap pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
+	}
+	l.mapped.clearRange(first, n)
+	return nil
+}
+
+// eachRun calls fn(a, b) for each maximal run [a, b) inside [from, to) whose
+// bits in b equal set.
+func eachRun(bm bitmap, from, to int, set bool, fn func(a, b int)) {
+	for i := from; i < to; {
+		a := bm.next(i, to, set)
+		if a == to {
+			return
+		}
+		b := bm.next(a, to, !set)
+		fn(a, b)
+		i = b
+	}
+}
+
+// Resync brings this secondary's mappings in line with the shared
+// descriptors: it maps every allocated page and unmaps every free one,
+// delivering events for what changes. It retries while the primary is in
+// the middle of a change. Secondary only.
+func (m *Memory) Resync() error {
+	if m.primary {
+		return fmt.Errorf("hugetlb: resync: %w", ErrNotSecondary)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed.Load() {
+		return fmt.Errorf("hugetlb: resync: %w", ErrClosed)
+	}
+	return m.resyncLocked()
+}
+
+// resyncTimeout bounds how long Resync waits for the primary to finish a
+// change; only a primary that died halfway through one makes it wait so
+// long.
+const resyncTimeout = 5 * time.Second
+
+// resyncLocked takes a consistent snapshot of the page state (Gen even and
+// unchanged around it), applies it, and starts over if the primary changed
+// something meanwhile. Called with m.mu held for writing.
+func (m *Memory) resyncLocked() error {
+	var deadline time.Time
+	for try := 0; ; try++ {
+		gen := atomic.LoadUint64(&m.table.Gen)
+		if gen&1 == 0 {
+			snaps := make([]bitmap, len(m.lists))
+			for i, l := range m.lists {
+				snaps[i] = l.state.snapshot()
+			}
+			if atomic.LoadUint64(&m.table.Gen) == gen {
+				for i, l := range m.lists {
+					if err := m.apply(l, snaps[i]); err != nil {
+						return fmt.Errorf("hugetlb: resync: %w", err)
+					}
+				}
+				if atomic.LoadUint64(&m.table.Gen) == gen {
+					return nil
+				}
+			}
+		}
+		// The primary is changing pages: give it time, up to a point.
+		switch {
+		case try == 0:
+			deadline = time.Now().Add(resyncTimeout)
+		case time.Now().After(deadline):
+			return fmt.Errorf("hugetlb: resync: the primary kept changing pages for %v (did it die during a change?)", resyncTimeout)
+		case try < 16:
+			runtime.Gosched()
+		default:
+			time.Sleep(min(time.Duration(try)*10*time.Microsecond, time.Millisecond))
+		}
+	}
+}
+
+// apply maps and unmaps l's pages here so that they match want.
+func (m *Memory) apply(l *list, want bitmap) error {
+	for i := 0; i < l.pages; {
+		w := i >> 6
+		diff := (want[w] ^ atomic.LoadUint64(&l.mapped[w])) &^ (1<<(uint(i)&63) - 1)
+		if diff == 0 {
+			i = (w + 1) << 6
+			continue
+		}
+		i = w<<6 + bits.TrailingZeros64(diff)
+		if i >= l.pages {
+			break
+		}
+		set := want.get(i)
+		j := i + 1
+		for j < l.pages && want.get(j) == set && l.mapped.get(j) != set {
+			j++
+		}
+		var err error
+		if set {
+			err = m.mapRun(l, i, j-i)
+		} else {
+			err = m.unmapRun(l, i, j-i)
+		}
+		if err != nil {
+			return err
+		}
+		i = j
+	}
+	return nil
+}

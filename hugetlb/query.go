@@ -1,0 +1,143 @@
+package hugetlb
+
+import "sync/atomic"
+
+// The queries read the shared descriptors without taking a lock, so event
+// callbacks may call them. Each answer is consistent in itself; to keep
+// several answers consistent with each other, hold RLock (or ask from an
+// event callback). In a secondary they describe what the primary has
+// allocated, which the secondary maps once the primary tells it to.
+
+// Page is one allocated page.
+type Page struct {
+	List  int
+	Index int     // index of the page in its list
+	Addr  uintptr // first byte of the page
+	Size  uint64  // page size
+}
+
+// PageOf returns the page holding addr. It reports false for an address
+// outside every list and also for one in a page that is reserved but not
+// allocated: like rte_mem_virt2memseg, it only knows live pages. Use InList
+// to ask whether an address is inside a list at all.
+func (m *Memory) PageOf(addr uintptr) (Page, bool) {
+	l, i, ok := m.find(addr)
+	if !ok || !l.state.get(i) {
+		return Page{}, false
+	}
+	return Page{List: l.index, Index: i, Addr: l.addr(i), Size: l.pageSize}, true
+}
+
+// Run is a maximal run of allocated, virtually contiguous pages of one list:
+// what the MR cache registers as one chunk.
+type Run struct {
+	List       int
+	First      int // index of the first page
+	Pages      int
+	Start, End uintptr // [Start, End)
+	PageSize   uint64
+}
+
+func (l *list) run(first, end int) Run {
+	return Run{List: l.index, First: first, Pages: end - first, Start: l.addr(first), End: l.addr(end), PageSize: l.pageSize}
+}
+
+// ContigRun returns the run of allocated pages that contains addr, the
+// contiguous walk of the seeds (rte_memseg_contig_walk stopping at the
+// chunk around an address). It reports false if addr is not in an
+// allocated page. Pages of separate allocations that happen to be adjacent
+// form one run.
+func (m *Memory) ContigRun(addr uintptr) (Run, bool) {
+	l, i, ok := m.find(addr)
+	if !ok || !l.state.get(i) {
+		return Run{}, false
+	}
+	return l.run(l.state.prevClear(i)+1, l.state.next(i, l.pages, false)), true
+}
+
+// Runs calls fn for every run of allocated pages, list by list in address
+// order, until fn returns false. It can be ranged over:
+//
+//	for r := range m.Runs { ... }
+func (m *Memory) Runs(fn func(Run) bool) {
+	if m.closed.Load() {
+		return
+	}
+	for _, l := range m.lists {
+		for i := 0; i < l.pages; {
+			a := l.state.next(i, l.pages, true)
+			if a == l.pages {
+				break
+			}
+			b := l.state.next(a, l.pages, false)
+			if !fn(l.run(a, b)) {
+				return
+			}
+			i = b
+		}
+	}
+}
+
+// InList reports which list's reserved range holds addr, allocated or not.
+func (m *Memory) InList(addr uintptr) (list int, ok bool) {
+	l, _, ok := m.find(addr)
+	if !ok {
+		return -1, false
+	}
+	return l.index, true
+}
+
+func (m *Memory) find(addr uintptr) (*list, int, bool) {
+	if m.closed.Load() {
+		return nil, 0, false
+	}
+	for _, l := range m.lists {
+		if addr >= l.base && addr < l.end() {
+			return l, int(uint64(addr-l.base) / l.pageSize), true
+		}
+	}
+	return nil, 0, false
+}
+
+// ListInfo is the accounting of one memseg list.
+type ListInfo struct {
+	Index    int
+	Base     uintptr
+	End      uintptr // first address past the reserved range
+	PageSize uint64
+	Backend  Kind
+	File     string // backing file
+
+	// Pages.
+	Capacity  int
+	Allocated int // allocated by the primary
+	Free      int
+	Mapped    int // mapped in this process (a secondary lags the primary until it syncs)
+	// LargestFree is the longest run of free pages: the largest
+	// allocation the list can still serve.
+	LargestFree int
+
+	// The same in bytes.
+	CapacityBytes, AllocatedBytes, FreeBytes uint64
+}
+
+// Lists returns the accounting of every list (nil after Close).
+func (m *Memory) Lists() []ListInfo {
+	if m.closed.Load() {
+		return nil
+	}
+	out := make([]ListInfo, len(m.lists))
+	for i, l := range m.lists {
+		alloc := int(min(atomic.LoadUint64(&l.desc.Allocated), uint64(l.pages)))
+		_, longest := l.state.firstFit(l.pages+1, l.pages)
+		mapped := l.mapped.count(l.pages)
+		out[i] = ListInfo{
+			Index: l.index, Base: l.base, End: l.end(), PageSize: l.pageSize, Backend: l.kind, File: l.path,
+			Capacity: l.pages, Allocated: alloc, Free: l.pages - alloc, Mapped: mapped, LargestFree: longest,
+			CapacityBytes:  l.size(),
+			AllocatedBytes: uint64(alloc) * l.pageSize,
+			FreeBytes:      uint64(l.pages-alloc) * l.pageSize,
+		}
+	}
+	return out
+}
