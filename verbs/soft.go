@@ -1,0 +1,605 @@
+package verbs
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// Bounds of SoftOptions.MaxMRs. The limit keeps every index below 1<<24-1,
+// so no key is ever InvalidKey.
+const (
+	DefaultMaxMRs = 4096
+	MaxMRsLimit   = 1 << 20
+)
+
+const (
+	variantBits = 8
+	variantMask = 1<<variantBits - 1
+	variants    = variantMask // variants run 1..255; 0 would allow key 0
+)
+
+// variantOf returns the variant of the uses-th key a slot hands out.
+func variantOf(uses uint32) uint32 { return (uses-1)%variants + 1 }
+
+// SoftOptions configure CreateSoft.
+type SoftOptions struct {
+	// MaxMRs bounds the MR table (1..MaxMRsLimit). Default DefaultMaxMRs.
+	MaxMRs int
+	// Logger receives diagnostics. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// SGE is a scatter-gather element: what a work request hands the device.
+type SGE struct {
+	Addr uintptr
+	Len  uint32
+	Key  uint32
+}
+
+func (s SGE) String() string {
+	return fmt.Sprintf("{addr 0x%x len %d key 0x%x}", s.Addr, s.Len, s.Key)
+}
+
+// SoftStats are the soft device's counters. They live in the segment, so
+// every process reads the same figures, and they are read as one
+// consistent set.
+type SoftStats struct {
+	MaxMRs          int
+	Registrations   uint64 // successful registrations since creation
+	Deregistrations uint64 // deregistrations, explicit or by Close
+	LiveMRs         uint64 // Registrations - Deregistrations
+	PinnedBytes     uint64 // bytes of live MRs whose pages mlock pinned
+	UnpinnedMRs     uint64 // live MRs registered without a pin (see RegMR)
+}
+
+// Soft is one process's handle on the soft device: a software HCA whose MR
+// table lives in the control segment.
+//
+// The Soft returned by CreateSoft, in the segment's owner, is the only one
+// that may register and deregister (through its PDs); it alone writes the
+// shared state, serialised by a process-local mutex. A Soft from
+// AttachSoft, in any process, validates, copies and reads counters; its
+// PDs' RegMR and DeregMR fail with ErrPermission.
+//
+// All methods are safe for concurrent use. The segment must stay open
+// while the Soft is in use: Close the Soft first.
+type Soft struct {
+	seg    *shm.Segment
+	hdr    *softHeader
+	table  []mrSlot
+	log    *slog.Logger
+	closed atomic.Bool
+	own    *owner // nil unless made by CreateSoft
+}
+
+// owner is the creator's process-local registration state.
+type owner struct {
+	mu        sync.Mutex
+	free      []uint32 // ring of free slots: reused oldest-freed first
+	head, n   int
+	pinned    map[uint32]span // pinned MRs by slot, in whole pages
+	pinWarned bool
+}
+
+// span is a page-rounded address range [lo, hi).
+type span struct{ lo, hi uintptr }
+
+// createMu keeps two CreateSoft calls in one process from both finding the
+// root unset.
+var createMu sync.Mutex
+
+// CreateSoft creates the soft device in seg's arena and publishes it in
+// shm.RootDevice. Only the segment's owner may, once per segment (a second
+// call fails with ErrExists, even after Close). Create it before marking
+// the segment ready so that attachers find it.
+func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
+	if !seg.Owner() {
+		return nil, fmt.Errorf("verbs: create soft device in %s: %w: only the segment owner may", seg.Path(), ErrPermission)
+	}
+	n := o.MaxMRs
+	if n == 0 {
+		n = DefaultMaxMRs
+	}
+	if n < 1 || n > MaxMRsLimit {
+		return nil, fmt.Errorf("verbs: create soft device: MaxMRs %d, want 1..%d", n, MaxMRsLimit)
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	createMu.Lock()
+	defer createMu.Unlock()
+	if seg.Root(shm.RootDevice) != 0 {
+		return nil, fmt.Errorf("verbs: create soft device in %s: %w", seg.Path(), ErrExists)
+	}
+	off, err := seg.Alloc(headerBytes+uint64(n)*slotBytes, lineBytes)
+	if err != nil {
+		return nil, fmt.Errorf("verbs: create soft device with %d MR slots: %w", n, err)
+	}
+	h := shm.At[softHeader](seg, off)
+	atomic.StoreUint32(&h.Version, softVersion)
+	atomic.StoreUint32(&h.MaxMRs, uint32(n))
+	atomic.StoreUint64(&h.TableOff, off+headerBytes)
+	atomic.StoreUint32(&h.State, softOpen)
+	atomic.StoreUint32(&h.OwnerPID, uint32(os.Getpid()))
+	// The magic goes in last: a reader that sees it sees a whole header.
+	atomic.StoreUint64(&h.Magic, softMagic)
+	if err := seg.SetRoot(shm.RootDevice, off); err != nil {
+		_ = seg.Free(off)
+		return nil, fmt.Errorf("verbs: create soft device: %w", err)
+	}
+	own := &owner{free: make([]uint32, n), n: n, pinned: make(map[uint32]span)}
+	for i := range own.free {
+		own.free[i] = uint32(i)
+	}
+	d := &Soft{seg: seg, hdr: h, table: shm.Slice[mrSlot](seg, off+headerBytes, n), log: log, own: own}
+	log.Debug("soft device created", "segment", seg.Path(), "max_mrs", n, "offset", off)
+	return d, nil
+}
+
+// AttachSoft opens the soft device the segment's owner created, after
+// checking its header. It fails with ErrNoDevice when there is none yet,
+// ErrClosed when the owner closed it, and ErrCorrupt when the header does
+// not hold together. The returned Soft cannot register (see Soft).
+func AttachSoft(seg *shm.Segment) (*Soft, error) {
+	off := seg.Root(shm.RootDevice)
+	if off == 0 {
+		return nil, fmt.Errorf("verbs: attach soft device in %s: %w: the primary has not created one", seg.Path(), ErrNoDevice)
+	}
+	if err := seg.CheckRange(off, headerBytes); err != nil || off%lineBytes != 0 {
+		return nil, fmt.Errorf("verbs: attach soft device: %w: header at 0x%x", ErrCorrupt, off)
+	}
+	h := shm.At[softHeader](seg, off)
+	if m := atomic.LoadUint64(&h.Magic); m != softMagic {
+		return nil, fmt.Errorf("verbs: attach soft device: %w: magic 0x%016x", ErrCorrupt, m)
+	}
+	if v := atomic.LoadUint32(&h.Version); v != softVersion {
+		return nil, fmt.Errorf("verbs: attach soft device: %w: version %d, this build %d", ErrCorrupt, v, softVersion)
+	}
+	n := atomic.LoadUint32(&h.MaxMRs)
+	table := atomic.LoadUint64(&h.TableOff)
+	if n < 1 || n > MaxMRsLimit || table%lineBytes != 0 || seg.CheckRange(table, uint64(n)*slotBytes) != nil {
+		return nil, fmt.Errorf("verbs: attach soft device: %w: %d slots at 0x%x", ErrCorrupt, n, table)
+	}
+	switch s := atomic.LoadUint32(&h.State); s {
+	case softOpen:
+	case softClosed:
+		return nil, fmt.Errorf("verbs: attach soft device in %s: %w", seg.Path(), ErrClosed)
+	default:
+		return nil, fmt.Errorf("verbs: attach soft device: %w: state %d", ErrCorrupt, s)
+	}
+	return &Soft{seg: seg, hdr: h, table: shm.Slice[mrSlot](seg, table, int(n)), log: slog.Default()}, nil
+}
+
+// Name returns SoftName.
+func (d *Soft) Name() string { return SoftName }
+
+// Owner reports whether this Soft may register (it was made by CreateSoft).
+func (d *Soft) Owner() bool { return d.own != nil }
+
+// MaxMRs returns the MR table's length.
+func (d *Soft) MaxMRs() int { return len(d.table) }
+
+// AllocPD allocates a protection domain. Any process may; only the owner's
+// PDs register.
+func (d *Soft) AllocPD() (PD, error) {
+	if d.closed.Load() {
+		return nil, fmt.Errorf("verbs: alloc PD: %w", ErrClosed)
+	}
+	p := &softPD{d: d}
+	if d.own != nil {
+		p.id = atomic.AddUint32(&d.hdr.NextPD, 1)
+	}
+	return p, nil
+}
+
+// Close releases this process's handle. In the owner it first deregisters
+// every live MR, so every process's keys stop validating, and marks the
+// device closed so that nobody attaches any more. It is idempotent. The
+// device's block stays in the segment.
+func (d *Soft) Close() error {
+	if d.own == nil {
+		d.closed.Store(true)
+		return nil
+	}
+	o := d.own
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if d.closed.Load() {
+		return nil
+	}
+	d.closed.Store(true)
+	for i := range d.table {
+		if atomic.LoadUint32(&d.table[i].Key) != 0 {
+			d.invalidateLocked(uint32(i))
+		}
+	}
+	atomic.StoreUint32(&d.hdr.State, softClosed)
+	return nil
+}
+
+// softPD is a protection domain of the soft device. Its number is recorded
+// in the MRs it registers, so one PD cannot deregister another's MRs.
+type softPD struct {
+	d      *Soft
+	id     uint32
+	closed atomic.Bool
+}
+
+// RegMR registers [addr, addr+length). It checks that the range is mapped
+// readable in this process (an ErrNotMapped error otherwise, never a later
+// crash) and pins it with mlock. Pinning is best effort: hugetlbfs pages
+// are always resident and the kernel skips them; when mlock fails
+// (RLIMIT_MEMLOCK without CAP_IPC_LOCK) the MR is registered unpinned, the
+// first such failure is logged, and SoftStats.UnpinnedMRs counts them. Owner
+// only (ErrPermission elsewhere). A full table gives ErrNoResources.
+func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
+	d := p.d
+	if d.own == nil {
+		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, +0x%x): %w: only the process that created the soft device registers", addr, length, ErrPermission)
+	}
+	if length == 0 || addr+length < addr {
+		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, +0x%x): %w", addr, length, ErrBadRange)
+	}
+	if err := access.check(); err != nil {
+		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, 0x%x): %w", addr, addr+length, err)
+	}
+	if err := vm.CheckReadable(addr, length); err != nil {
+		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, 0x%x): %w: %w", addr, addr+length, ErrNotMapped, err)
+	}
+	o := d.own
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if d.closed.Load() || p.closed.Load() {
+		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, 0x%x): %w", addr, addr+length, ErrClosed)
+	}
+	if o.n == 0 {
+		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, 0x%x): %w: all %d MR slots in use", addr, addr+length, ErrNoResources, len(d.table))
+	}
+	pinned, err := d.pinLocked(addr, length)
+	if err != nil {
+		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, 0x%x): %w", addr, addr+length, err)
+	}
+	idx := o.free[o.head]
+	o.head = (o.head + 1) % len(o.free)
+	o.n--
+
+	s := &d.table[idx]
+	uses := atomic.LoadUint32(&s.Uses) + 1
+	key := idx<<variantBits | variantOf(uses)
+	var flags uint32
+	if pinned {
+		flags = slotPinned
+		o.pinned[idx] = pageSpan(addr, length)
+	}
+	atomic.AddUint32(&s.Seq, 1) // odd: readers back off
+	atomic.StoreUint64(&s.Addr, uint64(addr))
+	atomic.StoreUint64(&s.Len, uint64(length))
+	atomic.StoreUint32(&s.Access, uint32(access))
+	atomic.StoreUint32(&s.PD, p.id)
+	atomic.StoreUint32(&s.Uses, uses)
+	atomic.StoreUint32(&s.Flags, flags)
+	atomic.StoreUint32(&s.Key, key)
+	atomic.AddUint32(&s.Seq, 1)
+
+	h := d.hdr
+	atomic.AddUint32(&h.StatSeq, 1)
+	atomic.AddUint64(&h.Registrations, 1)
+	if pinned {
+		atomic.AddUint64(&h.PinnedBytes, uint64(length))
+	} else {
+		atomic.AddUint64(&h.Unpinned, 1)
+	}
+	atomic.AddUint32(&h.StatSeq, 1)
+
+	mr := MR{Addr: addr, Len: length, LKey: key, RKey: key, Handle: idx, Access: access}
+	if d.log.Enabled(context.Background(), slog.LevelDebug) {
+		d.log.Debug("soft MR registered", "mr", mr, "pinned", pinned)
+	}
+	return mr, nil
+}
+
+// pinLocked mlocks the range and reports whether it is pinned. A failure
+// is tolerated (and logged once) unless the range turns out to be no
+// longer mapped. Called with the owner's mutex held.
+func (d *Soft) pinLocked(addr, length uintptr) (bool, error) {
+	err := vm.Lock(addr, length)
+	if err == nil {
+		return true, nil
+	}
+	if cerr := vm.CheckReadable(addr, length); cerr != nil {
+		return false, fmt.Errorf("%w: %w", ErrNotMapped, cerr)
+	}
+	if !d.own.pinWarned {
+		d.own.pinWarned = true
+		d.log.Warn("verbs: cannot pin registered memory; registering it unpinned "+
+			"(raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); further failures are only counted",
+			"addr", fmt.Sprintf("0x%x", addr), "len", length, "err", err)
+	}
+	return false, nil
+}
+
+func pageSpan(addr, length uintptr) span {
+	return span{addr &^ (vm.PageSize - 1), (addr + length + vm.PageSize - 1) &^ (vm.PageSize - 1)}
+}
+
+// unpinLocked munlocks the pages of slot idx that no other pinned MR
+// covers: mlock does not count, so unlocking an overlap would unpin a
+// neighbour. Pages already unmapped (memory freed before its MR was
+// deregistered) lost their lock with the mapping; munlock's complaint about
+// them is expected. Called with the owner's mutex held.
+func (d *Soft) unpinLocked(idx uint32) {
+	o := d.own
+	sp, ok := o.pinned[idx]
+	if !ok {
+		return
+	}
+	delete(o.pinned, idx)
+	var others []span
+	for _, s := range o.pinned {
+		if s.lo < sp.hi && sp.lo < s.hi {
+			others = append(others, s)
+		}
+	}
+	slices.SortFunc(others, func(a, b span) int {
+		switch {
+		case a.lo < b.lo:
+			return -1
+		case a.lo > b.lo:
+			return 1
+		}
+		return 0
+	})
+	cur := sp.lo
+	unlock := func(lo, hi uintptr) {
+		if err := vm.Unlock(lo, hi-lo); err != nil {
+			d.log.Debug("soft MR unpin", "err", err)
+		}
+	}
+	for _, s := range others {
+		if s.lo > cur {
+			unlock(cur, min(s.lo, sp.hi))
+		}
+		cur = max(cur, s.hi)
+		if cur >= sp.hi {
+			return
+		}
+	}
+	unlock(cur, sp.hi)
+}
+
+// DeregMR deregisters mr, which must be a live MR of this PD with the
+// range it was registered with. The key stops validating in every process
+// before the pages are unpinned. Owner only.
+func (p *softPD) DeregMR(mr MR) error {
+	d := p.d
+	if d.own == nil {
+		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w: only the process that created the soft device deregisters", mr.LKey, ErrPermission)
+	}
+	o := d.own
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if d.closed.Load() {
+		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w", mr.LKey, ErrClosed)
+	}
+	idx := mr.LKey >> variantBits
+	if mr.LKey&variantMask == 0 || idx >= uint32(len(d.table)) {
+		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w", mr.LKey, ErrInvalidKey)
+	}
+	s := &d.table[idx]
+	switch {
+	case atomic.LoadUint32(&s.Key) != mr.LKey:
+		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w (deregistered twice?)", mr.LKey, ErrStaleKey)
+	case atomic.LoadUint32(&s.PD) != p.id:
+		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w: registered by another protection domain", mr.LKey, ErrInvalidKey)
+	case atomic.LoadUint64(&s.Addr) != uint64(mr.Addr) || atomic.LoadUint64(&s.Len) != uint64(mr.Len):
+		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w: [0x%x, 0x%x) is not the registered [0x%x, +0x%x)",
+			mr.LKey, ErrBadRange, mr.Addr, mr.End(), atomic.LoadUint64(&s.Addr), atomic.LoadUint64(&s.Len))
+	}
+	d.invalidateLocked(idx)
+	if d.log.Enabled(context.Background(), slog.LevelDebug) {
+		d.log.Debug("soft MR deregistered", "mr", mr)
+	}
+	return nil
+}
+
+// invalidateLocked frees slot idx: the key dies for every process with the
+// first store, then the pages are unpinned (a device stops using memory
+// before it lets it go) and the slot joins the back of the free ring.
+// Called with the owner's mutex held.
+func (d *Soft) invalidateLocked(idx uint32) {
+	o := d.own
+	s := &d.table[idx]
+	pinned := atomic.LoadUint32(&s.Flags)&slotPinned != 0
+	length := atomic.LoadUint64(&s.Len)
+	atomic.AddUint32(&s.Seq, 1)
+	atomic.StoreUint32(&s.Key, 0)
+	atomic.StoreUint32(&s.Flags, 0)
+	atomic.AddUint32(&s.Seq, 1)
+	d.unpinLocked(idx)
+
+	h := d.hdr
+	atomic.AddUint32(&h.StatSeq, 1)
+	atomic.AddUint64(&h.Deregistrations, 1)
+	if pinned {
+		atomic.AddUint64(&h.PinnedBytes, -length)
+	} else {
+		atomic.AddUint64(&h.Unpinned, ^uint64(0))
+	}
+	atomic.AddUint32(&h.StatSeq, 1)
+
+	o.free[(o.head+o.n)%len(o.free)] = idx
+	o.n++
+}
+
+// Close deregisters the PD's remaining MRs (owner) and closes it. It is
+// idempotent.
+func (p *softPD) Close() error {
+	d := p.d
+	if d.own == nil {
+		p.closed.Store(true)
+		return nil
+	}
+	o := d.own
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if p.closed.Swap(true) || d.closed.Load() {
+		return nil
+	}
+	for i := range d.table {
+		s := &d.table[i]
+		if atomic.LoadUint32(&s.Key) != 0 && atomic.LoadUint32(&s.PD) == p.id {
+			d.invalidateLocked(uint32(i))
+		}
+	}
+	return nil
+}
+
+// Validate checks sge against the MR table as a device checks a work
+// request's element before it touches memory: the length is not zero and
+// does not wrap, the key is live, [Addr, Addr+Len) lies inside the key's
+// MR, and the MR grants access (AccessRelaxedOrdering is ignored; reading
+// needs no right). A failure is one of the completion errors (see
+// ErrInvalidKey's group). Any process may call it; it allocates nothing
+// and takes no lock.
+//
+// A deregistration that has started (in the owner) before Validate reads
+// the slot makes it fail, so once DeregMR returns no process validates the
+// key again.
+func (d *Soft) Validate(sge SGE, access Access) error {
+	if sge.Len == 0 {
+		return errZeroLength
+	}
+	if uint64(sge.Addr)+uint64(sge.Len) < uint64(sge.Addr) {
+		return errWraps
+	}
+	idx := sge.Key >> variantBits
+	if sge.Key&variantMask == 0 || idx >= uint32(len(d.table)) {
+		return ErrInvalidKey
+	}
+	if d.closed.Load() {
+		return ErrClosed
+	}
+	s := &d.table[idx]
+	seq := atomic.LoadUint32(&s.Seq)
+	key := atomic.LoadUint32(&s.Key)
+	addr := atomic.LoadUint64(&s.Addr)
+	n := atomic.LoadUint64(&s.Len)
+	granted := Access(atomic.LoadUint32(&s.Access))
+	// The only rewrites of a slot are a registration (which hands out a key
+	// nobody holds yet) and the deregistration of the key it holds. So if
+	// one is under way or happened while we read, the caller's key is dead
+	// or about to be: no retry is needed, the answer is "stale".
+	if seq&1 != 0 || key != sge.Key || atomic.LoadUint32(&s.Seq) != seq {
+		return keyError(s, sge.Key)
+	}
+	if uint64(sge.Addr) < addr || uint64(sge.Addr)+uint64(sge.Len) > addr+n {
+		return ErrLocalProtection
+	}
+	if need := access &^ AccessRelaxedOrdering; granted&need != need {
+		return ErrLocalAccess
+	}
+	return nil
+}
+
+// keyError tells a key its slot never handed out from one whose MR is
+// gone.
+func keyError(s *mrSlot, key uint32) error {
+	if uses := atomic.LoadUint32(&s.Uses); uses < variants && key&variantMask > uses {
+		return ErrInvalidKey
+	}
+	return ErrStaleKey
+}
+
+// Copy is a loopback DMA: it validates src for reading and dst for
+// AccessLocalWrite, then copies src.Len bytes from src to dst in the
+// calling process. dst must be at least as long as src (ErrLength). If the
+// memory is unmapped between validation and copy (an MR whose memory was
+// freed), the copy fails with ErrFault instead of crashing; dst may then
+// be partly written.
+func (d *Soft) Copy(dst, src SGE) error {
+	if err := d.Validate(src, 0); err != nil {
+		return fmt.Errorf("verbs: copy from %s: %w", src, err)
+	}
+	if err := d.Validate(dst, AccessLocalWrite); err != nil {
+		return fmt.Errorf("verbs: copy to %s: %w", dst, err)
+	}
+	if dst.Len < src.Len {
+		return fmt.Errorf("verbs: copy %s to %s: %w", src, dst, errDstShort)
+	}
+	if err := copyGuarded(dst.Addr, src.Addr, uintptr(src.Len)); err != nil {
+		return fmt.Errorf("verbs: copy %s to %s: %w", src, dst, err)
+	}
+	return nil
+}
+
+// Stats returns the counters, as one consistent set. Any process may call
+// it.
+func (d *Soft) Stats() SoftStats {
+	h := d.hdr
+	var st SoftStats
+	for try := 0; ; try++ {
+		seq := atomic.LoadUint32(&h.StatSeq)
+		st = SoftStats{
+			MaxMRs:          len(d.table),
+			Registrations:   atomic.LoadUint64(&h.Registrations),
+			Deregistrations: atomic.LoadUint64(&h.Deregistrations),
+			PinnedBytes:     atomic.LoadUint64(&h.PinnedBytes),
+			UnpinnedMRs:     atomic.LoadUint64(&h.Unpinned),
+		}
+		if seq&1 == 0 && atomic.LoadUint32(&h.StatSeq) == seq {
+			break
+		}
+		// An owner that died mid-update leaves StatSeq odd for good; give
+		// up after a while with a best-effort set rather than spin.
+		if try >= 1000 {
+			break
+		}
+		runtime.Gosched()
+	}
+	st.LiveMRs = st.Registrations - st.Deregistrations
+	return st
+}
+
+// MRs returns the live MRs in table order, for dumps. Any process may call
+// it; a slot that is being rewritten throughout is left out.
+func (d *Soft) MRs() []MR {
+	var out []MR
+	for i := range d.table {
+		if mr, ok := d.readSlot(uint32(i)); ok {
+			out = append(out, mr)
+		}
+	}
+	return out
+}
+
+// readSlot reads slot idx consistently; ok is false for a free slot.
+func (d *Soft) readSlot(idx uint32) (MR, bool) {
+	s := &d.table[idx]
+	for try := 0; try < 100; try++ {
+		seq := atomic.LoadUint32(&s.Seq)
+		key := atomic.LoadUint32(&s.Key)
+		mr := MR{
+			Addr:   uintptr(atomic.LoadUint64(&s.Addr)),
+			Len:    uintptr(atomic.LoadUint64(&s.Len)),
+			LKey:   key,
+			RKey:   key,
+			Handle: idx,
+			Access: Access(atomic.LoadUint32(&s.Access)),
+		}
+		if seq&1 == 0 && atomic.LoadUint32(&s.Seq) == seq {
+			return mr, key != 0
+		}
+		runtime.Gosched()
+	}
+	return MR{}, false
+}
