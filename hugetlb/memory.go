@@ -579,7 +579,9 @@ func (m *Memory) RUnlock() { m.mu.RUnlock() }
 // reservation) and closes the backing files. The primary also marks the
 // descriptors closed, so later attaches fail, and removes the backing files,
 // so the hugepages go back to the kernel once no process maps them any
-// more. No events are delivered. Close is idempotent.
+// more. No events are delivered. Close the Memory before its segment. Close
+// is idempotent; other methods fail with ErrClosed afterwards and the
+// queries report nothing.
 func (m *Memory) Close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -1,8 +1,10 @@
 package hugetlb
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/bits"
 	"runtime"
 	"sync/atomic"
@@ -190,9 +192,16 @@ func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 	l.state.setRange(first, n)
 	atomic.AddUint64(&l.desc.Allocated, uint64(n))
 	m.endChange()
-	m.log.Debug("pages allocated", "list", l.index, "first", first, "pages", n, "addr", fmt.Sprintf("0x%x", r.Addr))
+	m.debug("pages allocated", l, first, n)
 	m.deliver(EventAlloc, l, first, n)
 	return r, nil
+}
+
+// debug logs a change of pages, costing nothing when debug logging is off.
+func (m *Memory) debug(msg string, l *list, first, n int) {
+	if m.log.Enabled(context.Background(), slog.LevelDebug) {
+		m.log.Debug(msg, "list", l.index, "first", first, "pages", n, "addr", fmt.Sprintf("0x%x", l.addr(first)))
+	}
 }
 
 // freeHugepages says how many hugepages of l's size an allocation could
@@ -213,8 +222,9 @@ func freeHugepages(l *list) uint64 {
 // It delivers EventFree first, while the range is still mapped, then turns
 // the range back into an inaccessible reservation (a later touch faults),
 // punches the pages out of the backing file (on hugetlbfs they go back to
-// the kernel's pool) and marks them free in the shared descriptor. Primary
-// only.
+// the kernel's pool) and marks them free in the shared descriptor. If the
+// unmap itself fails, the pages stay allocated (the subscribers have already
+// let go of them, which does no harm). Primary only.
 func (m *Memory) Free(r Region) error {
 	if !m.primary {
 		return fmt.Errorf("hugetlb: free: %w", ErrNotPrimary)
@@ -245,7 +255,7 @@ func (m *Memory) Free(r Region) error {
 	punchErr := falloc.PunchHole(l.fd(), int64(uint64(first)*l.pageSize), int64(r.Len))
 	l.state.clearRange(first, n)
 	atomic.AddUint64(&l.desc.Allocated, -uint64(n))
-	m.log.Debug("pages freed", "list", l.index, "first", first, "pages", n, "addr", fmt.Sprintf("0x%x", r.Addr))
+	m.debug("pages freed", l, first, n)
 	if punchErr != nil {
 		// The pages are unmapped and free; only their blocks linger.
 		return fmt.Errorf("hugetlb: free: the memory is free but its blocks were not returned: %w", punchErr)

@@ -1,0 +1,166 @@
+package hugetlb_test
+
+import (
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/vm"
+)
+
+func TestSecondarySeesSameBytesAtSameAddresses(t *testing.T) {
+	testenv.ForEachBackend(t, 6, func(t *testing.T, b hugetlb.Backend) {
+		ps := b.PageSize
+		in := newInstance(t, b, hugetlb.ListConfig{Pages: 2}, hugetlb.ListConfig{Pages: 8})
+		lists := in.mem.Lists()
+
+		// Three pages do not fit list 0: they go to list 1.
+		big, err := in.mem.Alloc(3*ps - 100)
+		require.NoError(t, err)
+		assert.Equal(t, hugetlb.Region{Addr: lists[1].Base, Len: 3 * ps}, big, "whole pages, first fit")
+		small, err := in.mem.Alloc(1)
+		require.NoError(t, err)
+		assert.Equal(t, hugetlb.Region{Addr: lists[0].Base, Len: ps}, small)
+		fill(big.Bytes(), 1)
+		fill(small.Bytes(), 2)
+
+		sec := startSecondary(t, in)
+		ask(t, sec, "ok", "check %#x %d 1", big.Addr, big.Len)
+		ask(t, sec, "ok", "check %#x %d 2", small.Addr, small.Len)
+
+		// The secondary writes the middle page; the primary sees it.
+		ask(t, sec, "filled", "fill %#x %d 3", big.Addr+uintptr(ps), ps)
+		assert.Equal(t, -1, verify(big.Bytes()[ps:2*ps], 3))
+		assert.Equal(t, -1, verify(big.Bytes()[:ps], 1), "the rest is unchanged")
+
+		// Pages allocated after the attach appear when the secondary maps
+		// them, as the IPC layer will tell it to.
+		later, err := in.mem.Alloc(2 * ps)
+		require.NoError(t, err)
+		assert.Equal(t, lists[1].Base+uintptr(3*ps), later.Addr)
+		fill(later.Bytes(), 4)
+		ask(t, sec, "readable false", "readable %#x %d", later.Addr, later.Len)
+		ask(t, sec, "mapped", "map 1 3 2")
+		ask(t, sec, "ok", "check %#x %d 4", later.Addr, later.Len)
+		ask(t, sec, "mapped", "map 1 3 2") // again: harmless
+		ask(t, sec, "mapped 5", "mapped 1")
+
+		// A secondary may neither allocate nor free, nor map free pages.
+		ask(t, sec, "alloc-error notprimary=true", "alloc %d", ps)
+		ask(t, sec, "free-error notprimary=true", "free %#x %d", big.Addr, ps)
+		ask(t, sec, "error", "map 1 6 1")
+
+		got := in.mem.Lists()
+		assert.Equal(t, 5, got[1].Allocated)
+		assert.Equal(t, 3, got[1].Free)
+		assert.Equal(t, 5, got[1].Mapped)
+		assert.Equal(t, 1, got[0].Allocated)
+		assert.Equal(t, b.Kind, got[0].Backend)
+	})
+}
+
+func TestSecondaryFaultsOnFreedMemory(t *testing.T) {
+	testenv.ForEachBackend(t, 2, func(t *testing.T, b hugetlb.Backend) {
+		ps := b.PageSize
+		in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
+		r, err := in.mem.Alloc(2 * ps)
+		require.NoError(t, err)
+		fill(r.Bytes(), 1)
+		freed := hugetlb.Region{Addr: r.Addr + uintptr(ps), Len: ps}
+
+		sec := startSecondary(t, in)
+		ask(t, sec, "touching", "touch %#x", freed.Addr)
+		sec.Expect("touched", 0)
+
+		// What the IPC layer will do: the free event makes every secondary
+		// unmap before the primary's Free goes on.
+		cancel := in.mem.Subscribe(func(e hugetlb.Event) {
+			if e.Kind == hugetlb.EventFree {
+				ask(t, sec, "unmapped", "unmap 0 1 1")
+			}
+		})
+		defer cancel()
+		require.NoError(t, in.mem.Free(freed))
+		assert.ErrorIs(t, vm.CheckReadable(freed.Addr, uintptr(freed.Len)), vm.ErrNotMapped, "the primary faults too")
+
+		ask(t, sec, "touching", "touch %#x", r.Addr)
+		sec.Expect("touched", 0)
+		ask(t, sec, "touching", "touch %#x", freed.Addr)
+		line, err := sec.Next("touched", 0)
+		require.Error(t, err, "the secondary read freed memory: %s", line)
+		require.ErrorContains(t, err, "ended", "the secondary neither read nor died")
+		require.Error(t, sec.Wait(0))
+		assert.Equal(t, syscall.SIGSEGV, sec.Signal(), "stderr: %s", sec.Stderr())
+	})
+}
+
+func TestResyncFollowsDescriptors(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		ps := b.PageSize
+		in := newInstance(t, b, hugetlb.ListConfig{Pages: 8})
+		r, err := in.mem.Alloc(3 * ps)
+		require.NoError(t, err)
+		fill(r.Bytes(), 1)
+		sec := startSecondary(t, in)
+		ask(t, sec, "subscribed", "subscribe")
+
+		// Changes the secondary is not told about.
+		require.NoError(t, in.mem.Free(hugetlb.Region{Addr: r.Addr + uintptr(ps), Len: ps}))
+		later, err := in.mem.Alloc(ps) // reuses page 1
+		require.NoError(t, err)
+		require.Equal(t, r.Addr+uintptr(ps), later.Addr)
+		fill(later.Bytes(), 2)
+		require.NoError(t, in.mem.Free(hugetlb.Region{Addr: r.Addr + uintptr(2*ps), Len: ps}))
+		extra, err := in.mem.Alloc(ps)
+		require.NoError(t, err)
+		require.Equal(t, r.Addr+uintptr(2*ps), extra.Addr, "first fit takes the hole")
+		require.NoError(t, in.mem.Free(extra))
+
+		ask(t, sec, "readable true", "readable %#x %d", r.Addr+uintptr(2*ps), ps)
+		sec.Send("resync")
+		assert.Equal(t, "event free "+hex(r.Addr+uintptr(2*ps))+" "+dec(ps), sec.Expect("event", 0),
+			"page 2 was freed: it goes, announced first")
+		sec.Expect("resynced", 0)
+		ask(t, sec, "readable false", "readable %#x %d", r.Addr+uintptr(2*ps), ps)
+		ask(t, sec, "ok", "check %#x %d 1", r.Addr, ps)
+		ask(t, sec, "ok", "check %#x %d 2", later.Addr, ps)
+
+		// A new allocation arrives with its event, after the mapping.
+		fresh, err := in.mem.Alloc(2 * ps)
+		require.NoError(t, err)
+		sec.Send("resync")
+		assert.Equal(t, "event alloc "+hex(fresh.Addr)+" "+dec(fresh.Len), sec.Expect("event", 0))
+		sec.Expect("resynced", 0)
+		ask(t, sec, "mapped 4", "mapped 0")
+	})
+}
+
+func TestAttachFailsClearlyWhenRangeIsTaken(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
+	l := in.mem.Lists()[0]
+
+	p := startHelperExpectingFailure(t, in, "occupy")
+	line := p.Expect("attach-error", 0)
+	t.Log(line)
+	assert.Contains(t, line, "inuse=true")
+	assert.Contains(t, line, "["+hex(l.Base)+", "+hex(l.End)+")", "names the list's range")
+	assert.Contains(t, line, "["+hex(l.Base+uintptr(l.PageSize))+", "+hex(l.Base+2*uintptr(l.PageSize))+")",
+		"names what is in the way")
+	assert.Contains(t, line, "ListConfig.Base", "names the knob")
+	require.Error(t, p.Wait(0))
+
+	// Without the obstacle the same attach works.
+	startSecondary(t, in)
+}
+
+func TestAttachAfterPrimaryClosed(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 2})
+	require.NoError(t, in.mem.Close())
+	p := startHelperExpectingFailure(t, in)
+	assert.Contains(t, p.Expect("attach-error", 0), hugetlb.ErrClosed.Error())
+}
