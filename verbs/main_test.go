@@ -28,11 +28,18 @@ func segOptions(path string) shm.Options {
 	return shm.Options{Path: path, LayoutTag: layoutTag, Slots: 8, Role: shm.RoleSecondary, Logger: quiet}
 }
 
+// newSegmentPath returns a unique path for a segment on tmpfs; the files
+// are removed at cleanup.
+func newSegmentPath(t testing.TB) string {
+	t.Helper()
+	return testenv.File(t, testenv.Tmpfs(t).Dir)
+}
+
 // newSegment creates a control segment on tmpfs, closed and removed at
 // cleanup. The caller marks it ready once the device exists.
 func newSegment(t testing.TB) (*shm.Segment, shm.Options) {
 	t.Helper()
-	o := segOptions(testenv.File(t, testenv.Tmpfs(t).Dir))
+	o := segOptions(newSegmentPath(t))
 	o.Role = shm.RolePrimary
 	s, err := shm.Create(o)
 	require.NoError(t, err)

@@ -70,10 +70,18 @@ type SoftStats struct {
 // AttachSoft, in any process, validates, copies and reads counters; its
 // PDs' RegMR and DeregMR fail with ErrPermission.
 //
+// Registering checks that the range is mapped readable in the calling
+// process (ErrNotMapped otherwise, never a later crash) and pins it with
+// mlock, page by page counted, so deregistering one of two overlapping MRs
+// leaves the shared pages pinned. Pinning is best effort: hugetlbfs pages
+// are resident anyway (the kernel skips them; they count as pinned), and
+// when mlock fails because RLIMIT_MEMLOCK is too low and the process lacks
+// CAP_IPC_LOCK, the MR is registered unpinned, the first such failure is
+// logged as a warning and SoftStats.UnpinnedMRs counts them.
+//
 // All methods are safe for concurrent use. The segment must stay open
 // while the Soft is in use: Close the Soft first.
 type Soft struct {
-	seg    *shm.Segment
 	hdr    *softHeader
 	table  []mrSlot
 	log    *slog.Logger
@@ -141,7 +149,7 @@ func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
 	for i := range own.free {
 		own.free[i] = uint32(i)
 	}
-	d := &Soft{seg: seg, hdr: h, table: shm.Slice[mrSlot](seg, off+headerBytes, n), log: log, own: own}
+	d := &Soft{hdr: h, table: shm.Slice[mrSlot](seg, off+headerBytes, n), log: log, own: own}
 	log.Debug("soft device created", "segment", seg.Path(), "max_mrs", n, "offset", off)
 	return d, nil
 }
@@ -177,7 +185,7 @@ func AttachSoft(seg *shm.Segment) (*Soft, error) {
 	default:
 		return nil, fmt.Errorf("verbs: attach soft device: %w: state %d", ErrCorrupt, s)
 	}
-	return &Soft{seg: seg, hdr: h, table: shm.Slice[mrSlot](seg, table, int(n)), log: slog.Default()}, nil
+	return &Soft{hdr: h, table: shm.Slice[mrSlot](seg, table, int(n)), log: slog.Default()}, nil
 }
 
 // Name returns SoftName.
@@ -235,13 +243,9 @@ type softPD struct {
 	closed atomic.Bool
 }
 
-// RegMR registers [addr, addr+length). It checks that the range is mapped
-// readable in this process (an ErrNotMapped error otherwise, never a later
-// crash) and pins it with mlock. Pinning is best effort: hugetlbfs pages
-// are always resident and the kernel skips them; when mlock fails
-// (RLIMIT_MEMLOCK without CAP_IPC_LOCK) the MR is registered unpinned, the
-// first such failure is logged, and SoftStats.UnpinnedMRs counts them. Owner
-// only (ErrPermission elsewhere). A full table gives ErrNoResources.
+// RegMR registers [addr, addr+length): checked, pinned and published as
+// the Soft documentation says. Owner only (ErrPermission elsewhere). A
+// full table gives ErrNoResources.
 func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
 	d := p.d
 	if d.own == nil {

@@ -1,14 +1,10 @@
 package verbs_test
 
 import (
-	"bufio"
-	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -103,7 +99,7 @@ func TestValidateDuringChurn(t *testing.T) {
 			}
 		}()
 	}
-	for u := 2; u < 20000; u++ {
+	for u := 2; u < 6000; u++ {
 		require.NoError(t, pd.DeregMR(mr))
 		mr, err = pd.RegMR(buf.page(u%3), vm.PageSize, 0)
 		require.NoError(t, err)
@@ -440,57 +436,6 @@ func TestCopyIntoUnmappedMemoryFails(t *testing.T) {
 	assert.ErrorIs(t, err, verbs.ErrLocalAccess, "validation still comes first")
 	require.NoError(t, pd.DeregMR(dst), "deregistering memory that is gone works")
 	require.NoError(t, pd.DeregMR(src))
-}
-
-// lockedBytes sums the sizes of this process's mlocked mappings inside
-// [lo, hi), from /proc/self/smaps.
-func lockedBytes(t *testing.T, lo, hi uintptr) uintptr {
-	t.Helper()
-	raw, err := os.ReadFile("/proc/self/smaps")
-	require.NoError(t, err)
-	var total, start, end uintptr
-	sc := bufio.NewScanner(bytes.NewReader(raw))
-	for sc.Scan() {
-		line := sc.Text()
-		if f := strings.Fields(line); len(f) > 1 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":") {
-			s, e, _ := strings.Cut(f[0], "-")
-			a, err1 := strconv.ParseUint(s, 16, 64)
-			b, err2 := strconv.ParseUint(e, 16, 64)
-			if err1 == nil && err2 == nil {
-				start, end = uintptr(a), uintptr(b)
-			}
-			continue
-		}
-		if flags, ok := strings.CutPrefix(line, "VmFlags:"); ok && start >= lo && end <= hi {
-			if strings.Contains(" "+flags+" ", " lo ") {
-				total += end - start
-			}
-		}
-	}
-	return total
-}
-
-func TestPinsAreCountedPerPage(t *testing.T) {
-	d, pd, _ := newSoft(t, 8)
-	buf := newBuffer(t, 8*vm.PageSize)
-	page := vm.PageSize
-	// a covers pages 0-3, b pages 2-5 (b starts mid-page 2): they share
-	// pages 2 and 3, which stay pinned until both are gone.
-	a, err := pd.RegMR(buf.addr, 4*page, 0)
-	require.NoError(t, err)
-	b, err := pd.RegMR(buf.page(2)+100, 3*page, 0)
-	require.NoError(t, err)
-	if st := d.Stats(); st.UnpinnedMRs != 0 {
-		t.Skipf("mlock is not permitted here (RLIMIT_MEMLOCK): %d MRs unpinned", st.UnpinnedMRs)
-	}
-	assert.Equal(t, 6*page, lockedBytes(t, buf.addr, buf.addr+buf.size))
-	assert.Equal(t, uint64(a.Len+b.Len), d.Stats().PinnedBytes)
-
-	require.NoError(t, pd.DeregMR(a))
-	assert.Equal(t, 4*page, lockedBytes(t, buf.addr, buf.addr+buf.size), "b's pages stay pinned")
-	require.NoError(t, pd.DeregMR(b))
-	assert.Zero(t, lockedBytes(t, buf.addr, buf.addr+buf.size))
-	assert.Zero(t, d.Stats().PinnedBytes)
 }
 
 func TestRegMROnHugetlbfs(t *testing.T) {

@@ -1,0 +1,152 @@
+package verbs_test
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+func init() {
+	testproc.Register("unpinned", helperUnpinned)
+}
+
+// lockedBytes sums the sizes of this process's mlocked mappings inside
+// [lo, hi), from /proc/self/smaps.
+func lockedBytes(t *testing.T, lo, hi uintptr) uintptr {
+	t.Helper()
+	raw, err := os.ReadFile("/proc/self/smaps")
+	require.NoError(t, err)
+	var total, start, end uintptr
+	sc := bufio.NewScanner(bytes.NewReader(raw))
+	for sc.Scan() {
+		line := sc.Text()
+		if f := strings.Fields(line); len(f) > 1 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":") {
+			s, e, _ := strings.Cut(f[0], "-")
+			a, err1 := strconv.ParseUint(s, 16, 64)
+			b, err2 := strconv.ParseUint(e, 16, 64)
+			if err1 == nil && err2 == nil {
+				start, end = uintptr(a), uintptr(b)
+			}
+			continue
+		}
+		if flags, ok := strings.CutPrefix(line, "VmFlags:"); ok && start >= lo && end <= hi {
+			if strings.Contains(" "+flags+" ", " lo ") {
+				total += end - start
+			}
+		}
+	}
+	return total
+}
+
+func TestPinsAreCountedPerPage(t *testing.T) {
+	d, pd, _ := newSoft(t, 8)
+	buf := newBuffer(t, 8*vm.PageSize)
+	page := vm.PageSize
+	// a covers pages 0-3, b pages 2-5 (b starts mid-page 2): they share
+	// pages 2 and 3, which stay pinned until both are gone.
+	a, err := pd.RegMR(buf.addr, 4*page, 0)
+	require.NoError(t, err)
+	b, err := pd.RegMR(buf.page(2)+100, 3*page, 0)
+	require.NoError(t, err)
+	if st := d.Stats(); st.UnpinnedMRs != 0 {
+		t.Skipf("mlock is not permitted here (RLIMIT_MEMLOCK): %d MRs unpinned", st.UnpinnedMRs)
+	}
+	assert.Equal(t, 6*page, lockedBytes(t, buf.addr, buf.addr+buf.size))
+	assert.Equal(t, uint64(a.Len+b.Len), d.Stats().PinnedBytes)
+
+	require.NoError(t, pd.DeregMR(a))
+	assert.Equal(t, 4*page, lockedBytes(t, buf.addr, buf.addr+buf.size), "b's pages stay pinned")
+	require.NoError(t, pd.DeregMR(b))
+	assert.Zero(t, lockedBytes(t, buf.addr, buf.addr+buf.size))
+	assert.Zero(t, d.Stats().PinnedBytes)
+}
+
+// helperUnpinned runs a primary that may not mlock: RLIMIT_MEMLOCK is 0
+// and its thread lacks CAP_IPC_LOCK. It registers two MRs and reports the
+// counters and how many warnings it logged.
+func helperUnpinned(args []string) int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	// Capabilities belong to a thread: keep this goroutine on the one
+	// that drops CAP_IPC_LOCK.
+	runtime.LockOSThread()
+	if err := unix.Setrlimit(unix.RLIMIT_MEMLOCK, &unix.Rlimit{}); err != nil {
+		return fail(err)
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var caps [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &caps[0]); err != nil {
+		return fail(err)
+	}
+	caps[0].Effective &^= 1 << unix.CAP_IPC_LOCK
+	if err := unix.Capset(&hdr, &caps[0]); err != nil {
+		return fail(err)
+	}
+
+	o := segOptions(args[0])
+	o.Role = shm.RolePrimary
+	seg, err := shm.Create(o)
+	if err != nil {
+		return fail(err)
+	}
+	defer seg.Close()
+	var logged bytes.Buffer
+	d, err := verbs.CreateSoft(seg, verbs.SoftOptions{MaxMRs: 4, Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	if err != nil {
+		return fail(err)
+	}
+	defer d.Close()
+	pd, _ := d.AllocPD()
+	size := 4 * vm.PageSize
+	addr, err := vm.Reserve(0, size)
+	if err != nil {
+		return fail(err)
+	}
+	f, err := os.OpenFile(args[1], os.O_RDWR, 0)
+	if err != nil {
+		return fail(err)
+	}
+	if err := vm.MapFile(addr, size, int(f.Fd()), 0); err != nil {
+		return fail(err)
+	}
+	a, errA := pd.RegMR(addr, 2*vm.PageSize, 0)
+	b, errB := pd.RegMR(addr+2*vm.PageSize, 2*vm.PageSize, verbs.AccessLocalWrite)
+	if errA != nil || errB != nil {
+		return fail(fmt.Errorf("%v, %v", errA, errB))
+	}
+	st := d.Stats()
+	testproc.Say("registered unpinned=%d pinned=%d warnings=%d valid=%s",
+		st.UnpinnedMRs, st.PinnedBytes, strings.Count(logged.String(), "cannot pin"),
+		errName(d.Validate(verbs.SGE{Addr: b.Addr, Len: 8, Key: b.LKey}, verbs.AccessLocalWrite)))
+	if err := pd.DeregMR(a); err != nil {
+		return fail(err)
+	}
+	st = d.Stats()
+	testproc.Say("deregistered unpinned=%d pinned=%d", st.UnpinnedMRs, st.PinnedBytes)
+	return 0
+}
+
+func TestRegMRWithoutMlockRegistersUnpinned(t *testing.T) {
+	p := testproc.Start(t, "unpinned", []string{newSegmentPath(t), newFile(t, 4*vm.PageSize)})
+	assert.Equal(t, "registered unpinned=2 pinned=0 warnings=1 valid=ok", p.Expect("registered ", 0),
+		"both MRs work unpinned; the first failure is logged, the second only counted")
+	assert.Equal(t, "deregistered unpinned=1 pinned=0", p.Expect("deregistered ", 0))
+	require.NoError(t, p.Wait(0))
+}
