@@ -39,6 +39,7 @@ type SoftOptions struct {
 }
 
 // SGE is a scatter-gather element: what a work request hands the device.
+// It is a plain value.
 type SGE struct {
 	Addr uintptr
 	Len  uint32
