@@ -1,0 +1,351 @@
+package ipc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+)
+
+// DefaultWriteTimeout is how long a frame may wait for room in the peer's
+// receive queue when no shorter deadline applies. A peer that takes no
+// message for that long is not reading: its connection is dropped.
+const DefaultWriteTimeout = 5 * time.Second
+
+// WithFiles attaches open files to a message body: pass it (or a pointer
+// to it) as a request, push or reply to send them with the body, and a
+// *WithFiles whose Body points at the reply value as the reply target of
+// Call or Push to receive them. The receiver gets its own descriptors,
+// close-on-exec, and owns those. The sender's files stay open and its own
+// unless CloseAfterSend is set: then they are closed once the message has
+// gone or failed to (for a file made only to be sent, such as in a reply,
+// which the handler cannot close after returning).
+type WithFiles struct {
+	Body           any
+	Files          []*os.File
+	CloseAfterSend bool
+}
+
+func splitFiles(body any) (payload any, files []*os.File, closeAfter bool) {
+	switch w := body.(type) {
+	case WithFiles:
+		return w.Body, w.Files, w.CloseAfterSend
+	case *WithFiles:
+		return w.Body, w.Files, w.CloseAfterSend
+	}
+	return body, nil, false
+}
+
+// Decoder hands a handler the body of one request or push. It is valid
+// only during the handler call and is not safe for concurrent use.
+type Decoder struct {
+	body  []byte
+	files []*os.File
+	err   error // the first decoding failure: it costs the peer its connection
+}
+
+// Decode decodes the body into v as Unmarshal does. A failure (wrapping
+// ErrMalformed) means the peer sent a bad message: once the handler
+// returns, its connection is closed and no reply is sent.
+func (d *Decoder) Decode(v any) error {
+	err := Unmarshal(d.body, v)
+	if err != nil && d.err == nil {
+		d.err = err
+	}
+	return err
+}
+
+// Files returns the files that came with the message and hands them over
+// to the caller, who must close them. Files not taken by the time the
+// handler returns are closed.
+func (d *Decoder) Files() []*os.File {
+	f := d.files
+	d.files = nil
+	return f
+}
+
+func (d *Decoder) release() {
+	closeFiles(d.files)
+	d.files = nil
+}
+
+func closeFiles(files []*os.File) {
+	for _, f := range files {
+		f.Close()
+	}
+}
+
+// message is a received request or push waiting for its handler. Its body
+// is a copy: the receive buffer is reused for the next frame.
+type message struct {
+	id    uint64
+	kind  Kind
+	body  []byte
+	files []*os.File
+}
+
+// call is one request or push waiting for its answer.
+type call struct {
+	reply any
+	ch    chan error // buffered: whoever takes the call from pending sends once
+}
+
+// endpoint is what both ends of a connection share: writing frames,
+// matching answers to the calls that wait for them, and recording why the
+// connection ended.
+type endpoint struct {
+	conn         *Conn
+	log          *slog.Logger
+	writeTimeout time.Duration
+	wsem         chan struct{} // the write lock; a channel so waiting honours ctx
+
+	ctx    context.Context // handlers' context: cancelled when the connection ends
+	cancel context.CancelFunc
+
+	mu      sync.Mutex
+	nextID  uint64
+	pending map[uint64]*call
+	err     error         // why the connection ended; nil while it is open
+	done    chan struct{} // closed when err is set
+}
+
+func (e *endpoint) init(conn *Conn, log *slog.Logger, writeTimeout time.Duration) {
+	if log == nil {
+		log = slog.Default()
+	}
+	if writeTimeout <= 0 {
+		writeTimeout = DefaultWriteTimeout
+	}
+	e.conn, e.log, e.writeTimeout = conn, log, writeTimeout
+	e.wsem = make(chan struct{}, 1)
+	e.ctx, e.cancel = context.WithCancel(context.Background())
+	e.pending = map[uint64]*call{}
+	e.done = make(chan struct{})
+}
+
+// Err returns why the connection ended, or nil while it is open.
+func (e *endpoint) Err() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.err
+}
+
+// fail ends the connection for cause (the first cause wins): every
+// pending call fails, handlers' context is cancelled, the socket closes.
+func (e *endpoint) fail(cause error) {
+	err := gone(cause)
+	e.mu.Lock()
+	if e.err != nil {
+		e.mu.Unlock()
+		return
+	}
+	e.err = err
+	pending := e.pending
+	e.pending = nil
+	close(e.done)
+	e.mu.Unlock()
+
+	e.cancel()
+	e.conn.Close()
+	for _, c := range pending {
+		c.ch <- err
+	}
+}
+
+var frameBufs = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
+
+// write sends one frame. It fails without harm to the connection when the
+// body cannot be encoded or is too large, or when ctx ends before the
+// frame could go (a datagram goes whole or not at all). Any other failure
+// ends the connection.
+func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) error {
+	payload, files, closeAfter := splitFiles(body)
+	if closeAfter {
+		defer closeFiles(files)
+	}
+	if len(files) > MaxFiles {
+		return fmt.Errorf("ipc: %s with %d files, at most %d", kind, len(files), MaxFiles)
+	}
+	bp := frameBufs.Get().(*[]byte)
+	b, err := AppendFrame((*bp)[:0], id, kind, len(files), payload)
+	defer func() {
+		if cap(b) <= 2*MaxMessage {
+			*bp = b[:0]
+			frameBufs.Put(bp)
+		}
+	}()
+	if err != nil {
+		return err
+	}
+	if len(b) > MaxMessage {
+		return fmt.Errorf("%w: %s frame of %d bytes", ErrTooLarge, kind, len(b))
+	}
+
+	select {
+	case e.wsem <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-e.done:
+		return e.Err()
+	}
+	deadline := time.Now().Add(e.writeTimeout)
+	ctxDeadline, byCtx := ctx.Deadline()
+	if byCtx && ctxDeadline.Before(deadline) {
+		deadline = ctxDeadline
+	} else {
+		byCtx = false
+	}
+	err = e.conn.send(b, files, deadline)
+	<-e.wsem
+
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		if byCtx {
+			return context.DeadlineExceeded
+		}
+		err = fmt.Errorf("peer took no message for %v", e.writeTimeout)
+	}
+	if err != nil {
+		e.fail(err)
+		return e.Err()
+	}
+	return nil
+}
+
+// call sends a request or push and waits for its answer, decoded into
+// reply (which may be nil, or a *WithFiles).
+func (e *endpoint) call(ctx context.Context, kind Kind, req, reply any) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	c := &call{reply: reply, ch: make(chan error, 1)}
+	e.mu.Lock()
+	if e.err != nil {
+		err := e.err
+		e.mu.Unlock()
+		return err
+	}
+	e.nextID++
+	id := e.nextID
+	e.pending[id] = c
+	e.mu.Unlock()
+
+	if err := e.write(ctx, id, kind, req); err != nil {
+		if e.take(id) != nil {
+			return err
+		}
+		return <-c.ch // the connection failed meanwhile and answered the call
+	}
+	select {
+	case err := <-c.ch:
+		return err
+	case <-ctx.Done():
+		if e.take(id) != nil {
+			return ctx.Err()
+		}
+		// The reader took the call an instant ago and is decoding into
+		// reply: wait for it, so that reply is not written after return.
+		return <-c.ch
+	}
+}
+
+// take removes the call waiting for id. Whoever takes it answers it.
+func (e *endpoint) take(id uint64) *call {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c := e.pending[id]
+	if c != nil {
+		delete(e.pending, id)
+	}
+	return c
+}
+
+// readLoop receives frames until the connection ends and returns why:
+// answers go to their calls, anything else to incoming.
+func (e *endpoint) readLoop(incoming func(Frame, []*os.File) error) error {
+	buf := make([]byte, MaxMessage)
+	for {
+		n, files, err := e.conn.recv(buf)
+		if err != nil {
+			return err
+		}
+		f, err := ParseFrame(buf[:n])
+		if err == nil && f.Files != len(files) {
+			err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
+		}
+		if err != nil {
+			closeFiles(files)
+			return err
+		}
+		if f.Kind == KindReply || f.Kind == KindError {
+			err = e.deliver(f, files)
+		} else {
+			err = incoming(f, files)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// deliver hands an answer to the call waiting for it. An answer nobody
+// waits for (its caller gave up) is dropped. An error frame with id 0 is
+// the peer saying why it drops the connection.
+func (e *endpoint) deliver(f Frame, files []*os.File) error {
+	if f.ID == 0 {
+		closeFiles(files)
+		var r ErrorReply
+		if f.Kind != KindError || Unmarshal(f.Body, &r) != nil {
+			return fmt.Errorf("%w: %s frame with id 0", ErrMalformed, f.Kind)
+		}
+		return remoteError(&r)
+	}
+	c := e.take(f.ID)
+	if c == nil {
+		closeFiles(files)
+		e.log.Debug("ipc: dropped an answer nobody waits for", "id", f.ID, "kind", f.Kind)
+		return nil
+	}
+	var err error
+	if f.Kind == KindError {
+		closeFiles(files)
+		var r ErrorReply
+		if err = Unmarshal(f.Body, &r); err == nil {
+			err = remoteError(&r)
+		}
+	} else {
+		err = decodeReply(f.Body, files, c.reply)
+	}
+	c.ch <- err
+	return nil
+}
+
+// decodeReply decodes an answer into reply, handing its files over when
+// reply is a *WithFiles and closing them otherwise.
+func decodeReply(body []byte, files []*os.File, reply any) error {
+	w, ok := reply.(*WithFiles)
+	if !ok {
+		closeFiles(files)
+		if reply == nil {
+			return nil
+		}
+		return Unmarshal(body, reply)
+	}
+	if w.Body != nil {
+		if err := Unmarshal(body, w.Body); err != nil {
+			closeFiles(files)
+			return err
+		}
+	}
+	w.Files = files
+	return nil
+}
+
+// isViolation reports whether a connection ended because the peer broke
+// the protocol, which deserves more than a debug line.
+func isViolation(err error) bool {
+	return errors.Is(err, ErrMalformed) || errors.Is(err, ErrTooLarge) ||
+		errors.Is(err, ErrUnknownKind) || errors.Is(err, ErrBacklog)
+}

@@ -1,0 +1,254 @@
+package ipc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/mpmr/mpmr/internal/sock"
+)
+
+// SocketName is the file name of an instance's socket in its runtime
+// directory.
+const SocketName = "ipc.sock"
+
+// ValidatePrefix checks an instance prefix: 1 to 64 ASCII letters, digits,
+// '-', '_' or '.', and not "." or anything containing "..".
+func ValidatePrefix(prefix string) error {
+	if len(prefix) == 0 || len(prefix) > 64 || prefix == "." || strings.Contains(prefix, "..") {
+		return fmt.Errorf("%w: %q", ErrBadPrefix, prefix)
+	}
+	for _, c := range []byte(prefix) {
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '-', c == '_', c == '.':
+		default:
+			return fmt.Errorf("%w: %q has %q", ErrBadPrefix, prefix, c)
+		}
+	}
+	return nil
+}
+
+// RuntimeDir returns the directory of instance prefix's runtime files:
+// $XDG_RUNTIME_DIR/mpmr/<prefix> when that variable holds an absolute path,
+// else /run/mpmr/<prefix> for root, else /tmp/mpmr-<uid>/<prefix>. It does
+// not create it; Listen does.
+func RuntimeDir(prefix string) (string, error) {
+	if err := ValidatePrefix(prefix); err != nil {
+		return "", err
+	}
+	if x := os.Getenv("XDG_RUNTIME_DIR"); filepath.IsAbs(x) {
+		return filepath.Join(x, "mpmr", prefix), nil
+	}
+	if uid := os.Geteuid(); uid != 0 {
+		return filepath.Join(os.TempDir(), "mpmr-"+strconv.Itoa(uid), prefix), nil
+	}
+	return filepath.Join("/run/mpmr", prefix), nil
+}
+
+// SocketPath returns the socket path of instance prefix: SocketName in
+// its RuntimeDir.
+func SocketPath(prefix string) (string, error) {
+	dir, err := RuntimeDir(prefix)
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, SocketName), nil
+}
+
+// Cred is a peer's identity as the kernel recorded it when the connection
+// was made (SO_PEERCRED).
+type Cred = sock.Cred
+
+// Listener is a listening socket of mode 0600. Safe for concurrent use.
+type Listener struct {
+	l    *sock.Listener
+	path string
+	fi   fs.FileInfo // the socket file as created, to remove only ours
+	once sync.Once
+	err  error
+}
+
+// Listen creates a listening socket at path, creating its directory (mode
+// 0700) when missing. The directory must be owned by this user or root and
+// not writable by others (unless sticky), else ErrUnsafeDir. A socket file
+// left at path by a server that ended is replaced; one that a live server
+// listens on fails with ErrAddressInUse, and so does any other kind of
+// file.
+//
+// Listen does not make the check-and-replace atomic against another
+// process doing the same: one server per path is the caller's policy (a
+// lock file, as the primary's).
+func Listen(path string) (*Listener, error) {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("ipc: listen: %w", err)
+	}
+	if err := checkDir(dir); err != nil {
+		return nil, err
+	}
+	l, err := sock.Listen(path)
+	if errors.Is(err, sock.ErrAddressInUse) {
+		if err := removeStale(path); err != nil {
+			return nil, err
+		}
+		l, err = sock.Listen(path)
+	}
+	if errors.Is(err, sock.ErrAddressInUse) {
+		return nil, fmt.Errorf("%w: %s", ErrAddressInUse, path)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ipc: %w", err)
+	}
+	fi, err := os.Lstat(path)
+	if err == nil {
+		err = os.Chmod(path, 0o600)
+	}
+	if err != nil {
+		l.Close()
+		return nil, fmt.Errorf("ipc: listen: %w", err)
+	}
+	return &Listener{l: l, path: path, fi: fi}, nil
+}
+
+func checkDir(dir string) error {
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("ipc: listen: %w", err)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	switch {
+	case !fi.IsDir():
+		return fmt.Errorf("%w: %s is not a directory", ErrUnsafeDir, dir)
+	case ok && int(st.Uid) != os.Geteuid() && st.Uid != 0:
+		return fmt.Errorf("%w: %s is owned by uid %d", ErrUnsafeDir, dir, st.Uid)
+	case fi.Mode().Perm()&0o022 != 0 && fi.Mode()&fs.ModeSticky == 0:
+		return fmt.Errorf("%w: %s is writable by others (mode %v)", ErrUnsafeDir, dir, fi.Mode())
+	}
+	return nil
+}
+
+// removeStale removes the socket file at path if nobody listens on it.
+func removeStale(path string) error {
+	fi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil // gone meanwhile
+	}
+	if err != nil {
+		return fmt.Errorf("ipc: listen: %w", err)
+	}
+	if fi.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("%w: %s exists and is not a socket", ErrAddressInUse, path)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	c, err := sock.Dial(ctx, path)
+	switch {
+	case err == nil:
+		c.Close()
+		return fmt.Errorf("%w: %s", ErrAddressInUse, path)
+	case errors.Is(err, sock.ErrRefused):
+		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("ipc: remove stale socket: %w", err)
+		}
+		return nil
+	case errors.Is(err, sock.ErrNoSocket):
+		return nil
+	}
+	return fmt.Errorf("ipc: probe %s: %w", path, err)
+}
+
+// Path returns the socket path.
+func (l *Listener) Path() string { return l.path }
+
+// Accept waits for the next connection. After Close it fails with
+// ErrClosed. A Server calls it; use it directly only without one.
+func (l *Listener) Accept() (*Conn, error) {
+	c, err := l.l.Accept()
+	if err != nil {
+		if sock.IsClosed(err) {
+			return nil, ErrClosed
+		}
+		return nil, fmt.Errorf("ipc: %w", err)
+	}
+	return &Conn{c: c}, nil
+}
+
+// Close stops listening and removes the socket file, unless another
+// listener has replaced it meanwhile. Idempotent.
+func (l *Listener) Close() error {
+	l.once.Do(func() {
+		l.err = l.l.Close()
+		if fi, err := os.Lstat(l.path); err == nil && os.SameFile(fi, l.fi) {
+			if err := os.Remove(l.path); err != nil && l.err == nil {
+				l.err = fmt.Errorf("ipc: remove socket: %w", err)
+			}
+		}
+	})
+	return l.err
+}
+
+// Conn is one connection, client or server side, before a Client or Server
+// takes it over: from then on they own it. Safe for concurrent use.
+type Conn struct {
+	c *sock.Conn
+}
+
+// Dial connects to the server listening at path. It fails with
+// ErrNotListening when nobody listens there.
+func Dial(ctx context.Context, path string) (*Conn, error) {
+	c, err := sock.Dial(ctx, path)
+	if err != nil {
+		if errors.Is(err, sock.ErrNoSocket) || errors.Is(err, sock.ErrRefused) {
+			return nil, fmt.Errorf("%w: %w", ErrNotListening, err)
+		}
+		return nil, fmt.Errorf("ipc: %w", err)
+	}
+	return &Conn{c: c}, nil
+}
+
+// PeerCred returns the credentials of the process at the other end: for a
+// dialled connection, the server that was listening.
+func (c *Conn) PeerCred() (Cred, error) { return c.c.PeerCred() }
+
+// Close closes the connection. Idempotent.
+func (c *Conn) Close() error { return c.c.Close() }
+
+// send writes one frame. b must not exceed MaxMessage.
+func (c *Conn) send(b []byte, files []*os.File, deadline time.Time) error {
+	if err := c.c.SetWriteDeadline(deadline); err != nil {
+		return connErr(err)
+	}
+	return connErr(c.c.Send(b, files))
+}
+
+// recv reads one frame into b (of at least MaxMessage bytes).
+func (c *Conn) recv(b []byte) (int, []*os.File, error) {
+	n, files, err := c.c.Recv(b)
+	return n, files, connErr(err)
+}
+
+// connErr maps transport errors to this package's.
+func connErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, io.EOF), errors.Is(err, sock.ErrPeerClosed):
+		return ErrPeerGone
+	case sock.IsClosed(err):
+		return ErrClosed
+	case errors.Is(err, sock.ErrTruncated):
+		return fmt.Errorf("%w: frame longer than %d bytes", ErrTooLarge, MaxMessage)
+	case errors.Is(err, sock.ErrTooManyFiles):
+		return fmt.Errorf("%w: %w", ErrMalformed, err)
+	}
+	return fmt.Errorf("ipc: %w", err)
+}
