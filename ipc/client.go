@@ -17,13 +17,17 @@ import (
 const maxPushQueue = 1024
 
 // PushHandler handles the pushes a server sends to a Client. A client calls
-// it from one goroutine, one push at a time, in arrival order; what it
-// returns is sent back as the acknowledgement (a reply, or an error).
+// it from one goroutine, one push at a time, in arrival order, so an
+// implementation needs no locking against itself; what it returns is sent
+// back as the acknowledgement (a reply, or an error). ctx ends with the
+// connection. If decoding the body fails, the client drops the connection
+// instead of acknowledging.
 type PushHandler interface {
 	HandlePush(ctx context.Context, kind Kind, body *Decoder) (reply any, err error)
 }
 
-// PushHandlerFunc adapts a function to PushHandler.
+// PushHandlerFunc adapts a function to PushHandler. Called as PushHandler
+// says: one push at a time.
 type PushHandlerFunc func(ctx context.Context, kind Kind, body *Decoder) (any, error)
 
 // HandlePush calls f.
@@ -31,7 +35,7 @@ func (f PushHandlerFunc) HandlePush(ctx context.Context, kind Kind, body *Decode
 	return f(ctx, kind, body)
 }
 
-// ClientConfig configures a Client.
+// ClientConfig configures a Client. NewClient copies it.
 type ClientConfig struct {
 	// PushHandler handles the server's pushes. Without one, each push is
 	// answered with ErrNoHandler.

@@ -36,7 +36,7 @@ const maxDepth = 8
 //
 // The array form is fixed: a frame with another number of elements, with
 // bytes after the body, or whose body is not a single well-formed value is
-// malformed.
+// malformed. A plain value; Body aliases the bytes it was parsed from.
 type Frame struct {
 	ID    uint64 // request id; a reply carries the id of what it answers
 	Kind  Kind

@@ -22,7 +22,8 @@ const DefaultWriteTimeout = 5 * time.Second
 // close-on-exec, and owns those. The sender's files stay open and its own
 // unless CloseAfterSend is set: then they are closed once the message has
 // gone or failed to (for a file made only to be sent, such as in a reply,
-// which the handler cannot close after returning).
+// which the handler cannot close after returning). A plain value; the
+// files must stay open until the call that sends them returns.
 type WithFiles struct {
 	Body           any
 	Files          []*os.File

@@ -48,7 +48,8 @@ var (
 
 // ErrorReply is the body of a KindError frame: a failed request or push.
 // Code selects a registered sentinel error on the receiving side; Message is
-// the full text of the error where it happened.
+// the full text of the error where it happened (cut to 1 KiB). A plain
+// value.
 type ErrorReply struct {
 	Code    string `msgpack:"code"`
 	Message string `msgpack:"msg"`

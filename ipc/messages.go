@@ -7,11 +7,13 @@ import (
 )
 
 // ABI is the version of the protocol and messages of this package. Hello
-// carries it; a server refuses a client with another.
+// carries it, so that a primary can refuse a secondary built against
+// another.
 const ABI uint32 = 1
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
+// A plain value, safe for concurrent use.
 type Kind uint16
 
 // Frame kinds. Values are part of the protocol: never renumber one.
@@ -64,6 +66,9 @@ func (k Kind) IsRequest() bool {
 // a client's PushHandler.
 func (k Kind) IsPush() bool { return kinds[k].push }
 
+// The messages below are plain values: safe to share between goroutines as
+// long as nobody modifies them. Each Validate runs as part of Unmarshal.
+
 // Limits on message fields. Decoding enforces them, so a peer cannot make
 // the receiver allocate more than a frame's worth.
 const (
@@ -79,7 +84,10 @@ func fieldErr(format string, args ...any) error {
 	return fmt.Errorf("%w: "+format, append([]any{errField}, args...)...)
 }
 
-// Hello is the attach handshake a secondary sends first.
+// Hello is the attach handshake a secondary sends first. The server
+// compares ABI with its own; Start is the process start time (see
+// shm.ProcessStart), which tells a reused pid from the original. A plain
+// value.
 type Hello struct {
 	ABI   uint32 `msgpack:"abi"`
 	PID   int    `msgpack:"pid"`
@@ -102,7 +110,7 @@ func (m *Hello) Validate() error {
 }
 
 // HelloReply tells an attaching secondary its process-table slot and how to
-// map the instance.
+// map the instance. A plain value.
 type HelloReply struct {
 	Slot       int    `msgpack:"slot"`
 	Segment    string `msgpack:"segment"`   // control segment file
@@ -131,13 +139,13 @@ func (m *HelloReply) Validate() error {
 }
 
 // CreateMR asks the primary for the memory region covering Addr, creating
-// (registering) it if none exists.
+// (registering) it if none exists. A plain value.
 type CreateMR struct {
 	Addr uint64 `msgpack:"addr"`
 }
 
 // CreateMRReply is the lookup-table entry for the new or existing region:
-// [Start, End) and its key.
+// [Start, End) and its key. A plain value.
 type CreateMRReply struct {
 	Start uint64 `msgpack:"start"`
 	End   uint64 `msgpack:"end"`
@@ -152,13 +160,14 @@ func (m *CreateMRReply) Validate() error {
 	return nil
 }
 
-// Chunk is one memory chunk of a mempool: [Addr, Addr+Len).
+// Chunk is one memory chunk of a mempool: [Addr, Addr+Len). A plain value.
 type Chunk struct {
 	Addr uint64 `msgpack:"addr"`
 	Len  uint64 `msgpack:"len"`
 }
 
-// RegisterMempool asks the primary to register every chunk of a mempool.
+// RegisterMempool asks the primary to register every chunk of a mempool
+// (1 to MaxChunks chunks). A plain value.
 type RegisterMempool struct {
 	Name   string  `msgpack:"name"`
 	Chunks []Chunk `msgpack:"chunks"`
@@ -180,7 +189,7 @@ func (m *RegisterMempool) Validate() error {
 	return nil
 }
 
-// RegisterMempoolReply gives the key of each chunk, in order.
+// RegisterMempoolReply gives the key of each chunk, in order. A plain value.
 type RegisterMempoolReply struct {
 	Keys []uint32 `msgpack:"keys"`
 }
@@ -193,7 +202,7 @@ func (m *RegisterMempoolReply) Validate() error {
 	return nil
 }
 
-// SyncOp is what a Sync push asks a secondary to do.
+// SyncOp is what a Sync push asks a secondary to do. A plain value.
 type SyncOp uint8
 
 // Sync operations.
@@ -217,6 +226,7 @@ func (o SyncOp) String() string {
 
 // Sync is the memory synchronisation push: the primary allocated or freed
 // pages, and the secondary must map or unmap them before it acknowledges.
+// A plain value.
 type Sync struct {
 	Op    SyncOp `msgpack:"op"`
 	List  int    `msgpack:"list"`
@@ -238,14 +248,15 @@ func (m *Sync) Validate() error {
 	return nil
 }
 
-// SyncAck acknowledges a Sync: the secondary's mappings now match.
+// SyncAck acknowledges a Sync: the secondary's mappings now match. A plain
+// value.
 type SyncAck struct{}
 
-// StatsRequest asks the primary for its counters.
+// StatsRequest asks the primary for its counters. A plain value.
 type StatsRequest struct{}
 
-// StatsReply carries a process's counters by name, plus a few fields every
-// caller wants.
+// StatsReply carries a process's counters by name (at most MaxItems),
+// plus a few fields every caller wants. A plain value.
 type StatsReply struct {
 	PID         int               `msgpack:"pid"`
 	Secondaries int               `msgpack:"secondaries"` // attached now
@@ -263,8 +274,9 @@ func (m *StatsReply) Validate() error {
 	return nil
 }
 
-// Detach tells the primary that the secondary is leaving.
+// Detach tells the primary that the secondary is leaving. A plain value.
 type Detach struct{}
 
-// DetachReply confirms that the secondary's slot is released.
+// DetachReply confirms that the secondary's slot is released. A plain
+// value.
 type DetachReply struct{}

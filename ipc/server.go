@@ -49,7 +49,8 @@ type Handler interface {
 	Disconnected(p *Peer, err error)
 }
 
-// ServerConfig configures a Server.
+// ServerConfig configures a Server. NewServer copies it; do not change
+// the AllowUIDs slice afterwards.
 type ServerConfig struct {
 	// Listener to accept connections on. The server owns it from now on
 	// and closes it (removing the socket file) when it stops.
@@ -60,7 +61,8 @@ type ServerConfig struct {
 	// Default slog.Default().
 	Logger *slog.Logger
 	// AllowUIDs lists users besides the server's own and root that may
-	// connect.
+	// connect. Listen makes the socket and its directory private to their
+	// owner, so such users also need the file permissions loosened.
 	AllowUIDs []int
 	// MaxInflightPerConn bounds the requests of one connection handled
 	// at once; later ones wait in a bounded backlog. Default

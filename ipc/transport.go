@@ -65,8 +65,13 @@ func SocketPath(prefix string) (string, error) {
 }
 
 // Cred is a peer's identity as the kernel recorded it when the connection
-// was made (SO_PEERCRED).
-type Cred = sock.Cred
+// was made (SO_PEERCRED): the connecting process for a server's peer, the
+// listening process for a client's server. A plain value.
+type Cred struct {
+	PID int
+	UID int
+	GID int
+}
 
 // Listener is a listening socket of mode 0600. Safe for concurrent use.
 type Listener struct {
@@ -84,9 +89,11 @@ type Listener struct {
 // listens on fails with ErrAddressInUse, and so does any other kind of
 // file.
 //
-// Listen does not make the check-and-replace atomic against another
-// process doing the same: one server per path is the caller's policy (a
-// lock file, as the primary's).
+// Checking whether a server is live means connecting to it: that server
+// sees a connection come and go. Listen does not make the check-and-replace
+// atomic against another process doing the same: one server per path is
+// the caller's policy (a lock file, as the primary's). A server killed an
+// instant ago may still hold its listening socket until its exit completes.
 func Listen(path string) (*Listener, error) {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -217,7 +224,10 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 
 // PeerCred returns the credentials of the process at the other end: for a
 // dialled connection, the server that was listening.
-func (c *Conn) PeerCred() (Cred, error) { return c.c.PeerCred() }
+func (c *Conn) PeerCred() (Cred, error) {
+	cred, err := c.c.PeerCred()
+	return Cred(cred), err
+}
 
 // Close closes the connection. Idempotent.
 func (c *Conn) Close() error { return c.c.Close() }

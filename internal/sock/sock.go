@@ -54,7 +54,7 @@ const network = "unixpacket" // SOCK_SEQPACKET in the net package's terms
 
 // Cred is a peer's identity as the kernel recorded it when the connection
 // was made (SO_PEERCRED): the connecting process for an accepted
-// connection, the listening process for a dialled one.
+// connection, the listening process for a dialled one. A plain value.
 type Cred struct {
 	PID int
 	UID int
