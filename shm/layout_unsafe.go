@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"reflect"
+	"sync"
 	"unsafe"
 )
 
@@ -178,6 +179,19 @@ func LayoutHash(descs ...string) uint32 {
 var ownLayout = LayoutHash(Describe(header{}), Describe(procSlot{}),
 	Describe(blockHeader{}), Describe(lockHead{}), Describe(readerLine{}))
 
+// plainTypes caches the types checkPlain accepted.
+var plainTypes sync.Map
+
+// mustBePlain panics if t can hold a Go pointer (see checkPlain); the
+// answer is cached per type.
+func mustBePlain(t reflect.Type) {
+	if _, ok := plainTypes.Load(t); ok {
+		return
+	}
+	checkPlain(t)
+	plainTypes.Store(t, struct{}{})
+}
+
 // checkPlain panics if t can hold a Go pointer: such a type must never be
 // placed in shared memory, where the garbage collector cannot see it and
 // other processes would read a meaningless address.
@@ -205,7 +219,7 @@ func checkPlain(t reflect.Type) {
 func At[T any](s *Segment, off uint64) *T {
 	var zero T
 	t := reflect.TypeOf(zero)
-	checkPlain(t)
+	mustBePlain(t)
 	s.mustRange(off, uint64(t.Size()), uint64(t.Align()))
 	return (*T)(unsafe.Add(s.basePtr(), off))
 }
@@ -215,7 +229,7 @@ func At[T any](s *Segment, off uint64) *T {
 func Slice[T any](s *Segment, off uint64, n int) []T {
 	var zero T
 	t := reflect.TypeOf(zero)
-	checkPlain(t)
+	mustBePlain(t)
 	if n < 0 {
 		panic("shm: negative slice length")
 	}

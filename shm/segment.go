@@ -279,6 +279,7 @@ const (
 	RootMemory = 0 // hugetlb: memseg list table
 	RootCache  = 1 // cache: global share cache
 	RootDevice = 2 // verbs: soft device
+	RootPools  = 3 // cache: mempool directory
 	RootUser   = 8 // first root free for applications
 )
 

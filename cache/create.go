@@ -1,0 +1,262 @@
+package cache
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync/atomic"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// writeLock takes the global write lock. Only the primary writes, so a dead
+// previous owner can only be a crashed primary whose segment we adopted:
+// the MR list is the truth, and the table is rebuilt from it.
+func (g *Global) writeLock() (context.CancelFunc, error) {
+	ctx, cancel := g.lockCtx()
+	err := g.lock.Lock(ctx)
+	if errors.Is(err, shm.ErrOwnerDied) {
+		g.log.Warn("global cache lock owner died; rebuilding the table from the MR list")
+		if err = g.rebuild(); err == nil {
+			g.lock.MarkConsistent()
+		} else {
+			g.lock.Unlock()
+		}
+	}
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("cache: global write lock: %w", err)
+	}
+	return cancel, nil
+}
+
+func (g *Global) writeUnlock(cancel context.CancelFunc) {
+	g.lock.Unlock()
+	cancel()
+}
+
+// Create returns the entry for addr, registering the memory around it if no
+// MR covers it yet. Primary only. It follows the seeds' create path:
+//
+//  1. release MRs on the free list (deregistering outside the lock);
+//  2. find the run of allocated, contiguous pages around addr — or just its
+//     page, in single-page mode;
+//  3. allocate the record and its bitmap;
+//  4. under the memory read lock, check the run is unchanged (else retry
+//     with one page);
+//  5. under the write lock, return the existing entry if another goroutine
+//     or process created one meanwhile;
+//  6. mark the pages of the run not yet registered by other MRs (the bitmap
+//     may come out fragmented) and trim the range to them;
+//  7. register that range, insert the MR in the list and its chunks in the
+//     table, and return the entry for addr.
+func (g *Global) Create(addr uint64) (Entry, error) {
+	if !g.owner {
+		return Entry{}, ErrNotPrimary
+	}
+	if g.closed.Load() {
+		return Entry{}, ErrClosed
+	}
+	g.GC()
+	run, ok := g.runAround(addr, g.single)
+	if !ok {
+		return Entry{}, fmt.Errorf("%w: 0x%x", ErrNoMemory, addr)
+	}
+	for {
+		e, retry, err := g.createIn(addr, run)
+		if !retry {
+			return e, err
+		}
+		// The memory changed between the walk and the lock: one page only.
+		if run, ok = g.runAround(addr, true); !ok {
+			return Entry{}, fmt.Errorf("%w: 0x%x (freed meanwhile)", ErrNoMemory, addr)
+		}
+	}
+}
+
+// runAround finds the memory to register for addr: the contiguous run of
+// allocated pages of its list, or only its page.
+func (g *Global) runAround(addr uint64, onePage bool) (hugetlb.Run, bool) {
+	run, ok := g.mem.ContigRun(uintptr(addr))
+	if !ok || !onePage || run.Pages == 1 {
+		return run, ok
+	}
+	i := int((uintptr(addr) - run.Start) / uintptr(run.PageSize))
+	run.First += i
+	run.Start += uintptr(i) * uintptr(run.PageSize)
+	run.End = run.Start + uintptr(run.PageSize)
+	run.Pages = 1
+	return run, true
+}
+
+// createIn does steps 3 to 7 for one candidate run; retry reports that the
+// run changed before the lock was taken.
+func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, err error) {
+	n := uint32(run.Pages)
+	words := uint64(n+63) / 64
+	off, err := g.seg.Alloc(mrRecordSize+words*8, 64)
+	if err != nil {
+		return Entry{}, false, fmt.Errorf("cache: create MR for 0x%x: %w", addr, err)
+	}
+	keep := false
+	defer func() {
+		if !keep {
+			_ = g.seg.Free(off)
+		}
+	}()
+
+	g.mem.RLock()
+	defer g.mem.RUnlock()
+	if again, ok := g.runAround(addr, run.Pages == 1); !ok {
+		return Entry{}, false, fmt.Errorf("%w: 0x%x (freed meanwhile)", ErrNoMemory, addr)
+	} else if again != run {
+		return Entry{}, true, nil
+	}
+
+	cancel, err := g.writeLock()
+	if err != nil {
+		return Entry{}, false, err
+	}
+	defer g.writeUnlock(cancel)
+	if e, found, err := g.find(addr); err != nil || found {
+		return e, false, err
+	}
+
+	rec := shm.At[mrRecord](g.seg, off)
+	atomic.StoreInt32(&rec.List, int32(run.List))
+	atomic.StoreUint32(&rec.BitmapLen, n)
+	m, err := g.mrAt(off)
+	if err != nil {
+		return Entry{}, false, err
+	}
+	ps := run.PageSize
+	first := -1
+	var last, set uint32
+	for i := range n {
+		page := uint64(run.Start) + uint64(i)*ps
+		if _, found, err := g.find(page); err != nil {
+			return Entry{}, false, err
+		} else if found {
+			continue // registered by another MR
+		}
+		if first < 0 {
+			first = int(i)
+		}
+		m.setBit(i - uint32(first))
+		last = i
+		set++
+	}
+	if first < 0 {
+		// Every page is covered by other MRs, but not addr: impossible
+		// unless the table lost entries.
+		return Entry{}, false, fmt.Errorf("%w: 0x%x missing though its pages are registered", ErrCorrupt, addr)
+	}
+	start := uint64(run.Start) + uint64(first)*ps
+	length := uint64(last-uint32(first)+1) * ps
+	vmr, err := g.pd.RegMR(uintptr(start), uintptr(length), g.access)
+	if err != nil {
+		return Entry{}, false, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
+	}
+	atomic.StoreUint64(&rec.Start, start)
+	atomic.StoreUint64(&rec.Len, length)
+	atomic.StoreUint64(&rec.PageSize, ps)
+	atomic.StoreUint32(&rec.BaseIdx, uint32(run.First+first))
+	atomic.StoreUint32(&rec.PagesSet, set)
+	atomic.StoreUint32(&rec.BitmapLen, last-uint32(first)+1)
+	atomic.StoreUint32(&rec.LKey, vmr.LKey)
+	atomic.StoreUint32(&rec.RKey, vmr.RKey)
+	atomic.StoreUint32(&rec.Handle, vmr.Handle)
+	atomic.StoreUint32(&rec.Access, uint32(vmr.Access))
+	if m, err = g.mrAt(off); err != nil {
+		return Entry{}, false, err
+	}
+	g.push(&g.root.MRList, &g.root.MRCount, m)
+	keep = true
+	atomic.AddUint64(&g.root.Creates, 1)
+	if err := g.insertChunks(m); err != nil {
+		return Entry{}, false, err
+	}
+	e, found, err := g.find(addr)
+	if err == nil && !found {
+		err = fmt.Errorf("%w: 0x%x not found right after registering it", ErrCorrupt, addr)
+	}
+	g.log.Debug("MR created", "addr", addr, "start", start, "len", length, "lkey", vmr.LKey, "pages", set)
+	return e, false, err
+}
+
+// push puts m at the head of a list. Call with the write lock held.
+func (g *Global) push(head *uint64, count *uint32, m mr) {
+	atomic.StoreUint64(&m.rec.Next, atomic.LoadUint64(head))
+	atomic.StoreUint64(head, m.off)
+	atomic.AddUint32(count, 1)
+}
+
+// insertChunks puts every chunk of m into the table, doubling the table
+// when it is full. Call with the write lock held.
+func (g *Global) insertChunks(m mr) error {
+	for _, e := range m.chunks() {
+		if err := g.insert(e); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (g *Global) insert(e Entry) error {
+	t, err := g.table()
+	if err != nil {
+		return err
+	}
+	if t.Len() >= t.Size() && !t.Overflowed() && !g.noExpand {
+		if nt, err := t.expandSegment(2 * t.Size()); err != nil {
+			// Not fatal: the table overflows and lookups scan the list.
+			g.log.Warn("global MR table cannot grow; falling back to list lookups", "err", err)
+		} else {
+			t = nt
+			g.tbl.Store(t)
+			atomic.AddUint64(&g.root.Expansions, 1)
+		}
+	}
+	if err := t.Insert(e); err != nil && !errors.Is(err, ErrTableFull) {
+		return err
+	}
+	return nil
+}
+
+// rebuild refills the table from the MR list, growing it to hold every
+// chunk. Call with the write lock held, after bumping DevGen.
+func (g *Global) rebuild() error {
+	t, err := g.table()
+	if err != nil {
+		return err
+	}
+	chunks := make([]Entry, 0, atomic.LoadUint32(&g.root.MRCount))
+	err = g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
+		chunks = m.appendChunks(chunks)
+		return true
+	})
+	if err != nil {
+		t.Clear()
+		return err
+	}
+	slices.SortFunc(chunks, func(a, b Entry) int { return cmp.Compare(a.Start, b.Start) })
+	if need := len(chunks) + 1; need > t.Size() && !g.noExpand {
+		size := t.Size()
+		for size < need {
+			size *= 2
+		}
+		if nt, err := t.expandSegment(size); err != nil {
+			g.log.Warn("global MR table cannot grow; falling back to list lookups", "err", err)
+		} else {
+			t = nt
+			g.tbl.Store(t)
+			atomic.AddUint64(&g.root.Expansions, 1)
+		}
+	}
+	t.Fill(chunks)
+	atomic.AddUint64(&g.root.Rebuilds, 1)
+	return nil
+}

@@ -1,0 +1,260 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// onMemoryEvent is subscribed to the data memory's events. Free events
+// arrive before the pages are unmapped, with the memory write lock held.
+func (g *Global) onMemoryEvent(ev hugetlb.Event) {
+	if ev.Kind != hugetlb.EventFree || g.closed.Load() {
+		return
+	}
+	if err := g.invalidate(uint64(ev.Addr), ev.Len); err != nil {
+		// The event cannot be refused; the memory goes away regardless.
+		g.log.Error("MR cache invalidation failed", "addr", ev.Addr, "len", ev.Len, "err", err)
+	}
+}
+
+// invalidate clears the pages of [addr, addr+length) from every MR. An MR
+// left with no pages moves to the free list, to be deregistered by the next
+// GC. If anything changed, DevGen is bumped and then the table rebuilt,
+// both under the write lock: a lookup that sees the old generation may
+// still use what it cached, but one that starts after the bump flushes,
+// and finds the global table either locked or rebuilt.
+func (g *Global) invalidate(addr, length uint64) error {
+	cancel, err := g.writeLock()
+	if err != nil {
+		return err
+	}
+	defer g.writeUnlock(cancel)
+	ps := g.pageSize(addr)
+	changed := false
+	for page := addr &^ (ps - 1); page < addr+length; page += ps {
+		_, m, found, err := g.findInList(page)
+		if err != nil {
+			return err
+		}
+		if !found || m.external() {
+			continue
+		}
+		bit := uint32((page - atomic.LoadUint64(&m.rec.Start)) / atomic.LoadUint64(&m.rec.PageSize))
+		m.clearBit(bit)
+		changed = true
+		if atomic.AddUint32(&m.rec.PagesSet, ^uint32(0)) == 0 {
+			if err := g.moveToFree(m); err != nil {
+				return err
+			}
+		}
+	}
+	if !changed {
+		return nil
+	}
+	atomic.AddUint32(g.devGen, 1) // before the rebuild: see the review in the seeds
+	atomic.AddUint64(&g.root.Invalidations, 1)
+	return g.rebuild()
+}
+
+// pageSize returns the page size of the memseg list holding addr (the
+// smallest page size the lists use if none does).
+func (g *Global) pageSize(addr uint64) uint64 {
+	lists := g.mem.Lists()
+	if i, ok := g.mem.InList(uintptr(addr)); ok && i < len(lists) {
+		return lists[i].PageSize
+	}
+	ps := uint64(1) << 30
+	for _, l := range lists {
+		ps = min(ps, l.PageSize)
+	}
+	return ps
+}
+
+// moveToFree unlinks m from the MR list and pushes it on the free list.
+// Call with the write lock held.
+func (g *Global) moveToFree(m mr) error {
+	prev := &g.root.MRList
+	for off, n := atomic.LoadUint64(prev), 0; off != 0; off, n = atomic.LoadUint64(prev), n+1 {
+		if n >= maxMRs {
+			return fmt.Errorf("%w: MR list does not end", ErrCorrupt)
+		}
+		if off == m.off {
+			atomic.StoreUint64(prev, atomic.LoadUint64(&m.rec.Next))
+			atomic.AddUint32(&g.root.MRCount, ^uint32(0))
+			g.push(&g.root.FreeList, &g.root.FreeCount, m)
+			return nil
+		}
+		next, err := g.mrAt(off)
+		if err != nil {
+			return err
+		}
+		prev = &next.rec.Next
+	}
+	return fmt.Errorf("%w: MR at 0x%x not on the list", ErrCorrupt, m.off)
+}
+
+// GC deregisters the MRs on the free list and frees their records: the
+// list is detached under the write lock and released outside it, as the
+// seeds do. Primary only; returns how many MRs were released.
+func (g *Global) GC() int {
+	if !g.owner || atomic.LoadUint32(&g.root.FreeCount) == 0 {
+		return 0
+	}
+	cancel, err := g.writeLock()
+	if err != nil {
+		g.log.Error("MR garbage collection", "err", err)
+		return 0
+	}
+	head := atomic.LoadUint64(&g.root.FreeList)
+	atomic.StoreUint64(&g.root.FreeList, 0)
+	atomic.StoreUint32(&g.root.FreeCount, 0)
+	g.writeUnlock(cancel)
+	var n int
+	var errs []error
+	err = g.eachMR(head, func(m mr) bool {
+		if err := g.pd.DeregMR(m.verbsMR()); err != nil {
+			errs = append(errs, err)
+		}
+		errs = append(errs, g.seg.Free(m.off))
+		n++
+		return true
+	})
+	if err := errors.Join(append(errs, err)...); err != nil {
+		g.log.Error("MR garbage collection", "err", err)
+	}
+	return n
+}
+
+// Close releases every MR (deregistering them) and the global table, and
+// stops listening to memory events. Other processes' handles need no
+// closing. Idempotent.
+func (g *Global) Close() error {
+	if !g.owner {
+		return nil
+	}
+	g.closeMu.Lock()
+	defer g.closeMu.Unlock()
+	if g.closed.Swap(true) {
+		return nil
+	}
+	g.unsub()
+	cancel, err := g.writeLock()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for off := atomic.LoadUint64(&g.root.MRList); off != 0; off = atomic.LoadUint64(&g.root.MRList) {
+		m, err := g.mrAt(off)
+		if err == nil {
+			err = g.moveToFree(m)
+		}
+		if err != nil {
+			errs = append(errs, err)
+			break
+		}
+	}
+	atomic.AddUint32(g.devGen, 1)
+	if t, err := g.table(); err == nil {
+		t.Clear()
+	}
+	g.writeUnlock(cancel)
+	g.GC()
+	return errors.Join(errs...)
+}
+
+// RegisterExternal registers [addr, addr+length), memory outside every
+// memseg list, as one MR (the seeds' external-memory MRs) and returns its
+// entry. Registering a range already covered returns the existing entry.
+// External memory is not tracked: keep it mapped until UnregisterExternal.
+// Primary only.
+func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
+	if !g.owner {
+		return Entry{}, ErrNotPrimary
+	}
+	if g.closed.Load() {
+		return Entry{}, ErrClosed
+	}
+	if length == 0 || addr+length < addr {
+		return Entry{}, fmt.Errorf("cache: register external [0x%x, +0x%x): bad range", addr, length)
+	}
+	if _, in := g.mem.InList(uintptr(addr)); in {
+		return Entry{}, fmt.Errorf("cache: register external 0x%x: address is in a memseg list", addr)
+	}
+	if _, in := g.mem.InList(uintptr(addr + length - 1)); in {
+		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): range reaches into a memseg list", addr, addr+length)
+	}
+	off, err := g.seg.Alloc(mrRecordSize, 64)
+	if err != nil {
+		return Entry{}, fmt.Errorf("cache: register external 0x%x: %w", addr, err)
+	}
+	cancel, err := g.writeLock()
+	if err != nil {
+		_ = g.seg.Free(off)
+		return Entry{}, err
+	}
+	defer g.writeUnlock(cancel)
+	if e, found, err := g.find(addr); err != nil || found {
+		_ = g.seg.Free(off)
+		return e, err
+	}
+	vmr, err := g.pd.RegMR(uintptr(addr), uintptr(length), g.access)
+	if err != nil {
+		_ = g.seg.Free(off)
+		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): %w", addr, addr+length, err)
+	}
+	rec := shm.At[mrRecord](g.seg, off)
+	atomic.StoreInt32(&rec.List, -1)
+	atomic.StoreUint64(&rec.Start, addr)
+	atomic.StoreUint64(&rec.Len, length)
+	atomic.StoreUint32(&rec.PagesSet, 1)
+	atomic.StoreUint32(&rec.BitmapLen, 1)
+	atomic.StoreUint32(&rec.LKey, vmr.LKey)
+	atomic.StoreUint32(&rec.RKey, vmr.RKey)
+	atomic.StoreUint32(&rec.Handle, vmr.Handle)
+	atomic.StoreUint32(&rec.Access, uint32(vmr.Access))
+	m, err := g.mrAt(off)
+	if err != nil {
+		return Entry{}, err
+	}
+	g.push(&g.root.MRList, &g.root.MRCount, m)
+	atomic.AddUint64(&g.root.Creates, 1)
+	if err := g.insertChunks(m); err != nil {
+		return Entry{}, err
+	}
+	e, _, err := g.find(addr)
+	return e, err
+}
+
+// UnregisterExternal deregisters the external-memory MR holding addr.
+// Lookups that start after it returns no longer find it. Primary only.
+func (g *Global) UnregisterExternal(addr uint64) error {
+	if !g.owner {
+		return ErrNotPrimary
+	}
+	cancel, err := g.writeLock()
+	if err != nil {
+		return err
+	}
+	_, m, found, err := g.findInList(addr)
+	if err == nil && (!found || !m.external()) {
+		err = fmt.Errorf("%w: no external MR holds 0x%x", ErrNoMemory, addr)
+	}
+	if err == nil {
+		err = g.moveToFree(m)
+	}
+	if err == nil {
+		atomic.AddUint32(g.devGen, 1)
+		atomic.AddUint64(&g.root.Invalidations, 1)
+		err = g.rebuild()
+	}
+	g.writeUnlock(cancel)
+	if err != nil {
+		return err
+	}
+	g.GC()
+	return nil
+}

@@ -1,0 +1,346 @@
+package cache
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// Errors of the global cache.
+var (
+	// ErrNoMemory means the address is in no memseg list and no registered
+	// external memory: there is nothing to register (the seeds' ENXIO).
+	ErrNoMemory = errors.New("cache: address is not in any known memory")
+	// ErrNotPrimary means the operation needs the primary process.
+	ErrNotPrimary = errors.New("cache: only the primary may do this")
+	// ErrExternalMemory means an external-memory chunk is not registered
+	// and this process cannot register it: register the mempool in the
+	// primary before the secondaries use it.
+	ErrExternalMemory = errors.New("cache: external memory is not registered; register the mempool in the primary before use")
+	// ErrClosed means the cache was closed.
+	ErrClosed = errors.New("cache: closed")
+)
+
+// globalRoot is the global share cache's state in the segment.
+//
+//	off size field
+//	  0   8  Lock           offset of the shm.RWLock guarding everything here
+//	  8   8  MRList         first MR record, 0 if none
+//	 16   8  FreeList       first MR waiting to be deregistered
+//	 24   4  MRCount
+//	 28   4  FreeCount
+//	 32   8  Creates        MRs registered
+//	 40   8  Rebuilds       table rebuilds
+//	 48   8  Expansions     table expansions
+//	 56   8  Invalidations  free events that changed registered memory
+//	 64  64  Table          header of the global lookup table
+//	128   4  DevGen         generation: bumped before every rebuild
+//	132  60  reserved       (DevGen has the line to itself)
+type globalRoot struct {
+	Lock          uint64
+	MRList        uint64
+	FreeList      uint64
+	MRCount       uint32
+	FreeCount     uint32
+	Creates       uint64
+	Rebuilds      uint64
+	Expansions    uint64
+	Invalidations uint64
+	Table         tableHeader
+	DevGen        uint32
+	_             [60]byte
+}
+
+// GlobalConfig configures the primary's global cache.
+type GlobalConfig struct {
+	// Memory is the data memory whose pages MRs cover. Required.
+	Memory *hugetlb.Memory
+	// PD registers and deregisters MRs. Required.
+	PD verbs.PD
+	// TableSize is the initial number of global table entries (default
+	// 512). The table doubles when it fills.
+	TableSize int
+	// SinglePage turns extended-memseg mode off: an MR then covers only the
+	// page of the missing address instead of the whole contiguous run of
+	// allocated pages around it. Fewer bytes stay registered; more MRs and
+	// table entries result.
+	SinglePage bool
+	// Access is what MRs are registered with (default local write and
+	// relaxed ordering).
+	Access verbs.Access
+	// LockTimeout bounds every wait for the global lock (default 5 s).
+	LockTimeout time.Duration
+	// Logger receives diagnostics (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// Global is a process's handle on the global share cache. The primary
+// (CreateGlobal) changes it; every process (AttachGlobal) looks up in it.
+// Global is safe for concurrent use.
+type Global struct {
+	seg     *shm.Segment
+	rootOff uint64
+	root    *globalRoot
+	lock    *shm.RWLock
+	devGen  *uint32
+	tbl     atomic.Pointer[Table] // current view of the table
+	timeout time.Duration
+	log     *slog.Logger
+
+	// Primary only.
+	owner  bool
+	mem    *hugetlb.Memory
+	pd     verbs.PD
+	single bool
+	access verbs.Access
+	unsub  func()
+	// noExpand keeps the table at its size (tests of the overflow path).
+	noExpand bool
+	closeMu  sync.Mutex
+	closed   atomic.Bool
+}
+
+const defaultGlobalTable = 512
+
+// CreateGlobal builds the global cache in seg (which this process owns),
+// records it under shm.RootCache, and subscribes to the memory's free
+// events.
+func CreateGlobal(seg *shm.Segment, c GlobalConfig) (*Global, error) {
+	if !seg.Owner() {
+		return nil, ErrNotPrimary
+	}
+	if c.Memory == nil || c.PD == nil {
+		return nil, errors.New("cache: GlobalConfig needs Memory and PD")
+	}
+	if c.TableSize == 0 {
+		c.TableSize = defaultGlobalTable
+	}
+	if c.Access == 0 {
+		c.Access = verbs.AccessLocalWrite | verbs.AccessRelaxedOrdering
+	}
+	rootOff, err := seg.Alloc(globalRootSize, 64)
+	if err != nil {
+		return nil, fmt.Errorf("cache: global root: %w", err)
+	}
+	lockOff, err := seg.NewRWLock()
+	if err != nil {
+		return nil, fmt.Errorf("cache: global lock: %w", err)
+	}
+	root := shm.At[globalRoot](seg, rootOff)
+	atomic.StoreUint64(&root.Lock, lockOff)
+	t, err := newSegmentTable(seg, rootOff+tableHeaderOff, c.TableSize)
+	if err != nil {
+		return nil, err
+	}
+	g, err := open(seg, rootOff, &c)
+	if err != nil {
+		return nil, err
+	}
+	g.tbl.Store(t)
+	g.owner, g.mem, g.pd, g.single, g.access = true, c.Memory, c.PD, c.SinglePage, c.Access
+	if err := seg.SetRoot(shm.RootCache, rootOff); err != nil {
+		return nil, err
+	}
+	g.unsub = c.Memory.Subscribe(g.onMemoryEvent)
+	return g, nil
+}
+
+// AttachGlobal opens the global cache the primary built in seg.
+func AttachGlobal(seg *shm.Segment, logger *slog.Logger, lockTimeout time.Duration) (*Global, error) {
+	off := seg.Root(shm.RootCache)
+	if off == 0 {
+		return nil, fmt.Errorf("%w: the segment has no global cache", ErrCorrupt)
+	}
+	if err := seg.CheckRange(off, globalRootSize); err != nil {
+		return nil, fmt.Errorf("%w: global root: %v", ErrCorrupt, err)
+	}
+	return open(seg, off, &GlobalConfig{Logger: logger, LockTimeout: lockTimeout})
+}
+
+func open(seg *shm.Segment, rootOff uint64, c *GlobalConfig) (*Global, error) {
+	root := shm.At[globalRoot](seg, rootOff)
+	lock, err := seg.RWLock(atomic.LoadUint64(&root.Lock))
+	if err != nil {
+		return nil, fmt.Errorf("cache: global lock: %w", err)
+	}
+	g := &Global{seg: seg, rootOff: rootOff, root: root, lock: lock, devGen: &root.DevGen,
+		timeout: c.LockTimeout, log: c.Logger}
+	if g.timeout <= 0 {
+		g.timeout = 5 * time.Second
+	}
+	if g.log == nil {
+		g.log = slog.Default()
+	}
+	if !seg.Owner() {
+		t, err := openSegmentTable(seg, rootOff+tableHeaderOff)
+		if err != nil {
+			return nil, err
+		}
+		g.tbl.Store(t)
+	}
+	return g, nil
+}
+
+// Primary reports whether this handle can create MRs.
+func (g *Global) Primary() bool { return g.owner }
+
+// DevGen returns the current generation. Local caches flush when it moves.
+func (g *Global) DevGen() uint32 { return atomic.LoadUint32(g.devGen) }
+
+// table returns a view of the table that matches the header. Call it with
+// the lock held, or inside an optimistic read (the view may then be bogus,
+// but is always in bounds).
+func (g *Global) table() (*Table, error) {
+	t := g.tbl.Load()
+	if !t.Stale() {
+		return t, nil
+	}
+	nt, err := openSegmentTable(g.seg, g.rootOff+tableHeaderOff)
+	if err != nil {
+		return nil, err
+	}
+	g.tbl.Store(nt)
+	return nt, nil
+}
+
+func (g *Global) lockCtx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), g.timeout)
+}
+
+// Lookup finds the registered chunk holding addr. It first tries an
+// optimistic read, which writes nothing to shared memory, and takes the
+// read lock only when a writer gets in the way or the table has
+// overflowed (then the MR list is scanned). It fails, rather than waiting
+// or reading a half-written table, if the primary died while writing.
+func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
+	for range 4 {
+		stamp, ok := g.lock.Optimistic()
+		if !ok {
+			break
+		}
+		t, err := g.table()
+		if err != nil || t.Overflowed() {
+			break
+		}
+		key, idx := t.Lookup(addr)
+		e := t.At(idx)
+		if g.lock.Validate(stamp) {
+			if key == InvalidKey {
+				return Entry{}, false, nil
+			}
+			return e, true, nil
+		}
+	}
+	return g.lookupLocked(addr)
+}
+
+func (g *Global) lookupLocked(addr uint64) (Entry, bool, error) {
+	ctx, cancel := g.lockCtx()
+	defer cancel()
+	if err := g.lock.RLock(ctx); err != nil {
+		return Entry{}, false, fmt.Errorf("cache: global lookup of 0x%x: %w", addr, err)
+	}
+	defer g.lock.RUnlock()
+	return g.find(addr)
+}
+
+// find looks addr up in the table, or in the MR list if the table has
+// overflowed. Call it with the lock held.
+func (g *Global) find(addr uint64) (Entry, bool, error) {
+	t, err := g.table()
+	if err != nil {
+		return Entry{}, false, err
+	}
+	if !t.Overflowed() {
+		key, idx := t.Lookup(addr)
+		if key == InvalidKey {
+			return Entry{}, false, nil
+		}
+		return t.At(idx), true, nil
+	}
+	e, _, found, err := g.findInList(addr)
+	return e, found, err
+}
+
+// findInList scans the MR list for the chunk holding addr (the slow path of
+// an overflowed table). Call it with the lock held.
+func (g *Global) findInList(addr uint64) (Entry, mr, bool, error) {
+	var found Entry
+	var owner mr
+	ok := false
+	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
+		for _, e := range m.chunks() {
+			if e.Contains(addr) {
+				found, owner, ok = e, m, true
+				return false
+			}
+		}
+		return true
+	})
+	return found, owner, ok, err
+}
+
+// maxMRs bounds list walks, so that a corrupt list cannot loop forever.
+const maxMRs = 1 << 20
+
+// eachMR calls fn for every record of the list starting at head until fn
+// returns false. Call it with the lock held.
+func (g *Global) eachMR(head uint64, fn func(mr) bool) error {
+	for off, n := head, 0; off != 0; n++ {
+		if n >= maxMRs {
+			return fmt.Errorf("%w: MR list does not end", ErrCorrupt)
+		}
+		m, err := g.mrAt(off)
+		if err != nil {
+			return err
+		}
+		next := atomic.LoadUint64(&m.rec.Next)
+		if !fn(m) {
+			return nil
+		}
+		off = next
+	}
+	return nil
+}
+
+// GlobalStats are the global cache's counters.
+type GlobalStats struct {
+	MRs, FreeMRs  int
+	TableLen      int // entries, sentinel excluded
+	TableSize     int
+	Overflowed    bool
+	DevGen        uint32
+	Creates       uint64
+	Rebuilds      uint64
+	Expansions    uint64
+	Invalidations uint64
+}
+
+// Stats reads the counters (without the lock: a best-effort snapshot).
+func (g *Global) Stats() GlobalStats {
+	r := g.root
+	st := GlobalStats{
+		MRs:           int(atomic.LoadUint32(&r.MRCount)),
+		FreeMRs:       int(atomic.LoadUint32(&r.FreeCount)),
+		TableLen:      int(atomic.LoadUint32(&r.Table.Len)) - 1,
+		TableSize:     int(atomic.LoadUint32(&r.Table.Size)),
+		Overflowed:    atomic.LoadUint32(&r.Table.Overflow) != 0,
+		DevGen:        atomic.LoadUint32(&r.DevGen),
+		Creates:       atomic.LoadUint64(&r.Creates),
+		Rebuilds:      atomic.LoadUint64(&r.Rebuilds),
+		Expansions:    atomic.LoadUint64(&r.Expansions),
+		Invalidations: atomic.LoadUint64(&r.Invalidations),
+	}
+	return st
+}
+
+// LockState describes the global lock, for operators.
+func (g *Global) LockState() shm.LockState { return g.lock.State() }

@@ -1,0 +1,289 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+)
+
+// Creator is how a miss in every cache becomes a new MR. The primary
+// registers the memory itself (*Global implements Creator); a secondary
+// asks the primary over IPC.
+type Creator interface {
+	// CreateMR returns the entry of an MR covering addr, creating the MR
+	// if there is none.
+	CreateMR(addr uint64) (Entry, error)
+	// RegisterExternal registers a chunk of external memory (outside the
+	// memseg lists). A secondary cannot: it returns ErrExternalMemory.
+	RegisterExternal(addr, length uint64) (Entry, error)
+}
+
+// CreateMR implements Creator for the primary.
+func (g *Global) CreateMR(addr uint64) (Entry, error) { return g.Create(addr) }
+
+const (
+	topSize          = 8 // entries in the top half (a power of two)
+	defaultLocalSize = 256
+	publishEvery     = 1 << 12 // hits between publications of the counters
+)
+
+// LocalStats counts what a local cache did.
+type LocalStats struct {
+	Lookups    uint64 // all lookups
+	TopHits    uint64 // answered by the top half (MRU entry or linear search)
+	BottomHits uint64 // answered by the bottom-half table
+	GlobalHits uint64 // answered by the global table
+	Created    uint64 // answered by the create path
+	Failed     uint64 // not answered
+	Flushes    uint64 // flushes because the generation moved
+}
+
+// Add returns the sum of s and o.
+func (s LocalStats) Add(o LocalStats) LocalStats {
+	return LocalStats{s.Lookups + o.Lookups, s.TopHits + o.TopHits, s.BottomHits + o.BottomHits,
+		s.GlobalHits + o.GlobalHits, s.Created + o.Created, s.Failed + o.Failed, s.Flushes + o.Flushes}
+}
+
+// Local is a per-queue cache: an 8-entry top half searched first, most
+// recently used entry before the rest, with round-robin replacement; then a
+// bottom-half table that starts at 256 entries and doubles; then the global
+// cache and the create path. It remembers the generation it was filled at
+// and flushes itself when the global one moves.
+//
+// A Local is used by one goroutine at a time and is not safe for
+// concurrent use; give each queue its own. A hit takes no lock, makes no
+// call and allocates nothing.
+type Local struct {
+	gen    uint32  // generation the contents belong to
+	mru    uint32  // index of the most recently used top entry
+	devGen *uint32 // the global generation, in shared memory
+	top    [topSize]topEntry
+	head   uint32 // next top entry to replace
+	mruHit uint64 // lookups answered by the MRU entry
+	topHit uint64 // lookups answered by the rest of the top half
+	bh     *Table
+	global *Global
+	create Creator
+	st     LocalStats
+	pub    published
+}
+
+// published is the last copy of the counters other goroutines may read.
+type published struct {
+	lookups, top, bottom, global, created, failed, flushes atomic.Uint64
+}
+
+// NewLocal returns a local cache over g that creates MRs through c. A
+// bottomSize of 0 means 256 entries.
+func NewLocal(g *Global, c Creator, bottomSize int) *Local {
+	if bottomSize <= 0 {
+		bottomSize = defaultLocalSize
+	}
+	l := &Local{devGen: g.devGen, bh: NewTable(bottomSize), global: g, create: c}
+	l.flush(atomic.LoadUint32(l.devGen))
+	return l
+}
+
+// Lookup returns the key of the MR holding addr, creating the MR if needed.
+// On failure it returns InvalidKey and an error: ErrNoMemory for an address
+// outside all known memory, or what the global cache or the create path
+// reported (a secondary whose primary died gets that error).
+func (l *Local) Lookup(addr uintptr) (uint32, error) {
+	if k, ok := l.Hit(addr); ok {
+		if (l.mruHit+l.topHit)&(publishEvery-1) == 0 {
+			l.publish()
+		}
+		return k, nil
+	}
+	return l.lookupMiss(uint64(addr))
+}
+
+// Hit answers from the top half alone: the most recently used entry, then
+// the other seven. It reports false when the top half cannot answer (or the
+// generation moved); Lookup then goes on to the slower levels. Hit is small
+// enough to be inlined into a datapath loop; a loop that calls it instead of
+// Lookup should call Publish now and then for its hits to show in
+// Published.
+func (l *Local) Hit(addr uintptr) (uint32, bool) {
+	a := uint64(addr)
+	if atomic.LoadUint32(l.devGen) == l.gen {
+		if e := &l.top[l.mru%topSize]; a-e.start < e.size {
+			l.mruHit++
+			return e.key, true
+		}
+		for i := range l.top {
+			if e := &l.top[i]; a-e.start < e.size {
+				l.mru = uint32(i)
+				l.topHit++
+				return e.key, true
+			}
+		}
+	}
+	return InvalidKey, false
+}
+
+// lookupMiss is Lookup past the top half.
+func (l *Local) lookupMiss(a uint64) (uint32, error) {
+	e, err := l.lookupSlow(a)
+	return e.LKey, err
+}
+
+// lookupSlow is everything after the top half: the bottom half, the global
+// cache, the create path.
+func (l *Local) lookupSlow(a uint64) (Entry, error) {
+	l.st.Lookups++
+	defer func() {
+		if l.st.Lookups&63 == 0 {
+			l.publish()
+		}
+	}()
+	if g := atomic.LoadUint32(l.devGen); g != l.gen {
+		l.flush(g)
+	}
+	if key, idx := l.bh.Lookup(a); key != InvalidKey {
+		l.st.BottomHits++
+		e := l.bh.At(idx)
+		l.promote(e)
+		return e, nil
+	}
+	return l.miss(a)
+}
+
+// miss looks in the global cache, then asks the create path, and caches the
+// answer in both halves.
+func (l *Local) miss(a uint64) (Entry, error) {
+	if l.bh.Len() >= l.bh.Size() {
+		_ = l.bh.Expand(2 * l.bh.Size()) // on failure the table overflows; fine
+	}
+	e, found, err := l.global.Lookup(a)
+	switch {
+	case err != nil:
+	case found:
+		l.st.GlobalHits++
+	default:
+		e, err = l.create.CreateMR(a)
+		if err == nil {
+			l.st.Created++
+		}
+	}
+	if err != nil {
+		l.st.Failed++
+		return Entry{LKey: InvalidKey}, err
+	}
+	_ = l.bh.Insert(e) // a full table just means the global is asked again
+	l.promote(e)
+	return e, nil
+}
+
+// topEntry is a top-half entry, kept as start and size so that a hit
+// check is one subtraction and one comparison.
+type topEntry struct {
+	start, size uint64
+	key         uint32
+}
+
+func (e *topEntry) entry() Entry { return Entry{Start: e.start, End: e.start + e.size, LKey: e.key} }
+
+// promote puts e in the top half in place of the oldest entry.
+func (l *Local) promote(e Entry) {
+	l.top[l.head] = topEntry{start: e.Start, size: e.End - e.Start, key: e.LKey}
+	l.mru = l.head
+	l.head = (l.head + 1) % topSize
+}
+
+// Flush empties the cache. Lookups flush by themselves when the generation
+// moves; this is for users who want to drop entries early.
+func (l *Local) Flush() { l.flush(atomic.LoadUint32(l.devGen)) }
+
+func (l *Local) flush(gen uint32) {
+	l.top = [topSize]topEntry{}
+	l.mru, l.head = 0, 0
+	l.bh.Clear()
+	if gen != l.gen {
+		l.st.Flushes++
+	}
+	l.gen = gen
+}
+
+// Stats returns the counters. Call it from the goroutine using the cache;
+// other goroutines use Published.
+func (l *Local) Stats() LocalStats {
+	s := l.st
+	s.Lookups += l.mruHit + l.topHit
+	s.TopHits += l.mruHit + l.topHit
+	return s
+}
+
+// Publish makes the current counters visible to Published. Lookup
+// publishes every few thousand hits and every 64 slower lookups on its own.
+func (l *Local) Publish() { l.publish() }
+
+func (l *Local) publish() {
+	s := l.Stats()
+	p := &l.pub
+	p.lookups.Store(s.Lookups)
+	p.top.Store(s.TopHits)
+	p.bottom.Store(s.BottomHits)
+	p.global.Store(s.GlobalHits)
+	p.created.Store(s.Created)
+	p.failed.Store(s.Failed)
+	p.flushes.Store(s.Flushes)
+}
+
+// Published returns the counters as last published. Safe from any
+// goroutine.
+func (l *Local) Published() LocalStats {
+	p := &l.pub
+	return LocalStats{p.lookups.Load(), p.top.Load(), p.bottom.Load(), p.global.Load(),
+		p.created.Load(), p.failed.Load(), p.flushes.Load()}
+}
+
+// Entries returns the top-half entries in use and the bottom-half table's
+// entries, for dumps. Call it from the goroutine using the cache.
+func (l *Local) Entries() (top, bottom []Entry) {
+	for _, e := range l.top {
+		if e.size != 0 {
+			top = append(top, e.entry())
+		}
+	}
+	return top, l.bh.Entries()
+}
+
+// lookupEntry is Lookup returning the whole entry.
+func (l *Local) lookupEntry(a uint64) (Entry, error) {
+	if atomic.LoadUint32(l.devGen) == l.gen {
+		for i := range l.top {
+			if e := &l.top[i]; a-e.start < e.size {
+				l.topHit++
+				return e.entry(), nil
+			}
+		}
+	}
+	return l.lookupSlow(a)
+}
+
+// RegisterMempool makes sure every chunk of p is covered by MRs and fills
+// this cache with their entries, as the seeds do before a queue starts.
+// Chunks in data memory get MRs through the create path; chunks of
+// external memory are registered as their own MRs by the primary, while a
+// secondary gets ErrExternalMemory unless the primary registered them
+// already.
+func (l *Local) RegisterMempool(p Mempool) error {
+	for _, c := range p.Chunks() {
+		for a, end := uint64(c.Addr), uint64(c.Addr)+c.Len; a < end; {
+			e, err := l.lookupEntry(a)
+			if errors.Is(err, ErrNoMemory) {
+				e, err = l.create.RegisterExternal(uint64(c.Addr), c.Len)
+				if err == nil {
+					_ = l.bh.Insert(e)
+					l.promote(e)
+				}
+			}
+			if err != nil {
+				return fmt.Errorf("cache: register mempool %s chunk [0x%x, 0x%x): %w", p.Name(), c.Addr, end, err)
+			}
+			a = e.End
+		}
+	}
+	return nil
+}
