@@ -216,6 +216,16 @@ func helperSecondary(args []string) int {
 			testproc.Say("touching %#x", num(1))
 			v := vm.Bytes(uintptr(num(1)), 1)[0]
 			testproc.Say("touched %d", v)
+		case "resync-loop": // N: resync N times as fast as possible
+			var err error
+			for range num(1) {
+				if err = mem.Resync(); err != nil {
+					break
+				}
+			}
+			say("looped", err)
+		case "consistent": // the allocated pages are exactly the mapped ones
+			testproc.Say("consistent %v", consistent(mem))
 		case "close":
 			say("closed", mem.Close())
 		default:
@@ -234,3 +244,19 @@ func startHelperExpectingFailure(tb testing.TB, in *instance, extra ...string) *
 
 func hex(a uintptr) string { return fmt.Sprintf("%#x", a) }
 func dec(n uint64) string  { return strconv.FormatUint(n, 10) }
+
+// consistent reports whether mem maps exactly the pages its descriptors say
+// are allocated: every run readable, and as many pages mapped as allocated.
+func consistent(mem *hugetlb.Memory) error {
+	for r := range mem.Runs {
+		if err := vm.CheckReadable(r.Start, r.End-r.Start); err != nil {
+			return err
+		}
+	}
+	for _, l := range mem.Lists() {
+		if l.Mapped != l.Allocated {
+			return fmt.Errorf("list %d: %d pages mapped, %d allocated", l.Index, l.Mapped, l.Allocated)
+		}
+	}
+	return nil
+}

@@ -165,6 +165,7 @@ type spec struct {
 	pages    int
 	kind     Kind
 	path     string
+	bitsOff  uint64 // page bitmap, from descriptors
 }
 
 // FileName returns the backing file name of list n of instance prefix.
@@ -368,13 +369,20 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 // seg: it reserves every list's address range at the same address as in the
 // primary and maps the pages allocated there. If any part of a range is
 // already taken in this process, it fails with ErrAddressInUse.
+//
+// Attach takes a consistent snapshot of the page state, but the primary may
+// change pages right after it. The process that keeps secondaries in step
+// must therefore make sure a secondary hears of every change made after its
+// snapshot: for instance, the primary registers a secondary for MapPages and
+// UnmapPages requests while holding the memory read lock (which excludes
+// Alloc and Free with their events), and the secondary attaches only after
+// that registration.
 func Attach(seg *shm.Segment, o AttachOptions) (*Memory, error) {
-	table, specs, err := readTable(seg)
+	table, descs, specs, err := readTable(seg)
 	if err != nil {
 		return nil, fmt.Errorf("hugetlb: attach: %w", err)
 	}
 	m := &Memory{seg: seg, log: logger(o.Logger), table: table}
-	descs := shm.Slice[listDesc](seg, seg.Root(shm.RootMemory)+tableHeaderSize, len(specs))
 	fail := func(err error) (*Memory, error) {
 		m.release(false)
 		return nil, fmt.Errorf("hugetlb: attach: %w", err)
@@ -382,7 +390,7 @@ func Attach(seg *shm.Segment, o AttachOptions) (*Memory, error) {
 	for i, s := range specs {
 		d := &descs[i]
 		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path, desc: d,
-			state:  shm.Slice[uint64](seg, atomic.LoadUint64(&d.BitsOff), words(s.pages)),
+			state:  shm.Slice[uint64](seg, s.bitsOff, words(s.pages)),
 			mapped: make(bitmap, words(s.pages))}
 		m.lists = append(m.lists, l)
 		if err := m.reserve(l, "start the primary with another base address (ListConfig.Base, the runtime's memory base setting)"); err != nil {
@@ -455,47 +463,47 @@ func (m *Memory) reserve(l *list, knob string) error {
 // readTable reads and validates the descriptors under shm.RootMemory. The
 // bytes were written by another process: each field is read once, checked,
 // and only the checked copy is used.
-func readTable(seg *shm.Segment) (*tableHeader, []spec, error) {
+func readTable(seg *shm.Segment) (*tableHeader, []listDesc, []spec, error) {
 	off := seg.Root(shm.RootMemory)
 	if off == 0 {
-		return nil, nil, fmt.Errorf("%w: segment %s has no memory table (the primary has not created its memory)",
+		return nil, nil, nil, fmt.Errorf("%w: segment %s has no memory table (the primary has not created its memory)",
 			ErrBadDescriptor, seg.Path())
 	}
 	if off%64 != 0 || seg.CheckRange(off, tableHeaderSize) != nil {
-		return nil, nil, fmt.Errorf("%w: table offset 0x%x outside the segment", ErrBadDescriptor, off)
+		return nil, nil, nil, fmt.Errorf("%w: table offset 0x%x outside the segment", ErrBadDescriptor, off)
 	}
 	h := shm.At[tableHeader](seg, off)
 	if magic := atomic.LoadUint64(&h.Magic); magic != tableMagic {
-		return nil, nil, fmt.Errorf("%w: table magic 0x%016x", ErrBadDescriptor, magic)
+		return nil, nil, nil, fmt.Errorf("%w: table magic 0x%016x", ErrBadDescriptor, magic)
 	}
 	if v := atomic.LoadUint32(&h.Version); v != tableVersion {
-		return nil, nil, fmt.Errorf("%w: table version %d, this build %d", ErrBadDescriptor, v, tableVersion)
+		return nil, nil, nil, fmt.Errorf("%w: table version %d, this build %d", ErrBadDescriptor, v, tableVersion)
 	}
 	if st := atomic.LoadUint32(&h.State); st != tableLive {
 		if st == tableClosed {
-			return nil, nil, fmt.Errorf("the primary closed its memory: %w", ErrClosed)
+			return nil, nil, nil, fmt.Errorf("the primary closed its memory: %w", ErrClosed)
 		}
-		return nil, nil, fmt.Errorf("%w: table state %d", ErrBadDescriptor, st)
+		return nil, nil, nil, fmt.Errorf("%w: table state %d", ErrBadDescriptor, st)
 	}
 	n := int(atomic.LoadUint32(&h.Lists))
 	if n < 1 || n > MaxLists || seg.CheckRange(off+tableHeaderSize, uint64(n)*listDescSize) != nil {
-		return nil, nil, fmt.Errorf("%w: %d lists", ErrBadDescriptor, n)
+		return nil, nil, nil, fmt.Errorf("%w: %d lists", ErrBadDescriptor, n)
 	}
 	descs := shm.Slice[listDesc](seg, off+tableHeaderSize, n)
 	specs := make([]spec, n)
 	for i := range descs {
 		s, err := readDesc(seg, &descs[i])
 		if err != nil {
-			return nil, nil, fmt.Errorf("%w: list %d: %v", ErrBadDescriptor, i, err)
+			return nil, nil, nil, fmt.Errorf("%w: list %d: %v", ErrBadDescriptor, i, err)
 		}
 		for j := range i {
 			if overlaps(s, specs[j]) {
-				return nil, nil, fmt.Errorf("%w: list %d overlaps list %d", ErrBadDescriptor, i, j)
+				return nil, nil, nil, fmt.Errorf("%w: list %d overlaps list %d", ErrBadDescriptor, i, j)
 			}
 		}
 		specs[i] = s
 	}
-	return h, specs, nil
+	return h, descs, specs, nil
 }
 
 func readDesc(seg *shm.Segment, d *listDesc) (spec, error) {
@@ -520,6 +528,7 @@ func readDesc(seg *shm.Segment, d *listDesc) (spec, error) {
 		return s, fmt.Errorf("page bitmap at 0x%x outside the segment", bitsOff)
 	}
 	s.pages = int(capacity)
+	s.bitsOff = bitsOff
 	if err := checkPlace(s); err != nil {
 		return s, err
 	}

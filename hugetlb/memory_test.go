@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -509,4 +510,81 @@ func FuzzAttachDescriptors(f *testing.F) {
 			require.NoError(t, m.Close())
 		}
 	})
+}
+
+func TestConcurrentUseInThePrimary(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	b.PageSize = 64 << 10
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 64}, hugetlb.ListConfig{Pages: 32})
+	var allocs, frees atomic.Int64
+	defer in.mem.Subscribe(func(e hugetlb.Event) {
+		// The pages of the event are allocated while it is delivered.
+		if _, ok := in.mem.PageOf(e.Addr); !ok {
+			t.Errorf("%s event for %#x, which is not allocated", e.Kind, e.Addr)
+		}
+		if e.Kind == hugetlb.EventAlloc {
+			allocs.Add(1)
+		} else {
+			frees.Add(1)
+		}
+	})()
+	done := make(chan struct{})
+	var wg, reader sync.WaitGroup
+	for g := range 3 {
+		wg.Go(func() {
+			var held []hugetlb.Region
+			for i := range 60 {
+				if len(held) > 4 || (i%2 == 1 && len(held) > 0) {
+					if err := in.mem.Free(held[0]); err != nil {
+						t.Error(err)
+						return
+					}
+					held = held[1:]
+					continue
+				}
+				r, err := in.mem.Alloc(uint64(1+(g+i)%5) * b.PageSize)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				fill(r.Bytes(), g)
+				held = append(held, r)
+			}
+			for _, r := range held {
+				if verify(r.Bytes(), g) >= 0 {
+					t.Errorf("region %#x was overwritten", r.Addr)
+				}
+				if err := in.mem.Free(r); err != nil {
+					t.Error(err)
+				}
+			}
+		})
+	}
+	reader.Go(func() {
+		// A reader of the queries, as the MR cache would be, re-checking a
+		// run under the read lock.
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			for r := range in.mem.Runs {
+				in.mem.RLock()
+				again, ok := in.mem.ContigRun(r.Start)
+				if ok && (again.Start > r.Start || again.End <= r.Start) {
+					t.Errorf("run %+v does not hold its own start", again)
+				}
+				in.mem.RUnlock()
+			}
+			in.mem.Lists()
+		}
+	})
+	wg.Wait()
+	close(done)
+	reader.Wait()
+	assert.Equal(t, allocs.Load(), frees.Load())
+	for _, l := range in.mem.Lists() {
+		assert.Zero(t, l.Allocated)
+	}
 }

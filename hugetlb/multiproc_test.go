@@ -164,3 +164,25 @@ func TestAttachAfterPrimaryClosed(t *testing.T) {
 	p := startHelperExpectingFailure(t, in)
 	assert.Contains(t, p.Expect("attach-error", 0), hugetlb.ErrClosed.Error())
 }
+
+func TestResyncWhilePrimaryChangesPages(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	b.PageSize = 64 << 10 // cheap pages: the point is the interleaving
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 64})
+	sec := startSecondary(t, in)
+	sec.Send("resync-loop 300")
+	var held []hugetlb.Region
+	for i := range 300 {
+		if len(held) > 8 || (i%3 == 2 && len(held) > 0) {
+			require.NoError(t, in.mem.Free(held[0]))
+			held = held[1:]
+			continue
+		}
+		r, err := in.mem.Alloc(uint64(1+i%4) * b.PageSize)
+		require.NoError(t, err)
+		held = append(held, r)
+	}
+	sec.Expect("looped", 0)
+	ask(t, sec, "resynced", "resync")
+	ask(t, sec, "consistent <nil>", "consistent")
+}
