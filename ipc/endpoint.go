@@ -149,8 +149,10 @@ func (e *endpoint) fail(cause error) {
 	close(e.done)
 	e.mu.Unlock()
 
-	e.cancel()
+	// Close before cancelling: a handler that sees its context end must
+	// find the connection gone, not slip an answer out.
 	e.conn.Close()
+	e.cancel()
 	for _, c := range pending {
 		c.ch <- err
 	}
@@ -192,19 +194,43 @@ func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) er
 	case <-e.done:
 		return e.Err()
 	}
-	deadline := time.Now().Add(e.writeTimeout)
-	ctxDeadline, byCtx := ctx.Deadline()
-	if byCtx && ctxDeadline.Before(deadline) {
-		deadline = ctxDeadline
-	} else {
-		byCtx = false
+	select { // the lock may have been free while the connection ended
+	case <-e.done:
+		<-e.wsem
+		return e.Err()
+	default:
 	}
-	err = e.conn.send(b, files, deadline)
+	// A send waits only when the peer's queue is full. Its deadline is
+	// the context's or the write timeout, whichever comes first; a context
+	// that can be cancelled but has no deadline gets the deadline moved
+	// to the past on cancellation (with a deadline, that one bounds it).
+	deadline := time.Now().Add(e.writeTimeout)
+	ctxDeadline, hasDeadline := ctx.Deadline()
+	byCtx := hasDeadline && ctxDeadline.Before(deadline)
+	if byCtx {
+		deadline = ctxDeadline
+	}
+	if ctx.Done() != nil && !hasDeadline {
+		fired := make(chan struct{})
+		stop := context.AfterFunc(ctx, func() {
+			e.conn.interruptSend()
+			close(fired)
+		})
+		err = e.conn.send(b, files, deadline)
+		if !stop() {
+			<-fired // let it finish before the next writer sets its deadline
+		}
+	} else {
+		err = e.conn.send(b, files, deadline)
+	}
 	<-e.wsem
 
 	if errors.Is(err, os.ErrDeadlineExceeded) {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
 		if byCtx {
-			return context.DeadlineExceeded
+			return context.DeadlineExceeded // the timer may not have marked ctx yet
 		}
 		err = fmt.Errorf("peer took no message for %v", e.writeTimeout)
 	}

@@ -528,3 +528,27 @@ func TestMalformedReplyFailsOnlyThatCall(t *testing.T) {
 	assert.ErrorIs(t, waitFor(t, done, "the call"), ipc.ErrMalformed)
 	assert.NoError(t, c.Err())
 }
+
+// bigRequest is a request of almost MaxMessage bytes: a few fill the
+// socket's send buffer.
+func bigRequest() *ipc.RegisterMempool {
+	m := &ipc.RegisterMempool{Name: "big", Chunks: make([]ipc.Chunk, 2600)}
+	for i := range m.Chunks {
+		m.Chunks[i] = ipc.Chunk{Addr: 1 << 40, Len: 1 << 30}
+	}
+	return m
+}
+
+// A server that takes no message for WriteTimeout is dropped.
+func TestServerThatDoesNotReadIsDropped(t *testing.T) {
+	c, _ := rawServer(t, ipc.ClientConfig{WriteTimeout: 20 * time.Millisecond})
+	const calls = 20
+	errs := make(chan error, calls)
+	for range calls {
+		go func() { errs <- c.Call(context.Background(), ipc.KindRegisterMempool, bigRequest(), nil) }()
+	}
+	for range calls {
+		assert.ErrorIs(t, waitFor(t, errs, "a call's end"), ipc.ErrPeerGone)
+	}
+	assert.ErrorContains(t, c.Err(), "took no message")
+}

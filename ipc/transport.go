@@ -240,6 +240,9 @@ func (c *Conn) send(b []byte, files []*os.File, deadline time.Time) error {
 	return connErr(c.c.Send(b, files))
 }
 
+// interruptSend makes a blocked send fail with os.ErrDeadlineExceeded.
+func (c *Conn) interruptSend() { _ = c.c.SetWriteDeadline(time.Unix(1, 0)) }
+
 // recv reads one frame into b (of at least MaxMessage bytes).
 func (c *Conn) recv(b []byte) (int, []*os.File, error) {
 	n, files, err := c.c.Recv(b)

@@ -1,0 +1,66 @@
+package ipc
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/sock"
+)
+
+// A send blocked on a full socket ends when its context is cancelled, even
+// a context without deadline, and leaves the connection intact: a datagram
+// goes whole or not at all. White-box, because only here can the test fill
+// the socket and know it is full.
+func TestCancelledSendLeavesTheConnectionIntact(t *testing.T) {
+	a, b, err := sock.Pair()
+	require.NoError(t, err)
+	defer b.Close()
+	var e endpoint
+	e.init(&Conn{c: a}, slog.New(slog.DiscardHandler), time.Minute)
+	defer e.fail(ErrClosed)
+
+	pad := make([]byte, 60<<10)
+	big, err := AppendFrame(nil, 1, KindReply, 0, pad)
+	require.NoError(t, err)
+	queued := 0
+	for ; ; queued++ {
+		require.Less(t, queued, 1000, "the socket never filled up")
+		err := e.conn.send(big, nil, time.Now().Add(5*time.Millisecond))
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			break
+		}
+		require.NoError(t, err)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background()) // no deadline
+	timer := time.AfterFunc(20*time.Millisecond, cancel)
+	defer timer.Stop()
+	start := time.Now()
+	err = e.write(ctx, 2, KindReply, pad)
+	assert.ErrorIs(t, err, context.Canceled)
+	assert.Less(t, time.Since(start), 10*time.Second, "ended by the cancellation, not by the write timeout")
+	require.NoError(t, e.Err(), "the connection is intact")
+
+	// The receiver finds only whole frames: the ones queued before.
+	buf := make([]byte, MaxMessage)
+	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
+	for range queued {
+		n, _, err := b.Recv(buf)
+		require.NoError(t, err)
+		_, err = ParseFrame(buf[:n])
+		require.NoError(t, err)
+	}
+	require.NoError(t, e.write(context.Background(), 3, KindReply, nil), "writing works again")
+	n, _, err := b.Recv(buf)
+	require.NoError(t, err)
+	f, err := ParseFrame(buf[:n])
+	require.NoError(t, err)
+	assert.Equal(t, uint64(3), f.ID)
+}
