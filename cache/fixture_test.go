@@ -6,6 +6,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -76,18 +77,20 @@ func newPrimary(t testing.TB, c fixtureConfig) *primary {
 	return p
 }
 
+// close releases everything, going on past failures so that no file is
+// left behind.
 func (p *primary) close(t testing.TB) {
 	if p.g != nil {
-		require.NoError(t, p.g.Close())
+		assert.NoError(t, p.g.Close())
 	}
 	if p.dev != nil {
-		require.NoError(t, p.dev.Close())
+		assert.NoError(t, p.dev.Close())
 	}
 	if p.mem != nil {
-		require.NoError(t, p.mem.Close())
+		assert.NoError(t, p.mem.Close())
 	}
-	require.NoError(t, p.seg.Close())
-	require.NoError(t, shm.Remove(p.opts))
+	assert.NoError(t, p.seg.Close())
+	assert.NoError(t, shm.Remove(p.opts))
 }
 
 func (p *primary) alloc(t testing.TB, pages int) hugetlb.Region {

@@ -218,9 +218,10 @@ func (s *Segment) mustRange(off, size, align uint64) {
 }
 
 // CheckRange reports whether [off, off+size) lies inside the segment's
-// arena. Use it on offsets read from shared memory before trusting them.
+// arena and off is 8-byte aligned (as every shared struct is). Use it on
+// offsets read from shared memory before trusting them to At or Slice.
 func (s *Segment) CheckRange(off, size uint64) error {
-	if off < atomic.LoadUint64(&s.hdr.ArenaOff) || off+size < off || off+size > atomic.LoadUint64(&s.hdr.Size) {
+	if off%8 != 0 || off < atomic.LoadUint64(&s.hdr.ArenaOff) || off+size < off || off+size > atomic.LoadUint64(&s.hdr.Size) {
 		return fmt.Errorf("%w: [0x%x, +0x%x) in %s", ErrBadOffset, off, size, s.path)
 	}
 	return nil
