@@ -131,3 +131,35 @@ func allZero(b []byte) bool {
 	}
 	return true
 }
+
+// MarkDeadFile marks the segment file at path as belonging to an ended
+// instance, so that no process attaches to it any more. A new primary does
+// this to a predecessor's segment before removing it, for the sake of
+// secondaries of the dead instance that still look at it. It refuses files
+// without the segment magic.
+func MarkDeadFile(path string) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("shm: mark dead: %w", err)
+	}
+	defer f.Close()
+	page, _, err := falloc.BlockSize(int(f.Fd()))
+	if err != nil {
+		return err
+	}
+	if st, err := f.Stat(); err != nil || st.Size() < int64(page) {
+		return fmt.Errorf("shm: mark dead %s: %w", path, ErrTruncated)
+	}
+	// hugetlbfs files cannot be written with write(2): go through a map.
+	m, err := mmap.MapRegion(f, int(page), mmap.RDWR, 0, 0)
+	if err != nil {
+		return fmt.Errorf("shm: mark dead %s: %w", path, err)
+	}
+	defer m.Unmap()
+	h := headerIn(m)
+	if atomic.LoadUint64(&h.Magic) != Magic {
+		return fmt.Errorf("shm: mark dead %s: %w", path, ErrBadMagic)
+	}
+	atomic.StoreUint32(&h.State, stateDead)
+	return nil
+}

@@ -130,6 +130,9 @@ func (s *Segment) releaseSlot() {
 	s.slot = -1
 }
 
+// Slots returns the length of the process table.
+func (s *Segment) Slots() int { return int(atomic.LoadUint32(&s.hdr.Slots)) }
+
 // Slot returns this process's process-table slot.
 func (s *Segment) Slot() int { return s.slot }
 

@@ -281,6 +281,7 @@ const (
 	RootCache  = 1 // cache: global share cache
 	RootDevice = 2 // verbs: soft device
 	RootPools  = 3 // cache: mempool directory
+	RootStats  = 4 // runtimes: per-process counters
 	RootUser   = 8 // first root free for applications
 )
 

@@ -199,3 +199,19 @@ func TestAttachRefusesUnreadySegment(t *testing.T) {
 	_, err = shm.Attach(o)
 	assert.ErrorIs(t, err, shm.ErrDead)
 }
+
+func TestMarkDeadFile(t *testing.T) {
+	testenv.ForEachBackend(t, 2, func(t *testing.T, b hugetlb.Backend) {
+		owner, o := newSegment(t, b)
+		other := attach(t, o)
+		require.NoError(t, shm.MarkDeadFile(o.Path))
+		assert.False(t, other.Ready(), "attached processes see it")
+		_, err := shm.Attach(o)
+		assert.ErrorIs(t, err, shm.ErrDead)
+		require.NoError(t, owner.Close())
+
+	})
+	junk := testenv.File(t, testenv.Tmpfs(t).Dir)
+	require.NoError(t, os.WriteFile(junk, make([]byte, 8192), 0o600))
+	assert.ErrorIs(t, shm.MarkDeadFile(junk), shm.ErrBadMagic, "not a segment: left alone")
+}

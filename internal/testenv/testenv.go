@@ -75,3 +75,22 @@ func File(tb testing.TB, dir string) string {
 	})
 	return p
 }
+
+// Prefix returns a short instance prefix unique to this process and call.
+// Unix socket paths are limited to 108 bytes, so prefixes and runtime
+// directories in tests stay short.
+func Prefix(tb testing.TB) string {
+	return fmt.Sprintf("p%d-%d", os.Getpid(), seq.Add(1))
+}
+
+// RunDir returns a short temporary directory for an instance's runtime
+// files, removed when the test ends.
+func RunDir(tb testing.TB) string {
+	tb.Helper()
+	dir, err := os.MkdirTemp("", "mpmr")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}

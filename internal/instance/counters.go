@@ -1,0 +1,270 @@
+package instance
+
+import (
+	"fmt"
+	"math"
+	"math/bits"
+	"sync/atomic"
+	"time"
+
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// Counter indexes in a process's counter line.
+const (
+	CLookups = iota
+	CTopHits
+	CBottomHits
+	CGlobalHits
+	CCreated
+	CFailed
+	CFlushes
+	CQueues
+	CRequests       // IPC requests made (secondary) or served (primary)
+	CRequestErrors  // of those, failed
+	CLatencyP50     // request round trip (secondary) or service time (primary), ns
+	CLatencyP99     // ns
+	CLatencyMax     // ns
+	CSyncs          // memory syncs pushed (primary) or applied (secondary)
+	CSyncDrops      // secondaries dropped for not acknowledging a sync
+	CSecondaries    // attached secondaries (primary)
+	CValidationErrs // failures the application reported (see Counters.Add)
+	NumCounters
+)
+
+// CounterNames names the counters, for tools and the Stats message.
+var CounterNames = [NumCounters]string{
+	"lookups", "top_hits", "bottom_hits", "global_hits", "created", "failed", "flushes", "queues",
+	"requests", "request_errors", "latency_p50_ns", "latency_p99_ns", "latency_max_ns",
+	"syncs", "sync_drops", "secondaries", "validation_errors",
+}
+
+// Map returns the counters by CounterNames.
+func (c Counters) Map() map[string]uint64 {
+	m := make(map[string]uint64, NumCounters)
+	for i, v := range c.vector() {
+		m[CounterNames[i]] = v
+	}
+	return m
+}
+
+// CountersFromMap is the inverse of Map; names it does not know are
+// ignored.
+func CountersFromMap(m map[string]uint64) Counters {
+	var v [NumCounters]uint64
+	for i, name := range CounterNames {
+		v[i] = m[name]
+	}
+	return fromVector(&v)
+}
+
+// counterLine is one process's published counters, in the segment, one per
+// process-table slot. Only the process in the slot writes it.
+//
+//	off size field
+//	  0   8  PID      of the writer; 0 if the line was never written
+//	  8   8  Role     shm.Role of the writer
+//	 16   8  Updated  unix nanoseconds of the last publication
+//	 24   8  Epoch    the slot's claim epoch when written
+//	 32 256  Values   NumCounters counters, room for 32
+type counterLine struct {
+	PID     uint64
+	Role    uint64
+	Updated int64
+	Epoch   uint64
+	Values  [32]uint64
+}
+
+func countersLayout() []string { return []string{shm.Describe(counterLine{})} }
+
+// Counters are what a runtime counts, published for tools.
+type Counters struct {
+	// Lookups through the process's queues, and which level answered.
+	Lookups    uint64 `json:"lookups"`
+	TopHits    uint64 `json:"top_hits"`
+	BottomHits uint64 `json:"bottom_hits"`
+	GlobalHits uint64 `json:"global_hits"`
+	Created    uint64 `json:"created"` // answered by creating an MR
+	Failed     uint64 `json:"failed"`
+	Flushes    uint64 `json:"flushes"` // local caches flushed by an invalidation
+	Queues     int    `json:"queues"`
+	// IPC requests made (secondary) or served (primary), and round-trip
+	// (secondary) or service (primary) times.
+	Requests      uint64        `json:"requests"`
+	RequestErrors uint64        `json:"request_errors"`
+	LatencyP50    time.Duration `json:"latency_p50"`
+	LatencyP99    time.Duration `json:"latency_p99"`
+	LatencyMax    time.Duration `json:"latency_max"`
+	// Memory syncs pushed (primary) or applied (secondary), and
+	// secondaries dropped for not following one (primary).
+	Syncs     uint64 `json:"syncs"`
+	SyncDrops uint64 `json:"sync_drops"`
+	// Secondaries attached (primary).
+	Secondaries int `json:"secondaries"`
+	// Validation errors the application reported (ReportValidationErrors).
+	ValidationErrors uint64 `json:"validation_errors"`
+}
+
+func (c *Counters) vector() *[NumCounters]uint64 {
+	return &[NumCounters]uint64{c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed,
+		c.Flushes, uint64(c.Queues), c.Requests, c.RequestErrors, uint64(c.LatencyP50), uint64(c.LatencyP99),
+		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors}
+}
+
+func fromVector(v *[NumCounters]uint64) Counters {
+	return Counters{v[CLookups], v[CTopHits], v[CBottomHits], v[CGlobalHits], v[CCreated], v[CFailed],
+		v[CFlushes], int(v[CQueues]), v[CRequests], v[CRequestErrors], time.Duration(v[CLatencyP50]),
+		time.Duration(v[CLatencyP99]), time.Duration(v[CLatencyMax]), v[CSyncs], v[CSyncDrops],
+		int(v[CSecondaries]), v[CValidationErrs]}
+}
+
+// SetQueues copies queue counters in.
+func (c *Counters) SetQueues(s cache.LocalStats, queues int) {
+	c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits = s.Lookups, s.TopHits, s.BottomHits, s.GlobalHits
+	c.Created, c.Failed, c.Flushes, c.Queues = s.Created, s.Failed, s.Flushes, queues
+}
+
+// SetLatency copies a histogram's quantiles in.
+func (c *Counters) SetLatency(h *Histogram) {
+	c.LatencyP50, c.LatencyP99, c.LatencyMax = h.Quantile(0.5), h.Quantile(0.99), h.Max()
+}
+
+// CounterTable is the table of every process's counter lines. The primary
+// creates it; every process publishes into its own slot's line and may read
+// all of them. Safe for concurrent use.
+type CounterTable struct {
+	seg   *shm.Segment
+	lines []counterLine
+}
+
+// CreateCounters allocates the table in seg (owner only).
+func CreateCounters(seg *shm.Segment) (*CounterTable, error) {
+	n := seg.Slots()
+	off, err := seg.Alloc(uint64(n)*counterLineSize, 64)
+	if err != nil {
+		return nil, fmt.Errorf("instance: counters: %w", err)
+	}
+	if err := seg.SetRoot(shm.RootStats, off); err != nil {
+		return nil, err
+	}
+	return &CounterTable{seg: seg, lines: shm.Slice[counterLine](seg, off, n)}, nil
+}
+
+// OpenCounters opens the table the primary created.
+func OpenCounters(seg *shm.Segment) (*CounterTable, error) {
+	off := seg.Root(shm.RootStats)
+	n := seg.Slots()
+	if err := seg.CheckRange(off, uint64(n)*counterLineSize); off == 0 || err != nil {
+		return nil, fmt.Errorf("instance: the segment has no counter table")
+	}
+	return &CounterTable{seg: seg, lines: shm.Slice[counterLine](seg, off, n)}, nil
+}
+
+// Publish writes this process's counters into its slot's line.
+func (c *CounterTable) Publish(role shm.Role, cs Counters) {
+	v := cs.vector()
+	slot := c.seg.Slot()
+	if slot < 0 || slot >= len(c.lines) {
+		return
+	}
+	l := &c.lines[slot]
+	for i, x := range v {
+		atomic.StoreUint64(&l.Values[i], x)
+	}
+	atomic.StoreUint64(&l.Role, uint64(role))
+	atomic.StoreUint64(&l.Epoch, uint64(c.seg.Proc(slot).Epoch))
+	atomic.StoreInt64(&l.Updated, time.Now().UnixNano())
+	atomic.StoreUint64(&l.PID, uint64(c.seg.Proc(slot).PID))
+}
+
+// ProcCounters is one process's published counters.
+type ProcCounters struct {
+	shm.Proc
+	Updated  time.Time `json:"updated"`
+	Counters Counters  `json:"counters"`
+}
+
+// Read returns the lines of the processes in the table that are alive and
+// have published since they claimed their slot.
+func (c *CounterTable) Read() []ProcCounters {
+	var out []ProcCounters
+	for _, p := range c.seg.Procs() {
+		if !p.Alive || p.Slot >= len(c.lines) {
+			continue
+		}
+		l := &c.lines[p.Slot]
+		if atomic.LoadUint64(&l.Epoch) != uint64(p.Epoch) || atomic.LoadUint64(&l.PID) != uint64(p.PID) {
+			continue
+		}
+		var v [NumCounters]uint64
+		for i := range v {
+			v[i] = atomic.LoadUint64(&l.Values[i])
+		}
+		out = append(out, ProcCounters{Proc: p, Updated: time.Unix(0, atomic.LoadInt64(&l.Updated)), Counters: fromVector(&v)})
+	}
+	return out
+}
+
+// Histogram records durations in log-linear buckets (8 per power of two,
+// so a percentile is within 12.5% of the truth). Safe for concurrent use;
+// recording allocates nothing.
+type Histogram struct {
+	buckets [64 * 8]atomic.Uint64
+	max     atomic.Int64
+	n       atomic.Uint64
+}
+
+func bucketOf(ns uint64) int {
+	if ns < 8 {
+		return int(ns)
+	}
+	e := bits.Len64(ns) - 1 // ns in [2^e, 2^(e+1)), e >= 3
+	return (e-2)*8 + int(ns>>(e-3)&7)
+}
+
+// bucketTop returns the largest value bucket b holds.
+func bucketTop(b int) uint64 {
+	if b < 8 {
+		return uint64(b)
+	}
+	e, m := b/8+2, uint64(b%8)
+	return (8+m+1)<<(e-3) - 1
+}
+
+// Record adds one duration.
+func (h *Histogram) Record(d time.Duration) {
+	ns := uint64(max(d, 0))
+	h.buckets[bucketOf(ns)].Add(1)
+	h.n.Add(1)
+	for {
+		m := h.max.Load()
+		if int64(ns) <= m || h.max.CompareAndSwap(m, int64(ns)) {
+			break
+		}
+	}
+}
+
+// Count returns how many durations were recorded.
+func (h *Histogram) Count() uint64 { return h.n.Load() }
+
+// Max returns the largest duration recorded.
+func (h *Histogram) Max() time.Duration { return time.Duration(h.max.Load()) }
+
+// Quantile returns the duration below which the fraction q of the records
+// fall (0 if there are none).
+func (h *Histogram) Quantile(q float64) time.Duration {
+	n := h.n.Load()
+	if n == 0 {
+		return 0
+	}
+	want := uint64(math.Ceil(q * float64(n)))
+	var seen uint64
+	for b := range h.buckets {
+		seen += h.buckets[b].Load()
+		if seen >= want {
+			return min(time.Duration(bucketTop(b)), h.Max())
+		}
+	}
+	return h.Max()
+}

@@ -1,0 +1,136 @@
+// Package instance holds what the primary and secondary runtimes share
+// about an instance: where its files live, the description file the primary
+// writes for others to find them, the layout tag of the control segment,
+// the per-process counters kept in the segment, and the error codes that
+// travel over IPC.
+package instance
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// File names inside an instance's runtime directory.
+const (
+	InfoFile        = "instance.json" // Info, written by the primary
+	PrimaryLockFile = "primary.lock"  // byte 0 is held by the live primary
+	SlotsLockFile   = "slots.lock"    // the process table's liveness locks
+)
+
+// Info describes a running (or dead) instance; the primary writes it to
+// InfoFile in the runtime directory once the instance is ready.
+type Info struct {
+	Prefix     string    `json:"prefix"`
+	PID        int       `json:"pid"`
+	Start      uint64    `json:"start"` // process start time, clock ticks after boot
+	Backend    string    `json:"backend"`
+	BackendDir string    `json:"backend_dir"`
+	PageSize   uint64    `json:"page_size"`
+	Segment    string    `json:"segment"`
+	LockFile   string    `json:"lock_file"`
+	Socket     string    `json:"socket"`
+	Created    time.Time `json:"created"`
+}
+
+// Dir returns the runtime directory of prefix: override if set, else
+// ipc.RuntimeDir.
+func Dir(prefix, override string) (string, error) {
+	if err := ipc.ValidatePrefix(prefix); err != nil {
+		return "", err
+	}
+	if override != "" {
+		return filepath.Join(override, prefix), nil
+	}
+	return ipc.RuntimeDir(prefix)
+}
+
+// SegmentPath is the control segment file of prefix in a backend directory.
+func SegmentPath(backendDir, prefix string) string {
+	return filepath.Join(backendDir, "mpmr."+prefix+".ctl")
+}
+
+// WriteInfo writes info to dir atomically.
+func WriteInfo(dir string, info Info) error {
+	b, err := json.MarshalIndent(info, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, InfoFile+".tmp")
+	if err := os.WriteFile(tmp, append(b, '\n'), 0o600); err != nil {
+		return fmt.Errorf("instance: write %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, InfoFile)); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("instance: %w", err)
+	}
+	return nil
+}
+
+// ReadInfo reads the description in dir.
+func ReadInfo(dir string) (Info, error) {
+	var info Info
+	b, err := os.ReadFile(filepath.Join(dir, InfoFile))
+	if err != nil {
+		return info, err
+	}
+	if err := json.Unmarshal(b, &info); err != nil {
+		return info, fmt.Errorf("instance: %s: %w", filepath.Join(dir, InfoFile), err)
+	}
+	return info, nil
+}
+
+// LayoutTag is the layout tag every process of this build passes to the
+// control segment: a hash of the shared structs of every layer.
+var LayoutTag = func() uint32 {
+	var d []string
+	d = append(d, cache.Layout()...)
+	d = append(d, hugetlb.Layout()...)
+	d = append(d, verbs.Layout()...)
+	d = append(d, countersLayout()...)
+	return shm.LayoutHash(d...)
+}()
+
+// Errors that travel between processes, by code.
+var (
+	// ErrPrimaryGone means the primary has ended: requests to it fail at
+	// once. Keys already cached keep resolving.
+	ErrPrimaryGone = errors.New("mpmr: the primary has gone")
+	// ErrPrimaryRunning means another live primary serves the prefix.
+	ErrPrimaryRunning = errors.New("mpmr: a primary is already running for this prefix")
+	// ErrNoPrimary means no primary serves the prefix.
+	ErrNoPrimary = errors.New("mpmr: no primary is running for this prefix")
+	// ErrABI means the two processes were built with different protocol
+	// or layout versions.
+	ErrABI = errors.New("mpmr: primary and secondary are incompatible builds")
+	// ErrClosing means the primary is shutting down.
+	ErrClosing = errors.New("mpmr: the primary is closing")
+	// ErrNotAttached means a request came before the attach handshake.
+	ErrNotAttached = errors.New("mpmr: the peer has not attached")
+)
+
+func init() {
+	for code, err := range map[string]error{
+		"no-memory":       cache.ErrNoMemory,
+		"external-memory": cache.ErrExternalMemory,
+		"cache-closed":    cache.ErrClosed,
+		"abi":             ErrABI,
+		"closing":         ErrClosing,
+		"not-attached":    ErrNotAttached,
+		"no-free-run":     hugetlb.ErrNoFreeRun,
+		"no-hugepages":    hugetlb.ErrNoHugepages,
+		"no-resources":    verbs.ErrNoResources,
+		"not-mapped":      verbs.ErrNotMapped,
+	} {
+		ipc.RegisterError(code, err)
+	}
+}

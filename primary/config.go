@@ -1,0 +1,76 @@
+package primary
+
+import (
+	"log/slog"
+	"time"
+
+	"github.com/mpmr/mpmr/hugetlb"
+)
+
+// Config configures Start. The zero value works: instance "mpmr" on the
+// best backend available, with 1 GiB of address space for data memory.
+type Config struct {
+	// Prefix names the instance; secondaries attach by it. Default "mpmr".
+	Prefix string
+	// RuntimeDir overrides where the instance's socket and lock files go
+	// (a directory named Prefix is made inside it). Default: see
+	// ipc.RuntimeDir.
+	RuntimeDir string
+
+	// Backend picks hugetlbfs, tmpfs, or (Auto, the default) the best one
+	// available; the environment variable MPMR_BACKEND overrides Auto.
+	Backend hugetlb.Kind
+	// BackendDir forces the directory of the backend's files.
+	BackendDir string
+	// PageSize of data memory. Default: the system's hugepage size.
+	PageSize uint64
+	// MemoryPages is the capacity of the data memory in pages. Default 512.
+	MemoryPages int
+	// MemoryBase is where the data memory sits in every process's address
+	// space. Change it when a secondary reports that the range is in use.
+	// Default hugetlb.DefaultBase.
+	MemoryBase uintptr
+
+	// MaxMRs bounds the soft device's MR table. Default 4096.
+	MaxMRs int
+	// Slots bounds the processes attached at once, primary included.
+	// Default 64.
+	Slots int
+	// SinglePage turns off extended-memseg mode: MRs then cover single
+	// pages instead of the whole contiguous run around a missing address.
+	SinglePage bool
+
+	// SyncTimeout bounds how long Alloc and Free wait for a secondary to
+	// map or unmap; one that does not answer in time is dropped. Default
+	// 2 s.
+	SyncTimeout time.Duration
+	// AllowUIDs lists users besides the primary's own and root that may
+	// attach. (The socket's file permissions must be loosened for them
+	// too.)
+	AllowUIDs []int
+
+	// Logger receives diagnostics. Default slog.Default().
+	Logger *slog.Logger
+}
+
+const (
+	defaultPrefix      = "mpmr"
+	defaultMemoryPages = 512
+	defaultSyncTimeout = 2 * time.Second
+)
+
+func (c *Config) setDefaults() error {
+	if c.Prefix == "" {
+		c.Prefix = defaultPrefix
+	}
+	if c.MemoryPages == 0 {
+		c.MemoryPages = defaultMemoryPages
+	}
+	if c.SyncTimeout <= 0 {
+		c.SyncTimeout = defaultSyncTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}

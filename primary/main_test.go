@@ -1,0 +1,165 @@
+package primary_test
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+func TestMain(m *testing.M) {
+	testproc.Register("secondary", helperSecondary)
+	testproc.Main(m)
+}
+
+var quiet = slog.New(slog.DiscardHandler)
+
+// startPrimary starts a primary on a fresh prefix with its runtime files in
+// a temporary directory, closed at cleanup.
+func startPrimary(t testing.TB, b hugetlb.Backend, tweak ...func(*primary.Config)) (*primary.Primary, primary.Config) {
+	t.Helper()
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 64, Logger: quiet}
+	for _, f := range tweak {
+		f(&cfg)
+	}
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { p.Close() })
+	return p, cfg
+}
+
+// startSecondary runs a secondary helper process attached to cfg's
+// instance and waits for it to be ready.
+func startSecondary(t testing.TB, cfg primary.Config) *testproc.Proc {
+	t.Helper()
+	h := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
+	h.Expect("ready", 0)
+	return h
+}
+
+// ask sends a command to a secondary helper and returns its answer line.
+func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
+	t.Helper()
+	h.Send(format, args...)
+	return strings.TrimPrefix(h.Expect("> ", 0), "> ")
+}
+
+// helperSecondary attaches and then runs commands, one per line:
+//
+//	lookup ADDR          -> "key K" or "err TEXT"
+//	validate ADDR KEY    -> "ok" or "err TEXT"
+//	read ADDR            -> "byte B"
+//	hammer G N ADDR LEN  -> G goroutines, each with its own queue, make N
+//	                        lookups of addresses in [ADDR, ADDR+LEN) and
+//	                        validate every key: "done LOOKUPS FAILURES"
+//	stats                -> "stats lookups=.. created=.. requests=.."
+//	close                -> "closed"
+func helperSecondary(args []string) int {
+	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		testproc.Say("attach-failed %v", err)
+		return 3
+	}
+	q := s.NewQueue()
+	testproc.Say("ready slot=%d", s.Slot())
+	in := testproc.Commands()
+	for in.Scan() {
+		f := strings.Fields(in.Text())
+		if len(f) == 0 {
+			continue
+		}
+		num := func(i int) uint64 {
+			n, _ := strconv.ParseUint(f[i], 0, 64)
+			return n
+		}
+		switch f[0] {
+		case "lookup":
+			k, err := q.Lookup(uintptr(num(1)))
+			if err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> key %d", k)
+			}
+		case "validate":
+			err := s.Device().Validate(verbs.SGE{Addr: uintptr(num(1)), Len: 1, Key: uint32(num(2))}, verbs.AccessLocalWrite)
+			if err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> ok")
+			}
+		case "read":
+			b := *(*byte)(pointer(uintptr(num(1))))
+			testproc.Say("> byte %d", b)
+		case "hammer":
+			lookups, failures := hammer(s, int(num(1)), int(num(2)), uintptr(num(3)), num(4))
+			testproc.Say("> done %d %d", lookups, failures)
+		case "stats":
+			c := s.Stats().Counters
+			testproc.Say("> stats lookups=%d created=%d requests=%d flushes=%d", c.Lookups, c.Created, c.Requests, c.Flushes)
+		case "close":
+			if err := s.Close(); err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> closed")
+			}
+		default:
+			testproc.Say("> err unknown command %q", f[0])
+		}
+	}
+	return 0
+}
+
+func hammer(s *secondary.Secondary, goroutines, n int, addr uintptr, length uint64) (lookups, failures int64) {
+	type result struct{ lookups, failures int64 }
+	out := make(chan result)
+	for g := range goroutines {
+		go func() {
+			q := s.NewQueue()
+			defer q.Close()
+			var r result
+			for i := range n {
+				a := addr + uintptr((uint64(g*7919+i*104729))%length)
+				k, err := q.Lookup(a)
+				r.lookups++
+				if err == nil {
+					err = s.Device().Validate(verbs.SGE{Addr: a, Len: 1, Key: k}, verbs.AccessLocalWrite)
+				}
+				if err != nil {
+					r.failures++
+					fmt.Fprintln(os.Stderr, err)
+				}
+			}
+			out <- r
+		}()
+	}
+	for range goroutines {
+		r := <-out
+		lookups += r.lookups
+		failures += r.failures
+	}
+	return lookups, failures
+}
+
+func parseKey(t testing.TB, answer string) uint32 {
+	t.Helper()
+	var k uint32
+	_, err := fmt.Sscanf(answer, "key %d", &k)
+	require.NoError(t, err, "answer %q", answer)
+	return k
+}
+
+var _ = time.Second

@@ -1,0 +1,371 @@
+package primary
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/ofd"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// Errors of the primary.
+var (
+	// ErrPrimaryRunning means a live primary already serves the prefix.
+	ErrPrimaryRunning = instance.ErrPrimaryRunning
+	// ErrClosed means the primary was closed.
+	ErrClosed = errors.New("primary: closed")
+)
+
+// Primary is the process that owns an instance: the control segment, the
+// data memory, the device and the global MR cache. It serves secondaries
+// over a unix socket. Primary is safe for concurrent use.
+type Primary struct {
+	cfg     Config
+	log     *slog.Logger
+	dir     string // runtime directory
+	lockf   *os.File
+	backend hugetlb.Backend
+	segOpts shm.Options
+	seg     *shm.Segment
+	mem     *hugetlb.Memory
+	dev     *verbs.Soft
+	pd      verbs.PD
+	global  *cache.Global
+	ctrs    *instance.CounterTable
+	queues  instance.Queues
+	server  *ipc.Server
+	serveWG sync.WaitGroup
+	cancel  context.CancelFunc
+	unsub   func()
+
+	// Secondaries that follow memory changes, by peer.
+	syncMu sync.Mutex // guards peers; taken inside the memory lock
+	peers  map[*ipc.Peer]*secondary
+
+	served    instance.Histogram // service time of requests
+	requests  atomic.Uint64
+	reqErrors atomic.Uint64
+	syncs     atomic.Uint64
+	drops     atomic.Uint64
+
+	closeMu sync.Mutex
+	closed  atomic.Bool
+}
+
+// secondary is what the primary knows of an attached secondary.
+type secondary struct {
+	peer *ipc.Peer
+	slot int
+}
+
+// Start starts the primary of cfg.Prefix: it takes the instance's primary
+// lock (failing with ErrPrimaryRunning if a live primary holds it), cleans
+// up what a dead predecessor left, creates the control segment, data
+// memory, soft device and global cache, and starts serving secondaries.
+func Start(cfg Config) (*Primary, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	if cfg.Backend == hugetlb.Auto {
+		if s := os.Getenv("MPMR_BACKEND"); s != "" {
+			k, err := hugetlb.ParseKind(s)
+			if err != nil {
+				return nil, fmt.Errorf("primary: MPMR_BACKEND: %w", err)
+			}
+			cfg.Backend = k
+		}
+	}
+	dir, err := instance.Dir(cfg.Prefix, cfg.RuntimeDir)
+	if err != nil {
+		return nil, fmt.Errorf("primary: %w", err)
+	}
+	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{}}
+	if err := p.start(); err != nil {
+		p.teardown()
+		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
+	}
+	return p, nil
+}
+
+func (p *Primary) start() error {
+	if err := os.MkdirAll(p.dir, 0o700); err != nil {
+		return err
+	}
+	if err := p.lockPrimary(); err != nil {
+		return err
+	}
+	c := &p.cfg
+	var err error
+	p.backend, err = hugetlb.Choose(hugetlb.Want{Kind: c.Backend, PageSize: c.PageSize, Pages: 2, Dir: c.BackendDir})
+	if err != nil {
+		return err
+	}
+	p.log.Info("backend chosen", "backend", p.backend.Kind, "dir", p.backend.Dir,
+		"page_size", hugetlb.FormatSize(p.backend.PageSize), "reason", p.backend.Reason)
+	p.recoverLeftovers()
+
+	p.segOpts = shm.Options{
+		Path:      instance.SegmentPath(p.backend.Dir, c.Prefix),
+		LockPath:  filepath.Join(p.dir, instance.SlotsLockFile),
+		Slots:     c.Slots,
+		LayoutTag: instance.LayoutTag,
+		Role:      shm.RolePrimary,
+		Logger:    p.log,
+	}
+	if p.seg, err = shm.Create(p.segOpts); err != nil {
+		return err
+	}
+	if p.mem, err = hugetlb.Create(p.seg, hugetlb.Config{Prefix: c.Prefix, Backend: p.backend,
+		Lists: []hugetlb.ListConfig{{Pages: c.MemoryPages, Base: c.MemoryBase}}, Logger: p.log}); err != nil {
+		return err
+	}
+	if p.dev, err = verbs.CreateSoft(p.seg, verbs.SoftOptions{MaxMRs: c.MaxMRs, Logger: p.log}); err != nil {
+		return err
+	}
+	if p.pd, err = p.dev.AllocPD(); err != nil {
+		return err
+	}
+	if p.global, err = cache.CreateGlobal(p.seg, cache.GlobalConfig{Memory: p.mem, PD: p.pd,
+		SinglePage: c.SinglePage, Logger: p.log}); err != nil {
+		return err
+	}
+	if p.ctrs, err = instance.CreateCounters(p.seg); err != nil {
+		return err
+	}
+	// The cache subscribed first, so it invalidates before secondaries are
+	// told to unmap.
+	p.unsub = p.mem.Subscribe(p.syncSecondaries)
+	if err := p.seg.MarkReady(); err != nil {
+		return err
+	}
+	sock := filepath.Join(p.dir, ipc.SocketName)
+	ln, err := ipc.Listen(sock)
+	if err != nil {
+		return err
+	}
+	p.server, err = ipc.NewServer(ipc.ServerConfig{Listener: ln, Handler: (*handler)(p), Logger: p.log, AllowUIDs: c.AllowUIDs})
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p.cancel = cancel
+	p.serveWG.Add(1)
+	go func() {
+		defer p.serveWG.Done()
+		if err := p.server.Serve(ctx); err != nil && !errors.Is(err, ipc.ErrClosed) && ctx.Err() == nil {
+			p.log.Error("serving secondaries stopped", "err", err)
+		}
+	}()
+	p.serveWG.Add(1)
+	go p.publishLoop(ctx)
+	start, _ := shm.ProcessStart(os.Getpid())
+	if err := instance.WriteInfo(p.dir, instance.Info{
+		Prefix: c.Prefix, PID: os.Getpid(), Start: start, Backend: p.backend.Kind.String(),
+		BackendDir: p.backend.Dir, PageSize: p.backend.PageSize, Segment: p.segOpts.Path,
+		LockFile: p.segOpts.LockPath, Socket: sock, Created: time.Now(),
+	}); err != nil {
+		return err
+	}
+	p.log.Info("primary ready", "segment", p.segOpts.Path, "socket", sock)
+	return nil
+}
+
+// lockPrimary takes the instance's primary lock: byte 0 of the primary lock
+// file, held for the primary's lifetime. The file is removed at Close, so
+// a lock taken on a file that was unlinked meanwhile is retried on the new
+// one.
+func (p *Primary) lockPrimary() error {
+	path := filepath.Join(p.dir, instance.PrimaryLockFile)
+	for range 100 {
+		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+		if err != nil {
+			return err
+		}
+		if err := ofd.TryLock(f, 0, true); err != nil {
+			f.Close()
+			if !errors.Is(err, ofd.ErrLocked) {
+				return err
+			}
+			if info, ierr := instance.ReadInfo(p.dir); ierr == nil {
+				return fmt.Errorf("%w (pid %d)", ErrPrimaryRunning, info.PID)
+			}
+			return ErrPrimaryRunning
+		}
+		held, err1 := f.Stat()
+		now, err2 := os.Stat(path)
+		if err1 == nil && err2 == nil && os.SameFile(held, now) {
+			p.lockf = f
+			return nil
+		}
+		f.Close() // a closing primary removed it under us: try the new one
+	}
+	return fmt.Errorf("%w: %s keeps changing", ErrPrimaryRunning, path)
+}
+
+// publishEvery is how often the runtime publishes its counters into the
+// segment for tools.
+const publishEvery = 250 * time.Millisecond
+
+func (p *Primary) publishLoop(ctx context.Context) {
+	defer p.serveWG.Done()
+	t := time.NewTicker(publishEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			p.Stats()
+		}
+	}
+}
+
+// Backend returns the backend the data memory and the segment live on.
+func (p *Primary) Backend() hugetlb.Backend { return p.backend }
+
+// RuntimeDir returns the instance's runtime directory.
+func (p *Primary) RuntimeDir() string { return p.dir }
+
+// Memory returns the data memory.
+func (p *Primary) Memory() *hugetlb.Memory { return p.mem }
+
+// Device returns the soft device.
+func (p *Primary) Device() *verbs.Soft { return p.dev }
+
+// Global returns the global MR cache.
+func (p *Primary) Global() *cache.Global { return p.global }
+
+// Segment returns the control segment.
+func (p *Primary) Segment() *shm.Segment { return p.seg }
+
+// Alloc allocates size bytes of data memory, in whole pages. It returns
+// once every attached secondary has mapped them (or was dropped for not
+// answering within Config.SyncTimeout).
+func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
+	if p.closed.Load() {
+		return hugetlb.Region{}, ErrClosed
+	}
+	return p.mem.Alloc(size)
+}
+
+// Free frees a region of data memory, any page-aligned part of what Alloc
+// returned. Before it returns, every MR covering the region has been
+// trimmed or queued for deregistration, every queue in every process will
+// flush before its next lookup, and every secondary has unmapped the pages.
+func (p *Primary) Free(r hugetlb.Region) error {
+	if p.closed.Load() {
+		return ErrClosed
+	}
+	return p.mem.Free(r)
+}
+
+// Queue is a per-queue MR cache of the primary: use it from one goroutine
+// at a time. Close it when the queue goes away.
+type Queue struct {
+	*cache.Local
+	p *Primary
+}
+
+// NewQueue returns a local cache whose misses register memory in this
+// process.
+func (p *Primary) NewQueue() *Queue {
+	q := &Queue{Local: cache.NewLocal(p.global, p.global, 0), p: p}
+	p.queues.Add(q.Local)
+	return q
+}
+
+// Close stops counting the queue in Stats (its counters so far stay).
+// Call it from the queue's goroutine.
+func (q *Queue) Close() {
+	q.Publish()
+	q.p.queues.Remove(q.Local)
+}
+
+// CreatePool allocates a shared mempool of count objects of objSize bytes
+// in data memory, which every secondary can open by name.
+func (p *Primary) CreatePool(name string, objSize, count int) (*cache.Pool, error) {
+	if p.closed.Load() {
+		return nil, ErrClosed
+	}
+	return cache.CreatePool(p.seg, p.mem, name, objSize, count)
+}
+
+// RegisterMempool registers every chunk of mp (external memory included)
+// and fills q's cache with the keys, as a driver does before starting a
+// queue.
+func (p *Primary) RegisterMempool(q *Queue, mp cache.Mempool) error {
+	if p.closed.Load() {
+		return ErrClosed
+	}
+	return q.RegisterMempool(mp)
+}
+
+// Close stops serving (secondaries see ErrPrimaryGone at once), releases
+// every MR, the data memory (hugepages go back to the kernel once no
+// secondary maps them) and the segment, and removes the instance's files.
+// Idempotent.
+func (p *Primary) Close() error {
+	p.closeMu.Lock()
+	defer p.closeMu.Unlock()
+	if p.closed.Swap(true) {
+		return nil
+	}
+	return p.teardown()
+}
+
+// teardown releases whatever start managed to build, in reverse.
+func (p *Primary) teardown() error {
+	var errs []error
+	add := func(err error) {
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if p.server != nil {
+		add(p.server.Close())
+		p.cancel()
+		p.serveWG.Wait()
+	}
+	if p.unsub != nil {
+		p.unsub()
+	}
+	if p.global != nil {
+		add(p.global.Close())
+	}
+	if p.dev != nil {
+		add(p.dev.Close())
+	}
+	if p.mem != nil {
+		add(p.mem.Close())
+	}
+	if p.seg != nil {
+		p.seg.MarkDead()
+		add(p.seg.Close())
+		add(shm.Remove(p.segOpts))
+	}
+	if p.lockf != nil {
+		for _, name := range []string{instance.InfoFile, ipc.SocketName} {
+			if err := os.Remove(filepath.Join(p.dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				add(err)
+			}
+		}
+		// The primary lock goes last: a new primary may start from here.
+		add(os.Remove(p.lockf.Name()))
+		add(p.lockf.Close())
+		os.Remove(p.dir) // only if empty
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,119 @@
+package primary_test
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+func TestSecondaryLooksUpAndCreatesOverIPC(t *testing.T) {
+	testenv.ForEachBackend(t, 8, func(t *testing.T, b hugetlb.Backend) {
+		p, cfg := startPrimary(t, b)
+		r, err := p.Alloc(2 * p.Backend().PageSize)
+		require.NoError(t, err)
+		r.Bytes()[100] = 42
+		h := startSecondary(t, cfg)
+
+		assert.Equal(t, "byte 42", ask(t, h, "read %d", r.Addr+100), "same memory at the same address")
+		k := parseKey(t, ask(t, h, "lookup %d", r.Addr+8))
+		assert.Equal(t, "ok", ask(t, h, "validate %d %d", r.Addr+8, k))
+		require.NoError(t, p.Device().Validate(verbs.SGE{Addr: r.Addr, Len: 1, Key: k}, verbs.AccessLocalWrite))
+		assert.Equal(t, 1, p.Global().Stats().MRs, "the primary created the MR for the secondary")
+
+		// Memory allocated after the secondary attached is mapped there
+		// before Alloc returns.
+		r2, err := p.Alloc(p.Backend().PageSize)
+		require.NoError(t, err)
+		r2.Bytes()[0] = 7
+		assert.Equal(t, "byte 7", ask(t, h, "read %d", r2.Addr))
+
+		// Once Free returns, the secondary no longer gets a key.
+		require.NoError(t, p.Free(r))
+		assert.Contains(t, ask(t, h, "lookup %d", r.Addr+8), "not in any known memory")
+		assert.Contains(t, ask(t, h, "stats"), "requests=")
+		assert.Equal(t, "closed", ask(t, h, "close"))
+	})
+}
+
+func TestManyGoroutinesInTwoSecondariesAllAnswered(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SinglePage = true })
+	ps := p.Backend().PageSize
+	r, err := p.Alloc(16 * ps)
+	require.NoError(t, err)
+	hs := []interface{ Send(string, ...any) }{}
+	_ = hs
+	a, b := startSecondary(t, cfg), startSecondary(t, cfg)
+	a.Send("hammer 8 400 %d %d", r.Addr, r.Len)
+	b.Send("hammer 8 400 %d %d", r.Addr, r.Len)
+	for _, h := range []string{a.Expect("> done", 0), b.Expect("> done", 0)} {
+		var lookups, failures int
+		_, err := fmt.Sscanf(h, "> done %d %d", &lookups, &failures)
+		require.NoError(t, err)
+		assert.Equal(t, 3200, lookups)
+		assert.Zero(t, failures)
+	}
+	st := p.Global().Stats()
+	assert.Equal(t, 16, st.MRs, "one MR per page, however many asked at once")
+}
+
+func TestSecondPrimaryRefused(t *testing.T) {
+	_, cfg := startPrimary(t, testenv.Tmpfs(t))
+	_, err := primary.Start(cfg)
+	assert.ErrorIs(t, err, primary.ErrPrimaryRunning)
+}
+
+func TestCloseLeavesNothingBehind(t *testing.T) {
+	testenv.ForEachBackend(t, 8, func(t *testing.T, b hugetlb.Backend) {
+		before := freeHugepages(t)
+		p, cfg := startPrimary(t, b)
+		r, err := p.Alloc(3 * p.Backend().PageSize)
+		require.NoError(t, err)
+		h := startSecondary(t, cfg)
+		parseKey(t, ask(t, h, "lookup %d", r.Addr))
+		dir := p.RuntimeDir()
+		bdir := p.Backend().Dir
+		require.NoError(t, p.Close())
+		require.NoError(t, p.Close(), "Close is idempotent")
+
+		// The secondary sees the primary gone at once.
+		assert.Contains(t, ask(t, h, "lookup %d", r.Addr+uintptr(p.Backend().PageSize)), "primary has gone")
+		assert.Equal(t, "closed", ask(t, h, "close"))
+		h.CloseInput()
+		require.NoError(t, h.Wait(0))
+
+		_, err = os.Stat(dir)
+		assert.ErrorIs(t, err, os.ErrNotExist, "the runtime directory is gone")
+		matches, _ := filepath.Glob(filepath.Join(bdir, "mpmr."+cfg.Prefix+".*"))
+		assert.Empty(t, matches, "no segment or memory file is left")
+		if b.Kind == hugetlb.Hugetlbfs {
+			assert.Equal(t, before, freeHugepages(t), "every hugepage went back")
+		}
+	})
+}
+
+func freeHugepages(t testing.TB) uint64 {
+	pool, err := hugetlb.PoolFor(hugetlb.DefaultPageSize())
+	if err != nil {
+		return 0
+	}
+	return pool.Free
+}
+
+func TestSecondaryWithoutPrimary(t *testing.T) {
+	_, err := secondary.Attach(secondary.Config{Prefix: "nobody-here", RuntimeDir: t.TempDir(), Logger: quiet})
+	assert.ErrorIs(t, err, secondary.ErrNoPrimary)
+	assert.True(t, errors.Is(err, secondary.ErrNoPrimary))
+}
+
+var _ = verbs.InvalidKey

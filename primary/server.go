@@ -1,0 +1,236 @@
+package primary
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// handler serves the secondaries' requests.
+type handler Primary
+
+func (h *handler) p() *Primary { return (*Primary)(h) }
+
+func (h *handler) Connected(peer *ipc.Peer) {
+	h.log.Debug("peer connected", "peer", peer)
+}
+
+// Disconnected drops the peer from the sync set and tidies the process
+// table: a secondary that died leaves its slot live but unlocked.
+func (h *handler) Disconnected(peer *ipc.Peer, err error) {
+	h.syncMu.Lock()
+	s, ok := h.peers[peer]
+	delete(h.peers, peer)
+	h.syncMu.Unlock()
+	if !ok {
+		return
+	}
+	h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
+	if h.closed.Load() {
+		return
+	}
+	if reaped := h.seg.Reap(); len(reaped) > 0 {
+		h.log.Info("reclaimed slots of dead processes", "slots", reaped)
+	}
+}
+
+func (h *handler) Handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+	p := h.p()
+	if p.closed.Load() {
+		return nil, instance.ErrClosing
+	}
+	start := time.Now()
+	reply, err := h.handle(ctx, peer, kind, body)
+	p.served.Record(time.Since(start))
+	p.requests.Add(1)
+	if err != nil {
+		p.reqErrors.Add(1)
+	}
+	return reply, err
+}
+
+func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+	p := h.p()
+	if kind != ipc.KindHello && kind != ipc.KindStats && !h.attached(peer) {
+		return nil, instance.ErrNotAttached
+	}
+	switch kind {
+	case ipc.KindHello:
+		var m ipc.Hello
+		if err := body.Decode(&m); err != nil {
+			return nil, err
+		}
+		return h.hello(peer, &m)
+	case ipc.KindCreateMR:
+		var m ipc.CreateMR
+		if err := body.Decode(&m); err != nil {
+			return nil, err
+		}
+		e, err := p.global.Create(m.Addr)
+		if err != nil {
+			return nil, err
+		}
+		return &ipc.CreateMRReply{Start: e.Start, End: e.End, LKey: e.LKey}, nil
+	case ipc.KindRegisterMempool:
+		var m ipc.RegisterMempool
+		if err := body.Decode(&m); err != nil {
+			return nil, err
+		}
+		return h.registerMempool(&m)
+	case ipc.KindStats:
+		var m ipc.StatsRequest
+		if err := body.Decode(&m); err != nil {
+			return nil, err
+		}
+		return h.stats(), nil
+	case ipc.KindDetach:
+		var m ipc.Detach
+		if err := body.Decode(&m); err != nil {
+			return nil, err
+		}
+		h.syncMu.Lock()
+		delete(h.peers, peer)
+		h.syncMu.Unlock()
+		return &ipc.DetachReply{}, nil
+	}
+	return nil, fmt.Errorf("primary: request kind %v not served", kind)
+}
+
+func (h *handler) attached(peer *ipc.Peer) bool {
+	h.syncMu.Lock()
+	defer h.syncMu.Unlock()
+	_, ok := h.peers[peer]
+	return ok
+}
+
+// hello admits a secondary that has attached to the segment: it must hold
+// the slot it claims, with the pid the kernel gave for the connection.
+// It joins the sync set under the memory read lock, so that it misses no
+// allocation or free from now on; it maps memory only after this reply.
+func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
+	p := h.p()
+	if m.ABI != ipc.ABI {
+		return nil, fmt.Errorf("%w: secondary speaks ABI %d, primary %d", instance.ErrABI, m.ABI, ipc.ABI)
+	}
+	if m.PID != peer.PID() {
+		return nil, fmt.Errorf("primary: hello claims pid %d, connection is from pid %d", m.PID, peer.PID())
+	}
+	slot := -1
+	for _, proc := range p.seg.Procs() {
+		if proc.PID == m.PID && proc.Alive && proc.Start == m.Start && proc.Role == shm.RoleSecondary {
+			slot = proc.Slot
+		}
+	}
+	if slot < 0 {
+		return nil, fmt.Errorf("%w: pid %d holds no slot in the process table", instance.ErrNotAttached, m.PID)
+	}
+	p.mem.RLock()
+	h.syncMu.Lock()
+	h.peers[peer] = &secondary{peer: peer, slot: slot}
+	h.syncMu.Unlock()
+	p.mem.RUnlock()
+	h.log.Info("secondary attached", "pid", m.PID, "slot", slot)
+	return &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
+		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
+		PrimaryPID: os.Getpid()}, nil
+}
+
+// registerMempool registers each chunk of a secondary's mempool. Chunks
+// outside data memory are the secondary's own external memory, which this
+// process cannot register (the seeds' rule).
+func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
+	p := h.p()
+	reply := &ipc.RegisterMempoolReply{Keys: make([]uint32, 0, len(m.Chunks))}
+	for _, c := range m.Chunks {
+		if _, in := p.mem.InList(uintptr(c.Addr)); !in {
+			e, found, err := p.global.Lookup(c.Addr)
+			if err != nil {
+				return nil, err
+			}
+			if !found {
+				return nil, fmt.Errorf("%w: mempool %s chunk 0x%x", cache.ErrExternalMemory, m.Name, c.Addr)
+			}
+			reply.Keys = append(reply.Keys, e.LKey)
+			continue
+		}
+		var key uint32
+		for a := c.Addr; a < c.Addr+c.Len; {
+			e, err := p.global.Create(a)
+			if err != nil {
+				return nil, fmt.Errorf("mempool %s chunk [0x%x, 0x%x): %w", m.Name, c.Addr, c.Addr+c.Len, err)
+			}
+			if a == c.Addr {
+				key = e.LKey
+			}
+			a = e.End
+		}
+		reply.Keys = append(reply.Keys, key)
+	}
+	return reply, nil
+}
+
+// syncSecondaries is subscribed to the data memory's events, after the
+// cache. It runs with the memory write lock held: it has every secondary
+// map (after an allocation) or unmap (before a free completes) the pages,
+// and waits for them all. A secondary that does not answer within
+// SyncTimeout is dropped: its connection is closed.
+func (p *Primary) syncSecondaries(ev hugetlb.Event) {
+	op := ipc.SyncMap
+	if ev.Kind == hugetlb.EventFree {
+		op = ipc.SyncUnmap
+	}
+	list, ok := p.mem.InList(ev.Addr)
+	if !ok {
+		return
+	}
+	li := p.mem.Lists()[list]
+	msg := &ipc.Sync{Op: op, List: list, First: int((ev.Addr - li.Base) / uintptr(li.PageSize)),
+		Count: int(ev.Len / li.PageSize)}
+	p.syncMu.Lock()
+	targets := make([]*secondary, 0, len(p.peers))
+	for _, s := range p.peers {
+		targets = append(targets, s)
+	}
+	p.syncMu.Unlock()
+	var wg sync.WaitGroup
+	for _, s := range targets {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), p.cfg.SyncTimeout)
+			defer cancel()
+			err := s.peer.Push(ctx, ipc.KindSync, msg, &ipc.SyncAck{})
+			if err == nil {
+				p.syncs.Add(1)
+				return
+			}
+			if errors.Is(err, ipc.ErrPeerGone) {
+				return // it died: its mappings went with it
+			}
+			p.drops.Add(1)
+			p.log.Warn("dropping secondary that did not follow a memory change",
+				"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
+			p.syncMu.Lock()
+			delete(p.peers, s.peer)
+			p.syncMu.Unlock()
+			s.peer.Close()
+		}()
+	}
+	wg.Wait()
+}
+
+// stats answers a Stats request.
+func (h *handler) stats() *ipc.StatsReply {
+	st := h.p().Stats()
+	return &ipc.StatsReply{PID: os.Getpid(), Secondaries: st.Counters.Secondaries, MRs: st.Global.MRs,
+		Counters: st.Counters.Map()}
+}

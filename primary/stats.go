@@ -1,0 +1,75 @@
+package primary
+
+import (
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// Counters are a process's counters: its queues' lookups by level,
+// requests (served, for the primary) with their latency, memory syncs and
+// attached secondaries.
+type Counters = instance.Counters
+
+// ProcCounters are one process's counters as it last published them.
+type ProcCounters = instance.ProcCounters
+
+// Stats is a snapshot of the instance as the primary sees it.
+type Stats struct {
+	// Counters of this process.
+	Counters Counters
+	Global   cache.GlobalStats
+	Device   verbs.SoftStats
+	Memory   []hugetlb.ListInfo
+	// Processes holds every live process's last published counters,
+	// this one included.
+	Processes []ProcCounters
+}
+
+// Stats publishes this process's counters and returns a snapshot.
+func (p *Primary) Stats() Stats {
+	st := Stats{Counters: p.counters()}
+	p.ctrs.Publish(shm.RolePrimary, st.Counters)
+	st.Global = p.global.Stats()
+	st.Device = p.dev.Stats()
+	st.Memory = p.mem.Lists()
+	st.Processes = p.ctrs.Read()
+	return st
+}
+
+func (p *Primary) counters() Counters {
+	var c Counters
+	c.SetQueues(p.queues.Sum())
+	c.Requests = p.requests.Load()
+	c.RequestErrors = p.reqErrors.Load()
+	c.SetLatency(&p.served)
+	c.Syncs = p.syncs.Load()
+	c.SyncDrops = p.drops.Load()
+	p.syncMu.Lock()
+	c.Secondaries = len(p.peers)
+	p.syncMu.Unlock()
+	return c
+}
+
+// Dump is the instance's state for operators.
+type Dump struct {
+	Processes []shm.Proc         `json:"processes"`
+	Lock      shm.LockState      `json:"lock"`
+	Memory    []hugetlb.ListInfo `json:"memory"`
+	Cache     cache.Dump         `json:"cache"`
+	Device    []verbs.MR         `json:"device_mrs"`
+	Pools     []cache.PoolInfo   `json:"pools"`
+}
+
+// Dump returns the process table, the global lock's state, the memseg
+// lists, the MR list with its chunks and keys, the global table, the
+// device's MRs and the mempools.
+func (p *Primary) Dump() (Dump, error) {
+	d := Dump{Processes: p.seg.Procs(), Lock: p.global.LockState(), Memory: p.mem.Lists(),
+		Device: p.dev.MRs(), Pools: cache.Pools(p.seg)}
+	var err error
+	d.Cache, err = p.global.Dump()
+	return d, err
+}

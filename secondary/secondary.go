@@ -1,0 +1,419 @@
+package secondary
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// Errors of a secondary.
+var (
+	// ErrPrimaryGone means the primary has ended (or dropped this
+	// secondary): requests fail at once, while keys already in local
+	// caches keep resolving.
+	ErrPrimaryGone = instance.ErrPrimaryGone
+	// ErrNoPrimary means no primary serves the prefix.
+	ErrNoPrimary = instance.ErrNoPrimary
+	// ErrClosed means the secondary was closed.
+	ErrClosed = errors.New("secondary: closed")
+)
+
+// Config configures Attach.
+type Config struct {
+	// Prefix names the instance to attach to. Default "mpmr".
+	Prefix string
+	// RuntimeDir must match the primary's Config.RuntimeDir.
+	RuntimeDir string
+	// AttachTimeout bounds Attach. Default 5 s.
+	AttachTimeout time.Duration
+	// RequestTimeout bounds each request to the primary (an MR creation).
+	// Default 2 s. A dead primary fails requests at once regardless.
+	RequestTimeout time.Duration
+	// Logger receives diagnostics. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// Secondary is a process attached to a primary's instance: it maps the
+// control segment and the data memory at the primary's addresses, keeps
+// local caches, and asks the primary for MRs it misses. Secondary is safe
+// for concurrent use.
+type Secondary struct {
+	cfg    Config
+	log    *slog.Logger
+	info   instance.Info
+	client *ipc.Client
+	seg    *shm.Segment
+	mem    *hugetlb.Memory
+	dev    *verbs.Soft
+	global *cache.Global
+	ctrs   *instance.CounterTable
+	queues instance.Queues
+	ready  chan struct{} // closed once memory is mapped: pushes may run
+	gone   chan struct{} // closed when the primary is gone
+	goneMu sync.Once
+	bg     sync.WaitGroup
+	stop   context.CancelFunc
+
+	primarySlot int
+
+	rtt      instance.Histogram
+	requests atomic.Uint64
+	reqErrs  atomic.Uint64
+	syncs    atomic.Uint64
+	valErrs  atomic.Uint64
+
+	closeMu sync.Mutex
+	closed  atomic.Bool
+}
+
+// Attach connects to the primary of cfg.Prefix, attaches to its control
+// segment (claiming a process-table slot), says hello, and maps the data
+// memory at the same addresses as the primary.
+func Attach(cfg Config) (*Secondary, error) {
+	if cfg.Prefix == "" {
+		cfg.Prefix = "mpmr"
+	}
+	if cfg.AttachTimeout <= 0 {
+		cfg.AttachTimeout = 5 * time.Second
+	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = 2 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	s := &Secondary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), ready: make(chan struct{}),
+		gone: make(chan struct{}), primarySlot: -1}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.AttachTimeout)
+	defer cancel()
+	if err := s.attach(ctx); err != nil {
+		s.teardown()
+		return nil, fmt.Errorf("secondary %s: %w", cfg.Prefix, err)
+	}
+	return s, nil
+}
+
+func (s *Secondary) attach(ctx context.Context) error {
+	dir, err := instance.Dir(s.cfg.Prefix, s.cfg.RuntimeDir)
+	if err != nil {
+		return err
+	}
+	s.client, err = ipc.DialClient(ctx, filepath.Join(dir, ipc.SocketName),
+		ipc.ClientConfig{PushHandler: (*pushes)(s), Logger: s.log})
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrNoPrimary, err)
+	}
+	cred, err := s.client.ServerCred()
+	if err != nil {
+		return err
+	}
+	if s.info, err = instance.ReadInfo(dir); err != nil {
+		return fmt.Errorf("%w: %v", ErrNoPrimary, err)
+	}
+	if s.info.PID != cred.PID {
+		return fmt.Errorf("%w: %s describes pid %d, the socket belongs to pid %d",
+			ErrNoPrimary, filepath.Join(dir, instance.InfoFile), s.info.PID, cred.PID)
+	}
+	s.seg, err = shm.Attach(shm.Options{Path: s.info.Segment, LockPath: s.info.LockFile,
+		LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: s.log})
+	if err != nil {
+		return err
+	}
+	start, _ := shm.ProcessStart(os.Getpid())
+	var hello ipc.HelloReply
+	if err := s.client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
+		Start: start, Role: "secondary"}, &hello); err != nil {
+		return s.requestError("hello", err)
+	}
+	if hello.LayoutTag != instance.LayoutTag || hello.Segment != s.info.Segment || hello.Slot != s.seg.Slot() {
+		return fmt.Errorf("%w: primary answered layout 0x%x segment %s slot %d; this process has 0x%x %s %d",
+			instance.ErrABI, hello.LayoutTag, hello.Segment, hello.Slot, instance.LayoutTag, s.info.Segment, s.seg.Slot())
+	}
+	for _, p := range s.seg.Procs() {
+		if p.Role == shm.RolePrimary && p.PID == hello.PrimaryPID {
+			s.primarySlot = p.Slot
+		}
+	}
+	// Memory is mapped after the hello: from the hello on, the primary
+	// pushes every change, and pushes wait for s.ready.
+	if s.mem, err = hugetlb.Attach(s.seg, hugetlb.AttachOptions{Logger: s.log}); err != nil {
+		return err
+	}
+	close(s.ready)
+	if s.dev, err = verbs.AttachSoft(s.seg); err != nil {
+		return err
+	}
+	if s.global, err = cache.AttachGlobal(s.seg, s.log, s.cfg.RequestTimeout); err != nil {
+		return err
+	}
+	if s.ctrs, err = instance.OpenCounters(s.seg); err != nil {
+		return err
+	}
+	bg, stop := context.WithCancel(context.Background())
+	s.stop = stop
+	s.bg.Add(1)
+	go s.watch(bg)
+	s.log.Info("attached", "slot", s.seg.Slot(), "primary_pid", hello.PrimaryPID, "backend", hello.Backend)
+	return nil
+}
+
+// watchEvery is how often a secondary looks at the primary's slot and
+// publishes its counters.
+const watchEvery = 10 * time.Millisecond
+
+// watch notices the primary's end: at once from the socket's end of file,
+// or from the process table if the socket somehow stays open. It also
+// publishes this process's counters now and then.
+func (s *Secondary) watch(ctx context.Context) {
+	defer s.bg.Done()
+	t := time.NewTicker(watchEvery)
+	defer t.Stop()
+	var n int
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.client.Done():
+			s.primaryGone("connection ended")
+			return
+		case <-t.C:
+			if s.primarySlot >= 0 && !s.seg.Alive(s.primarySlot) {
+				s.primaryGone("primary's slot is dead")
+				return
+			}
+			if n++; n%25 == 0 {
+				s.publish()
+			}
+		}
+	}
+}
+
+func (s *Secondary) primaryGone(why string) {
+	s.goneMu.Do(func() {
+		s.log.Warn("primary gone", "why", why)
+		close(s.gone)
+		s.client.Close()
+	})
+}
+
+// PrimaryGone returns a channel closed once the primary is gone.
+func (s *Secondary) PrimaryGone() <-chan struct{} { return s.gone }
+
+func (s *Secondary) isGone() bool {
+	select {
+	case <-s.gone:
+		return true
+	default:
+		return false
+	}
+}
+
+// requestError maps a failed request to ErrPrimaryGone when the connection
+// ended.
+func (s *Secondary) requestError(what string, err error) error {
+	if errors.Is(err, ipc.ErrPeerGone) || errors.Is(err, ipc.ErrClosed) || s.isGone() {
+		return fmt.Errorf("%w: %s: %v", ErrPrimaryGone, what, err)
+	}
+	return fmt.Errorf("secondary: %s: %w", what, err)
+}
+
+// call makes one request to the primary, bounded by RequestTimeout and
+// failing at once if the primary is gone.
+func (s *Secondary) call(what string, kind ipc.Kind, req, reply any) error {
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	if s.isGone() {
+		return fmt.Errorf("%w: %s", ErrPrimaryGone, what)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
+	defer cancel()
+	start := time.Now()
+	err := s.client.Call(ctx, kind, req, reply)
+	s.rtt.Record(time.Since(start))
+	s.requests.Add(1)
+	if err != nil {
+		s.reqErrs.Add(1)
+		return s.requestError(what, err)
+	}
+	return nil
+}
+
+// CreateMR asks the primary for the MR covering addr (creating it if
+// needed). It implements the create path of this process's local caches.
+func (s *Secondary) CreateMR(addr uint64) (cache.Entry, error) {
+	var r ipc.CreateMRReply
+	if err := s.call(fmt.Sprintf("create MR for 0x%x", addr), ipc.KindCreateMR, &ipc.CreateMR{Addr: addr}, &r); err != nil {
+		return cache.Entry{LKey: cache.InvalidKey}, err
+	}
+	return cache.Entry{Start: r.Start, End: r.End, LKey: r.LKey}, nil
+}
+
+// RegisterExternal is the create path for external memory: a secondary
+// cannot register it (register the mempool in the primary before the
+// secondaries use it).
+func (s *Secondary) RegisterExternal(addr, length uint64) (cache.Entry, error) {
+	return cache.Entry{LKey: cache.InvalidKey}, fmt.Errorf("%w: [0x%x, 0x%x)", cache.ErrExternalMemory, addr, addr+length)
+}
+
+// creator adapts the secondary to cache.Creator, turning a dead global
+// lock (the primary died mid-update) into ErrPrimaryGone.
+type creator Secondary
+
+func (c *creator) CreateMR(addr uint64) (cache.Entry, error) { return (*Secondary)(c).CreateMR(addr) }
+func (c *creator) RegisterExternal(addr, length uint64) (cache.Entry, error) {
+	return (*Secondary)(c).RegisterExternal(addr, length)
+}
+
+// Queue is a per-queue MR cache of a secondary: use it from one goroutine
+// at a time. Close it when the queue goes away.
+type Queue struct {
+	*cache.Local
+	s *Secondary
+}
+
+// NewQueue returns a local cache whose misses go to the global cache and
+// then, as create requests, to the primary.
+func (s *Secondary) NewQueue() *Queue {
+	q := &Queue{Local: cache.NewLocal(s.global, (*creator)(s), 0), s: s}
+	s.queues.Add(q.Local)
+	return q
+}
+
+// Lookup returns the key for addr like cache.Local.Lookup, reporting a
+// global cache whose writer died as ErrPrimaryGone.
+func (q *Queue) Lookup(addr uintptr) (uint32, error) {
+	k, err := q.Local.Lookup(addr)
+	if err != nil && (errors.Is(err, shm.ErrOwnerDied) || errors.Is(err, shm.ErrNotRecoverable)) {
+		return k, fmt.Errorf("%w: %v", ErrPrimaryGone, err)
+	}
+	return k, err
+}
+
+// Close stops counting the queue in Stats. Call it from the queue's
+// goroutine.
+func (q *Queue) Close() {
+	q.Publish()
+	q.s.queues.Remove(q.Local)
+}
+
+// RegisterMempool registers mp's chunks through the primary (one request
+// for all of them) and fills q with their keys. External memory must have
+// been registered by the primary: otherwise this fails with
+// cache.ErrExternalMemory.
+func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
+	req := &ipc.RegisterMempool{Name: mp.Name()}
+	for _, c := range mp.Chunks() {
+		req.Chunks = append(req.Chunks, ipc.Chunk{Addr: uint64(c.Addr), Len: c.Len})
+	}
+	var r ipc.RegisterMempoolReply
+	if err := s.call("register mempool "+mp.Name(), ipc.KindRegisterMempool, req, &r); err != nil {
+		return err
+	}
+	return q.RegisterMempool(mp)
+}
+
+// Pool opens a mempool the primary created.
+func (s *Secondary) Pool(name string) (*cache.Pool, error) { return cache.OpenPool(s.seg, name) }
+
+// Memory returns the data memory, mapped at the primary's addresses.
+func (s *Secondary) Memory() *hugetlb.Memory { return s.mem }
+
+// Device returns the soft device (validation and loopback copies).
+func (s *Secondary) Device() *verbs.Soft { return s.dev }
+
+// Global returns the global MR cache.
+func (s *Secondary) Global() *cache.Global { return s.global }
+
+// Segment returns the control segment.
+func (s *Secondary) Segment() *shm.Segment { return s.seg }
+
+// Slot returns this process's process-table slot.
+func (s *Secondary) Slot() int { return s.seg.Slot() }
+
+// Close tells the primary this secondary leaves, unmaps everything and
+// releases its slot. Idempotent.
+func (s *Secondary) Close() error {
+	s.closeMu.Lock()
+	defer s.closeMu.Unlock()
+	if s.closed.Swap(true) {
+		return nil
+	}
+	if s.client != nil && !s.isGone() {
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
+		_ = s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
+		cancel()
+	}
+	return s.teardown()
+}
+
+func (s *Secondary) teardown() error {
+	var errs []error
+	if s.stop != nil {
+		s.stop()
+		s.bg.Wait()
+	}
+	if s.client != nil {
+		s.client.Close()
+	}
+	if s.dev != nil {
+		errs = append(errs, s.dev.Close())
+	}
+	if s.mem != nil {
+		errs = append(errs, s.mem.Close())
+	}
+	if s.seg != nil {
+		errs = append(errs, s.seg.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// pushes handles the primary's memory syncs, in order, after the memory is
+// mapped.
+type pushes Secondary
+
+func (p *pushes) HandlePush(ctx context.Context, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+	s := (*Secondary)(p)
+	if kind != ipc.KindSync {
+		return nil, fmt.Errorf("secondary: push kind %v not handled", kind)
+	}
+	var m ipc.Sync
+	if err := body.Decode(&m); err != nil {
+		return nil, err
+	}
+	select {
+	case <-s.ready:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	var err error
+	switch m.Op {
+	case ipc.SyncMap:
+		err = s.mem.MapPages(m.List, m.First, m.Count)
+	case ipc.SyncUnmap:
+		err = s.mem.UnmapPages(m.List, m.First, m.Count)
+	case ipc.SyncResync:
+		err = s.mem.Resync()
+	default:
+		err = fmt.Errorf("secondary: unknown sync op %d", m.Op)
+	}
+	if err != nil {
+		s.log.Error("memory sync failed", "op", m.Op, "list", m.List, "first", m.First, "count", m.Count, "err", err)
+		return nil, err
+	}
+	s.syncs.Add(1)
+	return &ipc.SyncAck{}, nil
+}
