@@ -1,0 +1,185 @@
+package demo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// RunSecondary attaches to the primary and runs o.Queues queues for
+// o.Duration. Each queue repeatedly takes two buffers, writes a payload
+// into one, looks up both keys and has the soft device copy the payload
+// over (which validates both elements, as an HCA would), checks the copy,
+// and gives the buffers back. Every so often it also looks up the scratch
+// region the primary churns and validates the key, unless the region
+// changed meanwhile. It prints a progress line each second and its Summary
+// at the end.
+func RunSecondary(ctx context.Context, o Options) (Summary, error) {
+	sum := Summary{Role: "secondary", PID: os.Getpid()}
+	s, err := secondary.Attach(secondary.Config{Prefix: o.Prefix, RuntimeDir: o.RuntimeDir, Logger: o.Logger})
+	if err != nil {
+		return sum, err
+	}
+	defer s.Close()
+	pool, err := s.Pool(PoolName)
+	if err != nil {
+		return sum, err
+	}
+	sc, err := openScratch(s.Segment())
+	if err != nil {
+		return sum, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.Duration)
+	defer cancel()
+
+	var (
+		copies, checks, valErrs atomic.Uint64
+		errMu                   sync.Mutex
+		errs                    []string
+		wg                      sync.WaitGroup
+	)
+	fail := func(err error) {
+		errMu.Lock()
+		defer errMu.Unlock()
+		if len(errs) < 10 {
+			errs = append(errs, err.Error())
+		}
+	}
+	start := time.Now()
+	for qi := range o.Queues {
+		q := s.NewQueue()
+		if err := s.RegisterMempool(q, pool); err != nil {
+			return sum, fmt.Errorf("queue %d: %w", qi, err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer q.Close()
+			w := worker{s: s, q: q, pool: pool, sc: sc, size: uint32(o.BufSize), seed: byte(qi + 1)}
+			for i := 0; ctx.Err() == nil; i++ {
+				if err := w.copyOnce(); err != nil {
+					if errors.Is(err, verbs.ErrLocalProtection) || errors.Is(err, verbs.ErrInvalidKey) ||
+						errors.Is(err, verbs.ErrLocalAccess) || errors.Is(err, verbs.ErrLength) {
+						valErrs.Add(1)
+					}
+					fail(err)
+					if errors.Is(err, secondary.ErrPrimaryGone) {
+						return
+					}
+					continue
+				}
+				copies.Add(1)
+				if sc != nil && i%64 == 0 {
+					if checked, err := w.checkScratch(); err != nil {
+						valErrs.Add(1)
+						fail(err)
+					} else if checked {
+						checks.Add(1)
+					}
+				}
+			}
+		}()
+	}
+
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	var last uint64
+	for running := true; running; {
+		select {
+		case <-done:
+			running = false
+		case <-tick.C:
+			st := s.Stats().Counters
+			fmt.Fprintf(o.Out, "pid %d: %d lookups/s, %d copies, %d invalidations seen, %d validation failures\n",
+				os.Getpid(), st.Lookups-last, copies.Load(), st.Flushes, valErrs.Load())
+			last = st.Lookups
+		}
+	}
+	s.ReportValidationErrors(valErrs.Load())
+	st := s.Stats().Counters
+	sum.Seconds = time.Since(start).Seconds()
+	sum.Lookups, sum.TopHits, sum.BottomHits = st.Lookups, st.TopHits, st.BottomHits
+	sum.GlobalHits, sum.Created, sum.Invalidations = st.GlobalHits, st.Created, st.Flushes
+	sum.CreateP50, sum.CreateP99 = st.LatencyP50, st.LatencyP99
+	sum.Copies, sum.ChurnChecks, sum.ValidationErrors = copies.Load(), checks.Load(), valErrs.Load()
+	sum.Errors = errs
+	fmt.Fprintln(o.Out, sum.line())
+	return sum, nil
+}
+
+// worker is one queue's datapath.
+type worker struct {
+	s    *secondary.Secondary
+	q    *secondary.Queue
+	pool *cache.Pool
+	sc   *scratch
+	size uint32
+	seed byte
+}
+
+// copyOnce moves one payload between two buffers through the device.
+func (w *worker) copyOnce() error {
+	src, err := w.pool.Get()
+	if err != nil {
+		return err
+	}
+	defer w.pool.Put(src)
+	dst, err := w.pool.Get()
+	if err != nil {
+		return err
+	}
+	defer w.pool.Put(dst)
+	payload := bytesAt(src, w.size)
+	w.seed++
+	for i := range payload {
+		payload[i] = w.seed + byte(i)
+	}
+	sk, err := w.q.Lookup(src)
+	if err != nil {
+		return err
+	}
+	dk, err := w.q.Lookup(dst)
+	if err != nil {
+		return err
+	}
+	if err := w.s.Device().Copy(verbs.SGE{Addr: dst, Len: w.size, Key: dk}, verbs.SGE{Addr: src, Len: w.size, Key: sk}); err != nil {
+		return err
+	}
+	out := bytesAt(dst, w.size)
+	if out[0] != w.seed || out[w.size-1] != w.seed+byte(w.size-1) {
+		return fmt.Errorf("copy 0x%x -> 0x%x: payload not delivered", src, dst)
+	}
+	return nil
+}
+
+// checkScratch looks up a key for the churned region and validates it,
+// touching no byte of it. A failure counts only if the region did not
+// change while the lookup and the validation ran.
+func (w *worker) checkScratch() (bool, error) {
+	seq, addr, length, ok := w.sc.read()
+	if !ok {
+		return false, nil
+	}
+	a := uintptr(addr + length/2)
+	k, err := w.q.Lookup(a)
+	if err == nil {
+		err = w.s.Device().Validate(verbs.SGE{Addr: a, Len: 64, Key: k}, verbs.AccessLocalWrite)
+	}
+	if w.sc.changed(seq) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("scratch region 0x%x: %w", addr, err)
+	}
+	return true, nil
+}
