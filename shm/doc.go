@@ -30,4 +30,8 @@
 // RWLock is a robust, writer-preferring reader-writer lock for the segment,
 // built on shared futexes, that survives the death of any holder; see its
 // documentation.
+//
+// Tools that must not disturb an instance, live or dead, open its segment
+// with OpenReadOnly: a read-only mapping that claims no slot. They look at
+// locks through a LockView, which never takes part in locking.
 package shm

@@ -138,10 +138,15 @@ func (s *Segment) Slot() int { return s.slot }
 
 // Alive reports whether the process in slot i is alive: it holds the slot's
 // lock byte. This process's own slot is always alive. A lock-file error
-// counts as alive, so that a failure to look never discards live state.
+// counts as alive, so that a failure to look never discards live state. On a
+// read-only Segment whose lock file does not exist, no slot is alive: nobody
+// can hold a lock in a file that is not there.
 func (s *Segment) Alive(i int) bool {
 	if i == s.slot {
 		return true
+	}
+	if s.lockf == nil {
+		return false
 	}
 	held, err := ofd.Held(s.lockf, int64(i))
 	if err != nil {

@@ -388,20 +388,23 @@ type LockState struct {
 }
 
 // State returns a snapshot of the lock.
-func (l *RWLock) State() LockState {
-	st := LockState{Offset: l.off, WriterSlot: -1, Readers: map[int]int{}}
-	switch w := atomic.LoadUint32(&l.head.Writer); w {
+func (l *RWLock) State() LockState { return lockState(l.off, l.head, l.lines) }
+
+// lockState reads the lock at off word by word.
+func lockState(off uint64, head *lockHead, lines []readerLine) LockState {
+	st := LockState{Offset: off, WriterSlot: -1, Readers: map[int]int{}}
+	switch w := atomic.LoadUint32(&head.Writer); w {
 	case 0:
 	case lockUnrecoverable:
 		st.NotRecoverable = true
 	default:
 		st.WriterSlot = int(w - 1)
 	}
-	st.Inconsistent = atomic.LoadUint32(&l.head.Flags)&flagInconsistent != 0
-	st.Waiters = int(atomic.LoadUint32(&l.head.Waiters))
-	st.Seq = atomic.LoadUint32(&l.head.Seq)
-	for i := range l.lines {
-		if n := uint32(atomic.LoadUint64(&l.lines[i].Count)); n != 0 {
+	st.Inconsistent = atomic.LoadUint32(&head.Flags)&flagInconsistent != 0
+	st.Waiters = int(atomic.LoadUint32(&head.Waiters))
+	st.Seq = atomic.LoadUint32(&head.Seq)
+	for i := range lines {
+		if n := uint32(atomic.LoadUint64(&lines[i].Count)); n != 0 {
 			st.Readers[i] = int(n)
 		}
 	}

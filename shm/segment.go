@@ -78,6 +78,8 @@ type Segment struct {
 	mu      sync.Mutex // owner: serializes arena and growth
 	closeMu sync.Mutex
 	closed  atomic.Bool
+	// readOnly: mapped by OpenReadOnly, with no slot; lockf may be nil.
+	readOnly bool
 }
 
 func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
@@ -204,7 +206,9 @@ func mapSegment(f *os.File, o *Options, maxSize uint64) (*Segment, error) {
 
 func (s *Segment) unmap() {
 	_ = vm.Unmap(s.base, s.mapLen)
-	s.lockf.Close()
+	if s.lockf != nil {
+		s.lockf.Close()
+	}
 	s.f.Close()
 }
 
@@ -254,8 +258,12 @@ func (s *Segment) MarkReady() error {
 
 // MarkDead marks the segment as belonging to an ended instance: attachers
 // refuse it with ErrDead. The owner does this when it shuts down; a new
-// owner does it to a stale segment it found.
+// owner does it to a stale segment it found. On a read-only Segment (see
+// OpenReadOnly) it does nothing: use MarkDeadFile.
 func (s *Segment) MarkDead() {
+	if s.readOnly {
+		return
+	}
 	atomic.StoreUint32(&s.hdr.State, stateDead)
 }
 

@@ -3,6 +3,8 @@ package vm
 import (
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -47,4 +49,38 @@ func TestMapFileReleaseAndCheck(t *testing.T) {
 	assert.NoError(t, CheckReadable(base+2*PageSize, PageSize))
 	_, err = Reserve(base+PageSize, PageSize)
 	assert.ErrorIs(t, err, ErrRangeTaken, "a released range stays reserved")
+}
+
+func TestMapSharedReadOnly(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "data"))
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(int64(PageSize)))
+
+	// The mapping may be longer than the file: only the part the file
+	// covers may be touched.
+	base, err := MapSharedReadOnly(int(f.Fd()), 4*PageSize)
+	require.NoError(t, err)
+	defer Unmap(base, 4*PageSize)
+
+	_, err = f.WriteAt([]byte{0x42}, 10)
+	require.NoError(t, err)
+	assert.Equal(t, byte(0x42), Bytes(base, PageSize)[10], "writes through the file show: the mapping is shared")
+	assert.Equal(t, "r--s", mapPerms(t, base), "nothing may be written through the mapping")
+}
+
+// mapPerms returns the permissions /proc/self/maps shows for the mapping
+// that starts at addr.
+func mapPerms(t *testing.T, addr uintptr) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/maps")
+	require.NoError(t, err)
+	want := strconv.FormatUint(uint64(addr), 16) + "-"
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && strings.HasPrefix(f[0], want) {
+			return f[1]
+		}
+	}
+	t.Fatalf("no mapping at 0x%x", addr)
+	return ""
 }

@@ -90,6 +90,19 @@ func MapShared(fd int, length uintptr, noreserve bool) (uintptr, error) {
 	return addr, nil
 }
 
+// MapSharedReadOnly maps length bytes of fd from offset 0, shared and
+// read-only, at an address the kernel picks, without reserving hugepages
+// (MAP_NORESERVE): tools that only look at a file another process keeps
+// growing map its whole reservation this way, take nothing from the
+// hugepage pool and cannot write a byte (a store faults).
+func MapSharedReadOnly(fd int, length uintptr) (uintptr, error) {
+	addr, err := mmap(0, length, unix.PROT_READ, unix.MAP_SHARED|unix.MAP_NORESERVE, fd, 0)
+	if err != nil {
+		return 0, fmt.Errorf("vm: map fd %d read-only (0x%x bytes): %w", fd, length, err)
+	}
+	return addr, nil
+}
+
 // Release turns [addr, addr+length) back into an inaccessible reservation:
 // whatever was mapped there is dropped, and a later touch faults instead of
 // reaching memory. The range stays reserved so nothing else is placed there.
