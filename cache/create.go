@@ -260,3 +260,17 @@ func (g *Global) rebuild() error {
 	atomic.AddUint64(&g.root.Rebuilds, 1)
 	return nil
 }
+
+// Exclusive runs fn while holding the global write lock, so that no lookup,
+// creation or invalidation runs in any process meanwhile. It is meant for
+// tools and tests: a process that dies inside fn leaves the lock to be
+// recovered as from a writer that died mid-update.
+func (g *Global) Exclusive(fn func()) error {
+	cancel, err := g.writeLock()
+	if err != nil {
+		return err
+	}
+	defer g.writeUnlock(cancel)
+	fn()
+	return nil
+}

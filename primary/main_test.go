@@ -60,6 +60,7 @@ func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 // helperSecondary attaches and then runs commands, one per line:
 //
 //	lookup ADDR          -> "key K" or "err TEXT"
+//	create ADDR          -> the same, asking the primary directly
 //	validate ADDR KEY    -> "ok" or "err TEXT"
 //	read ADDR            -> "byte B"
 //	hammer G N ADDR LEN  -> G goroutines, each with its own queue, make N
@@ -93,6 +94,13 @@ func helperSecondary(args []string) int {
 				testproc.Say("> err %v", err)
 			} else {
 				testproc.Say("> key %d", k)
+			}
+		case "create":
+			e, err := s.CreateMR(num(1))
+			if err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> key %d", e.LKey)
 			}
 		case "validate":
 			err := s.Device().Validate(verbs.SGE{Addr: uintptr(num(1)), Len: 1, Key: uint32(num(2))}, verbs.AccessLocalWrite)

@@ -1,0 +1,307 @@
+package primary_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+)
+
+func init() {
+	testproc.Register("primary", helperPrimary)
+}
+
+// helperPrimary runs a primary with 4 pages allocated and prints "ready
+// ADDR LEN"; "hold" makes it take the global write lock and print
+// "holding" without ever letting go.
+func helperPrimary(args []string) int {
+	p, err := primary.Start(primary.Config{Prefix: args[0], RuntimeDir: args[1], Backend: backendOf(args[2]),
+		MemoryPages: 16, Logger: quiet})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	r, err := p.Alloc(4 * p.Backend().PageSize)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	testproc.Say("ready %d %d", r.Addr, r.Len)
+	in := testproc.Commands()
+	for in.Scan() {
+		if in.Text() == "hold" {
+			p.Global().Exclusive(func() {
+				testproc.Say("holding")
+				select {}
+			})
+		}
+	}
+	p.Close()
+	return 0
+}
+
+func startPrimaryProcess(t *testing.T, cfg primary.Config) (*testproc.Proc, uintptr, uint64) {
+	t.Helper()
+	h := testproc.Start(t, "primary", []string{cfg.Prefix, cfg.RuntimeDir, cfg.Backend.String()})
+	var addr uintptr
+	var length uint64
+	_, err := fmt.Sscanf(h.Expect("ready", 0), "ready %d %d", &addr, &length)
+	require.NoError(t, err)
+	return h, addr, length
+}
+
+func attachHere(t *testing.T, cfg primary.Config) *secondary.Secondary {
+	t.Helper()
+	s, err := secondary.Attach(secondary.Config{Prefix: cfg.Prefix, RuntimeDir: cfg.RuntimeDir, Logger: quiet})
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+func TestPrimaryDeathIsSeenFast(t *testing.T) {
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: testenv.Tmpfs(t).Kind}
+	h, addr, length := startPrimaryProcess(t, cfg)
+	s := attachHere(t, cfg)
+	q := s.NewQueue()
+	key, err := q.Lookup(addr)
+	require.NoError(t, err)
+
+	h.Kill()
+	died := time.Now()
+	select {
+	case <-s.PrimaryGone():
+		t.Logf("primary's death noticed after %v", time.Since(died))
+	case <-time.After(5 * time.Second):
+		t.Fatal("the primary's death went unnoticed")
+	}
+	_ = h.Wait(0)
+
+	start := time.Now()
+	_, err = q.Lookup(addr + uintptr(length) + 1) // outside the MR: must ask the primary
+	assert.ErrorIs(t, err, secondary.ErrPrimaryGone)
+	assert.Less(t, time.Since(start), time.Second, "no timeout involved")
+	_, err = s.CreateMR(uint64(addr) + 4096)
+	assert.ErrorIs(t, err, secondary.ErrPrimaryGone)
+
+	k, err := q.Lookup(addr + 64)
+	require.NoError(t, err, "keys already cached keep resolving")
+	assert.Equal(t, key, k)
+	e, found, err := s.Global().Lookup(uint64(addr))
+	require.NoError(t, err, "the global table was left consistent")
+	assert.True(t, found)
+	assert.Equal(t, key, e.LKey)
+}
+
+func TestPrimaryDiedMidUpdate(t *testing.T) {
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: testenv.Tmpfs(t).Kind}
+	h, addr, _ := startPrimaryProcess(t, cfg)
+	s := attachHere(t, cfg)
+	h.Send("hold")
+	h.Expect("holding", 0)
+	h.Kill()
+	_ = h.Wait(0)
+
+	start := time.Now()
+	_, _, err := s.Global().Lookup(uint64(addr))
+	require.Error(t, err, "a half-written table is not read")
+	assert.Less(t, time.Since(start), time.Second, "and the lookup does not hang")
+	q := s.NewQueue()
+	_, err = q.Lookup(addr)
+	assert.ErrorIs(t, err, secondary.ErrPrimaryGone)
+}
+
+func TestRestartOverDeadInstance(t *testing.T) {
+	for _, b := range []string{"tmpfs", "hugetlbfs"} {
+		t.Run(b, func(t *testing.T) {
+			bk := testenv.Tmpfs(t)
+			if b == "hugetlbfs" {
+				bk = testenv.Hugetlb(t, 8)
+			}
+			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: bk.Kind,
+				MemoryPages: 16, Logger: quiet}
+			before := freeHugepages(t)
+			h, _, _ := startPrimaryProcess(t, cfg)
+			h.Kill()
+			_ = h.Wait(0)
+
+			// The dead primary's files and hugepages are still there; a
+			// new primary cleans them up and starts.
+			var p *primary.Primary
+			var err error
+			for range 100 { // its listening socket may linger an instant after SIGKILL
+				if p, err = primary.Start(cfg); !errors.Is(err, ipc.ErrAddressInUse) {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			require.NoError(t, err)
+			defer p.Close()
+			r, err := p.Alloc(p.Backend().PageSize)
+			require.NoError(t, err)
+			sec := startSecondary(t, cfg)
+			k := parseKey(t, ask(t, sec, "lookup %d", r.Addr))
+			assert.Equal(t, "ok", ask(t, sec, "validate %d %d", r.Addr, k))
+			require.NoError(t, p.Free(r))
+			assert.Equal(t, "closed", ask(t, sec, "close"))
+			require.NoError(t, p.Close())
+			if b == "hugetlbfs" {
+				assert.Equal(t, before, freeHugepages(t), "the dead instance's hugepages came back")
+			}
+		})
+	}
+}
+
+func TestSecondaryKilledMidRequest(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SinglePage = true })
+	r, err := p.Alloc(32 * p.Backend().PageSize)
+	require.NoError(t, err)
+	survivor := startSecondary(t, cfg)
+	for trial := range 10 {
+		victim := startSecondary(t, cfg)
+		victim.Send("hammer 4 100000 %d %d", r.Addr, r.Len)
+		// Kill it while its requests are in flight.
+		for p.Stats().Counters.Requests < uint64(trial*4+2) {
+			runtime.Gosched()
+		}
+		victim.Kill()
+		_ = victim.Wait(0)
+		// The primary keeps serving, and memory changes do not wait for
+		// the dead secondary.
+		k := parseKey(t, ask(t, survivor, "lookup %d", r.Addr+uintptr(trial)))
+		assert.Equal(t, "ok", ask(t, survivor, "validate %d %d", r.Addr, k))
+		extra, err := p.Alloc(p.Backend().PageSize)
+		require.NoError(t, err)
+		require.NoError(t, p.Free(extra))
+	}
+	// Every dead secondary's slot was reclaimed: only the primary and the
+	// survivor hold one.
+	require.Eventually(t, func() bool {
+		live := 0
+		for _, proc := range p.Segment().Procs() {
+			if proc.Live {
+				live++
+			}
+		}
+		return live == 2
+	}, 5*time.Second, time.Millisecond)
+}
+
+func TestStuckSecondaryIsDropped(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SyncTimeout = 200 * time.Millisecond })
+	stuck := startSecondary(t, cfg)
+	fine := startSecondary(t, cfg)
+	require.NoError(t, syscall.Kill(stuck.PID(), syscall.SIGSTOP))
+	defer syscall.Kill(stuck.PID(), syscall.SIGCONT)
+
+	start := time.Now()
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err, "an allocation completes despite a stuck secondary")
+	t.Logf("allocation took %v with a stuck secondary", time.Since(start))
+	assert.Equal(t, uint64(1), p.Stats().Counters.SyncDrops)
+	k := parseKey(t, ask(t, fine, "lookup %d", r.Addr))
+	assert.Equal(t, "ok", ask(t, fine, "validate %d %d", r.Addr, k))
+
+	require.NoError(t, syscall.Kill(stuck.PID(), syscall.SIGCONT))
+	assert.Contains(t, ask(t, stuck, "create %d", r.Addr+100), "primary has gone", "a dropped secondary is told")
+}
+
+func TestBadClientsDoNotDisturbOthers(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	good := startSecondary(t, cfg)
+	sockPath := p.RuntimeDir() + "/" + ipc.SocketName
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+
+	// A client that asks for MRs without attaching is refused.
+	c, err := ipc.DialClient(ctx, sockPath, ipc.ClientConfig{Logger: quiet})
+	require.NoError(t, err)
+	err = c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: uint64(r.Addr)}, &ipc.CreateMRReply{})
+	assert.ErrorContains(t, err, "has not attached")
+	// A hello from a process that holds no slot is refused.
+	err = c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
+	assert.ErrorContains(t, err, "holds no slot")
+	// So is one from another ABI.
+	err = c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI + 1, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
+	assert.ErrorContains(t, err, "incompatible")
+	c.Close()
+
+	// Raw garbage, an oversized frame and an unknown kind close only the
+	// connection that sent them.
+	for _, frame := range [][]byte{
+		[]byte("\xff\x00garbage"),
+		make([]byte, 100<<10),
+		mustFrame(t, 7, ipc.Kind(999), &ipc.Detach{}),
+	} {
+		conn, err := sock.Dial(ctx, sockPath)
+		require.NoError(t, err)
+		_ = conn.Send(frame, nil)
+		_, _, rerr := conn.Recv(make([]byte, 1<<16))
+		assert.ErrorIs(t, rerr, io.EOF, "the primary hangs up")
+		conn.Close()
+	}
+	k := parseKey(t, ask(t, good, "lookup %d", r.Addr))
+	assert.Equal(t, "ok", ask(t, good, "validate %d %d", r.Addr, k), "the attached secondary is unaffected")
+}
+
+func mustFrame(t *testing.T, id uint64, kind ipc.Kind, body any) []byte {
+	b, err := ipc.AppendFrame(nil, id, kind, 0, body)
+	require.NoError(t, err)
+	return b
+}
+
+func backendOf(s string) hugetlb.Kind {
+	k, _ := hugetlb.ParseKind(s)
+	return k
+}
+
+func init() {
+	testproc.Register("attach-as-nobody", func(args []string) int {
+		if err := syscall.Setgid(65534); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 3
+		}
+		if err := syscall.Setuid(65534); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 3
+		}
+		_, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+		testproc.Say("attach: %v", err)
+		return 0
+	})
+}
+
+func TestOtherUserIsRefused(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root to run a helper as another user")
+	}
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	good := startSecondary(t, cfg)
+	h := testproc.Start(t, "attach-as-nobody", []string{cfg.Prefix, cfg.RuntimeDir})
+	line := h.Expect("attach: ", 0)
+	assert.NotEqual(t, "attach: <nil>", line, "uid 65534 must not attach to root's instance")
+	assert.Contains(t, line, "no primary")
+	require.NoError(t, h.Wait(0))
+	k := parseKey(t, ask(t, good, "lookup %d", r.Addr))
+	assert.Equal(t, "ok", ask(t, good, "validate %d %d", r.Addr, k))
+	assert.Zero(t, p.Stats().Counters.RequestErrors, "nothing reached the primary's handlers")
+}
