@@ -274,3 +274,18 @@ func (g *Global) Exclusive(fn func()) error {
 	fn()
 	return nil
 }
+
+// Shared runs fn while holding the global read lock: writers (creations,
+// invalidations) in every process wait meanwhile. Like Exclusive, it is
+// meant for tools and tests, such as killing a process that holds the read
+// lock.
+func (g *Global) Shared(fn func()) error {
+	ctx, cancel := g.lockCtx()
+	defer cancel()
+	if err := g.lock.RLock(ctx); err != nil {
+		return fmt.Errorf("cache: global read lock: %w", err)
+	}
+	defer g.lock.RUnlock()
+	fn()
+	return nil
+}
