@@ -464,6 +464,21 @@ func (m *Memory) reserve(l *list, knob string) error {
 // bytes were written by another process: each field is read once, checked,
 // and only the checked copy is used.
 func readTable(seg *shm.Segment) (*tableHeader, []listDesc, []spec, error) {
+	h, descs, specs, err := readDescriptors(seg)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if st := atomic.LoadUint32(&h.State); st != tableLive {
+		if st == tableClosed {
+			return nil, nil, nil, fmt.Errorf("the primary closed its memory: %w", ErrClosed)
+		}
+		return nil, nil, nil, fmt.Errorf("%w: table state %d", ErrBadDescriptor, st)
+	}
+	return h, descs, specs, nil
+}
+
+// readDescriptors is readTable without the check of the table's state.
+func readDescriptors(seg *shm.Segment) (*tableHeader, []listDesc, []spec, error) {
 	off := seg.Root(shm.RootMemory)
 	if off == 0 {
 		return nil, nil, nil, fmt.Errorf("%w: segment %s has no memory table (the primary has not created its memory)",
@@ -478,12 +493,6 @@ func readTable(seg *shm.Segment) (*tableHeader, []listDesc, []spec, error) {
 	}
 	if v := atomic.LoadUint32(&h.Version); v != tableVersion {
 		return nil, nil, nil, fmt.Errorf("%w: table version %d, this build %d", ErrBadDescriptor, v, tableVersion)
-	}
-	if st := atomic.LoadUint32(&h.State); st != tableLive {
-		if st == tableClosed {
-			return nil, nil, nil, fmt.Errorf("the primary closed its memory: %w", ErrClosed)
-		}
-		return nil, nil, nil, fmt.Errorf("%w: table state %d", ErrBadDescriptor, st)
 	}
 	n := int(atomic.LoadUint32(&h.Lists))
 	if n < 1 || n > MaxLists || seg.CheckRange(off+tableHeaderSize, uint64(n)*listDescSize) != nil {
