@@ -11,6 +11,7 @@ package testproc
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -76,12 +77,20 @@ type Proc struct {
 // DefaultTimeout bounds Expect when no deadline is given.
 const DefaultTimeout = 20 * time.Second
 
+// Command returns the command that runs helper name with args, for code
+// without a testing.TB (runnable examples). The caller starts, stops and
+// reaps it.
+func Command(ctx context.Context, name string, args ...string) *exec.Cmd {
+	a, _ := json.Marshal(args)
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envHelper+"="+name, envArgs+"="+string(a))
+	return cmd
+}
+
 // Start runs helper name with args and extra environment entries ("K=V").
 func Start(tb testing.TB, name string, args []string, env ...string) *Proc {
 	tb.Helper()
-	a, _ := json.Marshal(args)
-	cmd := exec.CommandContext(tb.Context(), os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envHelper+"="+name, envArgs+"="+string(a))
+	cmd := Command(tb.Context(), name, args...)
 	cmd.Env = append(cmd.Env, env...)
 	cmd.Cancel = func() error { return cmd.Process.Kill() }
 	p := &Proc{tb: tb, name: name, cmd: cmd, lines: make(chan string, 1024),
