@@ -40,23 +40,15 @@ func (g *Global) Dump() (Dump, error) {
 	}
 	defer g.lock.RUnlock()
 	d := Dump{DevGen: atomic.LoadUint32(g.devGen), Stats: g.Stats()}
-	info := func(m mr) MRInfo {
-		r := m.rec
-		return MRInfo{Offset: m.off, List: int(atomic.LoadInt32(&r.List)), Start: atomic.LoadUint64(&r.Start),
-			Len: atomic.LoadUint64(&r.Len), PageSize: atomic.LoadUint64(&r.PageSize),
-			BaseIdx: atomic.LoadUint32(&r.BaseIdx), PagesSet: atomic.LoadUint32(&r.PagesSet),
-			BitmapLen: atomic.LoadUint32(&r.BitmapLen), LKey: atomic.LoadUint32(&r.LKey),
-			RKey: atomic.LoadUint32(&r.RKey), Chunks: m.chunks()}
-	}
 	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
-		d.MRs = append(d.MRs, info(m))
+		d.MRs = append(d.MRs, m.info())
 		return true
 	})
 	if err != nil {
 		return d, err
 	}
 	if err := g.eachMR(atomic.LoadUint64(&g.root.FreeList), func(m mr) bool {
-		d.FreeMRs = append(d.FreeMRs, info(m))
+		d.FreeMRs = append(d.FreeMRs, m.info())
 		return true
 	}); err != nil {
 		return d, err
@@ -67,4 +59,14 @@ func (g *Global) Dump() (Dump, error) {
 	}
 	d.Table, d.TableSize, d.Overflowed = t.Entries(), t.Size(), t.Overflowed()
 	return d, nil
+}
+
+// info describes m.
+func (m mr) info() MRInfo {
+	r := m.rec
+	return MRInfo{Offset: m.off, List: int(atomic.LoadInt32(&r.List)), Start: atomic.LoadUint64(&r.Start),
+		Len: atomic.LoadUint64(&r.Len), PageSize: atomic.LoadUint64(&r.PageSize),
+		BaseIdx: atomic.LoadUint32(&r.BaseIdx), PagesSet: atomic.LoadUint32(&r.PagesSet),
+		BitmapLen: atomic.LoadUint32(&r.BitmapLen), LKey: atomic.LoadUint32(&r.LKey),
+		RKey: atomic.LoadUint32(&r.RKey), Chunks: m.chunks()}
 }

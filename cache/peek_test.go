@@ -1,0 +1,125 @@
+package cache
+
+import (
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func init() { testproc.Register("hold-global", helperHoldGlobal) }
+
+// helperHoldGlobal attaches to the segment at args[0], takes the global
+// write lock and holds it until it is killed.
+func helperHoldGlobal(args []string) int {
+	seg, err := shm.Attach(shm.Options{Path: args[0], LayoutTag: layoutTag, Role: shm.RoleObserver, Logger: quiet})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	g, err := AttachGlobal(seg, quiet, 0)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	err = g.Exclusive(func() {
+		testproc.Say("held slot=%d", seg.Slot())
+		in := testproc.Commands()
+		for in.Scan() {
+		}
+	})
+	fmt.Fprintln(os.Stderr, err)
+	return 0
+}
+
+// readOnly opens p's segment the way a tool does.
+func (p *primary) readOnly(t testing.TB) *shm.Segment {
+	t.Helper()
+	seg, _, err := shm.OpenReadOnly(p.opts)
+	require.NoError(t, err)
+	t.Cleanup(func() { seg.Close() })
+	return seg
+}
+
+func TestPeekGlobalMatchesDump(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{single: true})
+	ps := p.pageSize()
+	r := p.alloc(t, 4)
+	for i := range 4 {
+		_, err := p.g.Create(uint64(r.Addr) + uint64(i)*ps)
+		require.NoError(t, err)
+	}
+	// Freeing a page empties its MR, which moves to the free list until it
+	// is deregistered.
+	require.NoError(t, p.mem.Free(hugetlb.Region{Addr: r.Addr + uintptr(ps), Len: ps}))
+	want, err := p.g.Dump()
+	require.NoError(t, err)
+
+	ro := p.readOnly(t)
+	before := p.seg.Procs()
+	got, err := PeekGlobal(ro, time.Second)
+	require.NoError(t, err)
+	assert.True(t, got.Consistent)
+	assert.Equal(t, want, got.Dump)
+	assert.Len(t, got.MRs, 3)
+	assert.Len(t, got.Table, 3)
+	assert.Equal(t, p.g.LockState(), got.Lock)
+	assert.Equal(t, -1, got.Lock.WriterSlot)
+	assert.Equal(t, before, p.seg.Procs(), "no slot was claimed")
+}
+
+func TestPeekGlobalWithAWriterIn(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{})
+	_, err := p.g.Create(uint64(p.alloc(t, 1).Addr))
+	require.NoError(t, err)
+	ro := p.readOnly(t)
+
+	t.Run("live writer", func(t *testing.T) {
+		held, release := make(chan struct{}), make(chan struct{})
+		go func() {
+			_ = p.g.Exclusive(func() {
+				close(held)
+				<-release
+			})
+		}()
+		<-held
+		defer close(release)
+		got, err := PeekGlobal(ro, 20*time.Millisecond)
+		require.NoError(t, err)
+		assert.False(t, got.Consistent, "the writer stayed in longer than the patience")
+		assert.Equal(t, p.seg.Slot(), got.Lock.WriterSlot)
+		assert.Len(t, got.MRs, 1, "a best-effort read still sees the state")
+	})
+
+	t.Run("dead writer", func(t *testing.T) {
+		h := testproc.Start(t, "hold-global", []string{p.opts.Path})
+		var slot int
+		_, err := fmt.Sscanf(h.Expect("held", 0), "held slot=%d", &slot)
+		require.NoError(t, err)
+		h.Kill()
+		require.Error(t, h.Wait(0))
+
+		start := time.Now()
+		got, err := PeekGlobal(ro, time.Minute)
+		require.NoError(t, err)
+		assert.Less(t, time.Since(start), 5*time.Second, "an abandoned lock is not waited for")
+		assert.False(t, got.Consistent)
+		assert.Equal(t, slot, got.Lock.WriterSlot)
+		assert.False(t, ro.Alive(slot), "held by a dead process")
+		assert.Len(t, got.MRs, 1)
+		assert.Len(t, got.Table, 1)
+
+		// The primary recovers the lock; peeking is consistent again.
+		require.NoError(t, p.g.Exclusive(func() {}))
+		got, err = PeekGlobal(ro, time.Second)
+		require.NoError(t, err)
+		assert.True(t, got.Consistent)
+	})
+}
