@@ -4,11 +4,8 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/exec"
-	"os/signal"
-	"syscall"
 
 	"github.com/mpmr/mpmr/internal/demo"
 )
@@ -16,16 +13,8 @@ import (
 func main() {
 	o := demo.Flags(flag.CommandLine)
 	role := flag.String("role", "primary", "primary, or secondary (how the primary launches its secondaries)")
-	verbose := flag.Bool("v", false, "log the library's diagnostics")
 	flag.Parse()
-	o.Out = os.Stdout
-	level := slog.LevelWarn
-	if *verbose {
-		level = slog.LevelDebug
-	}
-	o.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := o.Setup()
 	defer stop()
 	var err error
 	if *role == "secondary" {

@@ -1,28 +1,17 @@
 package main
 
 import (
-	"context"
 	"flag"
 	"fmt"
-	"log/slog"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/mpmr/mpmr/internal/demo"
 )
 
 func main() {
 	o := demo.Flags(flag.CommandLine)
-	verbose := flag.Bool("v", false, "log the library's diagnostics")
 	flag.Parse()
-	o.Out = os.Stdout
-	level := slog.LevelWarn
-	if *verbose {
-		level = slog.LevelDebug
-	}
-	o.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := o.Setup()
 	defer stop()
 	sum, err := demo.RunSecondary(ctx, *o)
 	if err != nil {

@@ -29,6 +29,8 @@ type Options struct {
 	Churn       bool          // free and reallocate scratch memory meanwhile
 	Out         io.Writer     // progress and summaries
 	Logger      *slog.Logger
+
+	verbose bool
 }
 
 // PoolName is the mempool of packet buffers.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -77,6 +78,11 @@ func RunSecondary(ctx context.Context, o Options) (Summary, error) {
 					continue
 				}
 				copies.Add(1)
+				if i%256 == 0 {
+					// More queues than cores: let the IPC reader run
+					// before the scheduler's 10 ms time slice is up.
+					runtime.Gosched()
+				}
 				if sc != nil && i%64 == 0 {
 					if checked, err := w.checkScratch(); err != nil {
 						valErrs.Add(1)
