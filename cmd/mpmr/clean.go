@@ -1,0 +1,253 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/ofd"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/shm"
+)
+
+var cmdClean = &command{
+	name:    "clean",
+	args:    "PREFIX",
+	nargs:   1,
+	summary: "remove a dead instance's files and return its hugepages",
+	help: `
+Removes what instance PREFIX left behind when its primary died: the control
+segment and its lock file, the memseg lists' backing files in the backend
+directory (so that their hugepages go back to the kernel), and the runtime
+directory's files (instance.json, the socket, slots.lock, primary.lock, then
+the directory itself if it is empty).
+
+It refuses, changing nothing, while the instance's primary lives (holds
+the primary lock); stop the primary instead, which cleans up after itself.
+While it works it holds the primary lock itself, so no new primary of
+PREFIX starts in the middle. Before removing the segment it marks it dead,
+for secondaries of the dead instance that still map it; their mappings keep
+the memory (and its hugepages) until they exit, and clean names them. A
+segment whose creator still runs is left alone: it belongs to a live
+primary of the same prefix under another runtime directory.
+
+It reports what it removed and, on hugetlbfs, the free hugepages of the
+instance's page size before and after.`,
+	run: runClean,
+}
+
+// cleanOut is what clean reports.
+type cleanOut struct {
+	Prefix     string   `json:"prefix"`
+	RuntimeDir string   `json:"runtime_dir"`
+	Removed    []string `json:"removed"`
+	MarkedDead []string `json:"marked_dead,omitempty"`
+	// StillMapped are processes of the dead instance still alive: its
+	// memory goes back to the kernel only when they exit.
+	StillMapped []int          `json:"still_mapped_by,omitempty"`
+	Hugepages   *hugepagesDiff `json:"hugepages,omitempty"`
+	Warnings    []string       `json:"warnings,omitempty"`
+}
+
+type hugepagesDiff struct {
+	PageSize   uint64 `json:"page_size"`
+	FreeBefore uint64 `json:"free_before"`
+	FreeAfter  uint64 `json:"free_after"`
+	Total      uint64 `json:"total"`
+}
+
+// errPrimaryLives is clean's refusal.
+var errPrimaryLives = errors.New("its primary is alive")
+
+func runClean(e *env, args []string) error {
+	t, err := e.target(args[0])
+	if err != nil {
+		return err
+	}
+	out, err := clean(e, t)
+	if err != nil {
+		return err
+	}
+	if e.json {
+		return e.printJSON(out)
+	}
+	return out.print(e)
+}
+
+func clean(e *env, t *target) (*cleanOut, error) {
+	// Hold the primary lock while cleaning: a live primary makes this fail,
+	// and no new primary can start halfway through.
+	lockPath := filepath.Join(t.Dir, instance.PrimaryLockFile)
+	lockf, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer lockf.Close()
+	if err := ofd.TryLock(lockf, 0, true); err != nil {
+		if errors.Is(err, ofd.ErrLocked) {
+			who := ""
+			if pid := t.primaryPID(); pid != 0 {
+				who = fmt.Sprintf(" (pid %d)", pid)
+			}
+			return nil, fmt.Errorf("refusing to clean %q: %w%s; stop the primary instead: it removes its files when it closes",
+				t.Prefix, errPrimaryLives, who)
+		}
+		return nil, err
+	}
+	t = look(t.Prefix, t.Dir) // described again, now that nobody can change it
+	out := &cleanOut{Prefix: t.Prefix, RuntimeDir: t.Dir}
+	remove := func(path string) {
+		switch err := os.Remove(path); {
+		case err == nil:
+			out.Removed = append(out.Removed, path)
+		case !errors.Is(err, os.ErrNotExist):
+			out.Warnings = append(out.Warnings, err.Error())
+		}
+	}
+
+	// On hugetlbfs, the pool of the mount's page size gets the pages back.
+	var pageSize uint64
+	for _, dir := range t.backendDirs() {
+		if page, huge, err := falloc.DirBlockSize(dir); err == nil && huge && t.hasFiles(dir) {
+			pageSize = page
+		}
+	}
+	var before hugetlb.Pool
+	if pageSize != 0 {
+		before, _ = hugetlb.PoolFor(pageSize)
+	}
+
+	for _, dir := range t.backendDirs() {
+		t.cleanBackend(e, dir, out, remove)
+	}
+	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
+		remove(filepath.Join(t.Dir, name))
+	}
+	// The primary lock goes last, as a closing primary does it: a primary
+	// starting now retries on the new file.
+	remove(lockPath)
+	if err := os.Remove(t.Dir); err == nil {
+		out.Removed = append(out.Removed, t.Dir)
+	} else {
+		out.Warnings = append(out.Warnings, fmt.Sprintf("runtime directory %s kept: %v", t.Dir, err))
+	}
+	if pageSize != 0 {
+		after, _ := hugetlb.PoolFor(pageSize)
+		out.Hugepages = &hugepagesDiff{PageSize: pageSize, FreeBefore: before.Free, FreeAfter: after.Free, Total: after.Total}
+	}
+	return out, nil
+}
+
+// hasFiles reports whether dir holds any of the instance's backend files.
+func (t *target) hasFiles(dir string) bool {
+	if _, err := os.Stat(instance.SegmentPath(dir, t.Prefix)); err == nil {
+		return true
+	}
+	return len(memoryFiles(dir, t.Prefix)) > 0
+}
+
+// memoryFiles lists the memseg lists' backing files of prefix in dir.
+func memoryFiles(dir, prefix string) []string {
+	m, _ := filepath.Glob(filepath.Join(dir, "mpmr."+prefix+".msl*"))
+	var out []string
+	for _, p := range m {
+		if n := strings.TrimPrefix(filepath.Base(p), "mpmr."+prefix+".msl"); n != "" && strings.Trim(n, "0123456789") == "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// cleanBackend removes the instance's segment and memory files in dir,
+// unless the segment there belongs to a primary that still runs.
+func (t *target) cleanBackend(e *env, dir string, out *cleanOut, remove func(string)) {
+	segPath := instance.SegmentPath(dir, t.Prefix)
+	if _, err := os.Stat(segPath); err == nil {
+		info, perr := shm.Probe(segPath, instance.LayoutTag)
+		if running(info.CreatorPID, info.CreatorStart) {
+			out.Warnings = append(out.Warnings, fmt.Sprintf(
+				"%s left alone: its creator, pid %d, still runs (a primary of %q under another runtime directory?)",
+				segPath, info.CreatorPID, t.Prefix))
+			return
+		}
+		o, _ := t.segmentOptions()
+		o.Path = segPath
+		o.Logger = e.log
+		if seg, _, err := shm.OpenReadOnly(o); err == nil {
+			for _, p := range seg.Procs() {
+				if p.Alive {
+					out.StillMapped = append(out.StillMapped, p.PID)
+				}
+			}
+			seg.Close()
+		}
+		if perr == nil || errors.Is(perr, shm.ErrNotReady) {
+			if err := shm.MarkDeadFile(segPath); err != nil {
+				out.Warnings = append(out.Warnings, err.Error())
+			} else {
+				out.MarkedDead = append(out.MarkedDead, segPath)
+			}
+		}
+		remove(segPath)
+		remove(segPath + ".lock")
+	}
+	for _, p := range memoryFiles(dir, t.Prefix) {
+		remove(p)
+	}
+}
+
+func (o *cleanOut) print(e *env) error {
+	w := e.stdout
+	for _, p := range o.MarkedDead {
+		fmt.Fprintf(w, "marked dead %s\n", p)
+	}
+	for _, p := range o.Removed {
+		fmt.Fprintf(w, "removed %s\n", p)
+	}
+	if len(o.Removed) == 0 {
+		fmt.Fprintf(w, "nothing to remove for %s\n", o.Prefix)
+	}
+	for _, msg := range o.Warnings {
+		fmt.Fprintf(w, "warning: %s\n", msg)
+	}
+	if len(o.StillMapped) > 0 {
+		fmt.Fprintf(w, "still mapped by processes of the dead instance: pids %v; their memory returns when they exit\n", o.StillMapped)
+	}
+	if h := o.Hugepages; h != nil {
+		fmt.Fprintf(w, "hugepages (%s): %d free before, %d free after, of %d\n",
+			size(h.PageSize), h.FreeBefore, h.FreeAfter, h.Total)
+	}
+	return nil
+}
+
+// running reports whether process pid, started at start (clock ticks after
+// boot, as shm records it), still runs. A zombie does not: it holds no
+// file, lock or mapping any more.
+func running(pid int, start uint64) bool {
+	if pid <= 0 || start == 0 {
+		return false
+	}
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return false
+	}
+	// Fields after the command name, which may hold anything, are plain:
+	// the state first, the start time 20th.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return false
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 20 || string(f[0]) == "Z" || string(f[0]) == "X" {
+		return false
+	}
+	st, err := strconv.ParseUint(string(f[19]), 10, 64)
+	return err == nil && st == start
+}

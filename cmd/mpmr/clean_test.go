@@ -1,0 +1,136 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/testenv"
+)
+
+// files lists the instance's files: its runtime directory's and its
+// backend files.
+func files(t testing.TB, b hugetlb.Backend, rundir, prefix string) []string {
+	t.Helper()
+	var out []string
+	ents, _ := os.ReadDir(filepath.Join(rundir, prefix))
+	for _, e := range ents {
+		out = append(out, filepath.Join(rundir, prefix, e.Name()))
+	}
+	m, err := filepath.Glob(filepath.Join(b.Dir, "mpmr."+prefix+".*"))
+	require.NoError(t, err)
+	return append(out, m...)
+}
+
+// freeHugepages is the kernel's count of free hugepages of b's size (0 for
+// tmpfs).
+func freeHugepages(t testing.TB, b hugetlb.Backend) uint64 {
+	t.Helper()
+	if b.Kind != hugetlb.Hugetlbfs {
+		return 0
+	}
+	p, err := hugetlb.PoolFor(b.PageSize)
+	require.NoError(t, err)
+	return p.Free
+}
+
+func TestCleanRefusesALiveInstance(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	p, cfg := startPrimary(t, b, rundir)
+	_, err := p.Alloc(b.PageSize)
+	require.NoError(t, err)
+	before := files(t, b, rundir, cfg.Prefix)
+	require.Len(t, before, 6, "instance.json, ipc.sock, primary.lock, slots.lock, segment, memory: %v", before)
+
+	out, errOut, status := tool(t, "-rundir", rundir, "clean", cfg.Prefix)
+	assert.Equal(t, 1, status)
+	assert.Empty(t, out)
+	assert.Contains(t, errOut, "its primary is alive")
+	assert.Contains(t, errOut, "pid "+strconv.Itoa(os.Getpid()))
+
+	assert.Equal(t, before, files(t, b, rundir, cfg.Prefix), "nothing was removed")
+	assert.True(t, p.Segment().Ready(), "nor marked dead")
+	_, err = p.Alloc(b.PageSize)
+	assert.NoError(t, err, "the primary works on")
+	var got []lsEntry
+	toolJSON(t, &got, "-rundir", rundir, "ls")
+	require.Len(t, got, 1)
+	assert.Equal(t, "live", got[0].State, "and still holds its lock")
+}
+
+func TestCleanRemovesADeadInstance(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		rundir := testenv.RunDir(t)
+		freeBefore := freeHugepages(t, b)
+		h, prefix := startDeadable(t, b, rundir)
+		assert.Contains(t, h.ask("alloc 2"), "region")
+		h.Kill()
+		require.Error(t, h.Wait(0))
+		left := files(t, b, rundir, prefix)
+		seg, mem := instance.SegmentPath(b.Dir, prefix), filepath.Join(b.Dir, hugetlb.FileName(prefix, 0))
+		require.Subset(t, left, []string{seg, mem}, "the dead primary left its files")
+		if b.Kind == hugetlb.Hugetlbfs {
+			require.Less(t, freeHugepages(t, b), freeBefore, "and holds hugepages")
+		}
+
+		var got cleanOut
+		toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+		assert.ElementsMatch(t, append(left, filepath.Join(rundir, prefix)), got.Removed)
+		assert.Equal(t, []string{seg}, got.MarkedDead)
+		assert.Empty(t, got.StillMapped)
+		assert.Empty(t, got.Warnings)
+		assert.Empty(t, files(t, b, rundir, prefix), "nothing is left")
+		assert.NoDirExists(t, filepath.Join(rundir, prefix))
+		if b.Kind == hugetlb.Hugetlbfs {
+			require.NotNil(t, got.Hugepages)
+			assert.Equal(t, b.PageSize, got.Hugepages.PageSize)
+			assert.Less(t, got.Hugepages.FreeBefore, got.Hugepages.FreeAfter)
+			assert.Equal(t, freeBefore, freeHugepages(t, b), "every hugepage went back")
+		} else {
+			assert.Nil(t, got.Hugepages)
+		}
+
+		_, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
+		assert.Equal(t, 1, status, "nothing left to clean")
+		assert.Contains(t, errOut, "no instance")
+	})
+}
+
+func TestCleanMarksTheSegmentDeadForSurvivingSecondaries(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		rundir := testenv.RunDir(t)
+		freeBefore := freeHugepages(t, b)
+		h, prefix := startDeadable(t, b, rundir)
+		var addr uint64
+		_, err := fmt.Sscanf(h.ask("alloc 2"), "region %d", &addr)
+		require.NoError(t, err)
+		sec := startSecondary(t, prefix, rundir)
+		parseKey(t, sec.ask("lookup %d", addr))
+		h.Kill()
+		require.Error(t, h.Wait(0))
+
+		out, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
+		require.Equal(t, 0, status, errOut)
+		assert.Contains(t, out, "marked dead "+instance.SegmentPath(b.Dir, prefix))
+		assert.Contains(t, out, "still mapped by processes of the dead instance: pids ["+strconv.Itoa(sec.PID())+"]")
+		assert.Contains(t, out, "removed "+filepath.Join(rundir, prefix)+"\n")
+		assert.Equal(t, "ready false", sec.ask("ready"), "the surviving secondary sees the segment dead")
+		assert.Empty(t, files(t, b, rundir, prefix))
+		if b.Kind == hugetlb.Hugetlbfs {
+			assert.Contains(t, out, "hugepages (2 MiB)")
+		}
+
+		// Its mappings kept the memory; its end returns it.
+		sec.Kill()
+		require.Error(t, sec.Wait(0))
+		assert.Equal(t, freeBefore, freeHugepages(t, b))
+	})
+}

@@ -1,0 +1,166 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"path/filepath"
+	"text/tabwriter"
+	"time"
+
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/ipc"
+)
+
+var cmdStats = &command{
+	name:    "stats",
+	args:    "PREFIX",
+	nargs:   1,
+	summary: "show an instance's live counters",
+	help: `
+Shows the counters of instance PREFIX: the primary's, asked over its socket
+(a stats request needs no attach, so the tool does not join the instance),
+and every live process's counter line as it last published it in the
+control segment (secondaries publish about every 250 ms): lookups and which
+level answered them (top half, bottom half, global table, created), failed
+lookups, cache flushes, IPC requests made or served with their p50/p99
+latency, memory syncs, dropped secondaries, and the validation errors the
+application reported.
+
+For a dead instance the primary cannot be asked; the published lines of
+processes still alive are shown. It fails (status 1) when a live primary
+does not answer within -timeout.`,
+	flags: func(fs *flag.FlagSet, e *env) {
+		fs.DurationVar(&e.timeout, "timeout", e.timeout, "how long to wait for the primary's answer")
+	},
+	run: runStats,
+}
+
+// statsOut is what stats prints.
+type statsOut struct {
+	Prefix string `json:"prefix"`
+	State  string `json:"state"`
+	// Primary is the primary's answer over IPC; PrimaryError says why
+	// there is none.
+	Primary      *primaryStats `json:"primary,omitempty"`
+	PrimaryError string        `json:"primary_error,omitempty"`
+	// Processes are the counter lines published in the segment.
+	Processes []instance.ProcCounters `json:"processes"`
+	Errors    []string                `json:"errors,omitempty"`
+}
+
+type primaryStats struct {
+	PID         int               `json:"pid"`
+	Secondaries int               `json:"secondaries"`
+	MRs         int               `json:"mrs"`
+	Counters    instance.Counters `json:"counters"`
+	Raw         map[string]uint64 `json:"raw"` // by instance.CounterNames, as sent
+}
+
+func runStats(e *env, args []string) error {
+	t, err := e.target(args[0])
+	if err != nil {
+		return err
+	}
+	out := statsOut{Prefix: t.Prefix, State: t.state()}
+	var askErr error
+	if t.Live {
+		out.Primary, askErr = askPrimary(e, t)
+		if askErr != nil {
+			out.PrimaryError = askErr.Error()
+		}
+	} else {
+		out.PrimaryError = "the primary is not running"
+	}
+	if seg, _, err := t.open(e); err != nil {
+		out.Errors = append(out.Errors, err.Error())
+	} else {
+		if ctrs, err := instance.OpenCounters(seg); err != nil {
+			out.Errors = append(out.Errors, err.Error())
+		} else {
+			out.Processes = ctrs.Read()
+		}
+		seg.Close()
+	}
+	if e.json {
+		err = e.printJSON(out)
+	} else {
+		err = out.print(e)
+	}
+	if err == nil && askErr != nil {
+		err = fmt.Errorf("asking the primary: %w", askErr)
+	}
+	return err
+}
+
+// askPrimary asks the primary for its counters. A stats request is served
+// without the attach handshake, so this joins nothing.
+func askPrimary(e *env, t *target) (*primaryStats, error) {
+	sock := filepath.Join(t.Dir, ipc.SocketName)
+	if t.Info != nil && t.Info.Socket != "" {
+		sock = t.Info.Socket
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), e.timeout)
+	defer cancel()
+	c, err := ipc.DialClient(ctx, sock, ipc.ClientConfig{Logger: e.log})
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	var r ipc.StatsReply
+	if err := c.Call(ctx, ipc.KindStats, &ipc.StatsRequest{}, &r); err != nil {
+		if errors.Is(err, context.DeadlineExceeded) {
+			return nil, fmt.Errorf("no answer within %v: %w", e.timeout, err)
+		}
+		return nil, err
+	}
+	return &primaryStats{PID: r.PID, Secondaries: r.Secondaries, MRs: r.MRs,
+		Counters: instance.CountersFromMap(r.Counters)}, nil
+}
+
+func (s *statsOut) print(e *env) error {
+	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(e.stdout, "INSTANCE %s (%s)\n", s.Prefix, s.State)
+	if p := s.Primary; p != nil {
+		c := p.Counters
+		fmt.Fprintf(e.stdout, "primary pid %d (asked over IPC): %d secondaries attached, %d MRs registered\n",
+			p.PID, p.Secondaries, p.MRs)
+		fmt.Fprintf(e.stdout, "  requests served %d (%d failed), service time p50 %v p99 %v max %v\n",
+			c.Requests, c.RequestErrors, c.LatencyP50, c.LatencyP99, c.LatencyMax)
+		fmt.Fprintf(e.stdout, "  memory syncs pushed %d, secondaries dropped %d\n", c.Syncs, c.SyncDrops)
+		fmt.Fprintf(e.stdout, "  lookups %d (top %d, bottom %d, global %d, created %d, failed %d), flushes %d, queues %d\n",
+			c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed, c.Flushes, c.Queues)
+	} else {
+		fmt.Fprintf(e.stdout, "primary: %s\n", s.PrimaryError)
+	}
+	fmt.Fprintf(e.stdout, "\nPUBLISHED COUNTERS (%d processes; per-process lines in the segment)\n", len(s.Processes))
+	fmt.Fprintln(w, "SLOT\tPID\tROLE\tLOOKUPS\tTOP\tBOTTOM\tGLOBAL\tCREATED\tFAILED\tFLUSHES\tQUEUES\tREQUESTS\tREQ ERR\tP50\tP99\tSYNCS\tDROPS\tVAL ERR\tUPDATED\t")
+	for _, p := range s.Processes {
+		c := p.Counters
+		fmt.Fprintf(w, "%d\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\t%v\t%d\t%d\t%d\t%s ago\t\n",
+			p.Slot, p.PID, p.Role, c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed, c.Flushes,
+			c.Queues, c.Requests, c.RequestErrors, round(c.LatencyP50), round(c.LatencyP99), c.Syncs, c.SyncDrops,
+			c.ValidationErrors, round(time.Since(p.Updated)))
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	for _, msg := range s.Errors {
+		fmt.Fprintf(e.stdout, "error: %s\n", msg)
+	}
+	return nil
+}
+
+// round shortens a duration for a table.
+func round(d time.Duration) time.Duration {
+	switch {
+	case d >= time.Second:
+		return d.Round(10 * time.Millisecond)
+	case d >= time.Millisecond:
+		return d.Round(10 * time.Microsecond)
+	case d >= time.Microsecond:
+		return d.Round(10 * time.Nanosecond)
+	}
+	return d
+}

@@ -1,0 +1,76 @@
+package main
+
+import (
+	"os"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func TestStatsShowsWhatProcessesPublished(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	p, cfg := startPrimary(t, b, rundir)
+	r, err := p.Alloc(2 * b.PageSize)
+	require.NoError(t, err)
+	h := startSecondary(t, cfg.Prefix, rundir)
+	for i := range 5 {
+		parseKey(t, h.ask("lookup %d", r.Addr+uintptr(i*64)))
+	}
+	require.Equal(t, "published lookups=5", h.ask("publish"))
+
+	var got statsOut
+	toolJSON(t, &got, "-rundir", rundir, "stats", cfg.Prefix)
+	assert.Equal(t, "live", got.State)
+	require.NotNil(t, got.Primary, got.PrimaryError)
+	assert.Equal(t, os.Getpid(), got.Primary.PID)
+	assert.Equal(t, 1, got.Primary.Secondaries, "asking for stats does not attach")
+	assert.Equal(t, 1, got.Primary.MRs)
+	assert.GreaterOrEqual(t, got.Primary.Counters.Requests, uint64(1), "the secondary's create was served")
+
+	var sec *instance.ProcCounters
+	for i, pc := range got.Processes {
+		if pc.PID == h.PID() {
+			sec = &got.Processes[i]
+		}
+	}
+	require.NotNil(t, sec, "the secondary's published line: %+v", got.Processes)
+	assert.Equal(t, shm.RoleSecondary, sec.Role)
+	c := sec.Counters
+	assert.Equal(t, uint64(5), c.Lookups)
+	assert.Equal(t, uint64(1), c.Created, "the first lookup created the MR")
+	assert.Equal(t, uint64(4), c.TopHits, "the others hit the top half")
+	assert.Equal(t, uint64(1), c.Requests, "one create request")
+	assert.Positive(t, c.LatencyP50)
+	assert.Positive(t, c.LatencyP99)
+	assert.Equal(t, 1, c.Queues)
+
+	out, errOut, status := tool(t, "-rundir", rundir, "stats", cfg.Prefix)
+	require.Equal(t, 0, status, errOut)
+	assert.Contains(t, out, "primary pid "+strconv.Itoa(os.Getpid()))
+	assert.Contains(t, out, "1 secondaries attached")
+	assert.Regexp(t, `\s`+strconv.Itoa(h.PID())+`\s+secondary\s+5\s+4\s+0\s+0\s+1\s`, out,
+		"slot, pid, role, lookups, top, bottom, global, created")
+	assert.Equal(t, 1, p.Stats().Counters.Secondaries)
+}
+
+func TestStatsOfADeadInstance(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	h, prefix := startDeadable(t, b, rundir)
+	h.Kill()
+	require.Error(t, h.Wait(0))
+
+	var got statsOut
+	toolJSON(t, &got, "-rundir", rundir, "stats", prefix)
+	assert.Equal(t, "dead", got.State)
+	assert.Nil(t, got.Primary)
+	assert.Contains(t, got.PrimaryError, "not running")
+	assert.Empty(t, got.Processes, "no process is alive to have published")
+}
