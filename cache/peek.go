@@ -10,7 +10,8 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
-// Peek is the global cache's state as PeekGlobal read it.
+// Peek is the global cache's state as PeekGlobal read it. It is a plain
+// value.
 type Peek struct {
 	Dump
 	// Lock is the global lock as it was found.
@@ -79,19 +80,30 @@ func PeekGlobal(seg *shm.Segment, patience time.Duration) (Peek, error) {
 // during long walks; once it says no, the read stops with errTorn.
 func (g *Global) peek(valid func() bool) (Dump, error) {
 	d := Dump{DevGen: atomic.LoadUint32(g.devGen), Stats: g.Stats()}
+	// Every record is an arena block of its own, so a list longer than
+	// the arena has blocks runs in a circle.
+	limit := g.seg.ArenaStats().Blocks
 	walk := func(head uint64, dst *[]MRInfo) error {
-		n := 0
-		var torn bool
+		var n uint64
+		var torn, circle bool
 		err := g.eachMR(head, func(m mr) bool {
-			if n++; n%64 == 0 && valid != nil && !valid() {
+			n++
+			switch {
+			case n%64 == 0 && valid != nil && !valid():
 				torn = true
-				return false
+			case n > limit:
+				circle = true
+			default:
+				*dst = append(*dst, m.info())
+				return true
 			}
-			*dst = append(*dst, m.info())
-			return true
+			return false
 		})
-		if torn {
+		switch {
+		case torn:
 			return errTorn
+		case circle:
+			return fmt.Errorf("%w: list longer than the arena's %d blocks", ErrCorrupt, limit)
 		}
 		return err
 	}

@@ -1,8 +1,11 @@
 package cache
 
 import (
+	"bytes"
+	"encoding/binary"
 	"fmt"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -122,4 +125,57 @@ func TestPeekGlobalWithAWriterIn(t *testing.T) {
 		require.NoError(t, err)
 		assert.True(t, got.Consistent)
 	})
+}
+
+// FuzzPeekGlobalSurvivesCorruption overwrites bytes anywhere in the arena
+// of a segment with MRs in it — what a dying or buggy writer could leave —
+// and reads it the way a tool does: answers may be odd or errors, but
+// nothing may crash or loop.
+func FuzzPeekGlobalSurvivesCorruption(f *testing.F) {
+	p := newPrimary(f, fixtureConfig{single: true})
+	ps := p.pageSize()
+	r := p.alloc(f, 3)
+	for i := range 3 {
+		_, err := p.g.Create(uint64(r.Addr) + uint64(i)*ps)
+		require.NoError(f, err)
+	}
+	_, err := CreatePool(p.seg, p.mem, "pool", 64, 4)
+	require.NoError(f, err)
+	arena := p.seg.ArenaStats()
+	at := func(off uint64) uint32 { return uint32(off - arena.Start) }
+	d, err := p.g.Dump()
+	require.NoError(f, err)
+	root := p.seg.Root(shm.RootCache)
+	f.Add(at(root), []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f})            // lock offset
+	f.Add(at(root+8), []byte{0x10})                                                    // MR list head
+	f.Add(at(d.MRs[0].Offset), binary.LittleEndian.AppendUint64(nil, d.MRs[0].Offset)) // a list in a circle
+	f.Add(at(d.MRs[1].Offset+44), []byte{0xff, 0xff, 0xff, 0x0f})                      // bitmap length
+	f.Add(at(root+64), []byte{0xff, 0xff, 0, 0, 0xff, 0xff, 0, 0})                     // table length and size
+	f.Add(at(p.seg.Root(shm.RootMemory)+12), []byte{0x40})                             // memseg list count
+	f.Add(at(p.seg.Root(shm.RootPools)), []byte{0x01, 0x02, 0x03})                     // pool directory
+	f.Fuzz(func(t *testing.T, where uint32, data []byte) {
+		off := arena.Start + uint64(where)%(arena.End-arena.Start)
+		b := shm.Slice[byte](p.seg, off, min(len(data), int(arena.End-off)))
+		saved := bytes.Clone(b)
+		copy(b, data)
+		defer copy(b, saved)
+		_, _ = PeekGlobal(p.seg, 0)
+		_, _ = hugetlb.Describe(p.seg)
+		_ = Pools(p.seg)
+	})
+}
+
+func TestPeekGlobalStopsOnACircularList(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{})
+	_, err := p.g.Create(uint64(p.alloc(t, 1).Addr))
+	require.NoError(t, err)
+	d, err := p.g.Dump()
+	require.NoError(t, err)
+	next := shm.At[uint64](p.seg, d.MRs[0].Offset) // mrRecord.Next
+	atomic.StoreUint64(next, d.MRs[0].Offset)
+	defer atomic.StoreUint64(next, 0)
+
+	_, err = PeekGlobal(p.readOnly(t), time.Second)
+	assert.ErrorIs(t, err, ErrCorrupt)
+	assert.ErrorContains(t, err, "longer than the arena")
 }
