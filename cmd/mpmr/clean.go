@@ -85,6 +85,8 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	// Hold the primary lock while cleaning: a live primary makes this fail,
 	// and no new primary can start halfway through.
 	lockPath := filepath.Join(t.Dir, instance.PrimaryLockFile)
+	_, err := os.Stat(lockPath)
+	created := errors.Is(err, os.ErrNotExist)
 	lockf, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, err
@@ -102,6 +104,20 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		return nil, err
 	}
 	t = look(t.Prefix, t.Dir) // described again, now that nobody can change it
+	// A primary whose lock file was removed under it still runs: its
+	// segment's creator is alive. Touch nothing of it.
+	if t.Info != nil {
+		for _, dir := range t.backendDirs() {
+			info, _ := shm.Probe(instance.SegmentPath(dir, t.Prefix), instance.LayoutTag)
+			if info.CreatorPID == t.Info.PID && running(info.CreatorPID, info.CreatorStart) {
+				if created {
+					os.Remove(lockPath)
+				}
+				return nil, fmt.Errorf("refusing to clean %q: %w (pid %d), though its lock file %s was replaced",
+					t.Prefix, errPrimaryLives, info.CreatorPID, lockPath)
+			}
+		}
+	}
 	out := &cleanOut{Prefix: t.Prefix, RuntimeDir: t.Dir}
 	remove := func(path string) {
 		switch err := os.Remove(path); {

@@ -64,6 +64,16 @@ func TestCleanRefusesALiveInstance(t *testing.T) {
 	toolJSON(t, &got, "-rundir", rundir, "ls")
 	require.Len(t, got, 1)
 	assert.Equal(t, "live", got[0].State, "and still holds its lock")
+
+	// Even with its lock file gone, a primary that runs is recognised by
+	// its segment's creator.
+	lock := filepath.Join(rundir, cfg.Prefix, instance.PrimaryLockFile)
+	require.NoError(t, os.Remove(lock))
+	before = files(t, b, rundir, cfg.Prefix)
+	_, errOut, status = tool(t, "-rundir", rundir, "clean", cfg.Prefix)
+	assert.Equal(t, 1, status)
+	assert.Contains(t, errOut, "its primary is alive (pid "+strconv.Itoa(os.Getpid())+")")
+	assert.Equal(t, before, files(t, b, rundir, cfg.Prefix), "nothing was removed or created")
 }
 
 func TestCleanRemovesADeadInstance(t *testing.T) {
