@@ -105,6 +105,9 @@ func collectDump(e *env, t *target) (*dumpOut, error) {
 	if err != nil {
 		fail("global cache", err)
 	}
+	if d.Lock.Offset == 0 { // not even the lock could be read
+		d.Lock.WriterSlot = -1
+	}
 	if w := d.Lock.WriterSlot; w >= 0 && w < seg.Slots() {
 		p := seg.Proc(w)
 		d.Writer = &writerOut{Slot: w, PID: p.PID, Alive: p.Alive}
@@ -147,6 +150,8 @@ func (d *dumpOut) print(out io.Writer) error {
 	l := d.Lock
 	section(w, "GLOBAL LOCK at 0x%x", l.Offset)
 	switch {
+	case l.Offset == 0:
+		fmt.Fprintln(w, "writer\tunknown: the lock could not be read (see ERRORS)")
 	case l.NotRecoverable:
 		fmt.Fprintln(w, "writer\tnone: NOT RECOVERABLE (a repair was abandoned; the lock can never be taken again)")
 	case d.Writer == nil:

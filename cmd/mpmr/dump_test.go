@@ -1,8 +1,10 @@
 package main
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"testing"
 	"time"
@@ -11,7 +13,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/testproc"
 	"github.com/mpmr/mpmr/primary"
 )
 
@@ -145,4 +149,43 @@ func TestDumpOfAMissingInstance(t *testing.T) {
 	_, errOut, status := tool(t, "-rundir", rundir, "dump", "nobody")
 	assert.Equal(t, 1, status)
 	assert.Contains(t, errOut, "no instance")
+}
+
+// A primary that died while starting leaves a segment without the layers
+// above: dump shows what there is and names what is missing, and clean
+// removes it.
+func TestDumpAndCleanOfAHalfBuiltInstance(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	prefix := testenv.Prefix(t)
+	t.Cleanup(func() { removeLeftovers(t, b, rundir, prefix) })
+	dir := filepath.Join(rundir, prefix)
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	segPath := instance.SegmentPath(b.Dir, prefix)
+	// (The race detector's pause at a normal exit is not wanted here.)
+	h := testproc.Start(t, "segment", []string{segPath, filepath.Join(dir, instance.SlotsLockFile)}, "GORACE=atexit_sleep_ms=0")
+	h.Expect("created", 0)
+	require.NoError(t, h.Wait(0))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, instance.PrimaryLockFile), nil, 0o600))
+
+	out, errOut, status := tool(t, "-rundir", rundir, "-json", "dump", prefix)
+	assert.Equal(t, 1, status, "some parts could not be read")
+	assert.Contains(t, errOut, "part(s) could not be read")
+	var got dumpOut
+	require.NoError(t, json.Unmarshal([]byte(out), &got), "the JSON is printed all the same:\n%s", out)
+	assert.Equal(t, "initializing", got.Segment.State)
+	assert.Equal(t, "dead", got.Instance.State)
+	assert.Nil(t, got.Writer)
+	assert.Equal(t, -1, got.Lock.WriterSlot)
+	assert.Len(t, got.Errors, 3, "memseg lists, global cache, soft device: %v", got.Errors)
+
+	text, _, status := tool(t, "-rundir", rundir, "dump", prefix)
+	assert.Equal(t, 1, status)
+	assert.Contains(t, text, "the lock could not be read")
+	assert.Contains(t, text, "ERRORS")
+
+	var cleaned cleanOut
+	toolJSON(t, &cleaned, "-rundir", rundir, "clean", prefix)
+	assert.Contains(t, cleaned.Removed, segPath)
+	assert.Empty(t, files(t, b, rundir, prefix))
 }

@@ -19,11 +19,13 @@ import (
 	"github.com/mpmr/mpmr/internal/testproc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/shm"
 )
 
 func TestMain(m *testing.M) {
 	testproc.Register("primary", helperPrimary)
 	testproc.Register("secondary", helperSecondary)
+	testproc.Register("segment", helperSegment)
 	testproc.Main(m)
 }
 
@@ -204,5 +206,20 @@ func helperSecondary(args []string) int {
 			testproc.Say("> err unknown command %q", f[0])
 		}
 	}
+	return 0
+}
+
+// helperSegment creates a control segment at args[0] (lock file args[1])
+// and ends without building anything on it: what a primary that died while
+// starting leaves.
+func helperSegment(args []string) int {
+	seg, err := shm.Create(shm.Options{Path: args[0], LockPath: args[1], LayoutTag: instance.LayoutTag,
+		Role: shm.RolePrimary, Logger: quiet})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	testproc.Say("created")
+	seg.Close()
 	return 0
 }
