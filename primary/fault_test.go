@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"runtime"
 	"syscall"
 	"testing"
@@ -56,8 +57,12 @@ func helperPrimary(args []string) int {
 	return 0
 }
 
+// startPrimaryProcess runs a primary in a helper process. A test that kills
+// it leaves its files behind, as a crash would; they are removed at the end
+// (by a new primary when the test starts one, else here).
 func startPrimaryProcess(t *testing.T, cfg primary.Config) (*testproc.Proc, uintptr, uint64) {
 	t.Helper()
+	t.Cleanup(func() { removeInstanceFiles(t, cfg.Prefix) })
 	h := testproc.Start(t, "primary", []string{cfg.Prefix, cfg.RuntimeDir, cfg.Backend.String()})
 	var addr uintptr
 	var length uint64
@@ -304,4 +309,22 @@ func TestOtherUserIsRefused(t *testing.T) {
 	k := parseKey(t, ask(t, good, "lookup %d", r.Addr))
 	assert.Equal(t, "ok", ask(t, good, "validate %d %d", r.Addr, k))
 	assert.Zero(t, p.Stats().Counters.RequestErrors, "nothing reached the primary's handlers")
+}
+
+// removeInstanceFiles removes what an instance keeps in the backend
+// directories: its segment and memseg files.
+func removeInstanceFiles(t *testing.T, prefix string) {
+	dirs := []string{hugetlb.DefaultTmpfsDir}
+	mounts, _ := hugetlb.Mounts()
+	for _, m := range mounts {
+		dirs = append(dirs, m.Dir)
+	}
+	for _, dir := range dirs {
+		files, _ := filepath.Glob(filepath.Join(dir, "mpmr."+prefix+".*"))
+		for _, f := range files {
+			if err := os.Remove(f); err != nil {
+				t.Logf("leftover %s: %v", f, err)
+			}
+		}
+	}
 }

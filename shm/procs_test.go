@@ -82,16 +82,18 @@ func TestReusedPidDoesNotLookAlive(t *testing.T) {
 	require.True(t, owner.Proc(slot).Alive)
 
 	// Replace the helper's program: the pid lives on in a process that is
-	// not attached, exactly as if the pid had been reused.
+	// not attached, exactly as if the pid had been reused. The kernel drops
+	// the lock once exec has closed the lock file.
 	h.Send("exec")
-	require.Eventually(t, func() bool {
-		comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", h.PID()))
-		return err == nil && strings.TrimSpace(string(comm)) == "sleep"
-	}, testproc.DefaultTimeout, time.Millisecond)
-	require.NoError(t, syscall.Kill(h.PID(), 0), "the pid is alive")
-
+	require.Eventually(t, func() bool { return !owner.Proc(slot).Alive }, testproc.DefaultTimeout, time.Millisecond,
+		"the slot of a process that is no longer attached must read dead")
+	comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", h.PID()))
+	require.NoError(t, err)
+	assert.Equal(t, "sleep", strings.TrimSpace(string(comm)), "the pid now runs another program")
+	require.NoError(t, syscall.Kill(h.PID(), 0), "and is alive")
 	p := owner.Proc(slot)
 	assert.Equal(t, h.PID(), p.PID, "the slot names the live pid")
+	assert.True(t, p.Live, "the slot was never released")
 	assert.False(t, p.Alive, "yet the slot is dead")
 }
 

@@ -69,6 +69,14 @@ func RunPrimary(ctx context.Context, o Options, launch Launch) error {
 		}()
 	}
 	wg.Wait()
+	if o.Secondaries == 0 {
+		// A primary alone serves secondaries started by hand.
+		fmt.Fprintf(o.Out, "primary: serving for %v (prefix %s); attach with examples/secondary\n", o.Duration, o.Prefix)
+		select {
+		case <-ctx.Done():
+		case <-time.After(o.Duration):
+		}
+	}
 	stopChurn()
 	elapsed := time.Since(start)
 
