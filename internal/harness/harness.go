@@ -116,6 +116,11 @@ type Scenario struct {
 	logger *slog.Logger
 	huge   *hugeSample // before the scenario; nil on tmpfs
 
+	procs *procList // shared with the views In returns
+}
+
+// procList is the helpers a scenario started.
+type procList struct {
 	mu    sync.Mutex
 	procs []*Proc
 }
@@ -141,6 +146,7 @@ func newScenario(tb testing.TB, b hugetlb.Backend) *Scenario {
 		Prefix:  testenv.Prefix(tb),
 		Backend: b,
 		log:     &logBuffer{},
+		procs:   &procList{},
 	}
 	s.logger = slog.New(slog.NewTextHandler(s.log, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	if b.Kind == hugetlb.Hugetlbfs {
@@ -148,6 +154,15 @@ func newScenario(tb testing.TB, b hugetlb.Backend) *Scenario {
 		s.huge = &h
 	}
 	return s
+}
+
+// In returns a view of the scenario for a subtest: helpers and runtimes
+// started through it report to tb and end when tb's test does, while the
+// final check stays with the scenario's own test.
+func (s *Scenario) In(tb testing.TB) *Scenario {
+	v := *s
+	v.tb = tb
+	return &v
 }
 
 // TB returns the test the scenario belongs to.
@@ -322,9 +337,9 @@ func (s *Scenario) Spawn(role string, args any) *Proc {
 		close(p.done)
 	}()
 	s.tb.Cleanup(func() { s.shutdown(p) })
-	s.mu.Lock()
-	s.procs = append(s.procs, p)
-	s.mu.Unlock()
+	s.procs.mu.Lock()
+	s.procs.procs = append(s.procs.procs, p)
+	s.procs.mu.Unlock()
 	line, err := p.Next(lineReady+" ", DefaultTimeout)
 	if err != nil {
 		s.tb.Fatalf("%s helper: %v", role, err)
@@ -350,7 +365,7 @@ func (s *Scenario) shutdown(p *Proc) {
 	p.mu.Lock()
 	killed := !p.killedAt.IsZero()
 	p.mu.Unlock()
-	if p.err != nil && !killed && !s.tb.Failed() {
+	if p.err != nil && !killed && p.Ready.Err == nil && !s.tb.Failed() {
 		s.tb.Errorf("%s helper (pid %d) ended with %v; stderr:\n%s", p.Role, p.PID(), p.err, p.Stderr())
 	}
 	if s.tb.Failed() && p.Stderr() != "" {
@@ -360,9 +375,9 @@ func (s *Scenario) shutdown(p *Proc) {
 
 // Procs returns every helper started so far.
 func (s *Scenario) Procs() []*Proc {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]*Proc(nil), s.procs...)
+	s.procs.mu.Lock()
+	defer s.procs.mu.Unlock()
+	return append([]*Proc(nil), s.procs.procs...)
 }
 
 // finish is the final check.

@@ -69,13 +69,14 @@ const (
 	// RSSGrowth and RSSSlackKiB: the mean RSS of the last third may exceed
 	// that of the first third by this fraction plus this much.
 	RSSGrowth   = 0.10
-	RSSSlackKiB = 8 << 10
+	RSSSlackKiB = 4 << 10
 )
 
 // Flat checks that samples (taken at regular intervals over a run) show no
-// growth in descriptors, goroutines or RSS beyond the tolerances above. It
-// returns what is not flat, and a one-line summary of the figures.
-func Flat(samples []Sample) (problems []string, summary string) {
+// growth in descriptors, goroutines or (with rss) RSS beyond the
+// tolerances above. It returns what is not flat, and a one-line summary of
+// the figures.
+func Flat(samples []Sample, rss bool) (problems []string, summary string) {
 	if len(samples) < 6 {
 		return []string{fmt.Sprintf("only %d samples: too few to judge", len(samples))}, ""
 	}
@@ -101,7 +102,7 @@ func Flat(samples []Sample) (problems []string, summary string) {
 		problems = append(problems, fmt.Sprintf("goroutines grew: at most %d early, %d late (slack %d)", g0, g1, GoroutineSlack))
 	}
 	r0, r1 := meanRSS(first), meanRSS(last)
-	if limit := r0*(1+RSSGrowth) + RSSSlackKiB; r1 > limit {
+	if limit := r0*(1+RSSGrowth) + RSSSlackKiB; rss && r1 > limit {
 		problems = append(problems, fmt.Sprintf("RSS grew: mean %.0f KiB early, %.0f KiB late (limit %.0f KiB)", r0, r1, limit))
 	}
 	summary = fmt.Sprintf("%d samples over %.0fs: fds %d..%d, goroutines %d early / %d late, RSS %.1f MiB early / %.1f MiB late",

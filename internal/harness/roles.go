@@ -474,13 +474,15 @@ type AsUserArgs struct {
 }
 
 // AsUserResult is what a process of another user got: Attach is
-// secondary.Attach's error, Call that of a hello sent straight to the
-// primary's socket (Dial, if dialling itself failed).
+// secondary.Attach's error; Dial that of connecting to the primary's
+// socket, Why the reason a connection that sends nothing ends, and Call
+// the error of a hello sent straight away on another connection.
 type AsUserResult struct {
 	UID    int          `json:"uid"`
 	Attach *ErrorReport `json:"attach"`
 	Dial   *ErrorReport `json:"dial"`
 	Call   *ErrorReport `json:"call"`
+	Why    *ErrorReport `json:"why"`
 }
 
 func runAsUser(args []byte) int {
@@ -504,13 +506,25 @@ func runAsUser(args []byte) int {
 	r.Attach = Report(err)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c, err := ipc.DialClient(ctx, filepath.Join(a.RunDir, a.Prefix, ipc.SocketName), ipc.ClientConfig{Logger: h.log})
+	sock := filepath.Join(a.RunDir, a.Prefix, ipc.SocketName)
+	// First listen only: a refused connection is told why.
+	c, err := ipc.DialClient(ctx, sock, ipc.ClientConfig{Logger: h.log})
 	if err != nil {
 		r.Dial = Report(err)
 	} else {
-		err = c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
-		r.Call = Report(err)
+		select {
+		case <-c.Done():
+			r.Why = Report(c.Err())
+		case <-ctx.Done():
+			r.Why = Report(ctx.Err())
+		}
 		c.Close()
+		// Then say hello at once.
+		if c, err = ipc.DialClient(ctx, sock, ipc.ClientConfig{Logger: h.log}); err == nil {
+			err = c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
+			c.Close()
+		}
+		r.Call = Report(err)
 	}
 	data, _ := json.Marshal(r)
 	h.ready(Ready{PID: os.Getpid(), Data: data})
