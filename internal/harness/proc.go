@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strconv"
@@ -249,6 +250,15 @@ func (p *Proc) Kill() time.Time {
 		p.s.tb.Errorf("%s %s did not end within %v of SIGKILL", p.Role, p.label(), DefaultTimeout)
 	}
 	return at
+}
+
+// KillWithin kills the process at a random moment within max from now
+// (drawn from rng, so that a logged seed replays a run), like Kill.
+func (p *Proc) KillWithin(rng *rand.Rand, max time.Duration) time.Time {
+	if max > 0 {
+		time.Sleep(time.Duration(rng.Int64N(int64(max))))
+	}
+	return p.Kill()
 }
 
 // Stop sends SIGSTOP: the process freezes, holding whatever it holds.

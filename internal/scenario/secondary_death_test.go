@@ -80,14 +80,10 @@ func TestSecondaryDeath(t *testing.T) {
 				st := p.Global().LockState()
 				return st.WriterSlot >= 0 && st.Readers[victim.Ready.Slot] > 0
 			}, hangBound, 100*time.Microsecond, "a writer waits for the victim's read hold")
-			waitRandom(rng, time.Millisecond)
-			select {
-			case r := <-done:
-				t.Fatalf("trial %d: Free returned (%v) while a reader held the lock", i, r.err)
-			default:
-			}
-			killedAt = victim.Kill()
-			released[kind] = append(released[kind], awaitDone(t, done, killedAt, "Free after the reader's death"))
+			killedAt = victim.KillWithin(rng, time.Millisecond)
+			d := awaitDone(t, done, killedAt, "Free after the reader's death")
+			require.Positive(t, d, "trial %d: Free returned while a reader held the lock", i)
+			released[kind] = append(released[kind], d)
 		case killMidCreate:
 			before := p.Stats().Counters.Requests
 			require.NoError(t, victim.Post("hammer", harness.HammerArgs{Goroutines: 4, N: 1 << 30,
@@ -107,12 +103,12 @@ func TestSecondaryDeath(t *testing.T) {
 				}
 				return err
 			})
-			waitRandom(rng, 3*time.Millisecond)
-			killedAt = victim.Kill()
-			released[kind] = append(released[kind], awaitDone(t, done, killedAt, "Alloc after the frozen secondary's death"))
+			killedAt = victim.KillWithin(rng, 3*time.Millisecond)
+			d := awaitDone(t, done, killedAt, "Alloc after the frozen secondary's death")
+			require.Positive(t, d, "trial %d: Alloc returned while a secondary could not acknowledge it", i)
+			released[kind] = append(released[kind], d)
 		case killWhilePushing:
-			waitRandom(rng, 5*time.Millisecond)
-			killedAt = victim.Kill()
+			killedAt = victim.KillWithin(rng, 5*time.Millisecond)
 		}
 		require.True(t, victim.Killed(), "trial %d (%s): the victim died of SIGKILL", i, kind)
 
@@ -198,11 +194,6 @@ func awaitDone(t testing.TB, ch <-chan timed, since time.Time, what string) time
 		t.Fatalf("%s: not done within %v", what, hangBound)
 		return 0
 	}
-}
-
-// waitRandom picks the moment of a kill: up to max from now.
-func waitRandom(rng *rand.Rand, max time.Duration) {
-	time.Sleep(time.Duration(rng.Int64N(int64(max))))
 }
 
 // startChurn frees and reallocates a page (registering it) every
