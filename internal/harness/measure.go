@@ -18,13 +18,20 @@ type Sample struct {
 	Goroutines int     `json:"goroutines"`
 	FDs        int     `json:"fds"`
 	RSSKiB     int64   `json:"rss_kib"`
+	// The parts of RSS: anonymous memory (the Go heap above all), file
+	// mappings, and shared memory (tmpfs data memory and segment).
+	AnonKiB  int64 `json:"anon_kib"`
+	FileKiB  int64 `json:"file_kib"`
+	ShmemKiB int64 `json:"shmem_kib"`
 }
 
 // TakeSample measures this process: goroutines, open descriptors
-// (/proc/self/fd) and resident set size (VmRSS of /proc/self/status).
+// (/proc/self/fd) and resident set size (VmRSS and its parts, from
+// /proc/self/status).
 func TakeSample(since time.Time) Sample {
+	st := status("self")
 	return Sample{At: time.Since(since).Seconds(), Goroutines: runtime.NumGoroutine(),
-		FDs: countFDs("self"), RSSKiB: rssKiB("self")}
+		FDs: countFDs("self"), RSSKiB: st["VmRSS"], AnonKiB: st["RssAnon"], FileKiB: st["RssFile"], ShmemKiB: st["RssShmem"]}
 }
 
 // countFDs counts the open descriptors of process pid ("self" for this
@@ -40,19 +47,25 @@ func countFDs(pid string) int {
 	return len(ents)
 }
 
-func rssKiB(pid string) int64 {
+// status reads the kB fields of /proc/PID/status.
+func status(pid string) map[string]int64 {
+	out := map[string]int64{}
 	b, err := os.ReadFile("/proc/" + pid + "/status")
 	if err != nil {
-		return -1
+		return out
 	}
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
-			n, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-			return n
+		k, v, ok := strings.Cut(sc.Text(), ":")
+		v, kb := strings.CutSuffix(strings.TrimSpace(v), " kB")
+		if !ok || !kb {
+			continue
+		}
+		if n, err := strconv.ParseInt(v, 10, 64); err == nil {
+			out[k] = n
 		}
 	}
-	return -1
+	return out
 }
 
 // Flatness tolerances: what "flat" means for a soak. Samples of the first
@@ -105,8 +118,19 @@ func Flat(samples []Sample, rss bool) (problems []string, summary string) {
 	if limit := r0*(1+RSSGrowth) + RSSSlackKiB; rss && r1 > limit {
 		problems = append(problems, fmt.Sprintf("RSS grew: mean %.0f KiB early, %.0f KiB late (limit %.0f KiB)", r0, r1, limit))
 	}
-	summary = fmt.Sprintf("%d samples over %.0fs: fds %d..%d, goroutines %d early / %d late, RSS %.1f MiB early / %.1f MiB late",
-		len(samples), end, minFD, maxFD, g0, g1, r0/1024, r1/1024)
+	mean := func(ss []Sample, f func(Sample) int64) float64 {
+		var sum float64
+		for _, s := range ss {
+			sum += float64(f(s))
+		}
+		return sum / float64(len(ss)) / 1024
+	}
+	anon := func(s Sample) int64 { return s.AnonKiB }
+	file := func(s Sample) int64 { return s.FileKiB }
+	shmem := func(s Sample) int64 { return s.ShmemKiB }
+	summary = fmt.Sprintf("%d samples over %.0fs: fds %d..%d, goroutines %d early / %d late, RSS %.1f MiB early / %.1f MiB late (anon %.1f/%.1f, file %.1f/%.1f, shmem %.1f/%.1f)",
+		len(samples), end, minFD, maxFD, g0, g1, r0/1024, r1/1024,
+		mean(first, anon), mean(last, anon), mean(first, file), mean(last, file), mean(first, shmem), mean(last, shmem))
 	return problems, summary
 }
 
