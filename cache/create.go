@@ -39,7 +39,7 @@ func (g *Global) writeUnlock(cancel context.CancelFunc) {
 }
 
 // Create returns the entry for addr, registering the memory around it if no
-// MR covers it yet. Primary only. It follows the seeds' create path:
+// MR covers it yet. Primary only. It follows DPDK's mlx5 create path:
 //
 //  1. release MRs on the free list (deregistering outside the lock);
 //  2. find the run of allocated, contiguous pages around addr — or just its

@@ -55,7 +55,7 @@ func (g *Global) invalidate(addr, length uint64) error {
 	if !changed {
 		return nil
 	}
-	atomic.AddUint32(g.devGen, 1) // before the rebuild: see the review in the seeds
+	atomic.AddUint32(g.devGen, 1) // before the rebuild, so no local cache can miss the flush
 	atomic.AddUint64(&g.root.Invalidations, 1)
 	return g.rebuild()
 }
@@ -99,7 +99,7 @@ func (g *Global) moveToFree(m mr) error {
 
 // GC deregisters the MRs on the free list and frees their records: the
 // list is detached under the write lock and released outside it, as the
-// seeds do. Primary only; returns how many MRs were released.
+// mlx5 driver does. Primary only; returns how many MRs were released.
 func (g *Global) GC() int {
 	if !g.owner || atomic.LoadUint32(&g.root.FreeCount) == 0 {
 		return 0
@@ -167,7 +167,7 @@ func (g *Global) Close() error {
 }
 
 // RegisterExternal registers [addr, addr+length), memory outside every
-// memseg list, as one MR (the seeds' external-memory MRs) and returns its
+// memseg list, as one MR (DPDK's external-memory MRs) and returns its
 // entry. Registering a range already covered returns the existing entry.
 // External memory is not tracked: keep it mapped until UnregisterExternal.
 // Primary only.

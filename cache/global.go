@@ -17,7 +17,7 @@ import (
 // Errors of the global cache.
 var (
 	// ErrNoMemory means the address is in no memseg list and no registered
-	// external memory: there is nothing to register (the seeds' ENXIO).
+	// external memory: there is nothing to register (ENXIO in DPDK's mlx5 driver).
 	ErrNoMemory = errors.New("cache: address is not in any known memory")
 	// ErrNotPrimary means the operation needs the primary process.
 	ErrNotPrimary = errors.New("cache: only the primary may do this")

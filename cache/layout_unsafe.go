@@ -17,7 +17,7 @@ var (
 	_ [unsafe.Sizeof(tableHeader{}) - 64]byte
 )
 
-// search is the seeds' binary search over ents[:n] (0 < n <= len(ents)):
+// search is DPDK's MR B-tree binary search over ents[:n] (0 < n <= len(ents)):
 // it returns the index of the last entry whose Start is at most addr, the
 // sentinel at index 0 when there is none. The loop keeps base+n <= the
 // starting n, so every probe is in bounds; indexing through the pointer

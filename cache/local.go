@@ -263,7 +263,7 @@ func (l *Local) lookupEntry(a uint64) (Entry, error) {
 }
 
 // RegisterMempool makes sure every chunk of p is covered by MRs and fills
-// this cache with their entries, as the seeds do before a queue starts.
+// this cache with their entries, as DPDK's drivers do before a queue starts.
 // Chunks in data memory get MRs through the create path; chunks of
 // external memory are registered as their own MRs by the primary, while a
 // secondary gets ErrExternalMemory unless the primary registered them

@@ -17,10 +17,10 @@ func topOnly(es []Entry) *Local {
 }
 
 // The top-half benchmarks measure Lookup and the inlinable Hit a datapath
-// loop calls first. Compare with c_tophalf_mru_ns and c_tophalf_random8_ns
-// from ../shared/anchors/run lookup, measured in the same run. They loop
-// over b.N with a result sink, the shape of the C anchor's loop (b.Loop
-// adds about half a nanosecond per iteration here).
+// loop calls first. Compare with the same top-half search written in C and
+// measured in the same run (see README, Performance). They loop over b.N
+// with a result sink, the shape of the C loop (b.Loop adds about half a
+// nanosecond per iteration here).
 
 func BenchmarkTopHalfMRU(b *testing.B) {
 	es := spaced(8)

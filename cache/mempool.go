@@ -17,7 +17,7 @@ type Chunk struct {
 }
 
 // Mempool is a pool of buffers whose memory must be registered before a
-// queue uses it (rte_mempool in the seeds).
+// queue uses it (rte_mempool in DPDK).
 type Mempool interface {
 	Name() string
 	Chunks() []Chunk

@@ -109,7 +109,7 @@ func (m mr) verbsMR() verbs.MR {
 
 // nextChunk returns the chunk of contiguous registered pages that starts at
 // or after bit i, and the bit to continue from; ok is false when there is
-// none. An external MR has exactly one chunk. (The seeds'
+// none. An external MR has exactly one chunk. (DPDK's
 // mr_find_next_chunk.)
 func (m mr) nextChunk(i uint32) (e Entry, next uint32, ok bool) {
 	r := m.rec

@@ -62,7 +62,7 @@ var ErrCorrupt = errors.New("cache: shared state is corrupt")
 // this size is far beyond any realistic number of registered chunks.
 const MaxTableSize = 1 << 24
 
-// Table is the sorted lookup table of the seeds' "B-tree": entries ordered
+// Table is the sorted lookup table DPDK's mlx5 driver calls its "B-tree": entries ordered
 // by Start with a zero entry at index 0, so a binary search never falls off
 // the front. The same code serves local tables in Go memory and the global
 // table in the control segment.

@@ -43,7 +43,7 @@ func (l *list) run(first, end int) Run {
 }
 
 // ContigRun returns the run of allocated pages that contains addr, the
-// contiguous walk of the seeds (rte_memseg_contig_walk stopping at the
+// contiguous walk of DPDK (rte_memseg_contig_walk stopping at the
 // chunk around an address). It reports false if addr is not in an
 // allocated page. Pages of separate allocations that happen to be adjacent
 // form one run.

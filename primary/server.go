@@ -146,7 +146,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 
 // registerMempool registers each chunk of a secondary's mempool. Chunks
 // outside data memory are the secondary's own external memory, which this
-// process cannot register (the seeds' rule).
+// process cannot register (DPDK's rule).
 func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
 	p := h.p()
 	reply := &ipc.RegisterMempoolReply{Keys: make([]uint32, 0, len(m.Chunks))}

@@ -11,8 +11,9 @@ import (
 	"github.com/mpmr/mpmr/internal/testproc"
 )
 
-// Compare with ../shared/anchors/run lookup: c_rte_style_rwlock_rd_ns and
-// c_pthread_rwlock_pshared_rd_ns, measured in the same run.
+// Compare with C measured in the same run: an rte_rwlock-style read lock
+// (one atomic add to lock, one to unlock) and glibc's process-shared
+// pthread_rwlock.
 func BenchmarkRLockUnlock(b *testing.B) {
 	owner, _ := newSegment(b, testenv.Tmpfs(b))
 	f := newLockFixture(b, owner)

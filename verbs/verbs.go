@@ -67,7 +67,7 @@ func (a Access) check() error {
 }
 
 // InvalidKey (0xFFFFFFFF) is never a valid key; the cache uses it for "no
-// key" (the seeds' UINT32_MAX). It reads the same in either byte order.
+// key" (UINT32_MAX in DPDK's drivers). It reads the same in either byte order.
 const InvalidKey uint32 = 0xFFFFFFFF
 
 // MR is a registered memory region as a registration returns it. It is a
