@@ -10,7 +10,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/secondary"
 	"github.com/mpmr/mpmr/verbs"
 )
@@ -64,9 +63,10 @@ func RunSecondary(ctx context.Context, o Options) (Summary, error) {
 		go func() {
 			defer wg.Done()
 			defer q.Close()
-			w := worker{s: s, q: q, pool: pool, sc: sc, size: uint32(o.BufSize), seed: byte(qi + 1)}
+			w := worker{Mover: Mover{Dev: s.Device(), Q: q, Pool: pool, Size: uint32(o.BufSize), Seed: byte(qi + 1)},
+				s: s, q: q, sc: sc}
 			for i := 0; ctx.Err() == nil; i++ {
-				if err := w.copyOnce(); err != nil {
+				if err := w.Move(); err != nil {
 					if errors.Is(err, verbs.ErrLocalProtection) || errors.Is(err, verbs.ErrInvalidKey) ||
 						errors.Is(err, verbs.ErrLocalAccess) || errors.Is(err, verbs.ErrLength) {
 						valErrs.Add(1)
@@ -125,47 +125,10 @@ func RunSecondary(ctx context.Context, o Options) (Summary, error) {
 
 // worker is one queue's datapath.
 type worker struct {
-	s    *secondary.Secondary
-	q    *secondary.Queue
-	pool *cache.Pool
-	sc   *scratch
-	size uint32
-	seed byte
-}
-
-// copyOnce moves one payload between two buffers through the device.
-func (w *worker) copyOnce() error {
-	src, err := w.pool.Get()
-	if err != nil {
-		return err
-	}
-	defer w.pool.Put(src)
-	dst, err := w.pool.Get()
-	if err != nil {
-		return err
-	}
-	defer w.pool.Put(dst)
-	payload := bytesAt(src, w.size)
-	w.seed++
-	for i := range payload {
-		payload[i] = w.seed + byte(i)
-	}
-	sk, err := w.q.Lookup(src)
-	if err != nil {
-		return err
-	}
-	dk, err := w.q.Lookup(dst)
-	if err != nil {
-		return err
-	}
-	if err := w.s.Device().Copy(verbs.SGE{Addr: dst, Len: w.size, Key: dk}, verbs.SGE{Addr: src, Len: w.size, Key: sk}); err != nil {
-		return err
-	}
-	out := bytesAt(dst, w.size)
-	if out[0] != w.seed || out[w.size-1] != w.seed+byte(w.size-1) {
-		return fmt.Errorf("copy 0x%x -> 0x%x: payload not delivered", src, dst)
-	}
-	return nil
+	Mover
+	s  *secondary.Secondary
+	q  *secondary.Queue
+	sc *scratch
 }
 
 // checkScratch looks up a key for the churned region and validates it,

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/demo"
 	"github.com/mpmr/mpmr/secondary"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
@@ -282,8 +282,11 @@ func work(s *secondary.Secondary, spec WorkSpec) (WorkResult, error) {
 				return WorkResult{}, fmt.Errorf("queue %d: %w", i, err)
 			}
 		}
-		w := &worker{s: s, q: q, checkQ: cache.NewLocal(s.Global(), noCreate{}, 0), board: board, pool: pool, line: spec.Worker + i, size: uint32(spec.BufSize),
-			c: &c, probs: &probs, rng: rand.New(rand.NewPCG(uint64(os.Getpid()), uint64(i))), seed: byte(i)}
+		w := &worker{s: s, q: q, checkQ: cache.NewLocal(s.Global(), noCreate{}, 0), board: board, line: spec.Worker + i,
+			c: &c, probs: &probs, rng: rand.New(rand.NewPCG(uint64(os.Getpid()), uint64(i)))}
+		if pool != nil {
+			w.mover = &demo.Mover{Dev: s.Device(), Q: q, Pool: pool, Size: uint32(spec.BufSize), Seed: byte(i)}
+		}
 		workers = append(workers, w)
 		wg.Add(1)
 		go func() {
@@ -330,10 +333,8 @@ type worker struct {
 	q      *secondary.Queue // copies: the secondary's regular queue
 	checkQ *cache.Local     // checks: a cache that never creates
 	board  *boardView
-	pool   *cache.Pool
+	mover  *demo.Mover // copies, when the workload has a pool
 	line   int
-	size   uint32
-	seed   byte
 	c      *counters
 	probs  *problems
 	rng    *rand.Rand
@@ -349,8 +350,9 @@ func (w *worker) run(checkEvery int, deadline time.Time) {
 			// syncs above all) run without waiting for preemption.
 			runtime.Gosched()
 		}
-		if w.pool != nil {
-			if err := w.copyOnce(); err != nil {
+		if w.mover != nil {
+			w.c.lookups.Add(2)
+			if err := w.mover.Move(); err != nil {
 				if errors.Is(err, secondary.ErrPrimaryGone) {
 					w.probs.add("queue %d: %v", w.line, err)
 					w.c.errs.Add(1)
@@ -368,43 +370,6 @@ func (w *worker) run(checkEvery int, deadline time.Time) {
 			}
 		}
 	}
-}
-
-// copyOnce moves one payload between two buffers through the device.
-func (w *worker) copyOnce() error {
-	src, err := w.pool.Get()
-	if err != nil {
-		return err
-	}
-	defer w.pool.Put(src)
-	dst, err := w.pool.Get()
-	if err != nil {
-		return err
-	}
-	defer w.pool.Put(dst)
-	payload := vm.Bytes(src, uintptr(w.size))
-	w.seed++
-	for i := range payload {
-		payload[i] = w.seed + byte(i)
-	}
-	sk, err := w.q.Lookup(src)
-	w.c.lookups.Add(1)
-	if err != nil {
-		return err
-	}
-	dk, err := w.q.Lookup(dst)
-	w.c.lookups.Add(1)
-	if err != nil {
-		return err
-	}
-	if err := w.s.Device().Copy(verbs.SGE{Addr: dst, Len: w.size, Key: dk}, verbs.SGE{Addr: src, Len: w.size, Key: sk}); err != nil {
-		return err
-	}
-	out := vm.Bytes(dst, uintptr(w.size))
-	if out[0] != w.seed || out[w.size-1] != w.seed+byte(w.size-1) {
-		return fmt.Errorf("copy 0x%x -> 0x%x: payload not delivered", src, dst)
-	}
-	return nil
 }
 
 // missBackoff bounds how long a check that found the region freed waits
