@@ -250,10 +250,26 @@ func (s *Server) serveConn(c *Conn) {
 }
 
 // refuse tells a refused client why, as an error frame with id 0, without
-// waiting for room in its queue.
+// waiting for room in its queue. It then reads and drops what the client
+// sent meanwhile, for a moment: closing a socket with unread data resets
+// the connection, and the client would lose the reason along with it.
 func refuse(c *Conn, err error) {
+	deadline := time.Now().Add(100 * time.Millisecond)
 	b, _ := AppendFrame(nil, 0, KindError, 0, errorReply(err))
-	_ = c.send(b, nil, time.Now().Add(100*time.Millisecond))
+	if c.send(b, nil, deadline) != nil {
+		return
+	}
+	_ = c.c.SetReadDeadline(deadline)
+	buf := make([]byte, MaxMessage)
+	for {
+		_, files, err := c.recv(buf)
+		for _, f := range files {
+			f.Close()
+		}
+		if err != nil && !errors.Is(err, ErrTooLarge) && !errors.Is(err, ErrMalformed) {
+			return
+		}
+	}
 }
 
 // Peer is one connected client of a Server. Safe for concurrent use.
