@@ -279,6 +279,9 @@ func (l *Local) RegisterMempool(p Mempool) error {
 					l.promote(e)
 				}
 			}
+			if err == nil && e.End <= a {
+				err = fmt.Errorf("%w: entry %v does not cover 0x%x", ErrCorrupt, e, a)
+			}
 			if err != nil {
 				return fmt.Errorf("cache: register mempool %s chunk [0x%x, 0x%x): %w", p.Name(), c.Addr, end, err)
 			}

@@ -171,6 +171,9 @@ func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
 			if a == c.Addr {
 				key = e.LKey
 			}
+			if e.End <= a {
+				return nil, fmt.Errorf("%w: entry %v for 0x%x does not cover it", cache.ErrCorrupt, e, a)
+			}
 			a = e.End
 		}
 		reply.Keys = append(reply.Keys, key)
