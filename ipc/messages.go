@@ -110,7 +110,9 @@ func (m *Hello) Validate() error {
 }
 
 // HelloReply tells an attaching secondary its process-table slot and how to
-// map the instance. A plain value.
+// map the instance. With a hardware device, the reply carries the device's
+// command file (see WithFiles), and Device and PD say what to import it as.
+// A plain value.
 type HelloReply struct {
 	Slot       int    `msgpack:"slot"`
 	Segment    string `msgpack:"segment"`   // control segment file
@@ -119,6 +121,8 @@ type HelloReply struct {
 	Backend    string `msgpack:"backend"`
 	PageSize   uint64 `msgpack:"page_size"`
 	PrimaryPID int    `msgpack:"primary_pid"`
+	Device     string `msgpack:"device"` // the primary's device name
+	PD         uint32 `msgpack:"pd"`     // the handle of the primary's PD, for import
 }
 
 // Validate checks the fields a receiver must be able to trust.
@@ -128,8 +132,8 @@ func (m *HelloReply) Validate() error {
 		return fieldErr("hello reply slot %d", m.Slot)
 	case len(m.Segment) > maxPath || len(m.LockFile) > maxPath:
 		return fieldErr("hello reply path too long")
-	case len(m.Backend) > maxName:
-		return fieldErr("hello reply backend of %d bytes", len(m.Backend))
+	case len(m.Backend) > maxName || len(m.Device) > maxName:
+		return fieldErr("hello reply backend or device name too long")
 	case m.PageSize != 0 && (m.PageSize&(m.PageSize-1) != 0 || m.PageSize > 1<<maxPageLog):
 		return fieldErr("hello reply page size %d", m.PageSize)
 	case m.PrimaryPID < 0:

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
 )
 
 // Config configures Start. The zero value works: instance "mpmr" on the
@@ -31,6 +33,12 @@ type Config struct {
 	// Default hugetlb.DefaultBase.
 	MemoryBase uintptr
 
+	// Device names the device MRs are registered with: "soft" (the
+	// default) is the software HCA in shared memory; any other name is an
+	// rdma-core device (mlx5_0, ...), which needs a build with -tags rdma.
+	// A hardware device's command file is handed to every secondary at
+	// attach (secondary.DeviceFile) for it to import the device and PD.
+	Device string
 	// MaxMRs bounds the soft device's MR table. Default 4096.
 	MaxMRs int
 	// Slots bounds the processes attached at once, primary included.
@@ -51,6 +59,9 @@ type Config struct {
 
 	// Logger receives diagnostics. Default slog.Default().
 	Logger *slog.Logger
+
+	// openDevice replaces verbs.Open for tests of the device handover.
+	openDevice func(seg *shm.Segment, log *slog.Logger) (verbs.Device, error)
 }
 
 const (
@@ -71,6 +82,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.Device == "" {
+		c.Device = verbs.SoftName
 	}
 	return nil
 }

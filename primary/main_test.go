@@ -1,6 +1,7 @@
 package primary_test
 
 import (
+	"bufio"
 	"fmt"
 	"log/slog"
 	"os"
@@ -66,6 +67,8 @@ func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 //	hammer G N ADDR LEN  -> G goroutines, each with its own queue, make N
 //	                        lookups of addresses in [ADDR, ADDR+LEN) and
 //	                        validate every key: "done LOOKUPS FAILURES"
+//	devfile              -> reads a line from the device file the primary
+//	                        handed over: "devfile NAME pd=N soft=B read=LINE"
 //	stats                -> "stats lookups=.. created=.. requests=.."
 //	close                -> "closed"
 func helperSecondary(args []string) int {
@@ -115,6 +118,15 @@ func helperSecondary(args []string) int {
 		case "hammer":
 			lookups, failures := hammer(s, int(num(1)), int(num(2)), uintptr(num(3)), num(4))
 			testproc.Say("> done %d %d", lookups, failures)
+		case "devfile":
+			f, pd := s.DeviceFile()
+			if f == nil {
+				testproc.Say("> err no device file (device %s)", s.DeviceName())
+				break
+			}
+			line, err := bufio.NewReader(f).ReadString('\n')
+			testproc.Say("> devfile %s pd=%d soft=%t read=%q err=%v", s.DeviceName(), pd, s.Device() != nil,
+				strings.TrimSpace(line), err)
 		case "stats":
 			c := s.Stats().Counters
 			testproc.Say("> stats lookups=%d created=%d requests=%d flushes=%d", c.Lookups, c.Created, c.Requests, c.Flushes)

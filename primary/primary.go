@@ -40,7 +40,8 @@ type Primary struct {
 	segOpts shm.Options
 	seg     *shm.Segment
 	mem     *hugetlb.Memory
-	dev     *verbs.Soft
+	vdev    verbs.Device
+	dev     *verbs.Soft // vdev, when it is the soft device
 	pd      verbs.PD
 	global  *cache.Global
 	ctrs    *instance.CounterTable
@@ -131,10 +132,10 @@ func (p *Primary) start() error {
 		Lists: []hugetlb.ListConfig{{Pages: c.MemoryPages, Base: c.MemoryBase}}, Logger: p.log}); err != nil {
 		return err
 	}
-	if p.dev, err = verbs.CreateSoft(p.seg, verbs.SoftOptions{MaxMRs: c.MaxMRs, Logger: p.log}); err != nil {
+	if err := p.openDevice(); err != nil {
 		return err
 	}
-	if p.pd, err = p.dev.AllocPD(); err != nil {
+	if p.pd, err = p.vdev.AllocPD(); err != nil {
 		return err
 	}
 	if p.global, err = cache.CreateGlobal(p.seg, cache.GlobalConfig{Memory: p.mem, PD: p.pd,
@@ -233,6 +234,30 @@ func (p *Primary) publishLoop(ctx context.Context) {
 	}
 }
 
+// openDevice opens the configured device: the soft device in the segment,
+// or a hardware one.
+func (p *Primary) openDevice() error {
+	c := &p.cfg
+	var err error
+	switch {
+	case c.openDevice != nil:
+		p.vdev, err = c.openDevice(p.seg, p.log)
+	case c.Device == verbs.SoftName:
+		p.dev, err = verbs.CreateSoft(p.seg, verbs.SoftOptions{MaxMRs: c.MaxMRs, Logger: p.log})
+		p.vdev = p.dev
+	default:
+		p.vdev, err = verbs.Open(c.Device, verbs.OpenOptions{Segment: p.seg, Logger: p.log})
+	}
+	if err != nil {
+		return err
+	}
+	if soft, ok := p.vdev.(*verbs.Soft); ok {
+		p.dev = soft
+	}
+	p.log.Info("device opened", "device", p.vdev.Name())
+	return nil
+}
+
 // Backend returns the backend the data memory and the segment live on.
 func (p *Primary) Backend() hugetlb.Backend { return p.backend }
 
@@ -242,8 +267,12 @@ func (p *Primary) RuntimeDir() string { return p.dir }
 // Memory returns the data memory.
 func (p *Primary) Memory() *hugetlb.Memory { return p.mem }
 
-// Device returns the soft device.
+// Device returns the soft device, or nil when Config.Device names a
+// hardware device (see VerbsDevice).
 func (p *Primary) Device() *verbs.Soft { return p.dev }
+
+// VerbsDevice returns the device MRs are registered with.
+func (p *Primary) VerbsDevice() verbs.Device { return p.vdev }
 
 // Global returns the global MR cache.
 func (p *Primary) Global() *cache.Global { return p.global }
@@ -345,8 +374,8 @@ func (p *Primary) teardown() error {
 	if p.global != nil {
 		add(p.global.Close())
 	}
-	if p.dev != nil {
-		add(p.dev.Close())
+	if p.vdev != nil {
+		add(p.vdev.Close())
 	}
 	if p.mem != nil {
 		add(p.mem.Close())

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
@@ -133,15 +134,32 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	if slot < 0 {
 		return nil, fmt.Errorf("%w: pid %d holds no slot in the process table", instance.ErrNotAttached, m.PID)
 	}
+	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
+		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
+		PrimaryPID: os.Getpid(), Device: p.vdev.Name()}
+	if pd, ok := p.pd.(interface{ Handle() uint32 }); ok {
+		reply.PD = pd.Handle()
+	}
+	// A hardware device is shared by handing over its command file, from
+	// which the secondary imports the device context, PD and MRs.
+	var files []*os.File
+	if dev, ok := p.vdev.(interface{ CmdFD() int }); ok {
+		fd, err := syscall.Dup(dev.CmdFD())
+		if err != nil {
+			return nil, fmt.Errorf("primary: hand the device over: %w", err)
+		}
+		files = append(files, os.NewFile(uintptr(fd), p.vdev.Name()))
+	}
 	p.mem.RLock()
 	h.syncMu.Lock()
 	h.peers[peer] = &secondary{peer: peer, slot: slot}
 	h.syncMu.Unlock()
 	p.mem.RUnlock()
 	h.log.Info("secondary attached", "pid", m.PID, "slot", slot)
-	return &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
-		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
-		PrimaryPID: os.Getpid()}, nil
+	if files == nil {
+		return reply, nil
+	}
+	return ipc.WithFiles{Body: reply, Files: files, CloseAfterSend: true}, nil
 }
 
 // registerMempool registers each chunk of a secondary's mempool. Chunks

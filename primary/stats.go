@@ -21,7 +21,7 @@ type Stats struct {
 	// Counters of this process.
 	Counters Counters
 	Global   cache.GlobalStats
-	Device   verbs.SoftStats
+	Device   verbs.SoftStats // zero unless the device is the soft device
 	Memory   []hugetlb.ListInfo
 	// Processes holds every live process's last published counters,
 	// this one included.
@@ -33,7 +33,9 @@ func (p *Primary) Stats() Stats {
 	st := Stats{Counters: p.counters()}
 	p.ctrs.Publish(shm.RolePrimary, st.Counters)
 	st.Global = p.global.Stats()
-	st.Device = p.dev.Stats()
+	if p.dev != nil {
+		st.Device = p.dev.Stats()
+	}
 	st.Memory = p.mem.Lists()
 	st.Processes = p.ctrs.Read()
 	return st
@@ -68,7 +70,10 @@ type Dump struct {
 // device's MRs and the mempools.
 func (p *Primary) Dump() (Dump, error) {
 	d := Dump{Processes: p.seg.Procs(), Lock: p.global.LockState(), Memory: p.mem.Lists(),
-		Device: p.dev.MRs(), Pools: cache.Pools(p.seg)}
+		Pools: cache.Pools(p.seg)}
+	if p.dev != nil {
+		d.Device = p.dev.MRs()
+	}
 	var err error
 	d.Cache, err = p.global.Dump()
 	return d, err

@@ -68,6 +68,9 @@ type Secondary struct {
 	stop   context.CancelFunc
 
 	primarySlot int
+	device      string   // the primary's device name
+	devFile     *os.File // a hardware device's command file, from the primary
+	pdHandle    uint32
 
 	rtt      instance.Histogram
 	requests atomic.Uint64
@@ -134,9 +137,18 @@ func (s *Secondary) attach(ctx context.Context) error {
 	}
 	start, _ := shm.ProcessStart(os.Getpid())
 	var hello ipc.HelloReply
+	withFiles := &ipc.WithFiles{Body: &hello}
 	if err := s.client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
-		Start: start, Role: "secondary"}, &hello); err != nil {
+		Start: start, Role: "secondary"}, withFiles); err != nil {
 		return s.requestError("hello", err)
+	}
+	s.device, s.pdHandle = hello.Device, hello.PD
+	for i, f := range withFiles.Files {
+		if i == 0 {
+			s.devFile = f
+		} else {
+			f.Close()
+		}
 	}
 	if hello.LayoutTag != instance.LayoutTag || hello.Segment != s.info.Segment || hello.Slot != s.seg.Slot() {
 		return fmt.Errorf("%w: primary answered layout 0x%x segment %s slot %d; this process has 0x%x %s %d",
@@ -153,8 +165,10 @@ func (s *Secondary) attach(ctx context.Context) error {
 		return err
 	}
 	close(s.ready)
-	if s.dev, err = verbs.AttachSoft(s.seg); err != nil {
-		return err
+	if s.device == verbs.SoftName {
+		if s.dev, err = verbs.AttachSoft(s.seg); err != nil {
+			return err
+		}
 	}
 	if s.global, err = cache.AttachGlobal(s.seg, s.log, s.cfg.RequestTimeout); err != nil {
 		return err
@@ -332,8 +346,20 @@ func (s *Secondary) Pool(name string) (*cache.Pool, error) { return cache.OpenPo
 // Memory returns the data memory, mapped at the primary's addresses.
 func (s *Secondary) Memory() *hugetlb.Memory { return s.mem }
 
-// Device returns the soft device (validation and loopback copies).
+// Device returns the soft device (validation and loopback copies), or nil
+// when the primary uses a hardware device.
 func (s *Secondary) Device() *verbs.Soft { return s.dev }
+
+// DeviceName returns the name of the primary's device.
+func (s *Secondary) DeviceName() string { return s.device }
+
+// DeviceFile returns the command file of the primary's hardware device,
+// handed over at attach, and the handle of its PD: with the rdma build,
+// verbs.ImportDevice and ImportPD turn them into this process's handles on
+// the same device and PD (and verbs.ImportMR on its MRs). Both are zero for
+// the soft device, which every process reaches through the segment. The
+// file belongs to the Secondary and is closed by Close.
+func (s *Secondary) DeviceFile() (*os.File, uint32) { return s.devFile, s.pdHandle }
 
 // Global returns the global MR cache.
 func (s *Secondary) Global() *cache.Global { return s.global }
@@ -371,6 +397,9 @@ func (s *Secondary) teardown() error {
 	}
 	if s.dev != nil {
 		errs = append(errs, s.dev.Close())
+	}
+	if s.devFile != nil {
+		errs = append(errs, s.devFile.Close())
 	}
 	if s.mem != nil {
 		errs = append(errs, s.mem.Close())

@@ -15,12 +15,16 @@ type Counters = instance.Counters
 type Stats struct {
 	Counters Counters
 	Global   cache.GlobalStats
-	Device   verbs.SoftStats
+	Device   verbs.SoftStats // zero unless the primary uses the soft device
 }
 
 // Stats publishes this process's counters and returns a snapshot.
 func (s *Secondary) Stats() Stats {
-	return Stats{Counters: s.publish(), Global: s.global.Stats(), Device: s.dev.Stats()}
+	st := Stats{Counters: s.publish(), Global: s.global.Stats()}
+	if s.dev != nil {
+		st.Device = s.dev.Stats()
+	}
+	return st
 }
 
 // ReportValidationErrors adds n to the validation errors this process

@@ -21,6 +21,7 @@ type Options struct {
 	Prefix      string
 	RuntimeDir  string
 	Backend     string        // auto, hugetlbfs, tmpfs
+	Device      string        // soft, or an rdma-core device
 	Secondaries int           // processes the primary launches
 	Queues      int           // per secondary
 	Duration    time.Duration // of the secondaries' work

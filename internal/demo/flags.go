@@ -20,6 +20,7 @@ func Flags(fs *flag.FlagSet) *Options {
 	fs.StringVar(&o.Prefix, "prefix", "demo", "instance name")
 	fs.StringVar(&o.RuntimeDir, "rundir", "", "runtime directory (default: the standard one for this user)")
 	fs.StringVar(&o.Backend, "backend", "auto", "memory backend: auto, hugetlbfs or tmpfs")
+	fs.StringVar(&o.Device, "device", "soft", "device: soft, or an rdma-core device name (needs -tags rdma)")
 	fs.IntVar(&o.Secondaries, "secondaries", 2, "secondary processes the primary launches")
 	fs.IntVar(&o.Queues, "queues", 4, "queues per secondary")
 	fs.DurationVar(&o.Duration, "duration", 3*time.Second, "how long the secondaries work")

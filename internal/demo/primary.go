@@ -31,7 +31,8 @@ func RunPrimary(ctx context.Context, o Options, launch Launch) error {
 	if err != nil {
 		return err
 	}
-	p, err := primary.Start(primary.Config{Prefix: o.Prefix, RuntimeDir: o.RuntimeDir, Backend: kind, Logger: o.Logger})
+	p, err := primary.Start(primary.Config{Prefix: o.Prefix, RuntimeDir: o.RuntimeDir, Backend: kind,
+		Device: o.Device, Logger: o.Logger})
 	if err != nil {
 		return err
 	}

@@ -29,6 +29,9 @@ func RunSecondary(ctx context.Context, o Options) (Summary, error) {
 		return sum, err
 	}
 	defer s.Close()
+	if s.Device() == nil {
+		return sum, fmt.Errorf("the workload validates through the soft device; the primary uses %s", s.DeviceName())
+	}
 	pool, err := s.Pool(PoolName)
 	if err != nil {
 		return sum, err

@@ -1,0 +1,13 @@
+package primary
+
+import (
+	"log/slog"
+
+	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// WithDeviceOpener makes Start open the device with f instead of verbs.
+func WithDeviceOpener(c *Config, f func(seg *shm.Segment, log *slog.Logger) (verbs.Device, error)) {
+	c.openDevice = f
+}
