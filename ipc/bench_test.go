@@ -24,8 +24,8 @@ func reportLatency(b *testing.B, d []time.Duration) {
 	b.ReportMetric(float64(d[len(d)*99/100].Nanoseconds())/1e3, "p99-µs")
 }
 
-func benchCalls(b *testing.B, path string) {
-	c := dial(b, path, ipc.ClientConfig{})
+func benchCalls(b *testing.B, path string, spin time.Duration) {
+	c := dial(b, path, ipc.ClientConfig{Spin: spin})
 	ctx := context.Background()
 	req := &ipc.CreateMR{Addr: 0x7f00_1234_5000}
 	var reply ipc.CreateMRReply
@@ -51,14 +51,18 @@ func benchCalls(b *testing.B, path string) {
 func BenchmarkCall(b *testing.B) {
 	b.Run("in-process", func(b *testing.B) {
 		s := startServer(b, newHandler())
-		benchCalls(b, s.path)
+		benchCalls(b, s.path, 0)
 	})
-	b.Run("other-process", func(b *testing.B) {
-		path := filepath.Join(b.TempDir(), ipc.SocketName)
-		srv := testproc.Start(b, "serve", []string{path})
-		srv.Expect("ready", 0)
-		benchCalls(b, path)
-	})
+	// The other process's server and this client poll for the next frame
+	// for spin before they sleep.
+	for _, spin := range []time.Duration{0, 50 * time.Microsecond} {
+		b.Run("other-process/spin="+spin.String(), func(b *testing.B) {
+			path := filepath.Join(b.TempDir(), ipc.SocketName)
+			srv := testproc.Start(b, "serve", []string{path, spin.String()})
+			srv.Expect("ready", 0)
+			benchCalls(b, path, spin)
+		})
+	}
 }
 
 // Calls from several goroutines share one connection.

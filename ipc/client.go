@@ -47,6 +47,10 @@ type ClientConfig struct {
 	// receive queue when the call's context has no earlier deadline.
 	// Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
+	// Spin is how long the reader polls for the next frame before it
+	// sleeps (see sock.Conn.SpinReadable): an answer that comes within it
+	// reaches its caller without a cross-CPU wake-up. 0 never polls.
+	Spin time.Duration
 }
 
 // Client is the calling end of a connection: any number of goroutines may
@@ -70,6 +74,7 @@ func NewClient(conn *Conn, cfg ClientConfig) (*Client, error) {
 	}
 	c := &Client{push: cfg.PushHandler, pushReady: make(chan struct{}, 1)}
 	c.init(conn, cfg.Logger, cfg.WriteTimeout)
+	c.spin = cfg.Spin
 	c.reader.Add(1)
 	go c.read()
 	go c.pushLoop()

@@ -101,6 +101,7 @@ type endpoint struct {
 	conn         *Conn
 	log          *slog.Logger
 	writeTimeout time.Duration
+	spin         time.Duration // how long the reader polls before it sleeps
 	wsem         chan struct{} // the write lock; a channel so waiting honours ctx
 
 	ctx    context.Context // handlers' context: cancelled when the connection ends
@@ -294,6 +295,9 @@ func (e *endpoint) take(id uint64) *call {
 func (e *endpoint) readLoop(incoming func(Frame, []*os.File) error) error {
 	buf := make([]byte, MaxMessage)
 	for {
+		if e.spin > 0 {
+			e.conn.c.SpinReadable(e.spin)
+		}
 		n, files, err := e.conn.recv(buf)
 		if err != nil {
 			return err

@@ -57,7 +57,11 @@ func helperServe(args []string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}
-	s, err := ipc.NewServer(ipc.ServerConfig{Listener: l, Handler: procHandler{}, Logger: quiet})
+	var spin time.Duration
+	if len(args) > 1 {
+		spin, _ = time.ParseDuration(args[1])
+	}
+	s, err := ipc.NewServer(ipc.ServerConfig{Listener: l, Handler: procHandler{}, Logger: quiet, Spin: spin})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3

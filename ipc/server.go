@@ -72,6 +72,9 @@ type ServerConfig struct {
 	// receive queue before the peer is dropped. Default
 	// DefaultWriteTimeout.
 	WriteTimeout time.Duration
+	// Spin is how long each connection's reader polls for the next
+	// request before it sleeps (see ClientConfig.Spin). 0 never polls.
+	Spin time.Duration
 }
 
 // Server accepts connections on a Listener, checks each peer's
@@ -222,6 +225,7 @@ func (s *Server) serveConn(c *Conn) {
 
 	p := &Peer{srv: s, cred: cred}
 	p.init(c, s.log, s.cfg.WriteTimeout)
+	p.spin = s.cfg.Spin
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()

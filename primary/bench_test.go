@@ -24,7 +24,8 @@ func init() {
 // command, asks the primary for the MR of each page in turn, printing the
 // round-trip times in nanoseconds.
 func helperCreateLoop(args []string) int {
-	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+	spin, _ := time.ParseDuration(args[2])
+	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Spin: spin, Logger: quiet})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
@@ -55,31 +56,39 @@ func helperCreateLoop(args []string) int {
 // BenchmarkCreateMRRoundTrip measures a secondary's create-MR request to
 // the primary: "new" registers a fresh page each time (single-page mode),
 // "existing" finds an MR already there (the IPC round trip plus a global
-// lookup). Target: p50 <= 30 µs, p99 <= 150 µs; DPDK's rte_mp_request_sync
-// echo measured p50 84 µs, p99 174 µs on the reference machine.
+// lookup); "spin" has the primary poll for requests for 200 µs and the
+// secondary for answers for 50 µs before sleeping (Config.Spin). Target:
+// p50 <= 30 µs, p99 <= 150 µs; DPDK's rte_mp_request_sync echo measured
+// p50 84 µs, p99 174 µs on the reference machine.
 func BenchmarkCreateMRRoundTrip(b *testing.B) {
 	for _, kind := range []string{"tmpfs", "hugetlbfs"} {
-		for _, mode := range []string{"new", "existing"} {
+		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin"} {
 			b.Run(kind+"/"+mode, func(b *testing.B) {
 				bk := testenv.Tmpfs(b)
 				if kind == "hugetlbfs" {
 					bk = testenv.Hugetlb(b, 16)
 				}
-				benchCreate(b, bk, mode == "new")
+				var spin [2]time.Duration
+				if strings.HasSuffix(mode, "/spin") {
+					spin = [2]time.Duration{200 * time.Microsecond, 50 * time.Microsecond}
+				}
+				benchCreate(b, bk, strings.HasPrefix(mode, "new"), spin)
 			})
 		}
 	}
 }
 
-func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool) {
-	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage = true })
+// benchCreate runs the create loop; spin is the primary's and the
+// secondary's Config.Spin.
+func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration) {
+	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage = true; c.Spin = spin[0] })
 	ps := p.Backend().PageSize
 	const pages = 8
 	r, err := p.Alloc(pages * ps)
 	if err != nil {
 		b.Fatal(err)
 	}
-	h := testproc.Start(b, "create-loop", []string{cfg.Prefix, cfg.RuntimeDir})
+	h := testproc.Start(b, "create-loop", []string{cfg.Prefix, cfg.RuntimeDir, spin[1].String()})
 	h.Expect("ready", 0)
 	if !fresh { // register once; every request then finds the MRs
 		h.Send("round %d %d %d", r.Addr, pages, ps)

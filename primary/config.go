@@ -52,6 +52,12 @@ type Config struct {
 	// map or unmap; one that does not answer in time is dropped. Default
 	// 2 s.
 	SyncTimeout time.Duration
+	// Spin is how long the primary polls a secondary's connection for its
+	// next request before sleeping: requests that follow within it (a
+	// queue warming up, many queues missing at once) are served without a
+	// cross-CPU wake-up, at the price of a CPU busy meanwhile. 0 (the
+	// default) never polls; see the README's performance notes.
+	Spin time.Duration
 	// AllowUIDs lists users besides the primary's own and root that may
 	// attach. (The socket's file permissions must be loosened for them
 	// too.)

@@ -156,7 +156,8 @@ func (p *Primary) start() error {
 	if err != nil {
 		return err
 	}
-	p.server, err = ipc.NewServer(ipc.ServerConfig{Listener: ln, Handler: (*handler)(p), Logger: p.log, AllowUIDs: c.AllowUIDs})
+	p.server, err = ipc.NewServer(ipc.ServerConfig{Listener: ln, Handler: (*handler)(p), Logger: p.log,
+		AllowUIDs: c.AllowUIDs, Spin: c.Spin})
 	if err != nil {
 		ln.Close()
 		return err

@@ -42,6 +42,11 @@ type Config struct {
 	// RequestTimeout bounds each request to the primary (an MR creation).
 	// Default 2 s. A dead primary fails requests at once regardless.
 	RequestTimeout time.Duration
+	// Spin is how long the secondary polls its connection for the
+	// primary's answer before sleeping: an answer that comes within it
+	// needs no cross-CPU wake-up, at the price of a CPU busy meanwhile. 0
+	// (the default) never polls.
+	Spin time.Duration
 	// Logger receives diagnostics. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -115,7 +120,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 		return err
 	}
 	s.client, err = ipc.DialClient(ctx, filepath.Join(dir, ipc.SocketName),
-		ipc.ClientConfig{PushHandler: (*pushes)(s), Logger: s.log})
+		ipc.ClientConfig{PushHandler: (*pushes)(s), Logger: s.log, Spin: s.cfg.Spin})
 	if err != nil {
 		return fmt.Errorf("%w: %v", ErrNoPrimary, err)
 	}

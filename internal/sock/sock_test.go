@@ -238,3 +238,31 @@ func TestListenDialAccept(t *testing.T) {
 	_, err = l.Accept()
 	assert.True(t, IsClosed(err) || errors.Is(err, os.ErrClosed), "got %v", err)
 }
+
+func TestSpinReadable(t *testing.T) {
+	a, b, err := Pair()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	defer b.Close()
+	if b.SpinReadable(time.Millisecond) {
+		t.Fatal("nothing was sent, yet the socket reads as ready")
+	}
+	done := make(chan bool)
+	go func() { done <- b.SpinReadable(10 * time.Second) }()
+	if err := a.Send([]byte("x"), nil); err != nil {
+		t.Fatal(err)
+	}
+	if !<-done {
+		t.Fatal("a queued message was not seen")
+	}
+	buf := make([]byte, 8)
+	if n, _, err := b.Recv(buf); err != nil || string(buf[:n]) != "x" {
+		t.Fatalf("peek consumed the message: %q %v", buf[:n], err)
+	}
+	a.Close()
+	if !b.SpinReadable(10 * time.Second) {
+		t.Fatal("the end of the connection was not seen")
+	}
+}
