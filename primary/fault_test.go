@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/sock"
 	"github.com/mpmr/mpmr/internal/testenv"
@@ -129,7 +130,15 @@ func TestPrimaryDiedMidUpdate(t *testing.T) {
 	q := s.NewQueue()
 	_, err = q.Lookup(addr)
 	assert.ErrorIs(t, err, secondary.ErrPrimaryGone)
+	err = q.RegisterMempool(chunkPool{cache.Chunk{Addr: addr, Len: 4096}})
+	assert.ErrorIs(t, err, secondary.ErrPrimaryGone, "warming a queue up reports it the same way")
 }
+
+// chunkPool is a mempool of given chunks.
+type chunkPool []cache.Chunk
+
+func (chunkPool) Name() string            { return "chunks" }
+func (c chunkPool) Chunks() []cache.Chunk { return c }
 
 func TestRestartOverDeadInstance(t *testing.T) {
 	for _, b := range []string{"tmpfs", "hugetlbfs"} {

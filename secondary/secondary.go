@@ -316,10 +316,22 @@ func (s *Secondary) NewQueue() *Queue {
 // global cache whose writer died as ErrPrimaryGone.
 func (q *Queue) Lookup(addr uintptr) (uint32, error) {
 	k, err := q.Local.Lookup(addr)
+	return k, lockError(err)
+}
+
+// RegisterMempool is cache.Local.RegisterMempool, reporting a global cache
+// whose writer died as ErrPrimaryGone.
+func (q *Queue) RegisterMempool(mp cache.Mempool) error {
+	return lockError(q.Local.RegisterMempool(mp))
+}
+
+// lockError turns the global lock's word that its only writer, the
+// primary, died mid-update into ErrPrimaryGone.
+func lockError(err error) error {
 	if err != nil && (errors.Is(err, shm.ErrOwnerDied) || errors.Is(err, shm.ErrNotRecoverable)) {
-		return k, fmt.Errorf("%w: %v", ErrPrimaryGone, err)
+		return fmt.Errorf("%w: %v", ErrPrimaryGone, err)
 	}
-	return k, err
+	return err
 }
 
 // Close stops counting the queue in Stats. Call it from the queue's
