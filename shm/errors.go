@@ -35,4 +35,9 @@ var (
 	// ErrNotRecoverable means a writer that got ErrOwnerDied unlocked without
 	// marking the state consistent: the lock can no longer be taken.
 	ErrNotRecoverable = errors.New("shm: lock state not recoverable")
+	// ErrFenced is returned by RUnlock when a writer stopped waiting for
+	// this process's read holds (it kept them past the fence time) and went
+	// ahead: what was read under the hold may be torn and must be thrown
+	// away.
+	ErrFenced = errors.New("shm: read hold fenced by a writer")
 )

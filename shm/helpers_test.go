@@ -57,6 +57,7 @@ func openFixture(s *shm.Segment) (*lockFixture, error) {
 func init() {
 	testproc.Register("attach", helperAttach)
 	testproc.Register("rlock-hold", helperRLockHold)
+	testproc.Register("rlock-stall", helperRLockStall)
 	testproc.Register("wlock-hold", helperWLockHold)
 	testproc.Register("reader", helperReader)
 	testproc.Register("writer", helperWriter)
@@ -102,7 +103,7 @@ func helperAttach(args []string) int {
 
 func helperRLockHold(args []string) int {
 	_, f := helperSegment(args[0])
-	if err := f.lock.RLock(context.Background()); err != nil {
+	if _, err := f.lock.RLock(context.Background()); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}
@@ -111,10 +112,48 @@ func helperRLockHold(args []string) int {
 	return 0
 }
 
+// helperRLockStall takes a read hold and reports it; it is meant to be
+// stopped (SIGSTOP) while it holds. On "release" it gives the hold back and
+// says what RUnlock returned; on "again" it takes and drops a fresh hold.
+func helperRLockStall(args []string) int {
+	_, f := helperSegment(args[0])
+	h, err := f.lock.RLock(context.Background())
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	testproc.Say("held")
+	in := testproc.Commands()
+	for in.Scan() {
+		switch in.Text() {
+		case "release":
+			testproc.Say("released %v", f.lock.RUnlock(h))
+		case "again":
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			h, err := f.lock.RLock(ctx)
+			cancel()
+			if err == nil {
+				err = f.lock.RUnlock(h)
+			}
+			testproc.Say("again %v", err)
+		}
+	}
+	return 0
+}
+
 // helperWLockHold dies (when killed) in the middle of an update: a was
-// written, b was not.
+// written, b was not. An optional second argument sets how long it waits
+// for readers before fencing them.
 func helperWLockHold(args []string) int {
 	_, f := helperSegment(args[0])
+	if len(args) > 1 {
+		d, err := time.ParseDuration(args[1])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
+		f.lock.SetFenceAfter(d)
+	}
 	if err := f.lock.Lock(context.Background()); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
@@ -138,14 +177,18 @@ func helperReader(args []string) int {
 		go func() {
 			defer wg.Done()
 			for !stop.Load() {
-				if err := f.lock.RLock(context.Background()); err != nil {
+				h, err := f.lock.RLock(context.Background())
+				if err != nil {
 					fmt.Fprintln(os.Stderr, err)
 					os.Exit(3)
 				}
-				if atomic.LoadUint64(f.a) != atomic.LoadUint64(f.b) {
+				differ := atomic.LoadUint64(f.a) != atomic.LoadUint64(f.b)
+				if f.lock.RUnlock(h) != nil {
+					continue // fenced: what was read does not count
+				}
+				if differ {
 					torn.Add(1)
 				}
-				f.lock.RUnlock()
 				reads.Add(1)
 			}
 		}()
@@ -188,12 +231,13 @@ func helperFlood(args []string) int {
 		go func() {
 			defer wg.Done()
 			for !stop.Load() {
-				if err := f.lock.RLock(context.Background()); err != nil {
+				h, err := f.lock.RLock(context.Background())
+				if err != nil {
 					fmt.Fprintln(os.Stderr, err)
 					os.Exit(3)
 				}
 				time.Sleep(50 * time.Microsecond) // a read section with some length
-				f.lock.RUnlock()
+				_ = f.lock.RUnlock(h)
 			}
 		}()
 	}

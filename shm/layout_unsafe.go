@@ -14,7 +14,7 @@ const Magic uint64 = 0x314d48534d524d50
 
 // Version is the ABI version of the segment layout. Bump it whenever a
 // shared struct of any layer changes meaning without changing shape.
-const Version uint32 = 1
+const Version uint32 = 2
 
 const (
 	headerSize = 4096
@@ -86,15 +86,21 @@ type header struct {
 //	 12   4  Epoch  bumped by every claim
 //	 16   8  Start  process start time, clock ticks after boot
 //	 24   4  UID
-//	 28  36  reserved
+//	 28   4  Fenced    the epoch of a claim the primary stopped trusting to
+//	                   follow memory changes (written by the primary)
+//	 32   4  Unmapped  the epoch of a claim that maps no data memory any
+//	                   more (written by the process itself)
+//	 36  28  reserved
 type procSlot struct {
-	State uint32
-	Role  uint32
-	PID   uint32
-	Epoch uint32
-	Start uint64
-	UID   uint32
-	_     [36]byte
+	State    uint32
+	Role     uint32
+	PID      uint32
+	Epoch    uint32
+	Start    uint64
+	UID      uint32
+	Fenced   uint32
+	Unmapped uint32
+	_        [28]byte
 }
 
 // blockHeader precedes every arena block, free or allocated.
@@ -111,25 +117,31 @@ type blockHeader struct {
 // lockHead is the first cache line of an RWLock; reader lines follow.
 //
 //	off size field
-//	  0   4  Writer   0 free, slot+1 of the holder, lockUnrecoverable
-//	  4   4  Flags    flagInconsistent
-//	  8   4  Waiters  sleepers on Writer
-//	 12   4  Seq      odd while a writer holds the lock (optimistic reads)
-//	 16   4  Lines    number of reader lines (= process table slots)
-//	 20  44  reserved
+//	  0   8  Owner    0 free; the holder's slot epoch << 32 | slot+1;
+//	                  ownerUnrecoverable. Futex waits use its low half.
+//	  8   4  Flags    flagInconsistent
+//	 12   4  Waiters  sleepers on Owner
+//	 16   4  Seq      odd while a writer holds the lock (optimistic reads)
+//	 20   4  Lines    number of reader lines (= process table slots)
+//	 24   8  Fences   read holds of live processes a writer stopped waiting for
+//	 32  32  reserved
 type lockHead struct {
-	Writer  uint32
+	Owner   uint64
 	Flags   uint32
 	Waiters uint32
 	Seq     uint32
 	Lines   uint32
-	_       [44]byte
+	Fences  uint64
+	_       [32]byte
 }
 
 // readerLine counts one process's read holds, alone on its cache line.
 //
 //	off size field
-//	  0   8  Count  slot epoch << 32 | holds
+//	  0   8  Count  line generation << 32 | holds. The generation moves
+//	                whenever the holds are discarded (the slot is claimed
+//	                anew, its process died, or a writer fenced it), so a
+//	                hold taken before knows it no longer counts.
 //	  8  56  reserved
 type readerLine struct {
 	Count uint64

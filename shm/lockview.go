@@ -58,17 +58,19 @@ func (v *LockView) Validate(stamp uint32) bool {
 // State returns a snapshot of the lock, as RWLock.State does.
 func (v *LockView) State() LockState { return lockState(v.off, v.head, v.lines) }
 
-// Abandoned reports whether the lock is stuck: its writer died holding it
+// Abandoned reports whether the lock is stuck: its writer (the claim of its
+// slot that took the lock, not a later one) died holding it
 // and nobody has taken it over yet, or a repair was abandoned and it can
 // never be taken again. Optimistic reads then fail until a live process
 // takes the lock over, so a reader should stop waiting for one.
 func (v *LockView) Abandoned() bool {
-	switch w := atomic.LoadUint32(&v.head.Writer); {
+	switch w := atomic.LoadUint64(&v.head.Owner); {
 	case w == 0:
 		return false
-	case w == lockUnrecoverable:
+	case w == ownerUnrecoverable:
 		return true
 	default:
-		return !v.seg.Alive(int(w - 1))
+		slot := int(uint32(w)) - 1
+		return slot < 0 || slot >= len(v.lines) || !v.seg.aliveAs(slot, uint32(w>>32))
 	}
 }

@@ -55,6 +55,11 @@ type Proc struct {
 	// Alive is what the kernel says: the claimant still holds the slot's
 	// lock. A Live slot that is not Alive belongs to a process that died.
 	Alive bool
+	// Fenced: the primary stopped trusting this claim to follow memory
+	// changes (see Segment.Fence).
+	Fenced bool
+	// Unmapped: the claimant declared it maps no data memory any more.
+	Unmapped bool
 }
 
 // selfStart is this process's start time, read once.
@@ -107,11 +112,13 @@ func (s *Segment) claimSlot(role Role) error {
 			s.log.Info("reclaiming slot of dead process", "slot", i, "pid", atomic.LoadUint32(&p.PID))
 		}
 		epoch := atomic.AddUint32(&p.Epoch, 1)
+		atomic.StoreUint32(&p.Fenced, 0)
+		atomic.StoreUint32(&p.Unmapped, 0)
 		atomic.StoreUint32(&p.Role, uint32(role))
 		atomic.StoreUint32(&p.PID, uint32(os.Getpid()))
 		atomic.StoreUint32(&p.UID, uint32(os.Getuid()))
 		atomic.StoreUint64(&p.Start, selfStart)
-		s.resetReaderLines(i, epoch)
+		s.resetReaderLines(i)
 		atomic.StoreUint32(&p.State, slotLive)
 		s.slot, s.epoch = i, epoch
 		return nil
@@ -156,6 +163,20 @@ func (s *Segment) Alive(i int) bool {
 	return held
 }
 
+// aliveAs reports whether slot i is alive and still held by the claim that
+// had the given epoch: a later claim of the slot by another process does not
+// make an earlier claimant look alive.
+func (s *Segment) aliveAs(i int, epoch uint32) bool {
+	if i == s.slot {
+		return epoch == s.epoch
+	}
+	slots := s.slots()
+	if i < 0 || i >= len(slots) || atomic.LoadUint32(&slots[i].Epoch) != epoch {
+		return false
+	}
+	return s.Alive(i)
+}
+
 // Procs returns every slot that is live or whose process is alive.
 func (s *Segment) Procs() []Proc {
 	var out []Proc
@@ -171,16 +192,75 @@ func (s *Segment) Procs() []Proc {
 // Proc describes slot i.
 func (s *Segment) Proc(i int) Proc {
 	p := &s.slots()[i]
+	epoch := atomic.LoadUint32(&p.Epoch)
 	return Proc{
-		Slot:  i,
-		PID:   int(atomic.LoadUint32(&p.PID)),
-		UID:   int(atomic.LoadUint32(&p.UID)),
-		Start: atomic.LoadUint64(&p.Start),
-		Role:  Role(atomic.LoadUint32(&p.Role)),
-		Epoch: atomic.LoadUint32(&p.Epoch),
-		Live:  atomic.LoadUint32(&p.State) == slotLive,
-		Alive: s.Alive(i),
+		Slot:     i,
+		PID:      int(atomic.LoadUint32(&p.PID)),
+		UID:      int(atomic.LoadUint32(&p.UID)),
+		Start:    atomic.LoadUint64(&p.Start),
+		Role:     Role(atomic.LoadUint32(&p.Role)),
+		Epoch:    epoch,
+		Live:     atomic.LoadUint32(&p.State) == slotLive,
+		Alive:    s.Alive(i),
+		Fenced:   epoch != 0 && atomic.LoadUint32(&p.Fenced) == epoch,
+		Unmapped: epoch != 0 && atomic.LoadUint32(&p.Unmapped) == epoch,
 	}
+}
+
+// AliveAs reports whether slot i is alive and still held by the claim
+// that had the given epoch (see Proc.Epoch).
+func (s *Segment) AliveAs(i int, epoch uint32) bool { return s.aliveAs(i, epoch) }
+
+// Epoch returns the epoch of this process's claim of its slot.
+func (s *Segment) Epoch() uint32 { return s.epoch }
+
+// Fence marks the claim of slot i with the given epoch as no longer
+// following memory changes: the primary dropped it while it may still map
+// data memory. The claimant finds out with Fenced and should unmap its data
+// memory and say so with MarkUnmapped; until it does or dies, the pages the
+// primary frees are quarantined (see hugetlb). Fence reports false if the
+// slot is no longer held by that claim. Owner only.
+func (s *Segment) Fence(i int, epoch uint32) bool {
+	slots := s.slots()
+	if !s.owner || i < 0 || i >= len(slots) || i == s.slot || atomic.LoadUint32(&slots[i].Epoch) != epoch {
+		return false
+	}
+	atomic.StoreUint32(&slots[i].Fenced, epoch)
+	return s.aliveAs(i, epoch)
+}
+
+// Fenced reports whether the primary fenced this process's claim.
+func (s *Segment) Fenced() bool {
+	slots := s.slots()
+	return s.slot >= 0 && s.slot < len(slots) && atomic.LoadUint32(&slots[s.slot].Fenced) == s.epoch
+}
+
+// MarkUnmapped declares that this process maps no data memory any more, so
+// that the primary need not quarantine what it frees on this process's
+// account.
+func (s *Segment) MarkUnmapped() {
+	slots := s.slots()
+	if s.slot >= 0 && s.slot < len(slots) {
+		atomic.StoreUint32(&slots[s.slot].Unmapped, s.epoch)
+	}
+}
+
+// Holders returns the processes that may map data memory without following
+// the primary's changes: fenced, still alive, and not unmapped.
+func (s *Segment) Holders() []Proc {
+	var out []Proc
+	slots := s.slots()
+	for i := range slots {
+		// The cheap words first: liveness costs a system call.
+		e := atomic.LoadUint32(&slots[i].Epoch)
+		if e == 0 || atomic.LoadUint32(&slots[i].Fenced) != e || atomic.LoadUint32(&slots[i].Unmapped) == e {
+			continue
+		}
+		if p := s.Proc(i); p.Live && p.Epoch == e && s.aliveAs(i, e) {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // Reap marks the slots of dead processes free and returns their numbers.

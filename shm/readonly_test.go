@@ -115,9 +115,10 @@ func TestLockViewDescribesWithoutTakingPart(t *testing.T) {
 	assert.False(t, v.Abandoned())
 	assert.Equal(t, f.lock.State(), v.State())
 
-	require.NoError(t, f.lock.RLock(ctxBound(t)))
+	hold, err := f.lock.RLock(ctxBound(t))
+	require.NoError(t, err)
 	assert.Equal(t, map[int]int{owner.Slot(): 1}, v.State().Readers)
-	f.lock.RUnlock()
+	require.NoError(t, f.lock.RUnlock(hold))
 
 	require.NoError(t, f.lock.Lock(ctxBound(t)))
 	_, ok = v.Optimistic()

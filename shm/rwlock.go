@@ -13,27 +13,45 @@ import (
 )
 
 // RWLock is a process-shared reader-writer lock that lives in a segment and
-// survives the death of any process holding it.
+// survives the death or the stall of any process holding it.
 //
 // Readers count themselves on their process's own cache line (one line per
 // process-table slot), so readers in different processes never write the
-// same line. A writer claims the writer word with its slot number, which
-// stops new readers, then waits for every slot's count to drain. The lock is
-// writer-preferring: once a writer holds the word, readers wait, so a stream
-// of readers cannot starve it.
+// same line. A writer claims the owner word with its slot and the slot's
+// epoch, which stops new readers, then waits for every slot's count to
+// drain. The lock is writer-preferring: once a writer holds the word,
+// readers wait, so a stream of readers cannot starve it.
+//
+// Owners are named for good: the owner word carries the epoch of the
+// writer's process-table slot, which every claim of the slot bumps, so a new
+// process that claims a dead writer's slot never makes the dead writer look
+// alive, and a takeover's compare-and-swap cannot succeed against a word
+// that a later claimant of the same slot wrote.
 //
 // Robustness:
 //   - A process that dies holding read locks leaves a count behind. A
 //     waiting writer looks at the slot's liveness every few milliseconds
 //     while it waits and discards the count of a dead slot, so it proceeds
 //     within a bounded time of the death.
-//   - A process that dies holding the write lock leaves its slot in the
-//     writer word. The next Lock takes the lock over and returns
+//   - A process that is alive but stalled in a read section (stopped by a
+//     signal, a debugger, a slow tool) is fenced: a writer waits for live
+//     readers at most FenceAfter, then discards their holds and goes ahead.
+//     The fenced reader learns it when it calls RUnlock, which returns
+//     ErrFenced: what it read may be torn and must be thrown away. A read
+//     section may therefore only load words with sync/atomic, check what it
+//     reads against the segment's bounds, and act on it only after RUnlock
+//     returned nil — exactly what an optimistic read requires, with the read
+//     hold only making writers wait politely for a short while. So no
+//     reader can hold up a writer for longer than FenceAfter.
+//   - A process that dies holding the write lock leaves its mark in the
+//     owner word. The next Lock takes the lock over and returns
 //     ErrOwnerDied with it; the caller repairs the protected state, calls
 //     MarkConsistent and unlocks. Unlocking without MarkConsistent makes the
-//     lock permanently unusable (ErrNotRecoverable). Readers cannot repair,
-//     so RLock returns ErrOwnerDied without the lock while the dead writer's
-//     slot is in the word, and waits while a live writer repairs.
+//     lock permanently unusable (ErrNotRecoverable). A takeover that cannot
+//     finish (its context ends while readers drain) puts the dead writer's
+//     mark back, so the state stays marked as needing repair. Readers cannot
+//     repair, so RLock returns ErrOwnerDied without the lock while a dead
+//     writer's mark is in the word, and waits while a live writer repairs.
 //
 // Waiting uses shared futexes after a brief spin. Every wait is bounded by
 // its context.
@@ -46,22 +64,35 @@ import (
 // and is safe for use by many goroutines. A goroutine must not take the
 // lock recursively.
 type RWLock struct {
-	seg    *Segment
-	off    uint64
-	head   *lockHead
-	lines  []readerLine
-	me     uint32  // this process's slot + 1: its mark in the writer word
-	mine   *uint64 // this process's reader count
-	writer *uint32 // &head.Writer, one indirection less on the fast paths
+	seg   *Segment
+	off   uint64
+	head  *lockHead
+	lines []readerLine
+	me    uint64  // this process's mark in the owner word
+	mine  *uint64 // this process's reader line
+	owner *uint64 // &head.Owner, one indirection less on the fast paths
+	fence atomic.Int64
 }
 
+// ReadHold is a read hold taken by RLock or TryRLock; give it back to
+// RUnlock.
+type ReadHold struct{ gen uint32 }
+
 const (
-	lockUnrecoverable = math.MaxUint32 // writer word of a lock that cannot recover
-	flagInconsistent  = 1
+	// ownerUnrecoverable is the owner word of a lock that cannot recover.
+	ownerUnrecoverable uint64 = math.MaxUint32
+	flagInconsistent          = 1
 
 	spinTries = 64
 	pollEvery = 5 * time.Millisecond // liveness look-again interval while waiting
+
+	// DefaultFenceAfter is how long a writer waits for a live reader before
+	// it fences the reader's process (see RWLock).
+	DefaultFenceAfter = 50 * time.Millisecond
 )
+
+// ownerMark is the owner word of a writer in slot with epoch.
+func ownerMark(slot int, epoch uint32) uint64 { return uint64(epoch)<<32 | uint64(slot+1) }
 
 // NewRWLock allocates a lock in the segment and registers it, so that a
 // process claiming a slot later starts with a clean count in it. Owner only.
@@ -76,11 +107,6 @@ func (s *Segment) NewRWLock() (uint64, error) {
 	}
 	head := At[lockHead](s, off)
 	atomic.StoreUint32(&head.Lines, n)
-	lines := Slice[readerLine](s, off+lineSize, int(n))
-	slots := s.slots()
-	for i := range lines {
-		atomic.StoreUint64(&lines[i].Count, uint64(atomic.LoadUint32(&slots[i].Epoch))<<32)
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i := range s.hdr.Locks {
@@ -91,9 +117,9 @@ func (s *Segment) NewRWLock() (uint64, error) {
 	return 0, ErrTooManyLks
 }
 
-// resetReaderLines gives slot i a clean count, tagged with its new epoch, in
-// every registered lock. Called while claiming slot i.
-func (s *Segment) resetReaderLines(i int, epoch uint32) {
+// resetReaderLines discards slot i's read holds in every registered lock,
+// moving the line's generation on. Called while claiming slot i.
+func (s *Segment) resetReaderLines(i int) {
 	for j := range s.hdr.Locks {
 		off := atomic.LoadUint64(&s.hdr.Locks[j])
 		if off == 0 {
@@ -101,10 +127,15 @@ func (s *Segment) resetReaderLines(i int, epoch uint32) {
 		}
 		lines := Slice[readerLine](s, off+lineSize, int(atomic.LoadUint32(&At[lockHead](s, off).Lines)))
 		if i < len(lines) {
-			atomic.StoreUint64(&lines[i].Count, uint64(epoch)<<32)
+			c := &lines[i].Count
+			for v := atomic.LoadUint64(c); !atomic.CompareAndSwapUint64(c, v, nextGen(v)); v = atomic.LoadUint64(c) {
+			}
 		}
 	}
 }
+
+// nextGen is a reader line's word with its holds discarded.
+func nextGen(v uint64) uint64 { return (v>>32 + 1) << 32 }
 
 // RWLock returns this process's handle on the lock at off, which must be an
 // offset NewRWLock returned.
@@ -116,108 +147,146 @@ func (s *Segment) RWLock(off uint64) (*RWLock, error) {
 	if off == 0 || !registered {
 		return nil, fmt.Errorf("%w: no lock at 0x%x", ErrBadOffset, off)
 	}
+	if err := s.CheckRange(off, lineSize); err != nil {
+		return nil, fmt.Errorf("shm: lock at 0x%x: %w", off, err)
+	}
 	head := At[lockHead](s, off)
-	lines := Slice[readerLine](s, off+lineSize, int(atomic.LoadUint32(&head.Lines)))
+	n := uint64(atomic.LoadUint32(&head.Lines))
+	if n < 1 || n > MaxSlots || s.CheckRange(off+lineSize, n*lineSize) != nil {
+		return nil, fmt.Errorf("%w: lock at 0x%x has %d reader lines", ErrCorrupt, off, n)
+	}
+	lines := Slice[readerLine](s, off+lineSize, int(n))
 	if s.slot < 0 || s.slot >= len(lines) {
 		return nil, fmt.Errorf("shm: lock at 0x%x: this process has no slot", off)
 	}
-	return &RWLock{seg: s, off: off, head: head, lines: lines, me: uint32(s.slot) + 1, mine: &lines[s.slot].Count, writer: &head.Writer}, nil
+	l := &RWLock{seg: s, off: off, head: head, lines: lines, me: ownerMark(s.slot, s.epoch),
+		mine: &lines[s.slot].Count, owner: &head.Owner}
+	l.fence.Store(int64(DefaultFenceAfter))
+	return l, nil
+}
+
+// SetFenceAfter sets how long this process's writers wait for a live
+// reader before fencing it (default DefaultFenceAfter; d <= 0 restores the
+// default).
+func (l *RWLock) SetFenceAfter(d time.Duration) {
+	if d <= 0 {
+		d = DefaultFenceAfter
+	}
+	l.fence.Store(int64(d))
 }
 
 // RLock takes a read hold. It waits while a writer holds the lock, up to
 // ctx's end. It fails with ErrOwnerDied if the writer died (the state may be
 // half-written), ErrNotRecoverable if a repair was abandoned, or ctx's error.
-func (l *RWLock) RLock(ctx context.Context) error {
-	atomic.AddUint64(l.mine, 1)
-	if atomic.LoadUint32(l.writer) == 0 {
-		return nil
+// What the read section reads counts only if RUnlock returns nil.
+func (l *RWLock) RLock(ctx context.Context) (ReadHold, error) {
+	v := atomic.AddUint64(l.mine, 1)
+	if atomic.LoadUint64(l.owner) == 0 {
+		return ReadHold{gen: uint32(v >> 32)}, nil
 	}
-	return l.rlockSlow(ctx)
+	return l.rlockSlow(ctx, v)
 }
 
 //go:noinline
-func (l *RWLock) rlockSlow(ctx context.Context) error {
+func (l *RWLock) rlockSlow(ctx context.Context, v uint64) (ReadHold, error) {
 	for {
-		l.RUnlock()
+		_ = l.RUnlock(ReadHold{gen: uint32(v >> 32)})
 		if err := l.waitWriter(ctx); err != nil {
-			return err
+			return ReadHold{}, err
 		}
-		atomic.AddUint64(l.mine, 1)
-		if atomic.LoadUint32(&l.head.Writer) == 0 {
-			return nil
+		v = atomic.AddUint64(l.mine, 1)
+		if atomic.LoadUint64(l.owner) == 0 {
+			return ReadHold{gen: uint32(v >> 32)}, nil
 		}
 	}
 }
 
 // TryRLock takes a read hold if no writer holds the lock. It reports false
 // (and no error) when a live writer does.
-func (l *RWLock) TryRLock() (bool, error) {
-	atomic.AddUint64(l.mine, 1)
-	w := atomic.LoadUint32(&l.head.Writer)
+func (l *RWLock) TryRLock() (ReadHold, bool, error) {
+	v := atomic.AddUint64(l.mine, 1)
+	h := ReadHold{gen: uint32(v >> 32)}
+	w := atomic.LoadUint64(l.owner)
 	if w == 0 {
-		return true, nil
+		return h, true, nil
 	}
-	l.RUnlock()
-	return false, l.writerError(w)
+	_ = l.RUnlock(h)
+	return ReadHold{}, false, l.writerError(w)
 }
 
-// RUnlock drops a read hold.
-func (l *RWLock) RUnlock() {
-	n := uint32(atomic.AddUint64(l.mine, math.MaxUint64))
-	if n == 0 && atomic.LoadUint32(l.writer) != 0 || n == math.MaxUint32 {
-		l.runlockSlow(n)
+// RUnlock drops a read hold. It returns ErrFenced if a writer stopped
+// waiting for this process's readers while the hold was out: the hold was
+// discarded then, and what was read under it must be thrown away.
+func (l *RWLock) RUnlock(h ReadHold) error {
+	for {
+		v := atomic.LoadUint64(l.mine)
+		if uint32(v>>32) != h.gen {
+			return ErrFenced
+		}
+		n := uint32(v)
+		if n == 0 {
+			panic(errUnbalanced)
+		}
+		if atomic.CompareAndSwapUint64(l.mine, v, v-1) {
+			if n == 1 && atomic.LoadUint64(l.owner) != 0 {
+				l.wakeWriter()
+			}
+			return nil
+		}
 	}
 }
 
-// runlockSlow wakes a writer that may be asleep waiting for this process's
-// count to drain, or reports an unbalanced RUnlock.
+// wakeWriter wakes a writer that may be asleep waiting for this process's
+// count to drain.
 //
 //go:noinline
-func (l *RWLock) runlockSlow(n uint32) {
-	if n == math.MaxUint32 {
-		panic(errUnbalanced)
-	}
-	_, _ = futex.Wake(lowHalf(l.mine), 1)
-}
+func (l *RWLock) wakeWriter() { _, _ = futex.Wake(lowHalf(l.mine), 1) }
 
 var errUnbalanced = errors.New("shm: RUnlock of an RWLock not read-locked")
 
-// writerError classifies a non-zero writer word for a reader.
-func (l *RWLock) writerError(w uint32) error {
+// alive reports whether the writer that left mark w in the owner word is
+// alive. A word naming no slot of the table is nobody's.
+func (l *RWLock) alive(w uint64) bool {
+	slot := int(uint32(w)) - 1
+	return slot >= 0 && slot < len(l.lines) && l.seg.aliveAs(slot, uint32(w>>32))
+}
+
+// writerError classifies a non-zero owner word for a reader.
+func (l *RWLock) writerError(w uint64) error {
 	switch {
-	case w == lockUnrecoverable:
+	case w == ownerUnrecoverable:
 		return ErrNotRecoverable
-	case !l.seg.Alive(int(w - 1)):
+	case !l.alive(w):
 		return ErrOwnerDied
 	}
 	return nil
 }
 
-// waitWriter waits until the writer word is clear, or fails.
+// waitWriter waits until the owner word is clear, or fails.
 func (l *RWLock) waitWriter(ctx context.Context) error {
 	for i := 0; i < spinTries; i++ {
-		if atomic.LoadUint32(&l.head.Writer) == 0 {
+		if atomic.LoadUint64(l.owner) == 0 {
 			return nil
 		}
 		runtime.Gosched()
 	}
 	for {
-		w := atomic.LoadUint32(&l.head.Writer)
+		w := atomic.LoadUint64(l.owner)
 		if w == 0 {
 			return nil
 		}
 		if err := l.writerError(w); err != nil {
 			return err
 		}
-		if err := l.sleep(ctx, &l.head.Writer, w, true); err != nil {
+		if err := l.sleep(ctx, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
 			return err
 		}
 	}
 }
 
-// sleep waits on a futex word until it changes, the poll interval passes or
-// ctx ends (its error is returned).
-func (l *RWLock) sleep(ctx context.Context, word *uint32, val uint32, counted bool) error {
+// sleep waits on a futex word until it changes, the poll interval passes,
+// until (if set) comes, or ctx ends (its error is returned).
+func (l *RWLock) sleep(ctx context.Context, word *uint32, val uint32, counted bool, until time.Time) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -229,6 +298,9 @@ func (l *RWLock) sleep(ctx context.Context, word *uint32, val uint32, counted bo
 			}
 			d = r
 		}
+	}
+	if !until.IsZero() {
+		d = max(min(d, time.Until(until)), time.Microsecond)
 	}
 	if counted {
 		atomic.AddUint32(&l.head.Waiters, 1)
@@ -245,28 +317,29 @@ func (l *RWLock) sleep(ctx context.Context, word *uint32, val uint32, counted bo
 // error without the lock: ErrNotRecoverable or ctx's error.
 func (l *RWLock) Lock(ctx context.Context) error {
 	for spins := 0; ; {
-		w := atomic.LoadUint32(&l.head.Writer)
+		w := atomic.LoadUint64(l.owner)
 		switch {
 		case w == 0:
-			if atomic.CompareAndSwapUint32(&l.head.Writer, 0, l.me) {
-				return l.drain(ctx)
+			if atomic.CompareAndSwapUint64(l.owner, 0, l.me) {
+				return l.drain(ctx, 0)
 			}
 			continue
-		case w == lockUnrecoverable:
+		case w == ownerUnrecoverable:
 			return ErrNotRecoverable
 		case spins < spinTries:
 			spins++
 			runtime.Gosched()
 			continue
-		case !l.seg.Alive(int(w - 1)):
-			if atomic.CompareAndSwapUint32(&l.head.Writer, w, l.me) {
+		case !l.alive(w):
+			if atomic.CompareAndSwapUint64(l.owner, w, l.me) {
 				atomic.StoreUint32(&l.head.Flags, flagInconsistent)
-				l.seg.log.Warn("took over lock from dead writer", "lock", l.off, "dead_slot", w-1)
-				return l.drain(ctx)
+				l.seg.log.Warn("took over lock from dead writer", "lock", l.off,
+					"dead_slot", int(uint32(w))-1, "dead_epoch", uint32(w>>32))
+				return l.drain(ctx, w)
 			}
 			continue
 		}
-		if err := l.sleep(ctx, &l.head.Writer, w, true); err != nil {
+		if err := l.sleep(ctx, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
 			return err
 		}
 	}
@@ -274,22 +347,23 @@ func (l *RWLock) Lock(ctx context.Context) error {
 
 // TryLock takes the write lock if nobody holds it and no reader is in. It
 // reports false (and no error) when the lock is busy. A dead writer is taken
-// over as in Lock.
+// over as in Lock; if readers keep the takeover from finishing, the dead
+// writer's mark goes back.
 func (l *RWLock) TryLock() (bool, error) {
-	w := atomic.LoadUint32(&l.head.Writer)
+	w := atomic.LoadUint64(l.owner)
 	switch {
-	case w == lockUnrecoverable:
+	case w == ownerUnrecoverable:
 		return false, ErrNotRecoverable
-	case w != 0 && l.seg.Alive(int(w-1)):
+	case w != 0 && l.alive(w):
 		return false, nil
-	case !atomic.CompareAndSwapUint32(&l.head.Writer, w, l.me):
+	case !atomic.CompareAndSwapUint64(l.owner, w, l.me):
 		return false, nil
 	case w != 0:
 		atomic.StoreUint32(&l.head.Flags, flagInconsistent)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel() // no waiting: drain fails at once if a live reader is in
-	if err := l.drain(ctx); err == ErrOwnerDied {
+	if err := l.drain(ctx, w); err == ErrOwnerDied {
 		return true, err
 	} else if err != nil {
 		return false, nil
@@ -297,13 +371,16 @@ func (l *RWLock) TryLock() (bool, error) {
 	return true, nil
 }
 
-// drain runs with the writer word held: it marks optimistic readers out,
+// drain runs with the owner word held: it marks optimistic readers out,
 // then waits for every slot's read holds to go, discarding the holds of
-// dead processes. On failure it gives the word back.
-func (l *RWLock) drain(ctx context.Context) error {
+// dead processes at once and fencing those of live ones after FenceAfter.
+// On failure it gives the word back — to the dead writer it took over
+// from, if prev names one, so that the state stays marked for repair.
+func (l *RWLock) drain(ctx context.Context, prev uint64) error {
 	if seq := atomic.LoadUint32(&l.head.Seq); seq&1 == 0 {
 		atomic.StoreUint32(&l.head.Seq, seq+1)
 	}
+	fenceAt := time.Now().Add(time.Duration(l.fence.Load()))
 	for i := range l.lines {
 		c := &l.lines[i].Count
 		for {
@@ -313,13 +390,22 @@ func (l *RWLock) drain(ctx context.Context) error {
 				break
 			}
 			if i != l.seg.slot && !l.seg.Alive(i) {
-				if atomic.CompareAndSwapUint64(c, v, v&^math.MaxUint32) {
+				if atomic.CompareAndSwapUint64(c, v, nextGen(v)) {
 					l.seg.log.Warn("discarded read holds of dead process", "lock", l.off, "slot", i, "holds", n)
 				}
 				continue
 			}
-			if err := l.sleep(ctx, lowHalf(c), n, false); err != nil {
-				l.release(false)
+			if !time.Now().Before(fenceAt) {
+				if atomic.CompareAndSwapUint64(c, v, nextGen(v)) {
+					atomic.AddUint64(&l.head.Fences, uint64(n))
+					l.seg.log.Warn("fenced read holds of a process that kept them too long",
+						"lock", l.off, "slot", i, "pid", l.seg.Proc(i).PID, "holds", n,
+						"waited", time.Duration(l.fence.Load()))
+				}
+				continue
+			}
+			if err := l.sleep(ctx, lowHalf(c), n, false, fenceAt); err != nil {
+				l.abort(prev)
 				return err
 			}
 		}
@@ -328,6 +414,21 @@ func (l *RWLock) drain(ctx context.Context) error {
 		return ErrOwnerDied
 	}
 	return nil
+}
+
+// abort gives up a write lock whose drain failed.
+func (l *RWLock) abort(prev uint64) {
+	if prev == 0 {
+		l.release(false)
+		return
+	}
+	// A takeover that did not finish: the state is as the dead writer left
+	// it, so its mark goes back (readers keep getting ErrOwnerDied, Seq
+	// stays odd) and the next writer takes over again.
+	atomic.StoreUint64(l.owner, prev)
+	if atomic.LoadUint32(&l.head.Waiters) != 0 {
+		_, _ = futex.Wake(lowHalf(l.owner), math.MaxInt32)
+	}
 }
 
 // MarkConsistent declares the protected state repaired after Lock returned
@@ -339,24 +440,24 @@ func (l *RWLock) MarkConsistent() {
 // Unlock drops the write lock. If the state was never marked consistent
 // after ErrOwnerDied, the lock becomes unrecoverable.
 func (l *RWLock) Unlock() {
-	if atomic.LoadUint32(&l.head.Writer) != l.me {
+	if atomic.LoadUint64(l.owner) != l.me {
 		panic("shm: Unlock of an RWLock this process does not write-hold")
 	}
 	l.release(atomic.LoadUint32(&l.head.Flags)&flagInconsistent != 0)
 }
 
 func (l *RWLock) release(abandon bool) {
-	word := uint32(0)
+	word := uint64(0)
 	if abandon {
 		// The state stays half-written: optimistic readers must keep
 		// failing (Seq stays odd) and nobody may lock again.
-		word = lockUnrecoverable
+		word = ownerUnrecoverable
 	} else if atomic.LoadUint32(&l.head.Flags)&flagInconsistent == 0 {
 		atomic.AddUint32(&l.head.Seq, 1)
 	}
-	atomic.StoreUint32(&l.head.Writer, word)
+	atomic.StoreUint64(l.owner, word)
 	if atomic.LoadUint32(&l.head.Waiters) != 0 {
-		_, _ = futex.Wake(&l.head.Writer, math.MaxInt32)
+		_, _ = futex.Wake(lowHalf(l.owner), math.MaxInt32)
 	}
 }
 
@@ -379,11 +480,13 @@ func (l *RWLock) Validate(stamp uint32) bool {
 // LockState is a snapshot of a lock, for operators.
 type LockState struct {
 	Offset         uint64
-	WriterSlot     int // -1: none
+	WriterSlot     int    // -1: none
+	WriterEpoch    uint32 // the epoch of WriterSlot the writer claimed it with
 	Inconsistent   bool
 	NotRecoverable bool
 	Waiters        int
 	Seq            uint32
+	Fences         uint64      // read holds fenced since the lock was made
 	Readers        map[int]int // slot -> read holds, for slots holding any
 }
 
@@ -393,16 +496,17 @@ func (l *RWLock) State() LockState { return lockState(l.off, l.head, l.lines) }
 // lockState reads the lock at off word by word.
 func lockState(off uint64, head *lockHead, lines []readerLine) LockState {
 	st := LockState{Offset: off, WriterSlot: -1, Readers: map[int]int{}}
-	switch w := atomic.LoadUint32(&head.Writer); w {
+	switch w := atomic.LoadUint64(&head.Owner); w {
 	case 0:
-	case lockUnrecoverable:
+	case ownerUnrecoverable:
 		st.NotRecoverable = true
 	default:
-		st.WriterSlot = int(w - 1)
+		st.WriterSlot, st.WriterEpoch = int(uint32(w))-1, uint32(w>>32)
 	}
 	st.Inconsistent = atomic.LoadUint32(&head.Flags)&flagInconsistent != 0
 	st.Waiters = int(atomic.LoadUint32(&head.Waiters))
 	st.Seq = atomic.LoadUint32(&head.Seq)
+	st.Fences = atomic.LoadUint64(&head.Fences)
 	for i := range lines {
 		if n := uint32(atomic.LoadUint64(&lines[i].Count)); n != 0 {
 			st.Readers[i] = int(n)

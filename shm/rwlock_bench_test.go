@@ -20,10 +20,11 @@ func BenchmarkRLockUnlock(b *testing.B) {
 	ctx := context.Background()
 	b.ReportAllocs()
 	for b.Loop() {
-		if err := f.lock.RLock(ctx); err != nil {
+		h, err := f.lock.RLock(ctx)
+		if err != nil {
 			b.Fatal(err)
 		}
-		f.lock.RUnlock()
+		_ = f.lock.RUnlock(h)
 	}
 }
 
@@ -93,10 +94,11 @@ func BenchmarkRLockTwoProcesses(b *testing.B) {
 			b.ReportAllocs()
 			start := time.Now()
 			for b.Loop() {
-				if err := f.lock.RLock(ctx); err != nil {
+				h, err := f.lock.RLock(ctx)
+				if err != nil {
 					b.Fatal(err)
 				}
-				f.lock.RUnlock()
+				_ = f.lock.RUnlock(h)
 			}
 			elapsed := time.Since(start)
 			close(stop)

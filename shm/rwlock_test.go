@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -32,8 +33,10 @@ func TestRWLockInProcess(t *testing.T) {
 	f := newLockFixture(t, owner)
 	l := f.lock
 
-	require.NoError(t, l.RLock(ctxBound(t)))
-	require.NoError(t, l.RLock(ctxBound(t)), "read holds share")
+	h1, err := l.RLock(ctxBound(t))
+	require.NoError(t, err)
+	h2, err := l.RLock(ctxBound(t))
+	require.NoError(t, err, "read holds share")
 	ok, err := l.TryLock()
 	require.NoError(t, err)
 	assert.False(t, ok, "a writer waits for readers")
@@ -44,10 +47,10 @@ func TestRWLockInProcess(t *testing.T) {
 	assert.Equal(t, 2, l.State().Readers[owner.Slot()])
 	assert.Equal(t, -1, l.State().WriterSlot, "a writer that gave up leaves no trace")
 
-	l.RUnlock()
-	l.RUnlock()
+	require.NoError(t, l.RUnlock(h1))
+	require.NoError(t, l.RUnlock(h2))
 	require.NoError(t, l.Lock(ctxBound(t)))
-	ok, err = l.TryRLock()
+	_, ok, err = l.TryRLock()
 	require.NoError(t, err)
 	assert.False(t, ok, "readers wait for a writer")
 	_, valid := l.Optimistic()
@@ -86,11 +89,12 @@ func TestRWLockGoroutinesNeverOverlap(t *testing.T) {
 					}
 					continue
 				}
-				require.NoError(t, f.lock.RLock(ctxBound(t)))
-				if atomic.LoadUint64(f.a) != atomic.LoadUint64(f.b) {
+				h, err := f.lock.RLock(ctxBound(t))
+				require.NoError(t, err)
+				differ := atomic.LoadUint64(f.a) != atomic.LoadUint64(f.b)
+				if f.lock.RUnlock(h) == nil && differ {
 					torn.Add(1)
 				}
-				f.lock.RUnlock()
 			}
 		}()
 	}
@@ -165,13 +169,14 @@ func TestRWLockOwnerDiedMidUpdate(t *testing.T) {
 	f := newLockFixture(t, owner)
 	h := testproc.Start(t, "wlock-hold", []string{o.Path})
 	h.Expect("held", 0)
-	ok, err := f.lock.TryRLock()
+	_, ok, err := f.lock.TryRLock()
 	require.NoError(t, err)
 	assert.False(t, ok, "a live writer makes readers wait")
 
 	h.Kill()
 	require.Error(t, h.Wait(0))
-	assert.ErrorIs(t, f.lock.RLock(ctxBound(t)), shm.ErrOwnerDied, "readers are told instead of reading a torn update")
+	_, err = f.lock.RLock(ctxBound(t))
+	assert.ErrorIs(t, err, shm.ErrOwnerDied, "readers are told instead of reading a torn update")
 	_, valid := f.lock.Optimistic()
 	assert.False(t, valid, "optimistic readers too")
 
@@ -183,9 +188,10 @@ func TestRWLockOwnerDiedMidUpdate(t *testing.T) {
 	f.lock.MarkConsistent()
 	f.lock.Unlock()
 
-	require.NoError(t, f.lock.RLock(ctxBound(t)))
+	hold, err := f.lock.RLock(ctxBound(t))
+	require.NoError(t, err)
 	assert.Equal(t, atomic.LoadUint64(f.a), atomic.LoadUint64(f.b))
-	f.lock.RUnlock()
+	require.NoError(t, f.lock.RUnlock(hold))
 	require.NoError(t, f.lock.Lock(ctxBound(t)), "a repaired lock is an ordinary lock again")
 	f.lock.Unlock()
 	_, valid = f.lock.Optimistic()
@@ -203,8 +209,9 @@ func TestRWLockAbandonedRepairIsNotRecoverable(t *testing.T) {
 	require.ErrorIs(t, f.lock.Lock(ctxBound(t)), shm.ErrOwnerDied)
 	f.lock.Unlock() // without MarkConsistent
 	assert.ErrorIs(t, f.lock.Lock(ctxBound(t)), shm.ErrNotRecoverable)
-	assert.ErrorIs(t, f.lock.RLock(ctxBound(t)), shm.ErrNotRecoverable)
-	_, err := f.lock.TryLock()
+	_, err := f.lock.RLock(ctxBound(t))
+	assert.ErrorIs(t, err, shm.ErrNotRecoverable)
+	_, err = f.lock.TryLock()
 	assert.ErrorIs(t, err, shm.ErrNotRecoverable)
 	assert.True(t, f.lock.State().NotRecoverable)
 }
@@ -233,4 +240,126 @@ func TestRWLockWriterNotStarvedByReaderFlood(t *testing.T) {
 		p.CloseInput()
 		require.NoError(t, p.Wait(0))
 	}
+}
+
+func stop(t *testing.T, p *testproc.Proc) { require.NoError(t, syscall.Kill(p.PID(), syscall.SIGSTOP)) }
+func resume(t *testing.T, p *testproc.Proc) {
+	require.NoError(t, syscall.Kill(p.PID(), syscall.SIGCONT))
+}
+
+// slotIn returns the process-table slot of a helper.
+func slotIn(t *testing.T, s *shm.Segment, p *testproc.Proc) int {
+	t.Helper()
+	for _, pr := range s.Procs() {
+		if pr.PID == p.PID() && pr.Alive {
+			return pr.Slot
+		}
+	}
+	t.Fatalf("pid %d holds no slot", p.PID())
+	return -1
+}
+
+// A reader that is alive but stopped inside its read section cannot hold a
+// writer up: the writer fences it and goes ahead, and the reader learns at
+// RUnlock that what it read does not count.
+func TestRWLockStalledReaderIsFenced(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		owner, o := newSegment(t, b)
+		f := newLockFixture(t, owner)
+		r := testproc.Start(t, "rlock-stall", []string{o.Path})
+		r.Expect("held", 0)
+		slot := slotIn(t, owner, r)
+		stop(t, r)
+		t.Cleanup(func() { _ = syscall.Kill(r.PID(), syscall.SIGCONT) })
+
+		require.NoError(t, f.lock.Lock(ctxBound(t)), "the writer does not wait for a stopped reader for ever")
+		assert.Empty(t, f.lock.State().Readers, "the stopped reader's hold was discarded")
+		assert.Equal(t, uint64(1), f.lock.State().Fences)
+		atomic.AddUint64(f.a, 1)
+		atomic.AddUint64(f.b, 1)
+		f.lock.Unlock()
+
+		resume(t, r)
+		r.Send("release")
+		assert.Equal(t, "released "+shm.ErrFenced.Error(), r.Expect("released", 0),
+			"the fenced reader learns its read section did not count")
+		r.Send("again")
+		assert.Equal(t, "again <nil>", r.Expect("again", 0), "and reads normally afterwards")
+		assert.True(t, owner.Proc(slot).Alive, "fencing does not touch the process otherwise")
+		r.CloseInput()
+		require.NoError(t, r.Wait(0))
+	})
+}
+
+// A writer dies holding the lock and a new process claims its slot: the
+// newcomer must not make the dead writer look alive.
+func TestRWLockDeadWriterSlotReused(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	w := testproc.Start(t, "wlock-hold", []string{o.Path})
+	w.Expect("held", 0)
+	slot := slotIn(t, owner, w)
+	w.Kill()
+	require.Error(t, w.Wait(0))
+
+	n := testproc.Start(t, "attach", []string{o.Path})
+	require.Equal(t, fmt.Sprintf("slot %d", slot), n.Expect("slot", 0), "the newcomer reuses the dead writer's slot")
+
+	_, err := f.lock.RLock(ctxBound(t))
+	assert.ErrorIs(t, err, shm.ErrOwnerDied, "readers are not fooled by the newcomer")
+	require.ErrorIs(t, f.lock.Lock(ctxBound(t)), shm.ErrOwnerDied, "the next writer takes over")
+	atomic.StoreUint64(f.b, atomic.LoadUint64(f.a))
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
+	h, err := f.lock.RLock(ctxBound(t))
+	require.NoError(t, err)
+	require.NoError(t, f.lock.RUnlock(h))
+	n.CloseInput()
+	require.NoError(t, n.Wait(0))
+}
+
+// A takeover that cannot drain the readers leaves the dead writer's mark in
+// place: no reader may enter the half-done update it was about to repair.
+func TestRWLockFailedTakeoverStaysInconsistent(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	r := testproc.Start(t, "rlock-stall", []string{o.Path})
+	r.Expect("held", 0)
+	// The writer waits for the reader (it would fence it only after ten
+	// minutes) and dies while it waits, holding the word.
+	w := testproc.Start(t, "wlock-hold", []string{o.Path, "10m"})
+	wslot := -1
+	require.Eventually(t, func() bool {
+		for _, p := range owner.Procs() {
+			if p.PID == w.PID() {
+				wslot = p.Slot
+			}
+		}
+		return wslot >= 0 && f.lock.State().WriterSlot == wslot
+	}, bound, time.Millisecond, "the writer claims the lock and waits for the reader")
+	w.Kill()
+	require.Error(t, w.Wait(0))
+
+	ok, err := f.lock.TryLock()
+	require.NoError(t, err)
+	assert.False(t, ok, "a live reader keeps the takeover from finishing")
+	short, cancel := context.WithTimeout(t.Context(), 20*time.Millisecond)
+	defer cancel()
+	assert.ErrorIs(t, f.lock.Lock(short), context.DeadlineExceeded)
+
+	st := f.lock.State()
+	assert.Equal(t, wslot, st.WriterSlot, "the dead writer's mark is back")
+	assert.True(t, st.Inconsistent)
+	_, err = f.lock.RLock(ctxBound(t))
+	assert.ErrorIs(t, err, shm.ErrOwnerDied, "readers do not enter unrepaired state")
+	_, valid := f.lock.Optimistic()
+	assert.False(t, valid, "optimistic readers neither")
+
+	require.ErrorIs(t, f.lock.Lock(ctxBound(t)), shm.ErrOwnerDied, "a writer that may wait fences the reader and repairs")
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
+	r.Send("release")
+	assert.Equal(t, "released "+shm.ErrFenced.Error(), r.Expect("released", 0))
+	r.CloseInput()
+	require.NoError(t, r.Wait(0))
 }

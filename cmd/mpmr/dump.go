@@ -110,7 +110,9 @@ func collectDump(e *env, t *target) (*dumpOut, error) {
 	}
 	if w := d.Lock.WriterSlot; w >= 0 && w < seg.Slots() {
 		p := seg.Proc(w)
-		d.Writer = &writerOut{Slot: w, PID: p.PID, Alive: p.Alive}
+		// Alive only if the writer's own claim of the slot lives: a later
+		// claimant of the slot is somebody else.
+		d.Writer = &writerOut{Slot: w, PID: p.PID, Alive: seg.AliveAs(w, d.Lock.WriterEpoch)}
 	}
 	if dev, err := verbs.AttachSoft(seg); err != nil {
 		fail("soft device", err)
