@@ -20,6 +20,9 @@ func (g *Global) writeLock() (context.CancelFunc, error) {
 	err := g.lock.Lock(ctx)
 	if errors.Is(err, shm.ErrOwnerDied) {
 		g.log.Warn("global cache lock owner died; rebuilding the table from the MR list")
+		// The dead writer may have changed the list: every local cache
+		// must flush what it took from the table before.
+		atomic.AddUint32(g.devGen, 1)
 		if err = g.rebuild(); err == nil {
 			g.lock.MarkConsistent()
 		} else {
@@ -121,6 +124,9 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 		return Entry{}, false, err
 	}
 	defer g.writeUnlock(cancel)
+	if g.closed.Load() {
+		return Entry{}, false, ErrClosed // Close swept the list while we waited
+	}
 	if e, found, err := g.find(addr); err != nil || found {
 		return e, false, err
 	}
@@ -276,16 +282,22 @@ func (g *Global) Exclusive(fn func()) error {
 }
 
 // Shared runs fn while holding the global read lock: writers (creations,
-// invalidations) in every process wait meanwhile. Like Exclusive, it is
-// meant for tools and tests, such as killing a process that holds the read
-// lock.
+// invalidations) in every process wait meanwhile — for a while: a writer
+// that waits longer than the lock's fence time (shm.DefaultFenceAfter)
+// fences the hold and goes ahead, and Shared then returns an error matching
+// shm.ErrFenced, meaning that what fn read may be torn. Like Exclusive, it
+// is meant for tools and tests, such as stopping or killing a process that
+// holds the read lock.
 func (g *Global) Shared(fn func()) error {
 	ctx, cancel := g.lockCtx()
 	defer cancel()
-	if err := g.lock.RLock(ctx); err != nil {
+	h, err := g.lock.RLock(ctx)
+	if err != nil {
 		return fmt.Errorf("cache: global read lock: %w", err)
 	}
-	defer g.lock.RUnlock()
 	fn()
+	if err := g.lock.RUnlock(h); err != nil {
+		return fmt.Errorf("cache: global read section: %w", err)
+	}
 	return nil
 }

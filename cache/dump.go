@@ -31,14 +31,22 @@ type Dump struct {
 	Stats      GlobalStats `json:"stats"`
 }
 
-// Dump reads the MR list, the free list and the table under the read lock.
+// Dump reads the MR list, the free list and the table under the read lock
+// (again if a writer fenced the read meanwhile).
 func (g *Global) Dump() (Dump, error) {
-	ctx, cancel := g.lockCtx()
-	defer cancel()
-	if err := g.lock.RLock(ctx); err != nil {
-		return Dump{}, fmt.Errorf("cache: dump: %w", err)
+	var d Dump
+	err := g.readLocked(func() error {
+		var err error
+		d, err = g.dumpLocked()
+		return err
+	})
+	if err != nil {
+		return d, fmt.Errorf("cache: dump: %w", err)
 	}
-	defer g.lock.RUnlock()
+	return d, nil
+}
+
+func (g *Global) dumpLocked() (Dump, error) {
 	d := Dump{DevGen: atomic.LoadUint32(g.devGen), Stats: g.Stats()}
 	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
 		d.MRs = append(d.MRs, m.info())

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -46,6 +47,8 @@ type fixtureConfig struct {
 	tableSize int
 	single    bool
 	maxMRs    int
+	// lockTimeout bounds the global lock's waits (default 5 s).
+	lockTimeout time.Duration
 }
 
 func newPrimary(t testing.TB, c fixtureConfig) *primary {
@@ -71,7 +74,7 @@ func newPrimary(t testing.TB, c fixtureConfig) *primary {
 	pd, err := p.dev.AllocPD()
 	require.NoError(t, err)
 	p.g, err = CreateGlobal(seg, GlobalConfig{Memory: p.mem, PD: pd, TableSize: c.tableSize,
-		SinglePage: c.single, Logger: quiet})
+		SinglePage: c.single, LockTimeout: c.lockTimeout, Logger: quiet})
 	require.NoError(t, err)
 	require.NoError(t, seg.MarkReady())
 	return p

@@ -9,16 +9,20 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
-// onMemoryEvent is subscribed to the data memory's events. Free events
-// arrive before the pages are unmapped, with the memory write lock held.
-func (g *Global) onMemoryEvent(ev hugetlb.Event) {
+// guardFree is the memory's free guard: it runs before the pages of a free
+// are unmapped, with the memory write lock held. If the registrations
+// cannot be invalidated (the global lock cannot be had, the MR list is
+// corrupt), it refuses the free, so that no memory is freed that a key is
+// still served for.
+func (g *Global) guardFree(ev hugetlb.Event) error {
 	if ev.Kind != hugetlb.EventFree || g.closed.Load() {
-		return
+		return nil
 	}
 	if err := g.invalidate(uint64(ev.Addr), ev.Len); err != nil {
-		// The event cannot be refused; the memory goes away regardless.
-		g.log.Error("MR cache invalidation failed", "addr", ev.Addr, "len", ev.Len, "err", err)
+		g.log.Error("MR cache invalidation failed; the free is refused", "addr", ev.Addr, "len", ev.Len, "err", err)
+		return fmt.Errorf("cache: invalidate [0x%x, +0x%x): %w", ev.Addr, ev.Len, err)
 	}
+	return nil
 }
 
 // invalidate clears the pages of [addr, addr+length) from every MR. An MR
@@ -27,6 +31,11 @@ func (g *Global) onMemoryEvent(ev hugetlb.Event) {
 // both under the write lock: a lookup that sees the old generation may
 // still use what it cached, but one that starts after the bump flushes,
 // and finds the global table either locked or rebuilt.
+//
+// The MRs holding the pages are found before anything changes, so a lock
+// that cannot be had or a list that cannot be read leaves everything as it
+// was. A failure after that (a corrupt list) still flushes every cache and
+// empties the table, so that no key is served for the range.
 func (g *Global) invalidate(addr, length uint64) error {
 	cancel, err := g.writeLock()
 	if err != nil {
@@ -34,7 +43,11 @@ func (g *Global) invalidate(addr, length uint64) error {
 	}
 	defer g.writeUnlock(cancel)
 	ps := g.pageSize(addr)
-	changed := false
+	type hit struct {
+		m   mr
+		bit uint32
+	}
+	var hits []hit
 	for page := addr &^ (ps - 1); page < addr+length; page += ps {
 		_, m, found, err := g.findInList(page)
 		if err != nil {
@@ -43,21 +56,32 @@ func (g *Global) invalidate(addr, length uint64) error {
 		if !found || m.external() {
 			continue
 		}
-		bit := uint32((page - atomic.LoadUint64(&m.rec.Start)) / atomic.LoadUint64(&m.rec.PageSize))
-		m.clearBit(bit)
-		changed = true
-		if atomic.AddUint32(&m.rec.PagesSet, ^uint32(0)) == 0 {
-			if err := g.moveToFree(m); err != nil {
-				return err
-			}
-		}
+		hits = append(hits, hit{m, uint32((page - atomic.LoadUint64(&m.rec.Start)) / atomic.LoadUint64(&m.rec.PageSize))})
 	}
-	if !changed {
+	if len(hits) == 0 {
 		return nil
 	}
 	atomic.AddUint32(g.devGen, 1) // before the rebuild, so no local cache can miss the flush
 	atomic.AddUint64(&g.root.Invalidations, 1)
-	return g.rebuild()
+	var errs []error
+	for _, h := range hits {
+		if !h.m.bit(h.bit) {
+			continue
+		}
+		h.m.clearBit(h.bit)
+		if atomic.AddUint32(&h.m.rec.PagesSet, ^uint32(0)) == 0 {
+			errs = append(errs, g.moveToFree(h.m))
+		}
+	}
+	errs = append(errs, g.rebuild())
+	if err := errors.Join(errs...); err != nil {
+		if t, terr := g.table(); terr == nil {
+			t.Clear()
+			atomic.StoreUint32(&t.hdr.Overflow, 1) // lookups go to the list, which no longer has the pages
+		}
+		return err
+	}
+	return nil
 }
 
 // pageSize returns the page size of the memseg list holding addr (the
@@ -168,9 +192,11 @@ func (g *Global) Close() error {
 
 // RegisterExternal registers [addr, addr+length), memory outside every
 // memseg list, as one MR (DPDK's external-memory MRs) and returns its
-// entry. Registering a range already covered returns the existing entry.
-// External memory is not tracked: keep it mapped until UnregisterExternal.
-// Primary only.
+// entry. Registering exactly a range already registered returns the
+// existing entry; a range that overlaps a memseg list or another
+// registered external range is refused with an error matching ErrOverlap
+// that names the overlap, and nothing changes. External memory is not
+// tracked: keep it mapped until UnregisterExternal. Primary only.
 func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 	if !g.owner {
 		return Entry{}, ErrNotPrimary
@@ -178,14 +204,15 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 	if g.closed.Load() {
 		return Entry{}, ErrClosed
 	}
-	if length == 0 || addr+length < addr {
-		return Entry{}, fmt.Errorf("cache: register external [0x%x, +0x%x): bad range", addr, length)
+	if addr == 0 || length == 0 || addr+length < addr {
+		return Entry{}, fmt.Errorf("%w: register external [0x%x, +0x%x)", ErrBadRange, addr, length)
 	}
-	if _, in := g.mem.InList(uintptr(addr)); in {
-		return Entry{}, fmt.Errorf("cache: register external 0x%x: address is in a memseg list", addr)
-	}
-	if _, in := g.mem.InList(uintptr(addr + length - 1)); in {
-		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): range reaches into a memseg list", addr, addr+length)
+	end := addr + length
+	for _, l := range g.mem.Lists() {
+		if addr < uint64(l.End) && uint64(l.Base) < end {
+			return Entry{}, fmt.Errorf("%w: external [0x%x, 0x%x) overlaps memseg list %d at [0x%x, 0x%x)",
+				ErrOverlap, addr, end, l.Index, l.Base, l.End)
+		}
 	}
 	off, err := g.seg.Alloc(mrRecordSize, 64)
 	if err != nil {
@@ -197,14 +224,43 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 		return Entry{}, err
 	}
 	defer g.writeUnlock(cancel)
-	if e, found, err := g.find(addr); err != nil || found {
+	if g.closed.Load() {
 		_ = g.seg.Free(off)
-		return e, err
+		return Entry{}, ErrClosed // Close swept the list while we waited
+	}
+	var same *Entry
+	var clash error
+	err = g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
+		if !m.external() {
+			return true
+		}
+		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
+		switch {
+		case s == addr && n == length:
+			e := Entry{Start: s, End: s + n, LKey: atomic.LoadUint32(&m.rec.LKey)}
+			same = &e
+			return false
+		case addr < s+n && s < end:
+			clash = fmt.Errorf("%w: external [0x%x, 0x%x) overlaps the registered external [0x%x, 0x%x) (lkey 0x%x)",
+				ErrOverlap, addr, end, s, s+n, atomic.LoadUint32(&m.rec.LKey))
+			return false
+		}
+		return true
+	})
+	if err == nil {
+		err = clash
+	}
+	if err != nil || same != nil {
+		_ = g.seg.Free(off)
+		if same != nil {
+			return *same, nil
+		}
+		return Entry{}, err
 	}
 	vmr, err := g.pd.RegMR(uintptr(addr), uintptr(length), g.access)
 	if err != nil {
 		_ = g.seg.Free(off)
-		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): %w", addr, addr+length, err)
+		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): %w", addr, end, err)
 	}
 	rec := shm.At[mrRecord](g.seg, off)
 	atomic.StoreInt32(&rec.List, -1)
@@ -234,6 +290,9 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 func (g *Global) UnregisterExternal(addr uint64) error {
 	if !g.owner {
 		return ErrNotPrimary
+	}
+	if g.closed.Load() {
+		return ErrClosed
 	}
 	cancel, err := g.writeLock()
 	if err != nil {

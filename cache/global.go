@@ -27,6 +27,11 @@ var (
 	ErrExternalMemory = errors.New("cache: external memory is not registered; register the mempool in the primary before use")
 	// ErrClosed means the cache was closed.
 	ErrClosed = errors.New("cache: closed")
+	// ErrOverlap means a registration would overlap memory that is already
+	// registered or belongs to a memseg list.
+	ErrOverlap = errors.New("cache: range overlaps registered memory")
+	// ErrBadRange means an empty, null or wrapping address range.
+	ErrBadRange = errors.New("cache: bad address range")
 )
 
 // globalRoot is the global share cache's state in the segment.
@@ -149,7 +154,7 @@ func CreateGlobal(seg *shm.Segment, c GlobalConfig) (*Global, error) {
 	if err := seg.SetRoot(shm.RootCache, rootOff); err != nil {
 		return nil, err
 	}
-	g.unsub = c.Memory.Subscribe(g.onMemoryEvent)
+	g.unsub = c.Memory.GuardFree(g.guardFree)
 	return g, nil
 }
 
@@ -243,13 +248,36 @@ func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
 }
 
 func (g *Global) lookupLocked(addr uint64) (Entry, bool, error) {
-	ctx, cancel := g.lockCtx()
-	defer cancel()
-	if err := g.lock.RLock(ctx); err != nil {
+	var e Entry
+	var found bool
+	err := g.readLocked(func() (err error) {
+		e, found, err = g.find(addr)
+		return err
+	})
+	if err != nil {
 		return Entry{}, false, fmt.Errorf("cache: global lookup of 0x%x: %w", addr, err)
 	}
-	defer g.lock.RUnlock()
-	return g.find(addr)
+	return e, found, nil
+}
+
+// readLocked runs fn under the global read lock. If a writer fenced the hold
+// meanwhile (this process kept it too long, see shm.RWLock), what fn read
+// may be torn: fn runs again, until the lock's timeout. fn must only read.
+func (g *Global) readLocked(fn func() error) error {
+	ctx, cancel := g.lockCtx()
+	defer cancel()
+	for {
+		h, err := g.lock.RLock(ctx)
+		if err != nil {
+			return err
+		}
+		ferr := fn()
+		if err := g.lock.RUnlock(h); err == nil {
+			return ferr
+		} else if ctx.Err() != nil {
+			return err
+		}
+	}
 }
 
 // find looks addr up in the table, or in the MR list if the table has

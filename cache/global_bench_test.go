@@ -33,11 +33,14 @@ func BenchmarkGlobalLookup(b *testing.B) {
 		ctx := context.Background()
 		i := uintptr(0)
 		for b.Loop() {
-			if err := p.g.lock.RLock(ctx); err != nil {
+			h, err := p.g.lock.RLock(ctx)
+			if err != nil {
 				b.Fatal(err)
 			}
 			_, found, err := p.g.find(uint64(r.Addr + (i&7)*ps))
-			p.g.lock.RUnlock()
+			if uerr := p.g.lock.RUnlock(h); uerr != nil {
+				err = uerr
+			}
 			if !found || err != nil {
 				b.Fatal("miss", err)
 			}

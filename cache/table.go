@@ -39,14 +39,14 @@ func (e Entry) String() string {
 //	  0   4  Len       entries in use, the sentinel at index 0 included
 //	  4   4  Size      capacity in entries
 //	  8   4  Overflow  1 once an insert found the table full
-//	 12   4  reserved
+//	 12   4  Gen       bumped each time the entry array is replaced (global table)
 //	 16   8  Entries   segment offset of the entry array (global table)
 //	 24  40  reserved
 type tableHeader struct {
 	Len      uint32
 	Size     uint32
 	Overflow uint32
-	_        uint32
+	Gen      uint32
 	Entries  uint64
 	_        [40]byte
 }
@@ -77,6 +77,7 @@ type Table struct {
 	// Segment tables only.
 	seg *shm.Segment
 	off uint64 // offset ents was made from
+	gen uint32 // the header's Gen when ents was made
 }
 
 // NewTable returns a table in Go memory with room for size entries.
@@ -109,20 +110,25 @@ func newSegmentTable(seg *shm.Segment, hdrOff uint64, size int) (*Table, error) 
 // until the owner expands the table; compare Stale.
 func openSegmentTable(seg *shm.Segment, hdrOff uint64) (*Table, error) {
 	hdr := shm.At[tableHeader](seg, hdrOff)
+	// Gen first: the owner replaces the array, then bumps Gen, so a view
+	// that read the new Gen also read the new array, and one that read the
+	// old Gen is found stale.
+	gen := atomic.LoadUint32(&hdr.Gen)
 	off := atomic.LoadUint64(&hdr.Entries)
 	size := uint64(atomic.LoadUint32(&hdr.Size))
 	if size < 2 || size > MaxTableSize || seg.CheckRange(off, size*entrySize) != nil {
 		return nil, fmt.Errorf("%w: global table header names %d entries at 0x%x", ErrCorrupt, size, off)
 	}
-	t := &Table{hdr: hdr, seg: seg}
+	t := &Table{hdr: hdr, seg: seg, gen: gen}
 	t.remap(off, int(size))
 	return t, nil
 }
 
 // Stale reports whether a segment table view no longer covers the array
-// the header names (the owner expanded the table).
+// the header names: the owner replaced it (expanded the table), even if the
+// new array happens to sit where the old one did.
 func (t *Table) Stale() bool {
-	return t.seg != nil && atomic.LoadUint64(&t.hdr.Entries) != t.off
+	return t.seg != nil && (atomic.LoadUint32(&t.hdr.Gen) != t.gen || atomic.LoadUint64(&t.hdr.Entries) != t.off)
 }
 
 func (t *Table) remap(off uint64, size int) {
@@ -259,7 +265,7 @@ func (t *Table) expandSegment(n int) (*Table, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cache: expand table to %d entries: %w", n, err)
 	}
-	nt := &Table{hdr: t.hdr, seg: t.seg}
+	nt := &Table{hdr: t.hdr, seg: t.seg, gen: atomic.LoadUint32(&t.hdr.Gen) + 1}
 	nt.remap(off, n)
 	used := t.Len()
 	for i := range used {
@@ -267,12 +273,13 @@ func (t *Table) expandSegment(n int) (*Table, error) {
 	}
 	atomic.StoreUint32(&t.hdr.Size, uint32(n))
 	atomic.StoreUint64(&t.hdr.Entries, off)
+	atomic.StoreUint32(&t.hdr.Gen, nt.gen)
 	return nt, t.seg.Free(t.off)
 }
 
 // Entries returns a copy of the entries in use, sentinel excluded.
 func (t *Table) Entries() []Entry {
-	n := t.Len()
+	n := min(t.Len(), len(t.ents))
 	out := make([]Entry, 0, n-1)
 	for i := 1; i < n; i++ {
 		out = append(out, t.At(i))

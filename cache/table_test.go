@@ -121,3 +121,47 @@ func TestTableMatchesLinearScan(t *testing.T) {
 		}
 	}
 }
+
+// A view of the global table must notice a replacement even when the new,
+// larger array lands exactly where the old one was (the arena's first fit
+// makes that happen whenever the old block and its freed neighbours are
+// the first hole large enough).
+func TestSegmentTableViewNoticesReplacementAtSameOffset(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{})
+	hdrOff, err := p.seg.Alloc(64, 64) // a table header
+	require.NoError(t, err)
+	owner, err := newSegmentTable(p.seg, hdrOff, 4)
+	require.NoError(t, err)
+	// A block right behind the array, freed later so that the old array's
+	// block merges with it into a hole large enough for 16 entries.
+	filler, err := p.seg.Alloc(16*entrySize, 16)
+	require.NoError(t, err)
+	es := spaced(12)
+	for _, e := range es[:3] {
+		require.NoError(t, owner.Insert(e))
+	}
+	view, err := openSegmentTable(p.seg, hdrOff) // as another process sees it
+	require.NoError(t, err)
+	require.False(t, view.Stale())
+
+	first := owner.off
+	owner, err = owner.expandSegment(8)
+	require.NoError(t, err)
+	require.NoError(t, p.seg.Free(filler))
+	owner, err = owner.expandSegment(16)
+	require.NoError(t, err)
+	require.Equal(t, first, owner.off, "precondition: the larger array took the old one's place")
+	for _, e := range es[3:] {
+		require.NoError(t, owner.Insert(e))
+	}
+
+	assert.True(t, view.Stale(), "the view must see that its array was replaced")
+	assert.NotPanics(t, func() { view.Entries() }, "an old view reads within its own array")
+	fresh, err := openSegmentTable(p.seg, hdrOff)
+	require.NoError(t, err)
+	assert.False(t, fresh.Stale())
+	for _, e := range es {
+		key, _ := fresh.Lookup(e.Start + 1)
+		assert.Equal(t, e.LKey, key, "entry at 0x%x", e.Start)
+	}
+}
