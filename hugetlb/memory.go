@@ -78,6 +78,9 @@ var (
 	ErrBadDescriptor = errors.New("hugetlb: bad memseg list descriptor")
 	// ErrClosed means the Memory, or the primary's memory, was closed.
 	ErrClosed = errors.New("hugetlb: memory closed")
+	// ErrNotFreed means a guard (see GuardFree) refused a free: nothing
+	// was changed, the memory is still allocated and mapped.
+	ErrNotFreed = errors.New("hugetlb: memory not freed")
 )
 
 // ListConfig configures one memseg list.
@@ -134,8 +137,13 @@ type Memory struct {
 	mu     sync.RWMutex // the memory lock; see RLock
 	closed atomic.Bool
 
-	subMu sync.Mutex
-	subs  atomic.Pointer[[]*subscriber]
+	subMu  sync.Mutex
+	subs   atomic.Pointer[[]*subscriber]
+	guards atomic.Pointer[[]*subscriber]
+
+	// Primary only, under mu: freed pages a fenced process may still map.
+	quarantine []batch
+	qpages     atomic.Int64
 }
 
 // list is one memseg list as this process sees it.
@@ -151,6 +159,10 @@ type list struct {
 	state    bitmap // shared: allocated pages
 	mapped   bitmap // private: pages mapped in this process, under Memory.mu
 	reserved bool   // the address range is reserved
+
+	// Primary only, under Memory.mu: quarantined pages.
+	held      bitmap
+	heldPages int
 }
 
 func (l *list) end() uintptr       { return l.base + uintptr(l.size()) }
@@ -322,7 +334,8 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 		}
 		blocks = append(blocks, bitsOff)
 		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path,
-			desc: &descs[i], state: shm.Slice[uint64](seg, bitsOff, words(s.pages)), mapped: make(bitmap, words(s.pages))}
+			desc: &descs[i], state: shm.Slice[uint64](seg, bitsOff, words(s.pages)), mapped: make(bitmap, words(s.pages)),
+			held: make(bitmap, words(s.pages))}
 		m.lists = append(m.lists, l)
 		f, err := os.OpenFile(s.path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		if errors.Is(err, os.ErrExist) {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/bits"
 	"runtime"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -59,8 +60,9 @@ type Event struct {
 }
 
 type subscriber struct {
-	fn   func(Event)
-	live atomic.Bool
+	fn    func(Event)
+	guard func(Event) error
+	live  atomic.Bool
 }
 
 // Subscribe registers fn for events and returns a function that cancels the
@@ -68,26 +70,30 @@ type subscriber struct {
 // still reach fn, no later one does).
 //
 // In the primary, Alloc delivers EventAlloc after it mapped the pages and
-// Free delivers EventFree before it unmaps anything, so a subscriber can
-// drop what refers to the range first (the MR cache invalidates its
-// registrations). In a secondary, MapPages, UnmapPages and Resync deliver
-// the same events for the pages whose mapping they change in this process.
+// Free delivers EventFree before it unmaps anything (after the guards, see
+// GuardFree), so a subscriber can drop what refers to the range first. In a
+// secondary, MapPages, UnmapPages and Resync deliver the same events for the
+// pages whose mapping they change in this process.
 //
 // Events are delivered synchronously, in subscription order, on the
 // goroutine that changes the memory, with the memory write lock held: fn
-// must not call Alloc, Free, MapPages, UnmapPages, Resync, RLock or Close.
-// It may call the queries and take other locks (lock order: the memory lock,
-// then the cache's locks).
+// must not call Alloc, Free, MapPages, UnmapPages, Resync, RLock,
+// ReleaseQuarantine or Close. It may call the queries and take other locks
+// (lock order: the memory lock, then the cache's locks).
 func (m *Memory) Subscribe(fn func(Event)) (cancel func()) {
-	s := &subscriber{fn: fn}
+	return m.subscribe(&m.subs, fn, nil)
+}
+
+func (m *Memory) subscribe(to *atomic.Pointer[[]*subscriber], fn func(Event), guard func(Event) error) (cancel func()) {
+	s := &subscriber{fn: fn, guard: guard}
 	s.live.Store(true)
 	m.subMu.Lock()
 	var subs []*subscriber
-	if p := m.subs.Load(); p != nil {
+	if p := to.Load(); p != nil {
 		subs = append(subs, *p...)
 	}
 	subs = append(subs, s)
-	m.subs.Store(&subs)
+	to.Store(&subs)
 	m.subMu.Unlock()
 	return func() {
 		if !s.live.Swap(false) {
@@ -96,13 +102,31 @@ func (m *Memory) Subscribe(fn func(Event)) (cancel func()) {
 		m.subMu.Lock()
 		defer m.subMu.Unlock()
 		var rest []*subscriber
-		for _, o := range *m.subs.Load() {
+		for _, o := range *to.Load() {
 			if o != s {
 				rest = append(rest, o)
 			}
 		}
-		m.subs.Store(&rest)
+		to.Store(&rest)
 	}
+}
+
+// guard asks the guards whether a free may go ahead. Called with m.mu held
+// for writing.
+func (m *Memory) guard(l *list, first, n int) error {
+	p := m.guards.Load()
+	if p == nil {
+		return nil
+	}
+	e := Event{Kind: EventFree, Addr: l.addr(first), Len: uint64(n) * l.pageSize}
+	for _, s := range *p {
+		if s.live.Load() {
+			if err := s.guard(e); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // deliver calls the subscribers. Called with m.mu held for writing.
@@ -143,6 +167,7 @@ func (m *Memory) Alloc(size uint64) (Region, error) {
 	if m.closed.Load() {
 		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrClosed)
 	}
+	m.releaseQuarantineLocked()
 	var best struct {
 		bytes    uint64
 		pages    int
@@ -155,7 +180,7 @@ func (m *Memory) Alloc(size uint64) (Region, error) {
 			pages++
 		}
 		n := int(min(pages, uint64(l.pages)+1))
-		first, longest := l.state.firstFit(n, l.pages)
+		first, longest := l.freeMask().firstFit(n, l.pages)
 		if first >= 0 {
 			return m.allocPages(l, first, n)
 		}
@@ -163,8 +188,28 @@ func (m *Memory) Alloc(size uint64) (Region, error) {
 			best.bytes, best.pages, best.list, best.pageSize = b, longest, l.index, l.pageSize
 		}
 	}
-	return Region{}, fmt.Errorf("hugetlb: alloc %s (%d bytes): %w: the largest free run is %s (%d pages of %s in list %d)",
-		FormatSize(size), size, ErrNoFreeRun, FormatSize(best.bytes), best.pages, FormatSize(best.pageSize), best.list)
+	held := ""
+	if q := m.qpages.Load(); q > 0 {
+		held = fmt.Sprintf("; %d freed pages wait in quarantine for processes that stopped following memory changes (%s)",
+			q, m.holderNames())
+	}
+	return Region{}, fmt.Errorf("hugetlb: alloc %s (%d bytes): %w: the largest free run is %s (%d pages of %s in list %d)%s",
+		FormatSize(size), size, ErrNoFreeRun, FormatSize(best.bytes), best.pages, FormatSize(best.pageSize), best.list, held)
+}
+
+// holderNames names the processes quarantined pages wait for.
+func (m *Memory) holderNames() string {
+	seen := map[int]bool{}
+	var out []string
+	for _, b := range m.quarantine {
+		for _, h := range b.holders {
+			if !seen[h.PID] {
+				seen[h.PID] = true
+				out = append(out, fmt.Sprintf("pid %d", h.PID))
+			}
+		}
+	}
+	return strings.Join(out, ", ")
 }
 
 // allocPages allocates pages [first, first+n) of l. Called with m.mu held.
@@ -219,12 +264,17 @@ func freeHugepages(l *list) uint64 {
 }
 
 // Free frees r, any page-aligned part of allocated memory inside one list.
-// It delivers EventFree first, while the range is still mapped, then turns
-// the range back into an inaccessible reservation (a later touch faults),
-// punches the pages out of the backing file (on hugetlbfs they go back to
-// the kernel's pool) and marks them free in the shared descriptor. If the
-// unmap itself fails, the pages stay allocated (the subscribers have already
-// let go of them, which does no harm). Primary only.
+// It first asks the guards (GuardFree): if one refuses, Free changes
+// nothing and returns an error matching ErrNotFreed. Otherwise it delivers
+// EventFree, while the range is still mapped, then turns the range back into
+// an inaccessible reservation (a later touch faults) and marks the pages
+// free in the shared descriptor. The pages themselves go back to the kernel
+// (punched out of the backing file; on hugetlbfs to the pool) and to the
+// allocator — unless a fenced process may still map them: then they wait in
+// quarantine (see GuardFree's neighbour, ReleaseQuarantine, and the
+// package's notes on quarantine). If the unmap itself fails, the pages stay
+// allocated (the subscribers have already let go of them, which does no
+// harm). Primary only.
 func (m *Memory) Free(r Region) error {
 	if !m.primary {
 		return fmt.Errorf("hugetlb: free: %w", ErrNotPrimary)
@@ -245,6 +295,9 @@ func (m *Memory) Free(r Region) error {
 		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x is free",
 			r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i))
 	}
+	if err := m.guard(l, first, n); err != nil {
+		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: %w", r.Addr, r.End(), ErrNotFreed, err)
+	}
 	m.deliver(EventFree, l, first, n)
 	m.beginChange()
 	defer m.endChange()
@@ -252,7 +305,12 @@ func (m *Memory) Free(r Region) error {
 		return fmt.Errorf("hugetlb: free: %w", err)
 	}
 	l.mapped.clearRange(first, n)
-	punchErr := falloc.PunchHole(l.fd(), int64(uint64(first)*l.pageSize), int64(r.Len))
+	var punchErr error
+	if holders := m.holdersLocked(); len(holders) > 0 {
+		m.quarantineLocked(l, first, n, holders)
+	} else {
+		punchErr = falloc.PunchHole(l.fd(), int64(uint64(first)*l.pageSize), int64(r.Len))
+	}
 	l.state.clearRange(first, n)
 	atomic.AddUint64(&l.desc.Allocated, -uint64(n))
 	m.debug("pages freed", l, first, n)

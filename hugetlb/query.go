@@ -117,6 +117,10 @@ type ListInfo struct {
 	// allocation the list can still serve.
 	LargestFree int
 
+	// Quarantined pages are free but wait until no fenced process may map
+	// them any more (primary only; see ReleaseQuarantine); they count as
+	// free above but are not in LargestFree.
+	Quarantined int
 	// The same in bytes.
 	CapacityBytes, AllocatedBytes, FreeBytes uint64
 }
@@ -129,11 +133,21 @@ func (m *Memory) Lists() []ListInfo {
 	out := make([]ListInfo, len(m.lists))
 	for i, l := range m.lists {
 		alloc := int(min(atomic.LoadUint64(&l.desc.Allocated), uint64(l.pages)))
-		_, longest := l.state.firstFit(l.pages+1, l.pages)
+		taken, held := l.state, 0
+		if l.held != nil {
+			if held = l.held.count(l.pages); held > 0 {
+				taken = l.state.snapshot()
+				for i := range taken {
+					taken[i] |= atomic.LoadUint64(&l.held[i])
+				}
+			}
+		}
+		_, longest := taken.firstFit(l.pages+1, l.pages)
 		mapped := l.mapped.count(l.pages)
 		out[i] = ListInfo{
 			Index: l.index, Base: l.base, End: l.end(), PageSize: l.pageSize, Backend: l.kind, File: l.path,
 			Capacity: l.pages, Allocated: alloc, Free: l.pages - alloc, Mapped: mapped, LargestFree: longest,
+			Quarantined:    held,
 			CapacityBytes:  l.size(),
 			AllocatedBytes: uint64(alloc) * l.pageSize,
 			FreeBytes:      uint64(l.pages-alloc) * l.pageSize,

@@ -1,0 +1,141 @@
+package hugetlb
+
+import (
+	"fmt"
+	"sync/atomic"
+
+	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// Quarantine.
+//
+// A page may go back to the allocator (and, on hugetlbfs, to the kernel)
+// only when no live process can still reach it. Secondaries unmap freed
+// pages before Free returns, because the primary has them follow every
+// change; but a secondary that is alive and does not answer (stopped by a
+// signal, a debugger, a slow tool) cannot be made to. The process that keeps
+// secondaries in step then fences it in the process table (shm.Segment.Fence)
+// instead of waiting for ever. From then on, until the fenced process is dead
+// or has declared that it maps no data memory (shm.Segment.MarkUnmapped),
+// every page the primary frees is quarantined: unmapped in the primary,
+// marked free in the shared descriptors (so no process maps it anew), but
+// neither punched out of its backing file nor handed to Alloc. The fenced
+// process might still map it; whatever it writes there stays there, and
+// nobody else ever sees it. Without this, the stalled process, once
+// resumed, would touch a page the primary had punched out, the kernel would
+// give the file a fresh page at that offset, and the primary's next Alloc
+// would map that same page: shared with the stale process, not zeroed.
+//
+// Every page freed while any fenced process lives is quarantined, not only
+// those it mapped when it was fenced: a process that stopped listening
+// cannot be trusted about what it maps. ReleaseQuarantine (also run by every
+// Alloc) returns the pages whose holders have all gone.
+
+// batch is a run of quarantined pages and the processes it waits for.
+type batch struct {
+	list    *list
+	first   int
+	n       int
+	holders []shm.Proc
+}
+
+// GuardFree registers fn to be consulted by Free before it changes
+// anything: an error refuses the free (Free then returns it, wrapped with
+// ErrNotFreed, with the memory still allocated and mapped). Guards run in
+// registration order, on Free's goroutine, with the memory write lock held,
+// under the same rules as subscribers (see Subscribe); they run before the
+// subscribers' EventFree. The returned function cancels the guard. Primary
+// only: a secondary never frees.
+func (m *Memory) GuardFree(fn func(Event) error) (cancel func()) {
+	return m.subscribe(&m.guards, func(Event) {}, fn)
+}
+
+// holdersLocked returns the processes pages freed now must wait for.
+func (m *Memory) holdersLocked() []shm.Proc { return m.seg.Holders() }
+
+// quarantineLocked keeps pages [first, first+n) of l away from the
+// allocator and the kernel until every holder has gone. Called with m.mu
+// held, after the pages were unmapped here.
+func (m *Memory) quarantineLocked(l *list, first, n int, holders []shm.Proc) {
+	l.held.setRange(first, n)
+	l.heldPages += n
+	m.quarantine = append(m.quarantine, batch{list: l, first: first, n: n, holders: holders})
+	m.qpages.Add(int64(n))
+	pids := make([]int, len(holders))
+	for i, h := range holders {
+		pids[i] = h.PID
+	}
+	m.log.Warn("freed pages quarantined: processes that stopped following memory changes may still map them",
+		"list", l.index, "first", first, "pages", n, "addr", fmt.Sprintf("0x%x", l.addr(first)), "pids", pids)
+}
+
+// Quarantined returns how many freed pages wait in quarantine.
+func (m *Memory) Quarantined() int { return int(m.qpages.Load()) }
+
+// ReleaseQuarantine returns to the allocator (punching them out of their
+// backing files) the quarantined pages whose holders are all dead or have
+// unmapped their data memory, and reports how many it released. Primary
+// only; the primary's runtime calls it periodically while pages wait.
+func (m *Memory) ReleaseQuarantine() int {
+	if m.qpages.Load() == 0 {
+		return 0
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.releaseQuarantineLocked()
+}
+
+// releaseQuarantineLocked is ReleaseQuarantine with m.mu held.
+func (m *Memory) releaseQuarantineLocked() int {
+	if len(m.quarantine) == 0 || m.closed.Load() {
+		return 0
+	}
+	released := 0
+	keep := m.quarantine[:0]
+	for _, b := range m.quarantine {
+		if m.stillHeld(b.holders) {
+			keep = append(keep, b)
+			continue
+		}
+		l := b.list
+		if err := falloc.PunchHole(l.fd(), int64(uint64(b.first)*l.pageSize), int64(uint64(b.n)*l.pageSize)); err != nil {
+			// The pages are no use to anyone; only their blocks linger.
+			m.log.Error("quarantined pages released, but their blocks were not returned", "list", l.index, "err", err)
+		}
+		l.held.clearRange(b.first, b.n)
+		l.heldPages -= b.n
+		released += b.n
+		m.log.Info("quarantined pages released", "list", l.index, "first", b.first, "pages", b.n)
+	}
+	clear(m.quarantine[len(keep):])
+	m.quarantine = keep
+	m.qpages.Add(-int64(released))
+	return released
+}
+
+// stillHeld reports whether any of holders is alive, still fenced and has
+// not unmapped its memory.
+func (m *Memory) stillHeld(holders []shm.Proc) bool {
+	for _, h := range holders {
+		p := m.seg.Proc(h.Slot)
+		if p.Epoch == h.Epoch && p.Live && !p.Unmapped && m.seg.AliveAs(h.Slot, h.Epoch) {
+			return true
+		}
+	}
+	return false
+}
+
+// freeMask returns what the allocator must treat as taken in l: the
+// allocated pages, and the quarantined ones if there are any. Called with
+// m.mu held.
+func (l *list) freeMask() bitmap {
+	if l.heldPages == 0 {
+		return l.state
+	}
+	b := l.state.snapshot()
+	for i := range b {
+		b[i] |= atomic.LoadUint64(&l.held[i])
+	}
+	return b
+}
