@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -242,11 +241,6 @@ func TestRWLockWriterNotStarvedByReaderFlood(t *testing.T) {
 	}
 }
 
-func stop(t *testing.T, p *testproc.Proc) { require.NoError(t, syscall.Kill(p.PID(), syscall.SIGSTOP)) }
-func resume(t *testing.T, p *testproc.Proc) {
-	require.NoError(t, syscall.Kill(p.PID(), syscall.SIGCONT))
-}
-
 // slotIn returns the process-table slot of a helper.
 func slotIn(t *testing.T, s *shm.Segment, p *testproc.Proc) int {
 	t.Helper()
@@ -269,8 +263,7 @@ func TestRWLockStalledReaderIsFenced(t *testing.T) {
 		r := testproc.Start(t, "rlock-stall", []string{o.Path})
 		r.Expect("held", 0)
 		slot := slotIn(t, owner, r)
-		stop(t, r)
-		t.Cleanup(func() { _ = syscall.Kill(r.PID(), syscall.SIGCONT) })
+		r.Stop()
 
 		require.NoError(t, f.lock.Lock(ctxBound(t)), "the writer does not wait for a stopped reader for ever")
 		assert.Empty(t, f.lock.State().Readers, "the stopped reader's hold was discarded")
@@ -279,7 +272,7 @@ func TestRWLockStalledReaderIsFenced(t *testing.T) {
 		atomic.AddUint64(f.b, 1)
 		f.lock.Unlock()
 
-		resume(t, r)
+		r.Continue()
 		r.Send("release")
 		assert.Equal(t, "released "+shm.ErrFenced.Error(), r.Expect("released", 0),
 			"the fenced reader learns its read section did not count")

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/mpmr/mpmr/internal/testproc"
 )
 
 // Lines a helper prints: a prefix word, a space and a JSON value.
@@ -261,8 +263,14 @@ func (p *Proc) KillWithin(rng *rand.Rand, max time.Duration) time.Time {
 	return p.Kill()
 }
 
-// Stop sends SIGSTOP: the process freezes, holding whatever it holds.
-func (p *Proc) Stop() error { return p.cmd.Process.Signal(syscall.SIGSTOP) }
+// Stop sends SIGSTOP and returns once every thread of the process is
+// stopped: the process freezes, holding whatever it holds.
+func (p *Proc) Stop() error {
+	if err := p.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		return err
+	}
+	return testproc.WaitStopped(p.cmd.Process.Pid, DefaultTimeout)
+}
 
 // Cont sends SIGCONT.
 func (p *Proc) Cont() error { return p.cmd.Process.Signal(syscall.SIGCONT) }

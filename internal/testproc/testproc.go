@@ -180,6 +180,68 @@ func (p *Proc) CloseInput() {
 	}
 }
 
+// Stop stops the helper with SIGSTOP and returns once every one of its
+// threads is stopped (kill returns before they are), so that what the test
+// does next meets a process that cannot answer. Cleanup resumes it, so that
+// the kill at the end of the test can reap it.
+func (p *Proc) Stop() {
+	p.tb.Helper()
+	StopPID(p.tb, p.PID())
+}
+
+// Continue resumes a stopped helper.
+func (p *Proc) Continue() {
+	p.tb.Helper()
+	if err := syscall.Kill(p.PID(), syscall.SIGCONT); err != nil {
+		p.tb.Fatalf("resume helper %s: %v", p.name, err)
+	}
+}
+
+// StopPID stops process pid (one the test started) as Proc.Stop does.
+func StopPID(tb testing.TB, pid int) {
+	tb.Helper()
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		tb.Fatalf("stop pid %d: %v", pid, err)
+	}
+	tb.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGCONT) })
+	if err := WaitStopped(pid, DefaultTimeout); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// WaitStopped waits until every thread of pid is stopped (after a SIGSTOP),
+// up to timeout.
+func WaitStopped(pid int, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for !allStopped(pid) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("pid %d did not stop within %v", pid, timeout)
+		}
+		time.Sleep(100 * time.Microsecond) // polling the kernel's answer, not waiting for a guess
+	}
+	return nil
+}
+
+// allStopped reports whether every thread of pid is in the stopped state.
+func allStopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, t := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, t.Name()))
+		if err != nil {
+			return false
+		}
+		// The state follows the command name's closing parenthesis.
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
+}
+
 // Kill sends SIGKILL (if the helper still runs).
 func (p *Proc) Kill() {
 	_ = p.cmd.Process.Signal(syscall.SIGKILL)
