@@ -196,4 +196,3 @@ func TestDeadWriterTakeoverMovesGeneration(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1), q.Stats().Flushes, "the local cache flushed")
 }
-

@@ -2,7 +2,6 @@ package cache
 
 import (
 	"fmt"
-	"math/bits"
 	"sync/atomic"
 
 	"github.com/mpmr/mpmr/shm"
@@ -83,15 +82,6 @@ func (m mr) setBit(i uint32) {
 func (m mr) clearBit(i uint32) {
 	w := &m.bmp[i/64]
 	atomic.StoreUint64(w, atomic.LoadUint64(w)&^(1<<(i%64)))
-}
-
-// countBits recounts the set bits (for checks).
-func (m mr) countBits() uint32 {
-	var n int
-	for i := range m.bmp {
-		n += bits.OnesCount64(atomic.LoadUint64(&m.bmp[i]))
-	}
-	return uint32(n)
 }
 
 // verbsMR rebuilds the verbs MR value the record was registered as.

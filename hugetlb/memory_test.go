@@ -1,6 +1,7 @@
 package hugetlb_test
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -587,4 +588,33 @@ func TestConcurrentUseInThePrimary(t *testing.T) {
 	for _, l := range in.mem.Lists() {
 		assert.Zero(t, l.Allocated)
 	}
+}
+
+func TestGuardRefusesFreeAndNothingChanges(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
+	r, err := in.mem.Alloc(2 * b.PageSize)
+	require.NoError(t, err)
+	r.Bytes()[0] = 42
+	var events []string
+	defer in.mem.Subscribe(func(e hugetlb.Event) { events = append(events, e.Kind.String()) })()
+	refuse := errors.New("not now")
+	var asked int
+	cancel := in.mem.GuardFree(func(e hugetlb.Event) error {
+		asked++
+		assert.Equal(t, hugetlb.Event{Kind: hugetlb.EventFree, Addr: r.Addr, Len: r.Len}, e)
+		return refuse
+	})
+	err = in.mem.Free(r)
+	require.ErrorIs(t, err, hugetlb.ErrNotFreed)
+	require.ErrorIs(t, err, refuse)
+	assert.Equal(t, 1, asked)
+	assert.Empty(t, events, "subscribers hear of no free")
+	assert.Equal(t, byte(42), r.Bytes()[0], "still mapped, contents kept")
+	assert.Equal(t, 2, in.mem.Lists()[0].Allocated, "still allocated")
+
+	cancel()
+	require.NoError(t, in.mem.Free(r))
+	assert.Equal(t, []string{"free"}, events)
+	assert.Equal(t, 0, in.mem.Lists()[0].Allocated)
 }

@@ -70,6 +70,15 @@ func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 //	devfile              -> reads a line from the device file the primary
 //	                        handed over: "devfile NAME pd=N soft=B read=LINE"
 //	stats                -> "stats lookups=.. created=.. requests=.."
+//	shared               -> enters the global read lock and stays: "in"
+//	leave                -> leaves it: "left ERR" (nil, or why the read
+//	                        section did not count)
+//	poke ADDR B          -> writes byte B at ADDR, surviving a fault:
+//	                        "wrote" or "fault"
+//	peek ADDR            -> reads the byte at ADDR, surviving a fault:
+//	                        "byte B" or "fault"
+//	wait-dropped         -> waits (bounded) until the primary is gone or
+//	                        has dropped this process: "dropped=BOOL"
 //	close                -> "closed"
 func helperSecondary(args []string) int {
 	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
@@ -80,6 +89,8 @@ func helperSecondary(args []string) int {
 	}
 	q := s.NewQueue()
 	testproc.Say("ready slot=%d", s.Slot())
+	var leave chan struct{}
+	var left chan error
 	in := testproc.Commands()
 	for in.Scan() {
 		f := strings.Fields(in.Text())
@@ -130,6 +141,35 @@ func helperSecondary(args []string) int {
 		case "stats":
 			c := s.Stats().Counters
 			testproc.Say("> stats lookups=%d created=%d requests=%d flushes=%d", c.Lookups, c.Created, c.Requests, c.Flushes)
+		case "shared":
+			leave, left = make(chan struct{}), make(chan error, 1)
+			go func() {
+				left <- s.Global().Shared(func() {
+					testproc.Say("> in")
+					<-leave
+				})
+			}()
+		case "leave":
+			close(leave)
+			testproc.Say("> left %v", <-left)
+		case "poke":
+			if poke(uintptr(num(1)), byte(num(2))) {
+				testproc.Say("> wrote")
+			} else {
+				testproc.Say("> fault")
+			}
+		case "peek":
+			if b, ok := peek(uintptr(num(1))); ok {
+				testproc.Say("> byte %d", b)
+			} else {
+				testproc.Say("> fault")
+			}
+		case "wait-dropped":
+			select {
+			case <-s.PrimaryGone():
+			case <-time.After(testproc.DefaultTimeout):
+			}
+			testproc.Say("> dropped=%t", s.Dropped())
 		case "close":
 			if err := s.Close(); err != nil {
 				testproc.Say("> err %v", err)
@@ -181,5 +221,3 @@ func parseKey(t testing.TB, answer string) uint32 {
 	require.NoError(t, err, "answer %q", answer)
 	return k
 }
-
-var _ = time.Second

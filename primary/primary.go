@@ -60,6 +60,7 @@ type Primary struct {
 	reqErrors atomic.Uint64
 	syncs     atomic.Uint64
 	drops     atomic.Uint64
+	fenced    atomic.Uint64
 
 	closeMu sync.Mutex
 	closed  atomic.Bool
@@ -67,8 +68,9 @@ type Primary struct {
 
 // secondary is what the primary knows of an attached secondary.
 type secondary struct {
-	peer *ipc.Peer
-	slot int
+	peer  *ipc.Peer
+	slot  int
+	epoch uint32 // of its claim of the slot
 }
 
 // Start starts the primary of cfg.Prefix: it takes the instance's primary
@@ -145,8 +147,8 @@ func (p *Primary) start() error {
 	if p.ctrs, err = instance.CreateCounters(p.seg); err != nil {
 		return err
 	}
-	// The cache subscribed first, so it invalidates before secondaries are
-	// told to unmap.
+	// The cache guards frees, so it invalidates (or refuses the free)
+	// before secondaries are told to unmap.
 	p.unsub = p.mem.Subscribe(p.syncSecondaries)
 	if err := p.seg.MarkReady(); err != nil {
 		return err
@@ -171,8 +173,9 @@ func (p *Primary) start() error {
 			p.log.Error("serving secondaries stopped", "err", err)
 		}
 	}()
-	p.serveWG.Add(1)
+	p.serveWG.Add(2)
 	go p.publishLoop(ctx)
+	go p.reapLoop(ctx)
 	start, _ := shm.ProcessStart(os.Getpid())
 	if err := instance.WriteInfo(p.dir, instance.Info{
 		Prefix: c.Prefix, PID: os.Getpid(), Start: start, Backend: p.backend.Kind.String(),
@@ -292,14 +295,29 @@ func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 }
 
 // Free frees a region of data memory, any page-aligned part of what Alloc
-// returned. Before it returns, every MR covering the region has been
-// trimmed or queued for deregistration, every queue in every process will
-// flush before its next lookup, and every secondary has unmapped the pages.
+// returned. Either it completes everything, or it changes nothing and says
+// so. When it returns nil, every MR covering the region has been trimmed or
+// queued for deregistration, every queue in every process will flush before
+// its next lookup, no lookup that starts now returns a key for the region,
+// and every secondary has unmapped the pages — or, if one did not answer
+// within Config.SyncTimeout, it was dropped and fenced, and the pages wait
+// in quarantine (mapped nowhere here, never handed to Alloc, not returned
+// to the kernel) until it is gone. If the registrations cannot be
+// invalidated (the global lock cannot be had within its timeout), Free
+// returns an error matching hugetlb.ErrNotFreed and the region stays
+// allocated, mapped and registered.
 func (p *Primary) Free(r hugetlb.Region) error {
 	if p.closed.Load() {
 		return ErrClosed
 	}
-	return p.mem.Free(r)
+	if err := p.mem.Free(r); err != nil {
+		return err
+	}
+	// MRs the free emptied are deregistered now, outside the memory lock,
+	// rather than at the next creation: the device stops accepting their
+	// keys before Free returns.
+	p.global.GC()
+	return nil
 }
 
 // Queue is a per-queue MR cache of the primary: use it from one goroutine
@@ -363,6 +381,11 @@ func (p *Primary) teardown() error {
 		if err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if p.seg != nil && p.server != nil {
+		// First, so that a secondary that sees its connection end knows
+		// the instance is ending (and not that it was dropped).
+		p.seg.MarkDead()
 	}
 	if p.server != nil {
 		add(p.server.Close())

@@ -2,7 +2,6 @@ package primary
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"sync"
@@ -26,21 +25,38 @@ func (h *handler) Connected(peer *ipc.Peer) {
 }
 
 // Disconnected drops the peer from the sync set and tidies the process
-// table: a secondary that died leaves its slot live but unlocked.
+// table: a secondary that died leaves its slot live but unlocked. A
+// secondary whose connection ended while it lives, and that has not
+// declared its data memory unmapped, no longer hears of memory changes: it
+// is fenced, and what the primary frees from now on waits in quarantine
+// until it is gone (see hugetlb).
 func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	h.syncMu.Lock()
 	s, ok := h.peers[peer]
 	delete(h.peers, peer)
 	h.syncMu.Unlock()
-	if !ok {
-		return
-	}
-	h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
 	if h.closed.Load() {
 		return
 	}
+	if ok {
+		h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
+		h.p().fenceIfAlive(s, "its connection ended")
+	}
 	if reaped := h.seg.Reap(); len(reaped) > 0 {
 		h.log.Info("reclaimed slots of dead processes", "slots", reaped)
+	}
+}
+
+// fenceIfAlive fences s if its claim of its slot is still alive and it may
+// still map data memory: it no longer follows memory changes.
+func (p *Primary) fenceIfAlive(s *secondary, why string) {
+	if pr := p.seg.Proc(s.slot); pr.Epoch == s.epoch && pr.Unmapped {
+		return
+	}
+	if p.seg.Fence(s.slot, s.epoch) {
+		p.fenced.Add(1)
+		p.log.Warn("fenced a secondary that no longer follows memory changes; memory freed from now on "+
+			"waits in quarantine until it ends or unmaps its memory", "pid", s.peer.PID(), "slot", s.slot, "why", why)
 	}
 }
 
@@ -99,8 +115,14 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 			return nil, err
 		}
 		h.syncMu.Lock()
+		s := h.peers[peer]
 		delete(h.peers, peer)
 		h.syncMu.Unlock()
+		if s != nil {
+			// A secondary unmaps its data memory before it detaches; one
+			// that did not is fenced like one that stopped answering.
+			p.fenceIfAlive(s, "it detached without unmapping its memory")
+		}
 		return &ipc.DetachReply{}, nil
 	}
 	return nil, fmt.Errorf("primary: request kind %v not served", kind)
@@ -126,9 +148,10 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 		return nil, fmt.Errorf("primary: hello claims pid %d, connection is from pid %d", m.PID, peer.PID())
 	}
 	slot := -1
+	var epoch uint32
 	for _, proc := range p.seg.Procs() {
-		if proc.PID == m.PID && proc.Alive && proc.Start == m.Start && proc.Role == shm.RoleSecondary {
-			slot = proc.Slot
+		if proc.PID == m.PID && proc.Alive && proc.Start == m.Start && proc.Role == shm.RoleSecondary && !proc.Fenced {
+			slot, epoch = proc.Slot, proc.Epoch
 		}
 	}
 	if slot < 0 {
@@ -152,7 +175,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	}
 	p.mem.RLock()
 	h.syncMu.Lock()
-	h.peers[peer] = &secondary{peer: peer, slot: slot}
+	h.peers[peer] = &secondary{peer: peer, slot: slot, epoch: epoch}
 	h.syncMu.Unlock()
 	p.mem.RUnlock()
 	h.log.Info("secondary attached", "pid", m.PID, "slot", slot)
@@ -200,10 +223,14 @@ func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
 }
 
 // syncSecondaries is subscribed to the data memory's events, after the
-// cache. It runs with the memory write lock held: it has every secondary
-// map (after an allocation) or unmap (before a free completes) the pages,
-// and waits for them all. A secondary that does not answer within
-// SyncTimeout is dropped: its connection is closed.
+// cache's guard. It runs with the memory write lock held: it has every
+// secondary map (after an allocation) or unmap (before a free completes)
+// the pages, and waits for them all. A secondary that does not answer
+// within SyncTimeout — or whose connection fails while it is still alive —
+// is dropped: its connection is closed and its slot fenced, so that the
+// pages freed from now on wait in quarantine until it is gone (the memory
+// layer does that once the event returns), and the secondary, when it
+// resumes, finds out and stops.
 func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 	op := ipc.SyncMap
 	if ev.Kind == hugetlb.EventFree {
@@ -234,19 +261,43 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 				p.syncs.Add(1)
 				return
 			}
-			if errors.Is(err, ipc.ErrPeerGone) {
-				return // it died: its mappings went with it
-			}
-			p.drops.Add(1)
-			p.log.Warn("dropping secondary that did not follow a memory change",
-				"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
 			p.syncMu.Lock()
 			delete(p.peers, s.peer)
 			p.syncMu.Unlock()
+			if p.seg.AliveAs(s.slot, s.epoch) {
+				p.drops.Add(1)
+				p.log.Warn("dropping secondary that did not follow a memory change",
+					"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
+				// Fenced before its connection closes, so that it finds
+				// the fence when it sees the end.
+				p.fenceIfAlive(s, fmt.Sprintf("it did not acknowledge a %s sync: %v", op, err))
+			} // else it died: its mappings went with it
 			s.peer.Close()
 		}()
 	}
 	wg.Wait()
+}
+
+// reapEvery is how often the primary looks whether quarantined pages can
+// go back to the allocator.
+const reapEvery = 20 * time.Millisecond
+
+// reapLoop returns quarantined pages once the fenced processes they wait
+// for are gone.
+func (p *Primary) reapLoop(ctx context.Context) {
+	defer p.serveWG.Done()
+	t := time.NewTicker(reapEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if p.mem.Quarantined() > 0 {
+				p.mem.ReleaseQuarantine()
+			}
+		}
+	}
 }
 
 // stats answers a Stats request.

@@ -27,6 +27,12 @@ var (
 	ErrPrimaryGone = instance.ErrPrimaryGone
 	// ErrNoPrimary means no primary serves the prefix.
 	ErrNoPrimary = instance.ErrNoPrimary
+	// ErrDropped means the primary dropped this secondary because it did
+	// not follow a memory change in time (it was stopped, or too slow), or
+	// its connection ended while the primary lives. The secondary has
+	// unmapped its data memory and fails every request; Queue.Lookup fails
+	// too. Close it and attach again to carry on.
+	ErrDropped = instance.ErrDropped
 	// ErrClosed means the secondary was closed.
 	ErrClosed = errors.New("secondary: closed")
 )
@@ -72,10 +78,12 @@ type Secondary struct {
 	bg     sync.WaitGroup
 	stop   context.CancelFunc
 
-	primarySlot int
-	device      string   // the primary's device name
-	devFile     *os.File // a hardware device's command file, from the primary
-	pdHandle    uint32
+	primarySlot  int
+	primaryEpoch uint32
+	dropped      atomic.Bool
+	device       string   // the primary's device name
+	devFile      *os.File // a hardware device's command file, from the primary
+	pdHandle     uint32
 
 	rtt      instance.Histogram
 	requests atomic.Uint64
@@ -161,7 +169,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 	}
 	for _, p := range s.seg.Procs() {
 		if p.Role == shm.RolePrimary && p.PID == hello.PrimaryPID {
-			s.primarySlot = p.Slot
+			s.primarySlot, s.primaryEpoch = p.Slot, p.Epoch
 		}
 	}
 	// Memory is mapped after the hello: from the hello on, the primary
@@ -195,7 +203,8 @@ const watchEvery = 10 * time.Millisecond
 
 // watch notices the primary's end: at once from the socket's end of file,
 // or from the process table if the socket somehow stays open. It also
-// publishes this process's counters now and then.
+// notices that the primary dropped this secondary, and publishes this
+// process's counters now and then.
 func (s *Secondary) watch(ctx context.Context) {
 	defer s.bg.Done()
 	t := time.NewTicker(watchEvery)
@@ -206,10 +215,14 @@ func (s *Secondary) watch(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-s.client.Done():
-			s.primaryGone("connection ended")
+			s.connectionEnded(ctx)
 			return
 		case <-t.C:
-			if s.primarySlot >= 0 && !s.seg.Alive(s.primarySlot) {
+			if s.seg.Fenced() {
+				s.drop("the primary fenced this process")
+				return
+			}
+			if !s.primaryAlive() {
 				s.primaryGone("primary's slot is dead")
 				return
 			}
@@ -220,6 +233,65 @@ func (s *Secondary) watch(ctx context.Context) {
 	}
 }
 
+// primaryAlive reports whether the primary this secondary attached to is
+// alive and its instance not ending.
+func (s *Secondary) primaryAlive() bool {
+	return s.seg.Ready() && (s.primarySlot < 0 || s.seg.AliveAs(s.primarySlot, s.primaryEpoch))
+}
+
+// endGrace bounds how long a secondary whose connection ended looks for
+// the reason in the segment: the kernel releases a dead primary's slot lock
+// a moment after its socket's end of file.
+const endGrace = time.Second
+
+// connectionEnded tells a dead or ending primary from one that dropped
+// this secondary. While the primary lives, a secondary without a
+// connection no longer hears of memory changes: it must stop using the
+// data memory, whatever the reason.
+func (s *Secondary) connectionEnded(ctx context.Context) {
+	deadline := time.Now().Add(endGrace)
+	for {
+		switch {
+		case s.seg.Fenced():
+			s.drop("the primary fenced this process")
+			return
+		case !s.primaryAlive():
+			s.primaryGone("connection ended")
+			return
+		case time.Now().After(deadline):
+			s.drop("the connection ended while the primary lives")
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+// drop stops this secondary after the primary dropped it: requests fail
+// with ErrDropped, the data memory is unmapped (a touch faults instead of
+// reaching pages the primary may have freed), and the process table says
+// so, which lets the primary release what it kept in quarantine for it.
+func (s *Secondary) drop(why string) {
+	s.goneMu.Do(func() {
+		s.dropped.Store(true)
+		s.log.Error("dropped by the primary: stopping; the data memory is unmapped and requests fail", "why", why)
+		close(s.gone)
+		s.client.Close()
+		if err := s.mem.Close(); err != nil {
+			s.log.Error("unmapping the data memory", "err", err)
+			return
+		}
+		s.seg.MarkUnmapped()
+	})
+}
+
+// Dropped reports whether the primary dropped this secondary (see
+// ErrDropped).
+func (s *Secondary) Dropped() bool { return s.dropped.Load() }
+
 func (s *Secondary) primaryGone(why string) {
 	s.goneMu.Do(func() {
 		s.log.Warn("primary gone", "why", why)
@@ -228,7 +300,8 @@ func (s *Secondary) primaryGone(why string) {
 	})
 }
 
-// PrimaryGone returns a channel closed once the primary is gone.
+// PrimaryGone returns a channel closed once the primary is gone, or has
+// dropped this secondary (see Dropped).
 func (s *Secondary) PrimaryGone() <-chan struct{} { return s.gone }
 
 func (s *Secondary) isGone() bool {
@@ -243,6 +316,9 @@ func (s *Secondary) isGone() bool {
 // requestError maps a failed request to ErrPrimaryGone when the connection
 // ended.
 func (s *Secondary) requestError(what string, err error) error {
+	if s.dropped.Load() || s.seg != nil && s.seg.Fenced() {
+		return fmt.Errorf("%w: %s: %v", ErrDropped, what, err)
+	}
 	if errors.Is(err, ipc.ErrPeerGone) || errors.Is(err, ipc.ErrClosed) || s.isGone() {
 		return fmt.Errorf("%w: %s: %v", ErrPrimaryGone, what, err)
 	}
@@ -256,6 +332,9 @@ func (s *Secondary) call(what string, kind ipc.Kind, req, reply any) error {
 		return ErrClosed
 	}
 	if s.isGone() {
+		if s.dropped.Load() || s.seg.Fenced() {
+			return fmt.Errorf("%w: %s", ErrDropped, what)
+		}
 		return fmt.Errorf("%w: %s", ErrPrimaryGone, what)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
@@ -313,8 +392,14 @@ func (s *Secondary) NewQueue() *Queue {
 }
 
 // Lookup returns the key for addr like cache.Local.Lookup, reporting a
-// global cache whose writer died as ErrPrimaryGone.
+// global cache whose writer died as ErrPrimaryGone. Once the primary
+// dropped this secondary it fails with ErrDropped (Hit, the top-half probe,
+// keeps answering for memory that is still registered; the process no
+// longer maps it).
 func (q *Queue) Lookup(addr uintptr) (uint32, error) {
+	if q.s.dropped.Load() {
+		return cache.InvalidKey, ErrDropped
+	}
 	k, err := q.Local.Lookup(addr)
 	return k, lockError(err)
 }
@@ -387,20 +472,31 @@ func (s *Secondary) Segment() *shm.Segment { return s.seg }
 // Slot returns this process's process-table slot.
 func (s *Secondary) Slot() int { return s.seg.Slot() }
 
-// Close tells the primary this secondary leaves, unmaps everything and
-// releases its slot. Idempotent.
+// Close unmaps the data memory, tells the primary this secondary leaves,
+// and releases everything else, its slot last. Idempotent.
 func (s *Secondary) Close() error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
 	if s.closed.Swap(true) {
 		return nil
 	}
+	var errs []error
 	if s.client != nil && !s.isGone() {
+		// Unmapped first: from the moment the primary stops sending this
+		// process memory changes, it must map nothing.
+		if s.stop != nil {
+			s.stop()
+			s.bg.Wait()
+		}
+		if s.mem != nil {
+			errs = append(errs, s.mem.Close())
+			s.seg.MarkUnmapped()
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
 		_ = s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
 		cancel()
 	}
-	return s.teardown()
+	return errors.Join(append(errs, s.teardown())...)
 }
 
 func (s *Secondary) teardown() error {

@@ -105,6 +105,11 @@ var (
 	// ErrPrimaryGone means the primary has ended: requests to it fail at
 	// once. Keys already cached keep resolving.
 	ErrPrimaryGone = errors.New("mpmr: the primary has gone")
+	// ErrDropped means the primary dropped this secondary: it stopped
+	// following memory changes (it was stopped or too slow to answer, or
+	// its connection ended while the primary lives). Its data memory is
+	// unmapped and requests fail; attach again to carry on.
+	ErrDropped = errors.New("mpmr: the primary dropped this secondary (it did not follow a memory change)")
 	// ErrPrimaryRunning means another live primary serves the prefix.
 	ErrPrimaryRunning = errors.New("mpmr: a primary is already running for this prefix")
 	// ErrNoPrimary means no primary serves the prefix.
