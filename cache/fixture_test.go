@@ -49,6 +49,8 @@ type fixtureConfig struct {
 	maxMRs    int
 	// lockTimeout bounds the global lock's waits (default 5 s).
 	lockTimeout time.Duration
+	// pageSize of the memseg list (default: the backend's).
+	pageSize uint64
 }
 
 func newPrimary(t testing.TB, c fixtureConfig) *primary {
@@ -67,7 +69,7 @@ func newPrimary(t testing.TB, c fixtureConfig) *primary {
 	p := &primary{seg: seg, opts: o, name: name}
 	t.Cleanup(func() { p.close(t) })
 	p.mem, err = hugetlb.Create(seg, hugetlb.Config{Prefix: name, Backend: c.backend,
-		Lists: []hugetlb.ListConfig{{Pages: c.pages}}, Logger: quiet})
+		Lists: []hugetlb.ListConfig{{Pages: c.pages, PageSize: c.pageSize}}, Logger: quiet})
 	require.NoError(t, err)
 	p.dev, err = verbs.CreateSoft(seg, verbs.SoftOptions{MaxMRs: c.maxMRs, Logger: quiet})
 	require.NoError(t, err)
