@@ -14,7 +14,7 @@
 // A Memory is a set of memseg lists, as in DPDK. Each list is a range of
 // virtual addresses, reserved with no access in every process of an
 // instance at the same address (MR table entries are virtual addresses),
-// and one backing file (mpmr.<prefix>.msl<N>) in the backend's directory.
+// and one backing file in the backend's directory.
 // Page i of a list lives at base + i*pagesize and at offset i*pagesize of
 // the file.
 //
@@ -27,8 +27,27 @@
 // hugetlbfs the hugepages return to the kernel's pool.
 //
 // Subscribers hear of allocations after the pages are mapped and of frees
-// before anything is unmapped; the MR cache uses the free events to
-// invalidate its registrations first, as the DPDK drivers do.
+// before anything is unmapped. Before them, guards (GuardFree) may refuse a
+// free: the MR cache invalidates its registrations there, as the DPDK
+// drivers do on the free event, and refuses the free if it cannot — then
+// Free returns ErrNotFreed and nothing changed. A free either completes or
+// changes nothing.
+//
+// # Quarantine
+//
+// A freed page goes back to the allocator and the kernel only once no live
+// process can reach it. While a process the primary fenced (see shm: a
+// secondary that stopped following memory changes) lives and may still map
+// data memory, freed pages are unmapped in the primary and marked free in
+// the descriptors, but neither punched nor reallocated: they wait in
+// quarantine until every such process has died or unmapped its memory
+// (ReleaseQuarantine, also run by Alloc). Punching them would let the
+// stalled process, once resumed, fault a fresh page into the file that the
+// next Alloc would then share with it. Every page freed during the fence is
+// held, not only those the process mapped, since a process that stopped
+// listening cannot be trusted about what it maps; the cost is memory held
+// for as long as the stall lasts, which Lists (Quarantined) and Alloc's
+// errors report.
 //
 // A secondary (Attach) reads the descriptors, reserves each list at the
 // same address with MAP_FIXED_NOREPLACE (failing with ErrAddressInUse if

@@ -28,8 +28,32 @@
 // dead slot look alive.
 //
 // RWLock is a robust, writer-preferring reader-writer lock for the segment,
-// built on shared futexes, that survives the death of any holder; see its
-// documentation.
+// built on shared futexes, that survives the death of any holder and the
+// stall of any reader; see its documentation.
+//
+// # Stalled processes
+//
+// A process can be alive and still never answer: stopped by a signal, held
+// in a debugger, descheduled for long. Waiting for it is not an option (it
+// would stop everyone), and neither is treating it as dead (it may resume
+// and act on what it held). The segment's answer is fencing, in two forms:
+//
+//   - A writer waits for a live reader at most FenceAfter, then discards its
+//     read holds and goes ahead. Read holds are therefore leases, not
+//     locks: RUnlock tells a fenced reader (ErrFenced) that what it read may
+//     be torn, and read sections are written like optimistic reads — atomic
+//     loads, bounds-checked offsets, nothing acted on before RUnlock
+//     succeeds. No reader can hold up a writer for longer than that, and
+//     none can act on a state a writer changed under it.
+//   - The primary can fence a process's claim of its slot (Fence), for a
+//     secondary that stopped following memory changes. The process learns
+//     it from Fenced when it resumes, and says when it has let go of the
+//     data memory (MarkUnmapped); the data-memory layer keeps what the
+//     primary frees meanwhile in quarantine (see hugetlb).
+//
+// Owners are named for good: every claim of a slot bumps its epoch, lock
+// owner words carry it, and AliveAs checks it, so a later claimant of a slot
+// never makes a dead one look alive.
 //
 // Tools that must not disturb an instance, live or dead, open its segment
 // with OpenReadOnly: a read-only mapping that claims no slot. They look at
