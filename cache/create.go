@@ -22,7 +22,7 @@ func (g *Global) writeLock() (context.CancelFunc, error) {
 		g.log.Warn("global cache lock owner died; rebuilding the table from the MR list")
 		// The dead writer may have changed the list: every local cache
 		// must flush what it took from the table before.
-		atomic.AddUint32(g.devGen, 1)
+		g.bumpGen(everything.start, everything.end)
 		if err = g.rebuild(); err == nil {
 			g.lock.MarkConsistent()
 		} else {

@@ -51,6 +51,9 @@ type fixtureConfig struct {
 	lockTimeout time.Duration
 	// pageSize of the memseg list (default: the backend's).
 	pageSize uint64
+	// logSize and fullFlush configure the invalidation log.
+	logSize   int
+	fullFlush bool
 }
 
 func newPrimary(t testing.TB, c fixtureConfig) *primary {
@@ -76,7 +79,7 @@ func newPrimary(t testing.TB, c fixtureConfig) *primary {
 	pd, err := p.dev.AllocPD()
 	require.NoError(t, err)
 	p.g, err = CreateGlobal(seg, GlobalConfig{Memory: p.mem, PD: pd, TableSize: c.tableSize,
-		SinglePage: c.single, LockTimeout: c.lockTimeout, Logger: quiet})
+		SinglePage: c.single, LockTimeout: c.lockTimeout, LogSize: c.logSize, FullFlush: c.fullFlush, Logger: quiet})
 	require.NoError(t, err)
 	require.NoError(t, seg.MarkReady())
 	return p

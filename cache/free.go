@@ -61,7 +61,9 @@ func (g *Global) invalidate(addr, length uint64) error {
 	if len(hits) == 0 {
 		return nil
 	}
-	atomic.AddUint32(g.devGen, 1) // before the rebuild, so no local cache can miss the flush
+	// Logged and bumped before the rebuild, so no local cache can miss the
+	// flush.
+	g.bumpGen(addr, addr+length)
 	atomic.AddUint64(&g.root.Invalidations, 1)
 	var errs []error
 	for _, h := range hits {
@@ -75,6 +77,7 @@ func (g *Global) invalidate(addr, length uint64) error {
 	}
 	errs = append(errs, g.rebuild())
 	if err := errors.Join(errs...); err != nil {
+		g.bumpGen(everything.start, everything.end) // the list cannot be trusted: every cache flushes
 		if t, terr := g.table(); terr == nil {
 			t.Clear()
 			atomic.StoreUint32(&t.hdr.Overflow, 1) // lookups go to the list, which no longer has the pages
@@ -181,7 +184,7 @@ func (g *Global) Close() error {
 			break
 		}
 	}
-	atomic.AddUint32(g.devGen, 1)
+	g.bumpGen(everything.start, everything.end)
 	if t, err := g.table(); err == nil {
 		t.Clear()
 	}
@@ -306,7 +309,8 @@ func (g *Global) UnregisterExternal(addr uint64) error {
 		err = g.moveToFree(m)
 	}
 	if err == nil {
-		atomic.AddUint32(g.devGen, 1)
+		s := atomic.LoadUint64(&m.rec.Start)
+		g.bumpGen(s, s+atomic.LoadUint64(&m.rec.Len))
 		atomic.AddUint64(&g.root.Invalidations, 1)
 		err = g.rebuild()
 	}

@@ -48,7 +48,9 @@ var (
 //	 56   8  Invalidations  free events that changed registered memory
 //	 64  64  Table          header of the global lookup table
 //	128   4  DevGen         generation: bumped before every rebuild
-//	132  60  reserved       (DevGen has the line to itself)
+//	132   4  LogLen         entries in the invalidation log
+//	136   8  LogOff         offset of the invalidation log (see invlog.go)
+//	144  48  reserved       (DevGen's line is written only with DevGen)
 type globalRoot struct {
 	Lock          uint64
 	MRList        uint64
@@ -61,7 +63,9 @@ type globalRoot struct {
 	Invalidations uint64
 	Table         tableHeader
 	DevGen        uint32
-	_             [60]byte
+	LogLen        uint32
+	LogOff        uint64
+	_             [48]byte
 }
 
 // GlobalConfig configures the primary's global cache.
@@ -83,6 +87,14 @@ type GlobalConfig struct {
 	Access verbs.Access
 	// LockTimeout bounds every wait for the global lock (default 5 s).
 	LockTimeout time.Duration
+	// LogSize is the number of recent invalidations the segment remembers
+	// (default DefaultLogSize): a local cache at most that many generations
+	// behind drops only the entries they touched.
+	LogSize int
+	// FullFlush makes every invalidation flush every local cache entirely,
+	// as DPDK's mlx5 does (the log then records each as "everything"). For
+	// comparisons; the default flushes only what an invalidation touched.
+	FullFlush bool
 	// Logger receives diagnostics (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -96,6 +108,7 @@ type Global struct {
 	root    *globalRoot
 	lock    *shm.RWLock
 	devGen  *uint32
+	ilog    []logEntry            // the invalidation log; nil: readers flush everything
 	tbl     atomic.Pointer[Table] // current view of the table
 	timeout time.Duration
 	log     *slog.Logger
@@ -108,7 +121,8 @@ type Global struct {
 	access verbs.Access
 	unsub  func()
 	// noExpand keeps the table at its size (tests of the overflow path).
-	noExpand bool
+	noExpand  bool
+	fullFlush bool
 	closeMu  sync.Mutex
 	closed   atomic.Bool
 }
@@ -145,12 +159,18 @@ func CreateGlobal(seg *shm.Segment, c GlobalConfig) (*Global, error) {
 	if err != nil {
 		return nil, err
 	}
+	if c.LogSize == 0 {
+		c.LogSize = DefaultLogSize
+	}
+	if err := newLog(seg, root, c.LogSize); err != nil {
+		return nil, err
+	}
 	g, err := open(seg, rootOff, &c)
 	if err != nil {
 		return nil, err
 	}
 	g.tbl.Store(t)
-	g.owner, g.mem, g.pd, g.single, g.access = true, c.Memory, c.PD, c.SinglePage, c.Access
+	g.owner, g.mem, g.pd, g.single, g.access, g.fullFlush = true, c.Memory, c.PD, c.SinglePage, c.Access, c.FullFlush
 	if err := seg.SetRoot(shm.RootCache, rootOff); err != nil {
 		return nil, err
 	}
@@ -177,7 +197,7 @@ func open(seg *shm.Segment, rootOff uint64, c *GlobalConfig) (*Global, error) {
 		return nil, fmt.Errorf("cache: global lock: %w", err)
 	}
 	g := &Global{seg: seg, rootOff: rootOff, root: root, lock: lock, devGen: &root.DevGen,
-		timeout: c.LockTimeout, log: c.Logger}
+		ilog: openLog(seg, root), timeout: c.LockTimeout, log: c.Logger}
 	if g.timeout <= 0 {
 		g.timeout = 5 * time.Second
 	}

@@ -54,6 +54,13 @@ var (
 	_ [unsafe.Offsetof(globalRoot{}.DevGen) - 128]byte
 )
 
+const logEntrySize = uint64(unsafe.Sizeof(logEntry{}))
+
+var (
+	_ [32 - unsafe.Sizeof(logEntry{})]byte
+	_ [unsafe.Sizeof(logEntry{}) - 32]byte
+)
+
 const poolDescSize = uint64(unsafe.Sizeof(poolDesc{}))
 
 var (
@@ -70,5 +77,5 @@ func sliceAddr(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceDat
 // tag (see shm.LayoutHash).
 func Layout() []string {
 	return []string{shm.Describe(Entry{}), shm.Describe(tableHeader{}), shm.Describe(mrRecord{}),
-		shm.Describe(globalRoot{}), shm.Describe(poolDir{}), shm.Describe(poolDesc{})}
+		shm.Describe(globalRoot{}), shm.Describe(poolDir{}), shm.Describe(poolDesc{}), shm.Describe(logEntry{})}
 }

@@ -35,20 +35,34 @@ type LocalStats struct {
 	GlobalHits uint64 // answered by the global table
 	Created    uint64 // answered by the create path
 	Failed     uint64 // not answered
-	Flushes    uint64 // flushes because the generation moved
+	Flushes    uint64 // times the generation moved and the cache caught up
+	// Of those flushes, the ones that dropped only the entries the
+	// invalidations touched (the rest dropped everything).
+	SelectiveFlushes uint64
+	// Entries dropped by full flushes and by selective ones.
+	FullDropped, SelectiveDropped uint64
 }
 
 // Add returns the sum of s and o.
 func (s LocalStats) Add(o LocalStats) LocalStats {
-	return LocalStats{s.Lookups + o.Lookups, s.TopHits + o.TopHits, s.BottomHits + o.BottomHits,
-		s.GlobalHits + o.GlobalHits, s.Created + o.Created, s.Failed + o.Failed, s.Flushes + o.Flushes}
+	return LocalStats{
+		Lookups: s.Lookups + o.Lookups, TopHits: s.TopHits + o.TopHits, BottomHits: s.BottomHits + o.BottomHits,
+		GlobalHits: s.GlobalHits + o.GlobalHits, Created: s.Created + o.Created, Failed: s.Failed + o.Failed,
+		Flushes: s.Flushes + o.Flushes, SelectiveFlushes: s.SelectiveFlushes + o.SelectiveFlushes,
+		FullDropped: s.FullDropped + o.FullDropped, SelectiveDropped: s.SelectiveDropped + o.SelectiveDropped,
+	}
 }
+
+// FullFlushes returns the flushes that dropped everything.
+func (s LocalStats) FullFlushes() uint64 { return s.Flushes - s.SelectiveFlushes }
 
 // Local is a per-queue cache: an 8-entry top half searched first, most
 // recently used entry before the rest, with round-robin replacement; then a
 // bottom-half table that starts at 256 entries and doubles; then the global
-// cache and the create path. It remembers the generation it was filled at
-// and flushes itself when the global one moves.
+// cache and the create path. It remembers the generation it was filled at;
+// when the global one moves, it drops the entries the invalidations since
+// touched, as the segment's invalidation log records them, or everything
+// when the log cannot say (see invlog.go).
 //
 // A Local is used by one goroutine at a time and is not safe for
 // concurrent use; give each queue its own. A hit takes no lock, makes no
@@ -66,11 +80,13 @@ type Local struct {
 	create Creator
 	st     LocalStats
 	pub    published
+	spans  []span // scratch for catching up
 }
 
 // published is the last copy of the counters other goroutines may read.
 type published struct {
 	lookups, top, bottom, global, created, failed, flushes atomic.Uint64
+	selective, fullDropped, selectiveDropped               atomic.Uint64
 }
 
 // NewLocal returns a local cache over g that creates MRs through c. A
@@ -79,8 +95,8 @@ func NewLocal(g *Global, c Creator, bottomSize int) *Local {
 	if bottomSize <= 0 {
 		bottomSize = defaultLocalSize
 	}
-	l := &Local{devGen: g.devGen, bh: NewTable(bottomSize), global: g, create: c}
-	l.flush(atomic.LoadUint32(l.devGen))
+	l := &Local{devGen: g.devGen, bh: NewTable(bottomSize), global: g, create: c, spans: make([]span, 0, 8)}
+	l.gen = atomic.LoadUint32(l.devGen)
 	return l
 }
 
@@ -138,7 +154,14 @@ func (l *Local) lookupSlow(a uint64) (Entry, error) {
 		}
 	}()
 	if g := atomic.LoadUint32(l.devGen); g != l.gen {
-		l.flush(g)
+		l.catchUp(g)
+		for i := range l.top {
+			if e := &l.top[i]; a-e.start < e.size {
+				l.st.TopHits++
+				l.mru = uint32(i)
+				return e.entry(), nil
+			}
+		}
 	}
 	if key, idx := l.bh.Lookup(a); key != InvalidKey {
 		l.st.BottomHits++
@@ -191,18 +214,61 @@ func (l *Local) promote(e Entry) {
 	l.head = (l.head + 1) % topSize
 }
 
-// Flush empties the cache. Lookups flush by themselves when the generation
-// moves; this is for users who want to drop entries early.
+// Flush empties the cache. Lookups catch up by themselves when the
+// generation moves; this is for users who want to drop entries early.
 func (l *Local) Flush() { l.flush(atomic.LoadUint32(l.devGen)) }
 
 func (l *Local) flush(gen uint32) {
+	dropped := uint64(l.bh.Len() - 1)
+	for i := range l.top {
+		if l.top[i].size != 0 {
+			dropped++
+		}
+	}
 	l.top = [topSize]topEntry{}
 	l.mru, l.head = 0, 0
 	l.bh.Clear()
 	if gen != l.gen {
 		l.st.Flushes++
+		l.st.FullDropped += dropped
 	}
 	l.gen = gen
+}
+
+// catchUp brings the cache to generation gen: it drops the entries that
+// overlap what the invalidations since l.gen took away, or everything if
+// the invalidation log cannot say (too far behind, an entry overwritten
+// while read, an invalidation of everything). An entry an invalidation only
+// trimmed (its MR lost some pages) overlaps the range and is dropped too.
+func (l *Local) catchUp(gen uint32) {
+	spans, ok := l.global.invalidated(l.gen, gen, l.spans[:0])
+	l.spans = spans[:0]
+	if !ok {
+		l.flush(gen)
+		return
+	}
+	var dropped uint64
+	for i := range l.top {
+		if e := &l.top[i]; e.size != 0 && overlapsAny(spans, e.start, e.start+e.size) {
+			*e = topEntry{}
+			dropped++
+		}
+	}
+	dropped += uint64(l.bh.dropOverlapping(spans))
+	l.st.Flushes++
+	l.st.SelectiveFlushes++
+	l.st.SelectiveDropped += dropped
+	l.gen = gen
+}
+
+// overlapsAny reports whether [start, end) overlaps any of spans.
+func overlapsAny(spans []span, start, end uint64) bool {
+	for _, s := range spans {
+		if s.overlaps(start, end) {
+			return true
+		}
+	}
+	return false
 }
 
 // Stats returns the counters. Call it from the goroutine using the cache;
@@ -228,14 +294,18 @@ func (l *Local) publish() {
 	p.created.Store(s.Created)
 	p.failed.Store(s.Failed)
 	p.flushes.Store(s.Flushes)
+	p.selective.Store(s.SelectiveFlushes)
+	p.fullDropped.Store(s.FullDropped)
+	p.selectiveDropped.Store(s.SelectiveDropped)
 }
 
 // Published returns the counters as last published. Safe from any
 // goroutine.
 func (l *Local) Published() LocalStats {
 	p := &l.pub
-	return LocalStats{p.lookups.Load(), p.top.Load(), p.bottom.Load(), p.global.Load(),
-		p.created.Load(), p.failed.Load(), p.flushes.Load()}
+	return LocalStats{Lookups: p.lookups.Load(), TopHits: p.top.Load(), BottomHits: p.bottom.Load(),
+		GlobalHits: p.global.Load(), Created: p.created.Load(), Failed: p.failed.Load(), Flushes: p.flushes.Load(),
+		SelectiveFlushes: p.selective.Load(), FullDropped: p.fullDropped.Load(), SelectiveDropped: p.selectiveDropped.Load()}
 }
 
 // Entries returns the top-half entries in use and the bottom-half table's

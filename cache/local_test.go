@@ -152,11 +152,37 @@ func TestLocalPublishedStats(t *testing.T) {
 // Once Free returns, no lookup that starts afterwards, in any goroutine or
 // queue, returns a key for the freed range. Each round allocates a region
 // (usually at the same address as the last), registers it under a fresh key
-// and frees it while readers keep looking it up.
+// and frees it while readers keep looking it up; then it frees and
+// reallocates a decoy region elsewhere, so that consecutive invalidations
+// name different ranges. Readers also look up a region that is never
+// freed, which the selective modes must keep answering.
+//
+// It runs with full flushes (DPDK's way), with selective flushes, and with
+// a log of one entry, where readers are often too far behind or read an
+// entry while the primary overwrites it: a reader that kept one overlapping
+// entry, or trusted an overwritten one, would return a freed key.
 func TestInvalidationIsLinearizable(t *testing.T) {
-	p := newPrimary(t, fixtureConfig{pages: 32})
+	modes := []struct {
+		name string
+		cfg  fixtureConfig
+	}{
+		{"full flush", fixtureConfig{pages: 32, fullFlush: true}},
+		{"selective", fixtureConfig{pages: 32}},
+		{"log of one entry", fixtureConfig{pages: 32, logSize: 1}},
+	}
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) { testLinearizable(t, m.cfg) })
+	}
+}
+
+func testLinearizable(t *testing.T, cfg fixtureConfig) {
+	p := newPrimary(t, cfg)
 	ps := p.pageSize()
 	const rounds = 40
+	stable := p.alloc(t, 1)
+	stableKey, err := p.g.Create(uint64(stable.Addr))
+	require.NoError(t, err)
+	decoy := p.alloc(t, 1)
 	var (
 		mu      sync.Mutex
 		roundOf = map[uint32]int{} // key -> round that registered it
@@ -166,15 +192,20 @@ func TestInvalidationIsLinearizable(t *testing.T) {
 		lookups atomic.Int64
 		stale   atomic.Int64
 		wg      sync.WaitGroup
+		perQ    = make([]LocalStats, 4)
 	)
-	for range 4 {
+	for q := range 4 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			// Readers never create: every key they see comes from the
 			// main goroutine, which records its round first.
 			l := NewLocal(p.g, noCreate{}, 0)
+			defer func() { perQ[q] = l.Stats() }()
 			for !stop.Load() {
+				if k, err := l.Lookup(stable.Addr + 16); err != nil || k != stableKey.LKey {
+					t.Errorf("the region that is never freed: key 0x%x, %v", k, err)
+				}
 				mu.Lock()
 				addr := current
 				mu.Unlock()
@@ -217,12 +248,26 @@ func TestInvalidationIsLinearizable(t *testing.T) {
 		}
 		require.NoError(t, p.mem.Free(r))
 		freed.Store(int64(i + 1))
+		_, err = p.g.Create(uint64(decoy.Addr))
+		require.NoError(t, err)
+		require.NoError(t, p.mem.Free(decoy))
+		decoy = p.alloc(t, 1)
 	}
 	stop.Store(true)
 	wg.Wait()
 	assert.Zero(t, stale.Load())
 	assert.GreaterOrEqual(t, lookups.Load(), int64(rounds*200))
-	t.Logf("%d lookups over %d alloc/free rounds", lookups.Load(), rounds)
+	var sum LocalStats
+	for _, st := range perQ {
+		sum = sum.Add(st)
+	}
+	if cfg.fullFlush {
+		assert.Zero(t, sum.SelectiveFlushes, "full-flush mode never flushes selectively")
+	} else {
+		assert.Positive(t, sum.SelectiveFlushes)
+	}
+	t.Logf("%d lookups over %d alloc/free rounds; flushes: %d full, %d selective (dropped %d and %d entries)",
+		lookups.Load(), rounds, sum.FullFlushes(), sum.SelectiveFlushes, sum.FullDropped, sum.SelectiveDropped)
 }
 
 // noCreate is a create path that never creates.

@@ -277,6 +277,22 @@ func (t *Table) expandSegment(n int) (*Table, error) {
 	return nt, t.seg.Free(t.off)
 }
 
+// dropOverlapping removes the entries overlapping any of spans, keeping
+// the rest in order, and returns how many it removed. Go-memory tables
+// only.
+func (t *Table) dropOverlapping(spans []span) int {
+	n := t.Len()
+	w := 1
+	for i := 1; i < n; i++ {
+		if e := t.ents[i]; !overlapsAny(spans, e.Start, e.End) {
+			t.ents[w] = e
+			w++
+		}
+	}
+	atomic.StoreUint32(&t.hdr.Len, uint32(w))
+	return n - w
+}
+
 // Entries returns a copy of the entries in use, sentinel excluded.
 func (t *Table) Entries() []Entry {
 	n := min(t.Len(), len(t.ents))
