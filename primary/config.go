@@ -47,6 +47,10 @@ type Config struct {
 	// SinglePage turns off extended-memseg mode: MRs then cover single
 	// pages instead of the whole contiguous run around a missing address.
 	SinglePage bool
+	// FullFlush makes every free flush every queue's cache entirely, in
+	// every process, as DPDK's mlx5 driver does. By default a free drops
+	// only the cached entries it touched (see cache.GlobalConfig).
+	FullFlush bool
 
 	// SyncTimeout bounds how long Alloc and Free wait for a secondary to
 	// map or unmap; one that does not answer in time is dropped. Default

@@ -141,7 +141,7 @@ func (p *Primary) start() error {
 		return err
 	}
 	if p.global, err = cache.CreateGlobal(p.seg, cache.GlobalConfig{Memory: p.mem, PD: p.pd,
-		SinglePage: c.SinglePage, Logger: p.log}); err != nil {
+		SinglePage: c.SinglePage, FullFlush: c.FullFlush, Logger: p.log}); err != nil {
 		return err
 	}
 	if p.ctrs, err = instance.CreateCounters(p.seg); err != nil {
