@@ -123,8 +123,8 @@ type Global struct {
 	// noExpand keeps the table at its size (tests of the overflow path).
 	noExpand  bool
 	fullFlush bool
-	closeMu  sync.Mutex
-	closed   atomic.Bool
+	closeMu   sync.Mutex
+	closed    atomic.Bool
 }
 
 const defaultGlobalTable = 512

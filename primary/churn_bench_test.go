@@ -201,4 +201,3 @@ func BenchmarkLookupDuringChurn(b *testing.B) {
 		})
 	}
 }
-
