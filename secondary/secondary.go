@@ -347,7 +347,12 @@ func (q *Queue) Close() {
 // cache.ErrExternalMemory.
 func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 	req := &ipc.RegisterMempool{Name: mp.Name()}
-	for _, c := range mp.Chunks() {
+	for i, c := range mp.Chunks() {
+		// The primary would take a bad chunk for a malformed message and
+		// hang up: refuse it here.
+		if err := c.Check(); err != nil {
+			return fmt.Errorf("secondary: register mempool %s chunk %d: %w", mp.Name(), i, err)
+		}
 		req.Chunks = append(req.Chunks, ipc.Chunk{Addr: uint64(c.Addr), Len: c.Len})
 	}
 	var r ipc.RegisterMempoolReply
