@@ -38,8 +38,10 @@ func ValidatePrefix(prefix string) error {
 
 // RuntimeDir returns the directory of instance prefix's runtime files:
 // $XDG_RUNTIME_DIR/mpmr/<prefix> when that variable holds an absolute path,
-// else /run/mpmr/<prefix> for root, else /tmp/mpmr-<uid>/<prefix>. It does
-// not create it; Listen does.
+// else /run/mpmr/<prefix> for root, else $TMPDIR/mpmr-<uid>/<prefix>. It
+// neither creates nor checks it: OpenRunDir does both, refusing a path
+// that another user could have made (such as a /tmp/mpmr-<uid> that
+// someone else created first).
 func RuntimeDir(prefix string) (string, error) {
 	if err := ValidatePrefix(prefix); err != nil {
 		return "", err

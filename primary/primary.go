@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
@@ -26,6 +27,12 @@ var (
 	ErrPrimaryRunning = instance.ErrPrimaryRunning
 	// ErrClosed means the primary was closed.
 	ErrClosed = errors.New("primary: closed")
+	// ErrPermission means the primary refused a runtime directory (or a
+	// file in it) that another user could have made or could change: a
+	// directory on the way to it that is not this user's or root's, or
+	// that others may write to. The message names the path, its owner
+	// and mode, this process's uid and the fix. It is ipc.ErrPermission.
+	ErrPermission = ipc.ErrPermission
 )
 
 // Primary is the process that owns an instance: the control segment, the
@@ -34,7 +41,8 @@ var (
 type Primary struct {
 	cfg     Config
 	log     *slog.Logger
-	dir     string // runtime directory
+	dir     string      // runtime directory
+	rundir  *ipc.RunDir // dir, opened and checked
 	lockf   *os.File
 	backend hugetlb.Backend
 	segOpts shm.Options
@@ -101,14 +109,14 @@ func Start(cfg Config) (*Primary, error) {
 }
 
 func (p *Primary) start() error {
-	if err := os.MkdirAll(p.dir, 0o700); err != nil {
+	var err error
+	if p.rundir, err = ipc.OpenRunDir(p.dir, ipc.RunDirOptions{Create: true}); err != nil {
 		return err
 	}
 	if err := p.lockPrimary(); err != nil {
 		return err
 	}
 	c := &p.cfg
-	var err error
 	p.backend, err = hugetlb.Choose(hugetlb.Want{Kind: c.Backend, PageSize: c.PageSize, Pages: 2, Dir: c.BackendDir})
 	if err != nil {
 		return err
@@ -151,6 +159,11 @@ func (p *Primary) start() error {
 	if err := p.seg.MarkReady(); err != nil {
 		return err
 	}
+	// Everything so far went in through the directory's descriptor; the
+	// socket is bound by path, so the path must still lead there.
+	if err := p.rundir.Check(); err != nil {
+		return err
+	}
 	sock := filepath.Join(p.dir, ipc.SocketName)
 	ln, err := ipc.Listen(sock)
 	if err != nil {
@@ -174,7 +187,7 @@ func (p *Primary) start() error {
 	p.serveWG.Add(1)
 	go p.publishLoop(ctx)
 	start, _ := shm.ProcessStart(os.Getpid())
-	if err := instance.WriteInfo(p.dir, instance.Info{
+	if err := instance.WriteInfoIn(p.rundir, instance.Info{
 		Prefix: c.Prefix, PID: os.Getpid(), Start: start, Backend: p.backend.Kind.String(),
 		BackendDir: p.backend.Dir, PageSize: p.backend.PageSize, Segment: p.segOpts.Path,
 		LockFile: p.segOpts.LockPath, Socket: sock, Created: time.Now(),
@@ -190,9 +203,9 @@ func (p *Primary) start() error {
 // a lock taken on a file that was unlinked meanwhile is retried on the new
 // one.
 func (p *Primary) lockPrimary() error {
-	path := filepath.Join(p.dir, instance.PrimaryLockFile)
+	name := instance.PrimaryLockFile
 	for range 100 {
-		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+		f, err := p.rundir.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o600)
 		if err != nil {
 			return err
 		}
@@ -201,20 +214,29 @@ func (p *Primary) lockPrimary() error {
 			if !errors.Is(err, ofd.ErrLocked) {
 				return err
 			}
-			if info, ierr := instance.ReadInfo(p.dir); ierr == nil {
+			if info, ierr := instance.ReadInfoIn(p.rundir); ierr == nil {
 				return fmt.Errorf("%w (pid %d)", ErrPrimaryRunning, info.PID)
 			}
 			return ErrPrimaryRunning
 		}
-		held, err1 := f.Stat()
-		now, err2 := os.Stat(path)
-		if err1 == nil && err2 == nil && os.SameFile(held, now) {
+		if sameFile(f, p.rundir, name) {
 			p.lockf = f
 			return nil
 		}
 		f.Close() // a closing primary removed it under us: try the new one
 	}
-	return fmt.Errorf("%w: %s keeps changing", ErrPrimaryRunning, path)
+	return fmt.Errorf("%w: %s keeps changing", ErrPrimaryRunning, filepath.Join(p.rundir.Path(), name))
+}
+
+// sameFile reports whether f is the file name in d.
+func sameFile(f *os.File, d *ipc.RunDir, name string) bool {
+	held, err := f.Stat()
+	if err != nil {
+		return false
+	}
+	now, err := d.Stat(name)
+	st, ok := held.Sys().(*syscall.Stat_t)
+	return err == nil && ok && st.Dev == now.Dev && st.Ino == now.Ino
 }
 
 // publishEvery is how often the runtime publishes its counters into the
@@ -388,14 +410,19 @@ func (p *Primary) teardown() error {
 	}
 	if p.lockf != nil {
 		for _, name := range []string{instance.InfoFile, ipc.SocketName} {
-			if err := os.Remove(filepath.Join(p.dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			if err := p.rundir.Remove(name); err != nil && !errors.Is(err, os.ErrNotExist) {
 				add(err)
 			}
 		}
 		// The primary lock goes last: a new primary may start from here.
-		add(os.Remove(p.lockf.Name()))
+		if sameFile(p.lockf, p.rundir, instance.PrimaryLockFile) {
+			add(p.rundir.Remove(instance.PrimaryLockFile))
+		}
 		add(p.lockf.Close())
 		os.Remove(p.dir) // only if empty
+	}
+	if p.rundir != nil {
+		p.rundir.Close()
 	}
 	return errors.Join(errs...)
 }

@@ -19,7 +19,7 @@ import (
 func (p *Primary) recoverLeftovers() {
 	prefix := p.cfg.Prefix
 	var dirs []string
-	if info, err := instance.ReadInfo(p.dir); err == nil {
+	if info, err := instance.ReadInfoIn(p.rundir); err == nil {
 		p.log.Warn("previous primary of this instance died; cleaning up after it",
 			"pid", info.PID, "segment", info.Segment)
 		dirs = append(dirs, info.BackendDir)
@@ -46,8 +46,12 @@ func (p *Primary) recoverLeftovers() {
 			p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
 		}
 	}
-	for _, name := range []string{instance.InfoFile, instance.SlotsLockFile, ipc.SocketName} {
-		p.removeFile(filepath.Join(p.dir, name))
+	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.SlotsLockFile, ipc.SocketName} {
+		if err := p.rundir.Remove(name); err == nil {
+			p.log.Info("removed stale file", "path", filepath.Join(p.rundir.Path(), name))
+		} else if !errors.Is(err, os.ErrNotExist) {
+			p.log.Warn("could not remove stale file", "path", filepath.Join(p.rundir.Path(), name), "err", err)
+		}
 	}
 }
 

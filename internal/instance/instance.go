@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"time"
@@ -75,6 +76,58 @@ func WriteInfo(dir string, info Info) error {
 	}
 	return nil
 }
+
+// WriteInfoIn writes info to the runtime directory d atomically, through
+// its descriptor.
+func WriteInfoIn(d *ipc.RunDir, info Info) error {
+	b, err := json.MarshalIndent(info, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := InfoFile + ".tmp"
+	f, err := d.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("instance: write %w", err)
+	}
+	_, err = f.Write(append(b, '\n'))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = d.Rename(tmp, InfoFile)
+	}
+	if err != nil {
+		d.Remove(tmp)
+		return fmt.Errorf("instance: write %s: %w", filepath.Join(d.Path(), InfoFile), err)
+	}
+	return nil
+}
+
+// ReadInfoIn reads the description in the runtime directory d, through
+// its descriptor: the file must be a regular file of the directory's
+// owner or root (else ipc.ErrPermission).
+func ReadInfoIn(d *ipc.RunDir) (Info, error) {
+	var info Info
+	f, err := d.OpenFile(InfoFile, os.O_RDONLY, 0)
+	if err != nil {
+		return info, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxInfo+1))
+	if err == nil && len(b) > maxInfo {
+		err = fmt.Errorf("longer than %d bytes", maxInfo)
+	}
+	if err == nil {
+		err = json.Unmarshal(b, &info)
+	}
+	if err != nil {
+		return info, fmt.Errorf("instance: %s: %w", f.Name(), err)
+	}
+	return info, nil
+}
+
+// maxInfo bounds the description file read.
+const maxInfo = 64 << 10
 
 // ReadInfo reads the description in dir.
 func ReadInfo(dir string) (Info, error) {
