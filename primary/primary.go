@@ -43,7 +43,9 @@ type Primary struct {
 	log     *slog.Logger
 	dir     string      // runtime directory
 	rundir  *ipc.RunDir // dir, opened and checked
+	name    string      // the instance's name in backend directories
 	lockf   *os.File
+	segLock *os.File // the segment file, locked for the primary's lifetime
 	backend hugetlb.Backend
 	segOpts shm.Options
 	seg     *shm.Segment
@@ -123,10 +125,13 @@ func (p *Primary) start() error {
 	}
 	p.log.Info("backend chosen", "backend", p.backend.Kind, "dir", p.backend.Dir,
 		"page_size", hugetlb.FormatSize(p.backend.PageSize), "reason", p.backend.Reason)
-	p.recoverLeftovers()
+	p.name = instance.Name(c.Prefix, os.Geteuid(), p.rundir.Path())
+	if err := p.recoverLeftovers(); err != nil {
+		return err
+	}
 
 	p.segOpts = shm.Options{
-		Path:      instance.SegmentPath(p.backend.Dir, c.Prefix),
+		Path:      instance.SegmentPath(p.backend.Dir, p.name),
 		LockPath:  filepath.Join(p.dir, instance.SlotsLockFile),
 		Slots:     c.Slots,
 		LayoutTag: instance.LayoutTag,
@@ -136,7 +141,10 @@ func (p *Primary) start() error {
 	if p.seg, err = shm.Create(p.segOpts); err != nil {
 		return err
 	}
-	if p.mem, err = hugetlb.Create(p.seg, hugetlb.Config{Prefix: c.Prefix, Backend: p.backend,
+	if p.segLock, err = lockFile(p.segOpts.Path); err != nil {
+		return err
+	}
+	if p.mem, err = hugetlb.Create(p.seg, hugetlb.Config{Prefix: p.name, Backend: p.backend,
 		Lists: []hugetlb.ListConfig{{Pages: c.MemoryPages, Base: c.MemoryBase}}, Logger: p.log}); err != nil {
 		return err
 	}
@@ -238,6 +246,25 @@ func sameFile(f *os.File, d *ipc.RunDir, name string) bool {
 	st, ok := held.Sys().(*syscall.Stat_t)
 	return err == nil && ok && st.Dev == now.Dev && st.Ino == now.Ino
 }
+
+// lockFile takes the lock that marks the backend file at path, just
+// created by this process, as a live instance's, and returns the file that
+// holds it (see ofd.ClaimFile, which a successor uses).
+func lockFile(path string) (*os.File, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, err
+	}
+	if err := ofd.TryLock(f, 0, true); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// Name returns the instance's name in backend directories: its prefix,
+// its user and a hash of its runtime directory (see instance.Name).
+func (p *Primary) Name() string { return p.name }
 
 // publishEvery is how often the runtime publishes its counters into the
 // segment for tools.
@@ -407,6 +434,9 @@ func (p *Primary) teardown() error {
 		p.seg.MarkDead()
 		add(p.seg.Close())
 		add(shm.Remove(p.segOpts))
+	}
+	if p.segLock != nil {
+		add(p.segLock.Close()) // after the removal: never unlocked under its name
 	}
 	if p.lockf != nil {
 		for _, name := range []string{instance.InfoFile, ipc.SocketName} {

@@ -368,3 +368,114 @@ func TestSecondaryChecksThePrimarysCredentials(t *testing.T) {
 	require.Error(t, err, "the segment is no segment")
 	assert.NotErrorIs(t, err, secondary.ErrPermission, "every check of ownership passed")
 }
+
+// runtimeName is the name instance prefix of uid under rundir carries in
+// backend directories.
+func runtimeName(prefix string, uid int, rundir string) string {
+	return instance.Name(prefix, uid, filepath.Join(rundir, prefix))
+}
+
+// startUserPrimary starts a primary of prefix as uid in a helper with
+// runtime directory rundir ("" for the user's default under tmp), and
+// returns it and the address of a page it allocated.
+func startUserPrimary(t *testing.T, uid int, tmp, prefix, rundir string) (*testproc.Proc, uintptr) {
+	t.Helper()
+	h, res := userProc(t, "user-primary", userEnv(tmp), strconv.Itoa(uid), prefix, rundir, "", "")
+	require.Equal(t, "<nil>", res, "primary of uid %d", uid)
+	var addr uintptr
+	r := askProc(t, h, "alloc")
+	_, err := fmt.Sscanf(r, "region %d", &addr)
+	require.NoError(t, err, r)
+	return h, addr
+}
+
+// Instances of one prefix in two runtime directories of one user are two
+// instances: neither takes the other's backend files for a dead
+// predecessor's, and each one's secondaries map its own memory.
+func TestOnePrefixInTwoRuntimeDirectories(t *testing.T) {
+	requireRoot(t)
+	tmp := sharedTmp(t)
+	prefix := testenv.Prefix(t)
+	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
+	dirA, dirB := testenv.RunDir(t), testenv.RunDir(t)
+	a, addrA := startUserPrimary(t, 0, tmp, prefix, dirA)
+	segA := instance.SegmentPath(hugetlb.DefaultTmpfsDir, runtimeName(prefix, 0, dirA))
+	before, statErr := os.Stat(segA)
+	b, addrB := startUserPrimary(t, 0, tmp, prefix, dirB)
+
+	for _, c := range []struct {
+		p      *testproc.Proc
+		rundir string
+		addr   uintptr
+		b      byte
+	}{{a, dirA, addrA, 0xa}, {b, dirB, addrB, 0xb}} {
+		s, res := userProc(t, "user-secondary", nil, "0", prefix, c.rundir)
+		require.Equal(t, "<nil>", res, "a secondary of the primary in %s", c.rundir)
+		assert.Equal(t, "wrote", askProc(t, s, "write %d %d", c.addr, c.b))
+		assert.Contains(t, askProc(t, s, "lookup %d", c.addr), "key ")
+		assert.Equal(t, fmt.Sprintf("byte %d", c.b), askProc(t, c.p, "read %d", c.addr), "its own primary sees it")
+	}
+
+	require.NoError(t, statErr, "the first primary's segment")
+	after, err := os.Stat(segA)
+	require.NoError(t, err, "the second primary left the first's segment alone")
+	assert.True(t, os.SameFile(before, after))
+	assert.NotEqual(t, segA, instance.SegmentPath(hugetlb.DefaultTmpfsDir, runtimeName(prefix, 0, dirB)))
+}
+
+// Two users who pick the same prefix (the default one, typically) each get
+// an instance.
+func TestOnePrefixForTwoUsers(t *testing.T) {
+	requireRoot(t)
+	tmp := sharedTmp(t)
+	prefix := testenv.Prefix(t)
+	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
+	var procs []*testproc.Proc
+	var addrs []uintptr
+	for _, uid := range []int{victimUID, squatterUID} {
+		p, addr := startUserPrimary(t, uid, tmp, prefix, "")
+		procs, addrs = append(procs, p), append(addrs, addr)
+	}
+	for i, uid := range []int{victimUID, squatterUID} {
+		s, res := userProc(t, "user-secondary", userEnv(tmp), strconv.Itoa(uid), prefix, "")
+		require.Equal(t, "<nil>", res, "a secondary of uid %d", uid)
+		assert.Equal(t, "wrote", askProc(t, s, "write %d %d", addrs[i], i+1))
+		assert.Equal(t, fmt.Sprintf("byte %d", i+1), askProc(t, procs[i], "read %d", addrs[i]))
+		seg := instance.SegmentPath(hugetlb.DefaultTmpfsDir,
+			runtimeName(prefix, uid, filepath.Join(tmp, "mpmr-"+strconv.Itoa(uid))))
+		fi, err := os.Stat(seg)
+		require.NoError(t, err)
+		assert.Equal(t, uint32(uid), fi.Sys().(*syscall.Stat_t).Uid, "uid %d's segment is its own", uid)
+	}
+}
+
+// A primary whose runtime directory was removed while it ran still owns
+// its backend files: a new primary on the recreated directory must not
+// take them for a dead predecessor's.
+func TestRestartLeavesALivePrimarysFilesAlone(t *testing.T) {
+	requireRoot(t)
+	tmp := sharedTmp(t)
+	prefix := testenv.Prefix(t)
+	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
+	rundir := testenv.RunDir(t)
+	old, addr := startUserPrimary(t, 0, tmp, prefix, rundir)
+	name := runtimeName(prefix, 0, rundir)
+	seg := instance.SegmentPath(hugetlb.DefaultTmpfsDir, name)
+	before, statErr := os.Stat(seg)
+	require.NoError(t, os.RemoveAll(filepath.Join(rundir, prefix)), "an operator's rm -rf")
+
+	p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: hugetlb.Tmpfs,
+		MemoryPages: 16, Logger: quiet})
+	if err == nil {
+		p.Close()
+	}
+	require.ErrorIs(t, err, primary.ErrPrimaryRunning)
+	assert.Contains(t, err.Error(), seg)
+	require.NoError(t, statErr)
+	after, err := os.Stat(seg)
+	require.NoError(t, err)
+	assert.True(t, os.SameFile(before, after), "the live primary's segment is untouched")
+	assert.FileExists(t, filepath.Join(hugetlb.DefaultTmpfsDir, hugetlb.FileName(name, 0)))
+	assert.Equal(t, "byte 0", askProc(t, old, "read %d", addr), "and it works on")
+	assert.Equal(t, "secondaries 0", askProc(t, old, "secondaries"))
+}

@@ -6,12 +6,14 @@
 package instance
 
 import (
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
@@ -55,9 +57,59 @@ func Dir(prefix, override string) (string, error) {
 	return ipc.RuntimeDir(prefix)
 }
 
-// SegmentPath is the control segment file of prefix in a backend directory.
-func SegmentPath(backendDir, prefix string) string {
-	return filepath.Join(backendDir, "mpmr."+prefix+".ctl")
+// Name returns the name the files of instance prefix carry in backend
+// directories, which other users and other runtime directories share: the
+// prefix, the uid of the instance's user and a hash of the real path of
+// its runtime directory dir, such as "myapp.u1000.3f2a9c01b7e4". Two
+// instances of one prefix, of two users or in two runtime directories,
+// never share a file.
+func Name(prefix string, uid int, dir string) string {
+	sum := sha256.Sum256([]byte(RealPath(dir)))
+	return fmt.Sprintf("%s.u%d.%x", prefix, uid, sum[:6])
+}
+
+// RealPath returns dir, absolute, with symbolic links resolved as far as
+// it exists.
+func RealPath(dir string) string {
+	if r, err := filepath.EvalSymlinks(dir); err == nil {
+		return r
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return dir
+	}
+	if r, err := filepath.EvalSymlinks(filepath.Dir(abs)); err == nil {
+		return filepath.Join(r, filepath.Base(abs))
+	}
+	return abs
+}
+
+// SegmentPath is the control segment file of the instance called name
+// (see Name) in a backend directory.
+func SegmentPath(backendDir, name string) string {
+	return filepath.Join(backendDir, "mpmr."+name+".ctl")
+}
+
+// Files lists the files of the instance called name in a backend
+// directory: its segment, a lock file beside it, and its memseg lists'
+// backing files (see hugetlb.FileName).
+func Files(backendDir, name string) []string {
+	ents, err := os.ReadDir(backendDir)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range ents {
+		rest, ok := strings.CutPrefix(e.Name(), "mpmr."+name+".")
+		if !ok {
+			continue
+		}
+		n, list := strings.CutPrefix(rest, "msl")
+		if rest == "ctl" || rest == "ctl.lock" || list && n != "" && strings.Trim(n, "0123456789") == "" {
+			out = append(out, filepath.Join(backendDir, e.Name()))
+		}
+	}
+	return out
 }
 
 // WriteInfo writes info to dir atomically.
