@@ -105,7 +105,9 @@ func (c *checker) open(dir string, mine, sticky bool) (*RunDir, error) {
 			return nil, err
 		}
 	}
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	// O_PATH: a secondary of another user may only be allowed to search
+	// the directory (mode 0711), not to read it.
+	fd, err := unix.Open(path, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
 			var st unix.Stat_t

@@ -168,8 +168,9 @@ func openUp(p *primary.Primary) error {
 }
 
 // helperUserSecondary becomes uid args[0] and attaches to prefix args[1]
-// with RuntimeDir args[2] ("" for the default) and no trusted users. It
-// says "result ERR"; attached, it answers:
+// with RuntimeDir args[2] ("" for the default) and TrustUIDs args[3]
+// (comma-separated; none if absent). It says "result ERR"; attached, it
+// answers:
 //
 //	write ADDR B -> "> wrote" (a byte of data memory)
 //	lookup ADDR  -> "> key K" or "> err TEXT"
@@ -179,8 +180,16 @@ func helperUserSecondary(args []string) int {
 		testproc.Say("result %v", err)
 		return 3
 	}
+	var trust []int
+	if len(args) > 3 {
+		for _, f := range strings.Split(args[3], ",") {
+			if n, err := strconv.Atoi(f); err == nil {
+				trust = append(trust, n)
+			}
+		}
+	}
 	s, err := secondary.Attach(secondary.Config{Prefix: args[1], RuntimeDir: args[2], Logger: quiet,
-		AttachTimeout: 5 * time.Second})
+		AttachTimeout: 5 * time.Second, TrustUIDs: trust})
 	testproc.Say("result %v", err)
 	if err != nil {
 		return 0
@@ -478,4 +487,35 @@ func TestRestartLeavesALivePrimarysFilesAlone(t *testing.T) {
 	assert.FileExists(t, filepath.Join(hugetlb.DefaultTmpfsDir, hugetlb.FileName(name, 0)))
 	assert.Equal(t, "byte 0", askProc(t, old, "read %d", addr), "and it works on")
 	assert.Equal(t, "secondaries 0", askProc(t, old, "secondaries"))
+}
+
+// A primary that lets another user in, and that user's secondary that
+// trusts it, work together; without the trust, the secondary refuses.
+func TestTrustedUserAttaches(t *testing.T) {
+	requireRoot(t)
+	tmp := sharedTmp(t)
+	prefix := testenv.Prefix(t)
+	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
+	shared := filepath.Join(tmp, "shared")
+	_, res := userProc(t, "user-mkdir", nil, strconv.Itoa(victimUID), shared, "711")
+	require.Equal(t, "<nil>", res)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+		strconv.Itoa(squatterUID), "open")
+	require.Equal(t, "<nil>", res)
+	r := askProc(t, p, "alloc")
+	var addr uintptr
+	_, err := fmt.Sscanf(r, "region %d", &addr)
+	require.NoError(t, err, r)
+
+	h, res := userProc(t, "user-secondary", nil, strconv.Itoa(squatterUID), prefix, shared)
+	assert.Contains(t, res, secondary.ErrPermission.Error(), "not trusted by default")
+	assert.Contains(t, res, "owner uid "+strconv.Itoa(victimUID))
+	require.NoError(t, h.Wait(0))
+
+	s, res := userProc(t, "user-secondary", nil, strconv.Itoa(squatterUID), prefix, shared, strconv.Itoa(victimUID))
+	require.Equal(t, "<nil>", res, "trusted")
+	assert.Equal(t, "wrote", askProc(t, s, "write %d 9", addr))
+	assert.Contains(t, askProc(t, s, "lookup %d", addr), "key ")
+	assert.Equal(t, "byte 9", askProc(t, p, "read %d", addr))
+	assert.Equal(t, "secondaries 1", askProc(t, p, "secondaries"))
 }
