@@ -449,7 +449,9 @@ func (p *Primary) teardown() error {
 			add(p.rundir.Remove(instance.PrimaryLockFile))
 		}
 		add(p.lockf.Close())
-		os.Remove(p.dir) // only if empty
+		if p.rundir.Check() == nil { // still ours: not removed and made anew meanwhile
+			os.Remove(p.rundir.Path()) // only if empty
+		}
 	}
 	if p.rundir != nil {
 		p.rundir.Close()
