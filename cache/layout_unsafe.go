@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"fmt"
 	"sync/atomic"
 	"unsafe"
 
@@ -77,5 +78,7 @@ func sliceAddr(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceDat
 // tag (see shm.LayoutHash).
 func Layout() []string {
 	return []string{shm.Describe(Entry{}), shm.Describe(tableHeader{}), shm.Describe(mrRecord{}),
-		shm.Describe(globalRoot{}), shm.Describe(poolDir{}), shm.Describe(poolDesc{}), shm.Describe(logEntry{})}
+		shm.Describe(globalRoot{}), shm.Describe(poolDir{}), shm.Describe(poolDesc{}), shm.Describe(logEntry{}),
+		// The meaning of a pool's Next words: taken objects are marked.
+		fmt.Sprintf("poolNext:out=0x%x", objectOut)}
 }

@@ -337,9 +337,16 @@ func (l *Local) lookupEntry(a uint64) (Entry, error) {
 // Chunks in data memory get MRs through the create path; chunks of
 // external memory are registered as their own MRs by the primary, while a
 // secondary gets ErrExternalMemory unless the primary registered them
-// already.
+// already. A chunk that is empty or wraps past the top of the address
+// space fails it with ErrBadChunk before anything is registered.
 func (l *Local) RegisterMempool(p Mempool) error {
-	for _, c := range p.Chunks() {
+	chunks := p.Chunks()
+	for i, c := range chunks {
+		if err := c.Check(); err != nil {
+			return fmt.Errorf("cache: register mempool %s chunk %d of %d: %w", p.Name(), i, len(chunks), err)
+		}
+	}
+	for _, c := range chunks {
 		for a, end := uint64(c.Addr), uint64(c.Addr)+c.Len; a < end; {
 			e, err := l.lookupEntry(a)
 			if errors.Is(err, ErrNoMemory) {

@@ -10,10 +10,19 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
-// Chunk is a contiguous piece of a mempool's memory.
+// Chunk is a contiguous piece of a mempool's memory: [Addr, Addr+Len).
 type Chunk struct {
 	Addr uintptr
 	Len  uint64
+}
+
+// Check reports whether c is a range at all: ErrBadChunk when it is empty
+// or its end wraps past the top of the address space.
+func (c Chunk) Check() error {
+	if c.Len == 0 || uint64(c.Addr)+c.Len < uint64(c.Addr) {
+		return fmt.Errorf("%w: [0x%x, +0x%x)", ErrBadChunk, c.Addr, c.Len)
+	}
+	return nil
 }
 
 // Mempool is a pool of buffers whose memory must be registered before a
@@ -29,7 +38,20 @@ var (
 	ErrPoolExists = errors.New("cache: mempool name already used")
 	ErrNoPool     = errors.New("cache: no such mempool")
 	ErrNotInPool  = errors.New("cache: address is not an object of this mempool")
+	// ErrMisaligned means an address inside a mempool's objects that is
+	// not the start of one. It matches ErrNotInPool too.
+	ErrMisaligned = fmt.Errorf("%w: not the start of an object", ErrNotInPool)
+	// ErrDoublePut means an object was put back that is not out: put
+	// twice, or never taken. The pool is left as it was.
+	ErrDoublePut = errors.New("cache: object put back while not taken (double put)")
+	// ErrBadChunk means a mempool chunk of length 0 or whose end wraps
+	// past the top of the address space; nothing of the mempool is
+	// registered.
+	ErrBadChunk = errors.New("cache: bad mempool chunk")
 )
+
+// objectOut is the Next word of an object that is taken.
+const objectOut = ^uint32(0)
 
 const (
 	maxPools    = 64
@@ -48,7 +70,9 @@ type poolDir struct {
 // poolDesc describes a shared pool of fixed-size objects in data memory.
 // Free objects form a lock-free stack: Head holds a tag (bumped by every
 // change, against ABA) in its high half and the top object's index + 1 in
-// its low half; Next[i] is the index + 1 of the object under object i.
+// its low half; Next[i] is the index + 1 of the object under object i
+// while it is free, and objectOut while it is taken, so that a put of an
+// object that is not out is refused instead of corrupting the stack.
 //
 //	off size field
 //	  0  32  Name     NUL-padded
@@ -180,11 +204,13 @@ func OpenPool(seg *shm.Segment, name string) (*Pool, error) {
 		}
 		n := atomic.LoadUint32(&d.Count)
 		nextOff := atomic.LoadUint64(&d.Next)
-		if n == 0 || n > maxPoolObjs || seg.CheckRange(nextOff, uint64(n)*4) != nil {
+		base, size := atomic.LoadUint64(&d.Base), uint64(atomic.LoadUint32(&d.ObjSize))
+		if n == 0 || n > maxPoolObjs || size == 0 || size%64 != 0 || base+uint64(n)*size < base ||
+			seg.CheckRange(nextOff, uint64(n)*4) != nil {
 			return nil, fmt.Errorf("%w: mempool %s descriptor", ErrCorrupt, name)
 		}
 		return &Pool{name: name, desc: d, next: shm.Slice[uint32](seg, nextOff, int(n)),
-			base: atomic.LoadUint64(&d.Base), size: uint64(atomic.LoadUint32(&d.ObjSize)), n: n}, nil
+			base: base, size: size, n: n}, nil
 	}
 	return nil, fmt.Errorf("%w: %s", ErrNoPool, name)
 }
@@ -229,20 +255,39 @@ func (p *Pool) Get() (uintptr, error) {
 			return 0, fmt.Errorf("%w: mempool %s head %d", ErrCorrupt, p.name, top)
 		}
 		next := atomic.LoadUint32(&p.next[top-1])
+		if next > p.n {
+			// Taken by someone else since we read the head (the head
+			// has moved on), or a corrupt link.
+			if atomic.LoadUint64(&p.desc.Head) == h {
+				return 0, fmt.Errorf("%w: mempool %s object %d links to %d", ErrCorrupt, p.name, top-1, next)
+			}
+			continue
+		}
 		if atomic.CompareAndSwapUint64(&p.desc.Head, h, (h>>32+1)<<32|uint64(next)) {
+			atomic.StoreUint32(&p.next[top-1], objectOut)
 			atomic.AddUint32(&p.desc.InUse, 1)
 			return uintptr(p.base + uint64(top-1)*p.size), nil
 		}
 	}
 }
 
-// Put returns the object at addr.
+// Put returns the object at addr. An address that is not an object of
+// this pool fails with ErrNotInPool (ErrMisaligned inside the pool), an
+// object that is not out with ErrDoublePut; either way nothing changes.
 func (p *Pool) Put(addr uintptr) error {
 	off := uint64(addr) - p.base
-	if uint64(addr) < p.base || off%p.size != 0 || off/p.size >= uint64(p.n) {
-		return fmt.Errorf("%w: 0x%x in %s", ErrNotInPool, addr, p.name)
+	switch {
+	case uint64(addr) < p.base || off/p.size >= uint64(p.n):
+		return fmt.Errorf("%w: 0x%x in mempool %s [0x%x, 0x%x)", ErrNotInPool, addr, p.name, p.base, p.base+uint64(p.n)*p.size)
+	case off%p.size != 0:
+		return fmt.Errorf("%w: 0x%x in mempool %s (objects of %d bytes from 0x%x)", ErrMisaligned, addr, p.name, p.size, p.base)
 	}
 	i := uint32(off / p.size)
+	// Claim the object: only a put that finds it out may push it, so a
+	// second put of it fails here, in this process or another.
+	if !atomic.CompareAndSwapUint32(&p.next[i], objectOut, 0) {
+		return fmt.Errorf("%w: object 0x%x of mempool %s", ErrDoublePut, addr, p.name)
+	}
 	for {
 		h := atomic.LoadUint64(&p.desc.Head)
 		atomic.StoreUint32(&p.next[i], uint32(h))
@@ -262,8 +307,10 @@ type ExternalPool struct {
 	name string
 	mem  []byte
 	size int
+	n    int // objects: the tail past the last whole one is none
 	mu   sync.Mutex
 	free []uintptr
+	out  []bool // by object index: taken
 }
 
 // NewExternalPool carves objects of objSize bytes out of mem.
@@ -271,10 +318,11 @@ func NewExternalPool(name string, mem []byte, objSize int) (*ExternalPool, error
 	if objSize <= 0 || len(mem) < objSize {
 		return nil, fmt.Errorf("cache: external mempool %s: %d bytes cannot hold objects of %d", name, len(mem), objSize)
 	}
-	p := &ExternalPool{name: name, mem: mem, size: objSize}
+	n := len(mem) / objSize
+	p := &ExternalPool{name: name, mem: mem, size: objSize, n: n, out: make([]bool, n)}
 	base := sliceAddr(mem)
-	for off := 0; off+objSize <= len(mem); off += objSize {
-		p.free = append(p.free, base+uintptr(off))
+	for i := range n {
+		p.free = append(p.free, base+uintptr(i*objSize))
 	}
 	return p, nil
 }
@@ -296,17 +344,27 @@ func (p *ExternalPool) Get() (uintptr, error) {
 	}
 	a := p.free[len(p.free)-1]
 	p.free = p.free[:len(p.free)-1]
+	p.out[(a-sliceAddr(p.mem))/uintptr(p.size)] = true
 	return a, nil
 }
 
-// Put returns an object.
+// Put returns an object, with the errors of Pool.Put.
 func (p *ExternalPool) Put(addr uintptr) error {
 	base := sliceAddr(p.mem)
-	if addr < base || addr >= base+uintptr(len(p.mem)) || (addr-base)%uintptr(p.size) != 0 {
-		return fmt.Errorf("%w: 0x%x in %s", ErrNotInPool, addr, p.name)
+	off := addr - base
+	switch {
+	case addr < base || off/uintptr(p.size) >= uintptr(p.n):
+		return fmt.Errorf("%w: 0x%x in external mempool %s [0x%x, 0x%x)", ErrNotInPool, addr, p.name, base, base+uintptr(p.n*p.size))
+	case off%uintptr(p.size) != 0:
+		return fmt.Errorf("%w: 0x%x in external mempool %s (objects of %d bytes from 0x%x)", ErrMisaligned, addr, p.name, p.size, base)
 	}
+	i := off / uintptr(p.size)
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if !p.out[i] {
+		return fmt.Errorf("%w: object 0x%x of external mempool %s", ErrDoublePut, addr, p.name)
+	}
+	p.out[i] = false
 	p.free = append(p.free, addr)
 	return nil
 }

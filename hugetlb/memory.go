@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/ofd"
 	"github.com/mpmr/mpmr/internal/vm"
 	"github.com/mpmr/mpmr/shm"
 )
@@ -81,6 +82,12 @@ var (
 	// ErrNotFreed means a guard (see GuardFree) refused a free: nothing
 	// was changed, the memory is still allocated and mapped.
 	ErrNotFreed = errors.New("hugetlb: memory not freed")
+	// ErrInUse means a backing file belongs to a live Memory: its creator
+	// holds a lock on it (see RemoveFiles).
+	ErrInUse = errors.New("hugetlb: backing file in use by a live instance")
+	// ErrNotOwned means a file where a backing file should be is not a
+	// regular file of this user (see RemoveFiles).
+	ErrNotOwned = errors.New("hugetlb: not a backing file of this user")
 )
 
 // ListConfig configures one memseg list.
@@ -99,7 +106,9 @@ type ListConfig struct {
 // Config configures Create.
 type Config struct {
 	// Prefix names the instance; list N's backing file is
-	// <Backend.Dir>/mpmr.<Prefix>.msl<N>.
+	// <Backend.Dir>/mpmr.<Prefix>.msl<N>. Backend directories are shared
+	// by every user and instance: the runtimes pass a name unique to the
+	// instance (its prefix, user and runtime directory).
 	Prefix string
 	// Backend is where the backing files go, from Choose.
 	Backend Backend
@@ -185,9 +194,14 @@ func FileName(prefix string, n int) string {
 	return "mpmr." + prefix + ".msl" + strconv.Itoa(n)
 }
 
-// RemoveFiles deletes the backing files of instance prefix in dir, such as
-// those an instance left behind when it died. Memory still mapped by live
-// processes stays until they unmap it.
+// RemoveFiles deletes the backing files of instance prefix in dir that an
+// instance left behind when it died. It removes only what it can prove is
+// such a file: a regular file of this process's user on which no live
+// process holds the lock that Create takes for the Memory's lifetime.
+// A file of a live Memory fails it with ErrInUse, a file of another user
+// (or not a regular file) with ErrNotOwned; such files are left alone,
+// the others are removed. Memory still mapped by live processes stays
+// until they unmap it.
 func RemoveFiles(dir, prefix string) error {
 	if err := checkPrefix(prefix); err != nil {
 		return err
@@ -202,11 +216,31 @@ func RemoveFiles(dir, prefix string) error {
 		if _, err := strconv.ParseUint(n, 10, 32); !ok || err != nil {
 			continue
 		}
-		if err := os.Remove(filepath.Join(dir, e.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := removeDead(filepath.Join(dir, e.Name())); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// removeDead removes the backing file at path if no live Memory holds it
+// and it is this user's.
+func removeDead(path string) error {
+	c, err := ofd.ClaimFile(path, os.Geteuid())
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil
+	case errors.Is(err, ofd.ErrLocked):
+		return fmt.Errorf("%w: %s: a live process holds it", ErrInUse, path)
+	case errors.Is(err, ofd.ErrNotOwned):
+		return fmt.Errorf("%w: %w", ErrNotOwned, err)
+	case err != nil:
+		return fmt.Errorf("hugetlb: %w", err)
+	}
+	if err := c.Remove(); err != nil {
+		return fmt.Errorf("hugetlb: %w", err)
+	}
+	return nil
 }
 
 func checkPrefix(p string) error {
@@ -345,6 +379,11 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 			return fail(err)
 		}
 		l.f = f
+		// Held for the Memory's lifetime: whoever finds the file can tell
+		// a live instance's from a dead one's (RemoveFiles).
+		if err := ofd.TryLock(f, 0, true); err != nil {
+			return fail(err)
+		}
 		// The size covers the whole list; blocks come with fallocate.
 		if err := f.Truncate(int64(l.size())); err != nil {
 			return fail(fmt.Errorf("size %s: %w", s.path, err))
@@ -639,15 +678,16 @@ func (m *Memory) release(remove bool) error {
 			l.mapped.clearRange(0, l.pages)
 		}
 		if l.f != nil {
-			if err := l.f.Close(); err != nil {
-				errs = append(errs, err)
-			}
-			l.f = nil
+			// Removed before it is closed, while the lock shows it live.
 			if remove {
 				if err := os.Remove(l.path); err != nil && !errors.Is(err, os.ErrNotExist) {
 					errs = append(errs, err)
 				}
 			}
+			if err := l.f.Close(); err != nil {
+				errs = append(errs, err)
+			}
+			l.f = nil
 		}
 	}
 	if err := errors.Join(errs...); err != nil {

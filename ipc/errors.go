@@ -39,9 +39,17 @@ var (
 	// ErrBadPrefix means an instance prefix has characters or a length
 	// that cannot make a safe directory name.
 	ErrBadPrefix = errors.New("ipc: bad instance prefix")
-	// ErrUnsafeDir means the socket's directory could be changed by other
-	// users: not owned by this user or root, or writable by others.
-	ErrUnsafeDir = errors.New("ipc: unsafe socket directory")
+	// ErrPermission means a refusal for safety: a directory or file on
+	// the way to an instance (see RunDir), or the process at the other
+	// end of a socket, belongs to a user this process does not trust, or
+	// is writable by other users, so that another user could have made
+	// or could change it. The message names the path or peer, its owner
+	// and mode, this process's uid and the fix. (A socket or directory
+	// this user may not reach at all is the system's fs.ErrPermission.)
+	ErrPermission = errors.New("ipc: refused: another user could have made or could change this")
+	// ErrUnsafeDir is ErrPermission, by the name it had when it only
+	// concerned the socket's directory.
+	ErrUnsafeDir = ErrPermission
 	// ErrNoHandler means the client has no PushHandler for a push.
 	ErrNoHandler = errors.New("ipc: no handler for this message")
 )

@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/mpmr/mpmr/internal/sock"
@@ -39,8 +38,10 @@ func ValidatePrefix(prefix string) error {
 
 // RuntimeDir returns the directory of instance prefix's runtime files:
 // $XDG_RUNTIME_DIR/mpmr/<prefix> when that variable holds an absolute path,
-// else /run/mpmr/<prefix> for root, else /tmp/mpmr-<uid>/<prefix>. It does
-// not create it; Listen does.
+// else /run/mpmr/<prefix> for root, else $TMPDIR/mpmr-<uid>/<prefix>. It
+// neither creates nor checks it: OpenRunDir does both, refusing a path
+// that another user could have made (such as a /tmp/mpmr-<uid> that
+// someone else created first).
 func RuntimeDir(prefix string) (string, error) {
 	if err := ValidatePrefix(prefix); err != nil {
 		return "", err
@@ -84,7 +85,8 @@ type Listener struct {
 
 // Listen creates a listening socket at path, creating its directory (mode
 // 0700) when missing. The directory must be owned by this user or root and
-// not writable by others (unless sticky), else ErrUnsafeDir. A socket file
+// not writable by others (unless sticky), and so must every directory on
+// the way to it (see RunDir), else ErrPermission. A socket file
 // left at path by a server that ended is replaced; one that a live server
 // listens on fails with ErrAddressInUse, and so does any other kind of
 // file.
@@ -95,13 +97,12 @@ type Listener struct {
 // the caller's policy (a lock file, as the primary's). A server killed an
 // instant ago may still hold its listening socket until its exit completes.
 func Listen(path string) (*Listener, error) {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	c := checker{uid: os.Geteuid(), create: true}
+	d, err := c.open(filepath.Dir(path), false, true)
+	if err != nil {
 		return nil, fmt.Errorf("ipc: listen: %w", err)
 	}
-	if err := checkDir(dir); err != nil {
-		return nil, err
-	}
+	d.Close()
 	l, err := sock.Listen(path)
 	if errors.Is(err, sock.ErrAddressInUse) {
 		if err := removeStale(path); err != nil {
@@ -124,23 +125,6 @@ func Listen(path string) (*Listener, error) {
 		return nil, fmt.Errorf("ipc: listen: %w", err)
 	}
 	return &Listener{l: l, path: path, fi: fi}, nil
-}
-
-func checkDir(dir string) error {
-	fi, err := os.Lstat(dir)
-	if err != nil {
-		return fmt.Errorf("ipc: listen: %w", err)
-	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	switch {
-	case !fi.IsDir():
-		return fmt.Errorf("%w: %s is not a directory", ErrUnsafeDir, dir)
-	case ok && int(st.Uid) != os.Geteuid() && st.Uid != 0:
-		return fmt.Errorf("%w: %s is owned by uid %d", ErrUnsafeDir, dir, st.Uid)
-	case fi.Mode().Perm()&0o022 != 0 && fi.Mode()&fs.ModeSticky == 0:
-		return fmt.Errorf("%w: %s is writable by others (mode %v)", ErrUnsafeDir, dir, fi.Mode())
-	}
-	return nil
 }
 
 // removeStale removes the socket file at path if nobody listens on it.

@@ -63,8 +63,9 @@ type Config struct {
 	// default) never polls; see the README's performance notes.
 	Spin time.Duration
 	// AllowUIDs lists users besides the primary's own and root that may
-	// attach. (The socket's file permissions must be loosened for them
-	// too.)
+	// attach. (The runtime directory's and socket's permissions must be
+	// loosened for them too, and their secondaries must trust this
+	// primary's user: secondary.Config.TrustUIDs.)
 	AllowUIDs []int
 
 	// Logger receives diagnostics. Default slog.Default().

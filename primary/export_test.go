@@ -3,6 +3,7 @@ package primary
 import (
 	"log/slog"
 
+	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
 )
@@ -10,4 +11,10 @@ import (
 // WithDeviceOpener makes Start open the device with f instead of verbs.
 func WithDeviceOpener(c *Config, f func(seg *shm.Segment, log *slog.Logger) (verbs.Device, error)) {
 	c.openDevice = f
+}
+
+// HandleRegisterMempool runs the handler of a secondary's register-mempool
+// request, as the server would after decoding it.
+func HandleRegisterMempool(p *Primary, m *ipc.RegisterMempool) (any, error) {
+	return (*handler)(p).registerMempool(m)
 }

@@ -79,6 +79,8 @@ func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 //	                        "byte B" or "fault"
 //	wait-dropped         -> waits (bounded) until the primary is gone or
 //	                        has dropped this process: "dropped=BOOL"
+//	regpool ADDR LEN     -> registers a mempool of the one chunk [ADDR, +LEN):
+//	                        "ok" or "err TEXT"
 //	close                -> "closed"
 func helperSecondary(args []string) int {
 	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
@@ -138,6 +140,13 @@ func helperSecondary(args []string) int {
 			line, err := bufio.NewReader(f).ReadString('\n')
 			testproc.Say("> devfile %s pd=%d soft=%t read=%q err=%v", s.DeviceName(), pd, s.Device() != nil,
 				strings.TrimSpace(line), err)
+		case "regpool":
+			err := s.RegisterMempool(q, chunkPool{{Addr: uintptr(num(1)), Len: num(2)}})
+			if err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> ok")
+			}
 		case "stats":
 			c := s.Stats().Counters
 			testproc.Say("> stats lookups=%d created=%d requests=%d flushes=%d", c.Lookups, c.Created, c.Requests, c.Flushes)

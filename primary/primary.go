@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
@@ -26,6 +27,12 @@ var (
 	ErrPrimaryRunning = instance.ErrPrimaryRunning
 	// ErrClosed means the primary was closed.
 	ErrClosed = errors.New("primary: closed")
+	// ErrPermission means the primary refused a runtime directory (or a
+	// file in it) that another user could have made or could change: a
+	// directory on the way to it that is not this user's or root's, or
+	// that others may write to. The message names the path, its owner
+	// and mode, this process's uid and the fix. It is ipc.ErrPermission.
+	ErrPermission = ipc.ErrPermission
 )
 
 // Primary is the process that owns an instance: the control segment, the
@@ -34,8 +41,11 @@ var (
 type Primary struct {
 	cfg     Config
 	log     *slog.Logger
-	dir     string // runtime directory
+	dir     string      // runtime directory
+	rundir  *ipc.RunDir // dir, opened and checked
+	name    string      // the instance's name in backend directories
 	lockf   *os.File
+	segLock *os.File // the segment file, locked for the primary's lifetime
 	backend hugetlb.Backend
 	segOpts shm.Options
 	seg     *shm.Segment
@@ -103,24 +113,27 @@ func Start(cfg Config) (*Primary, error) {
 }
 
 func (p *Primary) start() error {
-	if err := os.MkdirAll(p.dir, 0o700); err != nil {
+	var err error
+	if p.rundir, err = ipc.OpenRunDir(p.dir, ipc.RunDirOptions{Create: true}); err != nil {
 		return err
 	}
 	if err := p.lockPrimary(); err != nil {
 		return err
 	}
 	c := &p.cfg
-	var err error
 	p.backend, err = hugetlb.Choose(hugetlb.Want{Kind: c.Backend, PageSize: c.PageSize, Pages: 2, Dir: c.BackendDir})
 	if err != nil {
 		return err
 	}
 	p.log.Info("backend chosen", "backend", p.backend.Kind, "dir", p.backend.Dir,
 		"page_size", hugetlb.FormatSize(p.backend.PageSize), "reason", p.backend.Reason)
-	p.recoverLeftovers()
+	p.name = instance.Name(c.Prefix, os.Geteuid(), p.rundir.Path())
+	if err := p.recoverLeftovers(); err != nil {
+		return err
+	}
 
 	p.segOpts = shm.Options{
-		Path:      instance.SegmentPath(p.backend.Dir, c.Prefix),
+		Path:      instance.SegmentPath(p.backend.Dir, p.name),
 		LockPath:  filepath.Join(p.dir, instance.SlotsLockFile),
 		Slots:     c.Slots,
 		LayoutTag: instance.LayoutTag,
@@ -130,7 +143,10 @@ func (p *Primary) start() error {
 	if p.seg, err = shm.Create(p.segOpts); err != nil {
 		return err
 	}
-	if p.mem, err = hugetlb.Create(p.seg, hugetlb.Config{Prefix: c.Prefix, Backend: p.backend,
+	if p.segLock, err = lockFile(p.segOpts.Path); err != nil {
+		return err
+	}
+	if p.mem, err = hugetlb.Create(p.seg, hugetlb.Config{Prefix: p.name, Backend: p.backend,
 		Lists: []hugetlb.ListConfig{{Pages: c.MemoryPages, Base: c.MemoryBase}}, Logger: p.log}); err != nil {
 		return err
 	}
@@ -151,6 +167,11 @@ func (p *Primary) start() error {
 	// before secondaries are told to unmap.
 	p.unsub = p.mem.Subscribe(p.syncSecondaries)
 	if err := p.seg.MarkReady(); err != nil {
+		return err
+	}
+	// Everything so far went in through the directory's descriptor; the
+	// socket is bound by path, so the path must still lead there.
+	if err := p.rundir.Check(); err != nil {
 		return err
 	}
 	sock := filepath.Join(p.dir, ipc.SocketName)
@@ -177,7 +198,7 @@ func (p *Primary) start() error {
 	go p.publishLoop(ctx)
 	go p.reapLoop(ctx)
 	start, _ := shm.ProcessStart(os.Getpid())
-	if err := instance.WriteInfo(p.dir, instance.Info{
+	if err := instance.WriteInfoIn(p.rundir, instance.Info{
 		Prefix: c.Prefix, PID: os.Getpid(), Start: start, Backend: p.backend.Kind.String(),
 		BackendDir: p.backend.Dir, PageSize: p.backend.PageSize, Segment: p.segOpts.Path,
 		LockFile: p.segOpts.LockPath, Socket: sock, Created: time.Now(),
@@ -193,9 +214,9 @@ func (p *Primary) start() error {
 // a lock taken on a file that was unlinked meanwhile is retried on the new
 // one.
 func (p *Primary) lockPrimary() error {
-	path := filepath.Join(p.dir, instance.PrimaryLockFile)
+	name := instance.PrimaryLockFile
 	for range 100 {
-		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+		f, err := p.rundir.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o600)
 		if err != nil {
 			return err
 		}
@@ -204,21 +225,49 @@ func (p *Primary) lockPrimary() error {
 			if !errors.Is(err, ofd.ErrLocked) {
 				return err
 			}
-			if info, ierr := instance.ReadInfo(p.dir); ierr == nil {
+			if info, ierr := instance.ReadInfoIn(p.rundir); ierr == nil {
 				return fmt.Errorf("%w (pid %d)", ErrPrimaryRunning, info.PID)
 			}
 			return ErrPrimaryRunning
 		}
-		held, err1 := f.Stat()
-		now, err2 := os.Stat(path)
-		if err1 == nil && err2 == nil && os.SameFile(held, now) {
+		if sameFile(f, p.rundir, name) {
 			p.lockf = f
 			return nil
 		}
 		f.Close() // a closing primary removed it under us: try the new one
 	}
-	return fmt.Errorf("%w: %s keeps changing", ErrPrimaryRunning, path)
+	return fmt.Errorf("%w: %s keeps changing", ErrPrimaryRunning, filepath.Join(p.rundir.Path(), name))
 }
+
+// sameFile reports whether f is the file name in d.
+func sameFile(f *os.File, d *ipc.RunDir, name string) bool {
+	held, err := f.Stat()
+	if err != nil {
+		return false
+	}
+	now, err := d.Stat(name)
+	st, ok := held.Sys().(*syscall.Stat_t)
+	return err == nil && ok && st.Dev == now.Dev && st.Ino == now.Ino
+}
+
+// lockFile takes the lock that marks the backend file at path, just
+// created by this process, as a live instance's, and returns the file that
+// holds it (see ofd.ClaimFile, which a successor uses).
+func lockFile(path string) (*os.File, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, err
+	}
+	if err := ofd.TryLock(f, 0, true); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// Name returns the instance's name in backend directories: its prefix,
+// its user and a hash of its runtime directory (see instance.Name).
+func (p *Primary) Name() string { return p.name }
 
 // publishEvery is how often the runtime publishes its counters into the
 // segment for tools.
@@ -409,16 +458,26 @@ func (p *Primary) teardown() error {
 		add(p.seg.Close())
 		add(shm.Remove(p.segOpts))
 	}
+	if p.segLock != nil {
+		add(p.segLock.Close()) // after the removal: never unlocked under its name
+	}
 	if p.lockf != nil {
 		for _, name := range []string{instance.InfoFile, ipc.SocketName} {
-			if err := os.Remove(filepath.Join(p.dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			if err := p.rundir.Remove(name); err != nil && !errors.Is(err, os.ErrNotExist) {
 				add(err)
 			}
 		}
 		// The primary lock goes last: a new primary may start from here.
-		add(os.Remove(p.lockf.Name()))
+		if sameFile(p.lockf, p.rundir, instance.PrimaryLockFile) {
+			add(p.rundir.Remove(instance.PrimaryLockFile))
+		}
 		add(p.lockf.Close())
-		os.Remove(p.dir) // only if empty
+		if p.rundir.Check() == nil { // still ours: not removed and made anew meanwhile
+			os.Remove(p.rundir.Path()) // only if empty
+		}
+	}
+	if p.rundir != nil {
+		p.rundir.Close()
 	}
 	return errors.Join(errs...)
 }

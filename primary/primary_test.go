@@ -10,8 +10,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
 	"github.com/mpmr/mpmr/verbs"
@@ -117,3 +119,35 @@ func TestSecondaryWithoutPrimary(t *testing.T) {
 }
 
 var _ = verbs.InvalidKey
+
+// A mempool chunk that is no range (empty, or ending past 2^64) gets
+// cache.ErrBadChunk from the primary and from a secondary, registers
+// nothing, and costs the secondary nothing: its connection stays.
+func TestRegisterMempoolRefusesBadChunks(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	ps := p.Backend().PageSize
+	r, err := p.Alloc(ps)
+	require.NoError(t, err)
+	bad := []ipc.Chunk{
+		{Addr: uint64(r.Addr), Len: 0},
+		{Addr: 0x1000, Len: 0},
+		{Addr: uint64(r.Addr), Len: ^uint64(0)},
+		{Addr: ^uint64(0) - 4095, Len: 4096},
+	}
+	for _, c := range bad {
+		reply, err := primary.HandleRegisterMempool(p, &ipc.RegisterMempool{Name: "pkts",
+			Chunks: []ipc.Chunk{{Addr: uint64(r.Addr), Len: 64}, c}})
+		assert.ErrorIs(t, err, cache.ErrBadChunk, "chunk %+v: reply %+v", c, reply)
+		assert.Nil(t, reply, "no key for chunk %+v", c)
+	}
+	assert.Zero(t, p.Global().Stats().MRs, "nothing registered")
+
+	h := startSecondary(t, cfg)
+	for _, c := range bad {
+		assert.Contains(t, ask(t, h, "regpool %d %d", c.Addr, c.Len), cache.ErrBadChunk.Error())
+	}
+	assert.Zero(t, p.Global().Stats().MRs, "nothing registered")
+	assert.Equal(t, "ok", ask(t, h, "regpool %d %d", r.Addr, ps), "the secondary is still attached")
+	k := parseKey(t, ask(t, h, "lookup %d", r.Addr))
+	assert.Equal(t, "ok", ask(t, h, "validate %d %d", r.Addr, k))
+}

@@ -2,24 +2,34 @@ package primary
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 )
 
-// recoverLeftovers removes what a primary that died left behind. It runs
-// with the primary lock held, so no live primary owns these files. Nothing
-// of the old state is trusted or reused: its segment is marked dead (for
-// secondaries of the old instance that still map it) and every file is
-// removed; hugepages go back to the kernel once the last old mapping goes.
-func (p *Primary) recoverLeftovers() {
-	prefix := p.cfg.Prefix
+// recoverLeftovers removes what a primary of this instance that died left
+// behind. It runs with the primary lock held. Backend directories are
+// shared by every user and instance, so a file there is removed only when
+// it is proven to be a dead instance's of this user: it has this
+// instance's name (prefix, user and runtime directory), it is a regular
+// file of this user, and no live process holds the lock its creator held
+// for its lifetime. A file that a live primary holds (one whose runtime
+// directory was removed while it ran) fails Start with ErrPrimaryRunning,
+// a file of another user with ErrPermission: neither is touched.
+//
+// Nothing of the old state is trusted or reused: its segment is marked
+// dead (for secondaries of the old instance that still map it) and every
+// file is removed; hugepages go back to the kernel once the last old
+// mapping goes.
+func (p *Primary) recoverLeftovers() error {
 	var dirs []string
-	if info, err := instance.ReadInfo(p.dir); err == nil {
+	if info, err := instance.ReadInfoIn(p.rundir); err == nil {
 		p.log.Warn("previous primary of this instance died; cleaning up after it",
 			"pid", info.PID, "segment", info.Segment)
 		dirs = append(dirs, info.BackendDir)
@@ -35,26 +45,56 @@ func (p *Primary) recoverLeftovers() {
 			continue
 		}
 		seen[dir] = true
-		seg := instance.SegmentPath(dir, prefix)
-		if _, err := os.Stat(seg); err == nil {
-			if err := shm.MarkDeadFile(seg); err != nil {
-				p.log.Warn("could not mark stale segment dead", "segment", seg, "err", err)
-			}
-			p.removeFile(seg)
+		if err := p.removeDeadSegment(instance.SegmentPath(dir, p.name)); err != nil {
+			return err
 		}
-		if err := hugetlb.RemoveFiles(dir, prefix); err != nil {
+		err := hugetlb.RemoveFiles(dir, p.name)
+		switch {
+		case errors.Is(err, hugetlb.ErrInUse):
+			return fmt.Errorf("%w: %w (a primary of this instance whose runtime directory %s was removed?)",
+				ErrPrimaryRunning, err, p.dir)
+		case errors.Is(err, hugetlb.ErrNotOwned):
+			return fmt.Errorf("%w: %w: another user made a file where this instance's memory goes; "+
+				"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+		case err != nil:
 			p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
 		}
 	}
-	for _, name := range []string{instance.InfoFile, instance.SlotsLockFile, ipc.SocketName} {
-		p.removeFile(filepath.Join(p.dir, name))
+	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.SlotsLockFile, ipc.SocketName} {
+		if err := p.rundir.Remove(name); err == nil {
+			p.log.Info("removed stale file", "path", filepath.Join(p.rundir.Path(), name))
+		} else if !errors.Is(err, os.ErrNotExist) {
+			p.log.Warn("could not remove stale file", "path", filepath.Join(p.rundir.Path(), name), "err", err)
+		}
 	}
+	return nil
 }
 
-func (p *Primary) removeFile(path string) {
-	if err := os.Remove(path); err == nil {
-		p.log.Info("removed stale file", "path", path)
-	} else if !errors.Is(err, os.ErrNotExist) {
-		p.log.Warn("could not remove stale file", "path", path, "err", err)
+// removeDeadSegment marks dead and removes the segment at path if it is a
+// dead instance's of this user (see recoverLeftovers).
+func (p *Primary) removeDeadSegment(path string) error {
+	c, err := ofd.ClaimFile(path, os.Geteuid())
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil
+	case errors.Is(err, ofd.ErrLocked):
+		info, _ := shm.Probe(path, instance.LayoutTag)
+		return fmt.Errorf("%w: segment %s belongs to a live primary (pid %d) of this instance, "+
+			"whose runtime directory %s was removed or replaced while it ran: stop it first",
+			ErrPrimaryRunning, path, info.CreatorPID, p.dir)
+	case errors.Is(err, ofd.ErrNotOwned):
+		return fmt.Errorf("%w: %w: another user made a file where this instance's segment goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+	case err != nil:
+		return err
 	}
+	if err := shm.MarkDeadFile(path); err != nil {
+		p.log.Warn("could not mark stale segment dead", "segment", path, "err", err)
+	}
+	if err := c.Remove(); err != nil {
+		p.log.Warn("could not remove stale segment", "segment", path, "err", err)
+		return nil
+	}
+	p.log.Info("removed stale file", "path", path)
+	return nil
 }

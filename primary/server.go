@@ -187,9 +187,15 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 
 // registerMempool registers each chunk of a secondary's mempool. Chunks
 // outside data memory are the secondary's own external memory, which this
-// process cannot register (DPDK's rule).
+// process cannot register (DPDK's rule). A chunk that is no range fails
+// the request before anything is registered.
 func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
 	p := h.p()
+	for i, c := range m.Chunks {
+		if err := (cache.Chunk{Addr: uintptr(c.Addr), Len: c.Len}).Check(); err != nil {
+			return nil, fmt.Errorf("mempool %s chunk %d of %d: %w", m.Name, i, len(m.Chunks), err)
+		}
+	}
 	reply := &ipc.RegisterMempoolReply{Keys: make([]uint32, 0, len(m.Chunks))}
 	for _, c := range m.Chunks {
 		if _, in := p.mem.InList(uintptr(c.Addr)); !in {

@@ -7,8 +7,10 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
@@ -25,7 +27,8 @@ var (
 	// secondary): requests fail at once, while keys already in local
 	// caches keep resolving.
 	ErrPrimaryGone = instance.ErrPrimaryGone
-	// ErrNoPrimary means no primary serves the prefix.
+	// ErrNoPrimary means no primary serves the prefix: nothing listens
+	// there, or this user may not reach it.
 	ErrNoPrimary = instance.ErrNoPrimary
 	// ErrDropped means the primary dropped this secondary because it did
 	// not follow a memory change in time (it was stopped, or too slow), or
@@ -33,6 +36,13 @@ var (
 	// unmapped its data memory and fails every request; Queue.Lookup fails
 	// too. Close it and attach again to carry on.
 	ErrDropped = instance.ErrDropped
+	// ErrPermission means Attach refused what it found: a runtime
+	// directory (or a file in it) that another user could have made or
+	// could change, or a primary that runs as a user this process does
+	// not trust (see Config.TrustUIDs). The message names the path or the
+	// primary, its owner, this process's uid and the fix. It is
+	// ipc.ErrPermission.
+	ErrPermission = ipc.ErrPermission
 	// ErrClosed means the secondary was closed.
 	ErrClosed = errors.New("secondary: closed")
 )
@@ -43,6 +53,12 @@ type Config struct {
 	Prefix string
 	// RuntimeDir must match the primary's Config.RuntimeDir.
 	RuntimeDir string
+	// TrustUIDs lists users besides this process's own and root whose
+	// primary this secondary accepts, and who may own the directories on
+	// the way to the instance. Default none: a primary of another user is
+	// refused with ErrPermission, even one that lets this user in
+	// (primary.Config.AllowUIDs).
+	TrustUIDs []int
 	// AttachTimeout bounds Attach. Default 5 s.
 	AttachTimeout time.Duration
 	// RequestTimeout bounds each request to the primary (an MR creation).
@@ -127,23 +143,48 @@ func (s *Secondary) attach(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	s.client, err = ipc.DialClient(ctx, filepath.Join(dir, ipc.SocketName),
+	// Nothing of the instance is trusted before its directory is: who
+	// could have made it, or could change it under us?
+	rundir, err := ipc.OpenRunDir(dir, ipc.RunDirOptions{TrustUIDs: s.cfg.TrustUIDs})
+	if err != nil {
+		if errors.Is(err, ipc.ErrPermission) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
+	}
+	defer rundir.Close()
+	sock := filepath.Join(rundir.Path(), ipc.SocketName)
+	s.client, err = ipc.DialClient(ctx, sock,
 		ipc.ClientConfig{PushHandler: (*pushes)(s), Logger: s.log, Spin: s.cfg.Spin})
 	if err != nil {
-		return fmt.Errorf("%w: %v", ErrNoPrimary, err)
+		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
 	}
+	// The kernel says who listens; a file only says who wrote it.
 	cred, err := s.client.ServerCred()
 	if err != nil {
 		return err
 	}
-	if s.info, err = instance.ReadInfo(dir); err != nil {
-		return fmt.Errorf("%w: %v", ErrNoPrimary, err)
+	if !s.trusted(cred.UID) {
+		return fmt.Errorf("%w: the primary listening at %s runs as uid %d (pid %d); this process runs as uid %d "+
+			"and trusts only itself, root and TrustUIDs %v: if uid %d is to be trusted, list it in TrustUIDs",
+			ErrPermission, sock, cred.UID, cred.PID, os.Geteuid(), s.cfg.TrustUIDs, cred.UID)
+	}
+	if s.info, err = instance.ReadInfoIn(rundir); err != nil {
+		if errors.Is(err, ipc.ErrPermission) {
+			return err
+		}
+		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
 	}
 	if s.info.PID != cred.PID {
 		return fmt.Errorf("%w: %s describes pid %d, the socket belongs to pid %d",
-			ErrNoPrimary, filepath.Join(dir, instance.InfoFile), s.info.PID, cred.PID)
+			ErrNoPrimary, filepath.Join(rundir.Path(), instance.InfoFile), s.info.PID, cred.PID)
 	}
-	s.seg, err = shm.Attach(shm.Options{Path: s.info.Segment, LockPath: s.info.LockFile,
+	if err := checkOwner(s.info.Segment, cred.UID); err != nil {
+		return err
+	}
+	// The slots' lock file is the one in the directory just checked,
+	// whatever the description says.
+	s.seg, err = shm.Attach(shm.Options{Path: s.info.Segment, LockPath: filepath.Join(rundir.Path(), instance.SlotsLockFile),
 		LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: s.log})
 	if err != nil {
 		return err
@@ -194,6 +235,31 @@ func (s *Secondary) attach(ctx context.Context) error {
 	s.bg.Add(1)
 	go s.watch(bg)
 	s.log.Info("attached", "slot", s.seg.Slot(), "primary_pid", hello.PrimaryPID, "backend", hello.Backend)
+	return nil
+}
+
+// trusted reports whether a primary running as uid may be attached to.
+func (s *Secondary) trusted(uid int) bool {
+	return uid == os.Geteuid() || uid == 0 || slices.Contains(s.cfg.TrustUIDs, uid)
+}
+
+// checkOwner makes sure the file at path is a regular file of the
+// primary's user (or root): the segment sits in a directory that others
+// may write to (/dev/shm, a hugetlbfs mount).
+func checkOwner(path string, uid int) error {
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !fi.Mode().IsRegular() || !ok || (int(st.Uid) != uid && st.Uid != 0) {
+		owner := -1
+		if ok {
+			owner = int(st.Uid)
+		}
+		return fmt.Errorf("%w: %s is not a regular file of the primary's uid %d (owner uid %d, mode %v); this process runs as uid %d: "+
+			"remove it and restart the primary", ErrPermission, path, uid, owner, fi.Mode(), os.Geteuid())
+	}
 	return nil
 }
 
@@ -432,7 +498,12 @@ func (q *Queue) Close() {
 // cache.ErrExternalMemory.
 func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 	req := &ipc.RegisterMempool{Name: mp.Name()}
-	for _, c := range mp.Chunks() {
+	for i, c := range mp.Chunks() {
+		// The primary would take a bad chunk for a malformed message and
+		// hang up: refuse it here.
+		if err := c.Check(); err != nil {
+			return fmt.Errorf("secondary: register mempool %s chunk %d: %w", mp.Name(), i, err)
+		}
 		req.Chunks = append(req.Chunks, ipc.Chunk{Addr: uint64(c.Addr), Len: c.Len})
 	}
 	var r ipc.RegisterMempoolReply

@@ -135,13 +135,13 @@ func (s *Segment) Free(off uint64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	arena := atomic.LoadUint64(&s.hdr.ArenaOff)
-	if off < arena+blockHdr || off%minAlignment != 0 || off >= atomic.LoadUint64(&s.hdr.Size) {
+	if off < arena+blockHdr || off%minAlignment != 0 || off >= s.limit() {
 		return fmt.Errorf("%w: offset 0x%x", ErrBadBlock, off)
 	}
 	start := off - blockHdr
 	b := s.block(start)
 	size := atomic.LoadUint64(&b.Size)
-	if atomic.LoadUint64(&b.Tag) != blockUsed || size < minBlock || start+size > atomic.LoadUint64(&s.hdr.Size) {
+	if atomic.LoadUint64(&b.Tag) != blockUsed || size < minBlock || start+size < start || start+size > s.limit() {
 		return fmt.Errorf("%w: offset 0x%x (double free or not a block start)", ErrBadBlock, off)
 	}
 	atomic.AddUint64(&s.hdr.ArenaUsed, -size)

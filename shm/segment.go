@@ -70,6 +70,7 @@ type Segment struct {
 	lockf   *os.File
 	base    uintptr
 	mapLen  uintptr
+	backed  atomic.Uint64 // bytes of the file known to exist, at most mapLen
 	hdr     *header
 	owner   bool
 	slot    int
@@ -215,17 +216,40 @@ func (s *Segment) unmap() {
 func (s *Segment) basePtr() unsafe.Pointer { return vm.Pointer(s.base) }
 
 func (s *Segment) mustRange(off, size, align uint64) {
-	if off%align != 0 || off+size < off || off+size > atomic.LoadUint64(&s.hdr.Size) {
+	if end := s.limit(); off%align != 0 || off+size < off || off+size > end {
 		panic(fmt.Sprintf("shm: [0x%x, +0x%x) outside segment %s (size 0x%x) or misaligned",
-			off, size, s.path, atomic.LoadUint64(&s.hdr.Size)))
+			off, size, s.path, end))
 	}
+}
+
+// limit returns the end of what this process may touch: the header's
+// Size, but never past what this process mapped (mapLen) or what the file
+// was last seen to hold. Any process mapping the segment can write the
+// header, so its Size alone would let a corrupt word turn an access into
+// a SIGSEGV (past the mapping) or a SIGBUS (past the file's end).
+func (s *Segment) limit() uint64 {
+	size := atomic.LoadUint64(&s.hdr.Size)
+	if size <= s.backed.Load() {
+		return size
+	}
+	// The owner grew the segment since we last looked, or the header
+	// lies: ask the file.
+	backed := s.backed.Load()
+	if fi, err := s.f.Stat(); err == nil && fi.Size() > 0 {
+		backed = min(uint64(fi.Size()), uint64(s.mapLen))
+		s.backed.Store(backed)
+	}
+	return min(size, backed)
 }
 
 // CheckRange reports whether [off, off+size) lies inside the segment's
 // arena and off is 8-byte aligned (as every shared struct is). Use it on
 // offsets read from shared memory before trusting them to At or Slice.
+// The bounds are what this process mapped and the file holds, whatever
+// the header says.
 func (s *Segment) CheckRange(off, size uint64) error {
-	if off%8 != 0 || off < atomic.LoadUint64(&s.hdr.ArenaOff) || off+size < off || off+size > atomic.LoadUint64(&s.hdr.Size) {
+	arena := max(atomic.LoadUint64(&s.hdr.ArenaOff), headerSize)
+	if off%8 != 0 || off < arena || off+size < off || off+size > s.limit() {
 		return fmt.Errorf("%w: [0x%x, +0x%x) in %s", ErrBadOffset, off, size, s.path)
 	}
 	return nil

@@ -215,3 +215,62 @@ func TestMarkDeadFile(t *testing.T) {
 	require.NoError(t, os.WriteFile(junk, make([]byte, 8192), 0o600))
 	assert.ErrorIs(t, shm.MarkDeadFile(junk), shm.ErrBadMagic, "not a segment: left alone")
 }
+
+// Any process that maps a segment can write its header; a Size raised
+// past what this process mapped, or past what the file holds, must turn
+// into ErrBadOffset rather than a fault.
+func TestCheckRangeBoundedByMapping(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Size = 1; o.MaxSize = 1 << 20 })
+	other := attach(t, o)
+	size, maxSize := other.Size(), other.MaxSize()
+	off, err := owner.Alloc(64, 64)
+	require.NoError(t, err)
+	require.NoError(t, other.CheckRange(off, 64), "a real block is inside")
+
+	put := func(at int64, v uint64) {
+		t.Helper()
+		f, err := os.OpenFile(o.Path, os.O_RDWR, 0)
+		require.NoError(t, err)
+		defer f.Close()
+		var b [8]byte
+		binary.LittleEndian.PutUint64(b[:], v)
+		_, err = f.WriteAt(b[:], at)
+		require.NoError(t, err)
+	}
+	raise := func(v uint64) { t.Helper(); put(offSize, v) }
+	for _, c := range []struct {
+		name       string
+		size       uint64
+		off, size2 uint64
+	}{
+		{"past the mapping", 1 << 40, maxSize + 4096, 8},
+		{"past the mapping, ending inside the header's size", 1 << 40, maxSize - 8, 64},
+		{"inside the mapping, past the file", maxSize, size + 4096, 8},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			raise(c.size)
+			for _, s := range []*shm.Segment{other, owner} {
+				assert.ErrorIs(t, s.CheckRange(c.off, c.size2), shm.ErrBadOffset)
+				assert.Panics(t, func() { shm.At[uint64](s, c.off) }, "At refuses what CheckRange refuses")
+			}
+			require.NoError(t, other.CheckRange(off, 64), "what is mapped and backed stays reachable")
+			raise(size)
+		})
+	}
+	t.Run("arena start lowered into the header", func(t *testing.T) {
+		var arena uint64
+		f, err := os.Open(o.Path)
+		require.NoError(t, err)
+		var b [8]byte
+		_, err = f.ReadAt(b[:], offArena)
+		f.Close()
+		require.NoError(t, err)
+		arena = binary.LittleEndian.Uint64(b[:])
+		put(offArena, 0)
+		t.Cleanup(func() { put(offArena, arena) })
+		for _, s := range []*shm.Segment{other, owner} {
+			assert.ErrorIs(t, s.CheckRange(0, 8), shm.ErrBadOffset, "the header is never an arena offset")
+			assert.ErrorIs(t, s.CheckRange(offSize, 8), shm.ErrBadOffset)
+		}
+	})
+}

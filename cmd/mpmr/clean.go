@@ -30,13 +30,17 @@ directory's files (instance.json, the socket, slots.lock, primary.lock, then
 the directory itself if it is empty).
 
 It refuses, changing nothing, while the instance's primary lives (holds
-the primary lock); stop the primary instead, which cleans up after itself.
-While it works it holds the primary lock itself, so no new primary of
-PREFIX starts in the middle. Before removing the segment it marks it dead,
-for secondaries of the dead instance that still map it; their mappings keep
-the memory (and its hugepages) until they exit, and clean names them. A
-segment whose creator still runs is left alone: it belongs to a live
-primary of the same prefix under another runtime directory.
+the primary lock, or the lock on its segment file); stop the primary
+instead, which cleans up after itself. While it works it holds the primary
+lock itself, so no new primary of PREFIX starts in the middle. Before
+removing the segment it marks it dead, for secondaries of the dead
+instance that still map it; their mappings keep the memory (and its
+hugepages) until they exit, and clean names them.
+
+Backend files are named after the instance (prefix, user and runtime
+directory: mpmr.PREFIX.uUID.HASH.ctl, .msl0, ...), and clean removes one
+only if it is a regular file of the instance's user that no live process
+holds locked; anything else is left alone, with a warning.
 
 It reports what it removed and, on hugetlbfs, the free hugepages of the
 instance's page size before and after.`,
@@ -104,18 +108,19 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		return nil, err
 	}
 	t = look(t.Prefix, t.Dir) // described again, now that nobody can change it
-	// A primary whose lock file was removed under it still runs: its
-	// segment's creator is alive. Touch nothing of it.
-	if t.Info != nil {
-		for _, dir := range t.backendDirs() {
-			info, _ := shm.Probe(instance.SegmentPath(dir, t.Prefix), instance.LayoutTag)
-			if info.CreatorPID == t.Info.PID && running(info.CreatorPID, info.CreatorStart) {
-				if created {
-					os.Remove(lockPath)
-				}
-				return nil, fmt.Errorf("refusing to clean %q: %w (pid %d), though its lock file %s was replaced",
-					t.Prefix, errPrimaryLives, info.CreatorPID, lockPath)
+	// A primary whose lock file was removed under it still runs: it holds
+	// the lock on its segment, and its segment's creator is alive. Touch
+	// nothing of it.
+	for _, dir := range t.backendDirs() {
+		segPath := instance.SegmentPath(dir, t.Name)
+		info, _ := shm.Probe(segPath, instance.LayoutTag)
+		held := segmentHeld(segPath)
+		if held || t.Info != nil && info.CreatorPID == t.Info.PID && running(info.CreatorPID, info.CreatorStart) {
+			if created {
+				os.Remove(lockPath)
 			}
+			return nil, fmt.Errorf("refusing to clean %q: %w (pid %d), though its lock file %s was replaced",
+				t.Prefix, errPrimaryLives, info.CreatorPID, lockPath)
 		}
 	}
 	out := &cleanOut{Prefix: t.Prefix, RuntimeDir: t.Dir}
@@ -163,36 +168,58 @@ func clean(e *env, t *target) (*cleanOut, error) {
 
 // hasFiles reports whether dir holds any of the instance's backend files.
 func (t *target) hasFiles(dir string) bool {
-	if _, err := os.Stat(instance.SegmentPath(dir, t.Prefix)); err == nil {
-		return true
-	}
-	return len(memoryFiles(dir, t.Prefix)) > 0
+	return len(instance.Files(dir, t.Name)) > 0
 }
 
-// memoryFiles lists the memseg lists' backing files of prefix in dir.
-func memoryFiles(dir, prefix string) []string {
-	m, _ := filepath.Glob(filepath.Join(dir, "mpmr."+prefix+".msl*"))
+// memoryFiles lists the memseg lists' backing files of the instance called
+// name in dir.
+func memoryFiles(dir, name string) []string {
 	var out []string
-	for _, p := range m {
-		if n := strings.TrimPrefix(filepath.Base(p), "mpmr."+prefix+".msl"); n != "" && strings.Trim(n, "0123456789") == "" {
+	for _, p := range instance.Files(dir, name) {
+		if strings.HasPrefix(filepath.Base(p), "mpmr."+name+".msl") {
 			out = append(out, p)
 		}
 	}
 	return out
 }
 
-// cleanBackend removes the instance's segment and memory files in dir,
-// unless the segment there belongs to a primary that still runs.
+// segmentHeld reports whether a live process holds the lock a primary
+// holds on its segment file for its lifetime.
+func segmentHeld(path string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	held, err := ofd.Held(f, 0)
+	return err == nil && held
+}
+
+// cleanBackend removes the instance's segment and memory files in dir:
+// only files it proves dead (no live process holds their lock) and the
+// instance user's, whatever their names say.
 func (t *target) cleanBackend(e *env, dir string, out *cleanOut, remove func(string)) {
-	segPath := instance.SegmentPath(dir, t.Prefix)
-	if _, err := os.Stat(segPath); err == nil {
-		info, perr := shm.Probe(segPath, instance.LayoutTag)
-		if running(info.CreatorPID, info.CreatorStart) {
-			out.Warnings = append(out.Warnings, fmt.Sprintf(
-				"%s left alone: its creator, pid %d, still runs (a primary of %q under another runtime directory?)",
-				segPath, info.CreatorPID, t.Prefix))
-			return
+	claim := func(path string) *ofd.Claim {
+		c, err := ofd.ClaimFile(path, t.UID)
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+		case errors.Is(err, ofd.ErrLocked):
+			out.Warnings = append(out.Warnings, fmt.Sprintf("%s left alone: a live process holds it", path))
+		case err != nil:
+			out.Warnings = append(out.Warnings, fmt.Sprintf("%s left alone: %v", path, err))
 		}
+		return c
+	}
+	removeClaimed := func(path string, c *ofd.Claim) {
+		if err := c.Remove(); err != nil {
+			out.Warnings = append(out.Warnings, err.Error())
+		} else {
+			out.Removed = append(out.Removed, path)
+		}
+	}
+	segPath := instance.SegmentPath(dir, t.Name)
+	if c := claim(segPath); c != nil {
+		_, perr := shm.Probe(segPath, instance.LayoutTag)
 		o, _ := t.segmentOptions()
 		o.Path = segPath
 		o.Logger = e.log
@@ -211,11 +238,13 @@ func (t *target) cleanBackend(e *env, dir string, out *cleanOut, remove func(str
 				out.MarkedDead = append(out.MarkedDead, segPath)
 			}
 		}
-		remove(segPath)
+		removeClaimed(segPath, c)
 		remove(segPath + ".lock")
 	}
-	for _, p := range memoryFiles(dir, t.Prefix) {
-		remove(p)
+	for _, p := range memoryFiles(dir, t.Name) {
+		if c := claim(p); c != nil {
+			removeClaimed(p, c)
+		}
 	}
 }
 

@@ -85,7 +85,8 @@ func TestCleanRemovesADeadInstance(t *testing.T) {
 		h.Kill()
 		require.Error(t, h.Wait(0))
 		left := files(t, b, rundir, prefix)
-		seg, mem := instance.SegmentPath(b.Dir, prefix), filepath.Join(b.Dir, hugetlb.FileName(prefix, 0))
+		name := instanceName(rundir, prefix)
+		seg, mem := instance.SegmentPath(b.Dir, name), filepath.Join(b.Dir, hugetlb.FileName(name, 0))
 		require.Subset(t, left, []string{seg, mem}, "the dead primary left its files")
 		if b.Kind == hugetlb.Hugetlbfs {
 			require.Less(t, freeHugepages(t, b), freeBefore, "and holds hugepages")
@@ -129,7 +130,7 @@ func TestCleanMarksTheSegmentDeadForSurvivingSecondaries(t *testing.T) {
 
 		out, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
 		require.Equal(t, 0, status, errOut)
-		assert.Contains(t, out, "marked dead "+instance.SegmentPath(b.Dir, prefix))
+		assert.Contains(t, out, "marked dead "+instance.SegmentPath(b.Dir, instanceName(rundir, prefix)))
 		assert.Contains(t, out, "still mapped by processes of the dead instance: pids ["+strconv.Itoa(sec.PID())+"]")
 		assert.Contains(t, out, "removed "+filepath.Join(rundir, prefix)+"\n")
 		assert.Equal(t, "ready false", sec.ask("ready"), "the surviving secondary sees the segment dead")

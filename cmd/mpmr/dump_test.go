@@ -161,7 +161,7 @@ func TestDumpAndCleanOfAHalfBuiltInstance(t *testing.T) {
 	t.Cleanup(func() { removeLeftovers(t, b, rundir, prefix) })
 	dir := filepath.Join(rundir, prefix)
 	require.NoError(t, os.MkdirAll(dir, 0o700))
-	segPath := instance.SegmentPath(b.Dir, prefix)
+	segPath := instance.SegmentPath(b.Dir, instanceName(rundir, prefix))
 	// (The race detector's pause at a normal exit is not wanted here.)
 	h := testproc.Start(t, "segment", []string{segPath, filepath.Join(dir, instance.SlotsLockFile)}, "GORACE=atexit_sleep_ms=0")
 	h.Expect("created", 0)

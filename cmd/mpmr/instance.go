@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
@@ -18,6 +19,10 @@ import (
 type target struct {
 	Prefix string
 	Dir    string // runtime directory
+	// UID is the instance's user: the runtime directory's owner.
+	UID int
+	// Name is the instance's name in backend directories (instance.Name).
+	Name string
 	// Info is the primary's description, nil when the primary died before
 	// writing it (or it is unreadable: InfoErr).
 	Info    *instance.Info
@@ -89,7 +94,13 @@ func (e *env) target(prefix string) (*target, error) {
 }
 
 func look(prefix, dir string) *target {
-	t := &target{Prefix: prefix, Dir: dir}
+	t := &target{Prefix: prefix, Dir: dir, UID: os.Geteuid()}
+	if fi, err := os.Lstat(dir); err == nil {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+			t.UID = int(st.Uid)
+		}
+	}
+	t.Name = instance.Name(prefix, t.UID, dir)
 	if info, err := instance.ReadInfo(dir); err == nil {
 		t.Info = &info
 	} else if !errors.Is(err, os.ErrNotExist) {
@@ -159,7 +170,7 @@ func (t *target) segmentOptions() (shm.Options, bool) {
 		return o, err == nil
 	}
 	for _, dir := range t.backendDirs() {
-		p := instance.SegmentPath(dir, t.Prefix)
+		p := instance.SegmentPath(dir, t.Name)
 		if _, err := os.Stat(p); err == nil {
 			o.Path = p
 			return o, true

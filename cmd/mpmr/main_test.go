@@ -86,9 +86,16 @@ func startDeadable(t testing.TB, b hugetlb.Backend, rundir string) (helperProc, 
 // removeLeftovers is the safety net of tests that kill primaries: it
 // removes the instance's files if a test failed before cleaning them.
 func removeLeftovers(t testing.TB, b hugetlb.Backend, rundir, prefix string) {
-	os.Remove(instance.SegmentPath(b.Dir, prefix))
-	hugetlb.RemoveFiles(b.Dir, prefix)
+	name := instanceName(rundir, prefix)
+	os.Remove(instance.SegmentPath(b.Dir, name))
+	hugetlb.RemoveFiles(b.Dir, name)
 	os.RemoveAll(filepath.Join(rundir, prefix))
+}
+
+// instanceName is the name that the instance prefix of this user under
+// rundir gives its files in backend directories.
+func instanceName(rundir, prefix string) string {
+	return instance.Name(prefix, os.Geteuid(), filepath.Join(rundir, prefix))
 }
 
 // startSecondary attaches a secondary helper process to instance prefix.

@@ -150,7 +150,7 @@ func newScenario(tb testing.TB, b hugetlb.Backend) *Scenario {
 	}
 	s.logger = slog.New(slog.NewTextHandler(s.log, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	if b.Kind == hugetlb.Hugetlbfs {
-		h := takeHugeSample(s.Prefix, b.PageSize)
+		h := takeHugeSample(s.Name(), b.PageSize)
 		s.huge = &h
 	}
 	return s

@@ -30,7 +30,7 @@ func TestLeftoversAreFound(t *testing.T) {
 	require.Empty(t, s.Leftovers(), "a fresh scenario")
 
 	t.Run("file in the backend directory", func(t *testing.T) {
-		path := filepath.Join(s.Backend.Dir, "mpmr."+s.Prefix+".msl0")
+		path := filepath.Join(s.Backend.Dir, "mpmr."+s.Name()+".msl0")
 		require.NoError(t, os.WriteFile(path, []byte("x"), 0o600))
 		assert.True(t, contains(s.Leftovers(), path))
 		require.NoError(t, os.Remove(path))
@@ -44,7 +44,7 @@ func TestLeftoversAreFound(t *testing.T) {
 		assert.Empty(t, s.Leftovers())
 	})
 	t.Run("mapping in this process", func(t *testing.T) {
-		path := filepath.Join(s.Backend.Dir, "mpmr."+s.Prefix+".ctl")
+		path := s.SegmentPath()
 		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
 		require.NoError(t, err)
 		require.NoError(t, f.Truncate(4096))

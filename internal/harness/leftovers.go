@@ -73,11 +73,16 @@ func taggedProcesses(tag string) []string {
 // instanceDir is the instance's runtime directory.
 func (s *Scenario) instanceDir() string { return filepath.Join(s.RunDir, s.Prefix) }
 
-// filePattern matches every file of the instance in the backend directory:
+// Name returns the name of the scenario's instance in backend directories
+// (instance.Name): its files there are mpmr.NAME.ctl, mpmr.NAME.msl0...
+func (s *Scenario) Name() string { return instance.Name(s.Prefix, os.Geteuid(), s.instanceDir()) }
+
+// SegmentPath returns the path of the instance's control segment.
+func (s *Scenario) SegmentPath() string { return instance.SegmentPath(s.Backend.Dir, s.Name()) }
+
+// backendFiles lists every file of the instance in the backend directory:
 // the segment, its lock, the memseg list files.
-func (s *Scenario) filePattern() string {
-	return filepath.Join(s.Backend.Dir, "mpmr."+s.Prefix+".*")
-}
+func (s *Scenario) backendFiles() []string { return instance.Files(s.Backend.Dir, s.Name()) }
 
 func (s *Scenario) files() []string {
 	var out []string
@@ -90,8 +95,7 @@ func (s *Scenario) files() []string {
 	} else if !os.IsNotExist(err) {
 		out = append(out, fmt.Sprintf("runtime directory %s: %v", s.instanceDir(), err))
 	}
-	matches, _ := filepath.Glob(s.filePattern())
-	for _, m := range matches {
+	for _, m := range s.backendFiles() {
 		out = append(out, "file "+m)
 	}
 	return out
@@ -100,7 +104,7 @@ func (s *Scenario) files() []string {
 // ownMappings finds mappings and descriptors of the instance's files in
 // this process (the in-process primary or secondary did not let go).
 func (s *Scenario) ownMappings() []string {
-	mark := "mpmr." + s.Prefix + "."
+	mark := "mpmr." + s.Name() + "."
 	var out []string
 	if b, err := os.ReadFile("/proc/self/maps"); err == nil {
 		sc := bufio.NewScanner(bytes.NewReader(b))
@@ -124,22 +128,22 @@ func (s *Scenario) ownMappings() []string {
 // hugeSample is the pool's state, with the part of it held by files on
 // hugetlbfs mounts that are not the scenario's.
 type hugeSample struct {
-	prefix   string
+	name     string // the instance's name in backend directories
 	pageSize uint64
 	used     uint64 // Total - Free
 	others   uint64 // pages in other files
 	err      error
 }
 
-func takeHugeSample(prefix string, pageSize uint64) hugeSample {
-	h := hugeSample{prefix: prefix, pageSize: pageSize}
+func takeHugeSample(name string, pageSize uint64) hugeSample {
+	h := hugeSample{name: name, pageSize: pageSize}
 	pool, err := hugetlb.PoolFor(pageSize)
 	if err != nil {
 		h.err = err
 		return h
 	}
 	h.used = pool.Total - pool.Free
-	h.others, h.err = otherHugepages("mpmr."+prefix+".", pageSize)
+	h.others, h.err = otherHugepages("mpmr."+name+".", pageSize)
 	return h
 }
 
@@ -198,7 +202,7 @@ func (s *Scenario) hugepages() string {
 	var now hugeSample
 	othersSeen := before.others != 0
 	for {
-		now = takeHugeSample(before.prefix, before.pageSize)
+		now = takeHugeSample(before.name, before.pageSize)
 		if now.err != nil {
 			return "hugepage pool unreadable: " + now.err.Error()
 		}
@@ -228,12 +232,11 @@ func (s *Scenario) forceClean() {
 	if err := s.Recover(); err != nil {
 		s.tb.Logf("harness: clean-up primary: %v", err)
 	}
-	seg := instance.SegmentPath(s.Backend.Dir, s.Prefix)
+	seg := s.SegmentPath()
 	if _, err := os.Stat(seg); err == nil {
 		_ = shm.MarkDeadFile(seg)
 	}
-	matches, _ := filepath.Glob(s.filePattern())
-	for _, m := range matches {
+	for _, m := range s.backendFiles() {
 		os.Remove(m)
 	}
 	os.RemoveAll(s.instanceDir())

@@ -6,11 +6,14 @@
 package instance
 
 import (
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
@@ -54,9 +57,59 @@ func Dir(prefix, override string) (string, error) {
 	return ipc.RuntimeDir(prefix)
 }
 
-// SegmentPath is the control segment file of prefix in a backend directory.
-func SegmentPath(backendDir, prefix string) string {
-	return filepath.Join(backendDir, "mpmr."+prefix+".ctl")
+// Name returns the name the files of instance prefix carry in backend
+// directories, which other users and other runtime directories share: the
+// prefix, the uid of the instance's user and a hash of the real path of
+// its runtime directory dir, such as "myapp.u1000.3f2a9c01b7e4". Two
+// instances of one prefix, of two users or in two runtime directories,
+// never share a file.
+func Name(prefix string, uid int, dir string) string {
+	sum := sha256.Sum256([]byte(RealPath(dir)))
+	return fmt.Sprintf("%s.u%d.%x", prefix, uid, sum[:6])
+}
+
+// RealPath returns dir, absolute, with symbolic links resolved as far as
+// it exists.
+func RealPath(dir string) string {
+	if r, err := filepath.EvalSymlinks(dir); err == nil {
+		return r
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return dir
+	}
+	if r, err := filepath.EvalSymlinks(filepath.Dir(abs)); err == nil {
+		return filepath.Join(r, filepath.Base(abs))
+	}
+	return abs
+}
+
+// SegmentPath is the control segment file of the instance called name
+// (see Name) in a backend directory.
+func SegmentPath(backendDir, name string) string {
+	return filepath.Join(backendDir, "mpmr."+name+".ctl")
+}
+
+// Files lists the files of the instance called name in a backend
+// directory: its segment, a lock file beside it, and its memseg lists'
+// backing files (see hugetlb.FileName).
+func Files(backendDir, name string) []string {
+	ents, err := os.ReadDir(backendDir)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range ents {
+		rest, ok := strings.CutPrefix(e.Name(), "mpmr."+name+".")
+		if !ok {
+			continue
+		}
+		n, list := strings.CutPrefix(rest, "msl")
+		if rest == "ctl" || rest == "ctl.lock" || list && n != "" && strings.Trim(n, "0123456789") == "" {
+			out = append(out, filepath.Join(backendDir, e.Name()))
+		}
+	}
+	return out
 }
 
 // WriteInfo writes info to dir atomically.
@@ -75,6 +128,58 @@ func WriteInfo(dir string, info Info) error {
 	}
 	return nil
 }
+
+// WriteInfoIn writes info to the runtime directory d atomically, through
+// its descriptor.
+func WriteInfoIn(d *ipc.RunDir, info Info) error {
+	b, err := json.MarshalIndent(info, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := InfoFile + ".tmp"
+	f, err := d.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("instance: write %w", err)
+	}
+	_, err = f.Write(append(b, '\n'))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = d.Rename(tmp, InfoFile)
+	}
+	if err != nil {
+		d.Remove(tmp)
+		return fmt.Errorf("instance: write %s: %w", filepath.Join(d.Path(), InfoFile), err)
+	}
+	return nil
+}
+
+// ReadInfoIn reads the description in the runtime directory d, through
+// its descriptor: the file must be a regular file of the directory's
+// owner or root (else ipc.ErrPermission).
+func ReadInfoIn(d *ipc.RunDir) (Info, error) {
+	var info Info
+	f, err := d.OpenFile(InfoFile, os.O_RDONLY, 0)
+	if err != nil {
+		return info, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxInfo+1))
+	if err == nil && len(b) > maxInfo {
+		err = fmt.Errorf("longer than %d bytes", maxInfo)
+	}
+	if err == nil {
+		err = json.Unmarshal(b, &info)
+	}
+	if err != nil {
+		return info, fmt.Errorf("instance: %s: %w", f.Name(), err)
+	}
+	return info, nil
+}
+
+// maxInfo bounds the description file read.
+const maxInfo = 64 << 10
 
 // ReadInfo reads the description in dir.
 func ReadInfo(dir string) (Info, error) {

@@ -285,7 +285,7 @@ func TestCorruptedSegmentHeader(t *testing.T) {
 		r, err := p.Alloc(p.Backend().PageSize)
 		require.NoError(t, err)
 		attached := s.StartSecondary()
-		segPath := instance.SegmentPath(b.Dir, s.Prefix)
+		segPath := s.SegmentPath()
 		for _, field := range []harness.HeaderField{harness.HeaderMagic, harness.HeaderVersion, harness.HeaderLayout} {
 			restore, err := harness.CorruptHeader(segPath, field)
 			require.NoError(t, err)

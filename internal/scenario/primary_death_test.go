@@ -11,7 +11,6 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/harness"
-	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/testenv"
 )
 
@@ -24,7 +23,7 @@ import (
 func TestPrimaryDeath(t *testing.T) {
 	testenv.ForEachBackend(t, 8, func(t *testing.T, b hugetlb.Backend) {
 		s := harness.New(t, b)
-		segPath := instance.SegmentPath(b.Dir, s.Prefix)
+		segPath := s.SegmentPath()
 		trials := harness.Pick(3, 20)
 		var notice, busyNotice, createFail, restart harness.Durations
 		pp, pr := s.StartPrimaryProcess(4)
