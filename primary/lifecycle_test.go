@@ -2,6 +2,7 @@ package primary_test
 
 import (
 	"bytes"
+	"fmt"
 	"syscall"
 	"testing"
 	"time"
@@ -126,6 +127,43 @@ func TestFreeWithSecondaryStoppedDuringSync(t *testing.T) {
 					assert.Equal(t, "closed", ask(t, s, "close"))
 				}
 			})
+		})
+	}
+}
+
+// Stats tells selective flushes from full ones, in this process's counters
+// and in what the stats request carries.
+func TestStatsCountSelectiveFlushes(t *testing.T) {
+	for _, full := range []bool{false, true} {
+		t.Run(fmt.Sprintf("full=%t", full), func(t *testing.T) {
+			p, _ := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SinglePage, c.FullFlush = true, full })
+			ps := p.Backend().PageSize
+			keep, err := p.Alloc(ps)
+			require.NoError(t, err)
+			gone, err := p.Alloc(ps)
+			require.NoError(t, err)
+			q := p.NewQueue()
+			for _, a := range []uintptr{keep.Addr, gone.Addr} {
+				_, err := q.Lookup(a)
+				require.NoError(t, err)
+			}
+			require.NoError(t, p.Free(gone))
+			_, err = q.Lookup(keep.Addr)
+			require.NoError(t, err)
+			q.Publish()
+			c := p.Stats().Counters
+			assert.Equal(t, uint64(1), c.Flushes)
+			if full {
+				assert.Zero(t, c.SelectiveFlushes)
+				assert.Equal(t, uint64(4), c.FullDropped, "both entries, in both halves")
+			} else {
+				assert.Equal(t, uint64(1), c.SelectiveFlushes)
+				assert.Equal(t, uint64(2), c.SelectiveDropped, "the freed page's entry, in both halves")
+				assert.Zero(t, c.FullDropped)
+			}
+			m := c.Map()
+			assert.Equal(t, c.SelectiveFlushes, m["selective_flushes"])
+			assert.Equal(t, c.SelectiveDropped, m["selective_flush_dropped"])
 		})
 	}
 }

@@ -49,6 +49,9 @@ func (p *Primary) counters() Counters {
 	c.SetLatency(&p.served)
 	c.Syncs = p.syncs.Load()
 	c.SyncDrops = p.drops.Load()
+	c.Fenced = p.fenced.Load()
+	c.Quarantined = uint64(p.mem.Quarantined())
+	c.ReadFences = p.global.LockState().Fences
 	p.syncMu.Lock()
 	c.Secondaries = len(p.peers)
 	p.syncMu.Unlock()

@@ -24,9 +24,11 @@ Shows the counters of instance PREFIX: the primary's, asked over its socket
 and every live process's counter line as it last published it in the
 control segment (secondaries publish about every 250 ms): lookups and which
 level answered them (top half, bottom half, global table, created), failed
-lookups, cache flushes, IPC requests made or served with their p50/p99
-latency, memory syncs, dropped secondaries, and the validation errors the
-application reported.
+lookups, cache flushes (FULL dropped everything, SEL only what an
+invalidation touched, with the entries each dropped), IPC requests made or
+served with their p50/p99 latency, memory syncs, dropped and fenced
+secondaries, pages in quarantine, and the validation errors the application
+reported.
 
 For a dead instance the primary cannot be asked; the published lines of
 processes still alive are shown. It fails (status 1) when a live primary
@@ -128,18 +130,20 @@ func (s *statsOut) print(e *env) error {
 			p.PID, p.Secondaries, p.MRs)
 		fmt.Fprintf(e.stdout, "  requests served %d (%d failed), service time p50 %v p99 %v max %v\n",
 			c.Requests, c.RequestErrors, c.LatencyP50, c.LatencyP99, c.LatencyMax)
-		fmt.Fprintf(e.stdout, "  memory syncs pushed %d, secondaries dropped %d\n", c.Syncs, c.SyncDrops)
-		fmt.Fprintf(e.stdout, "  lookups %d (top %d, bottom %d, global %d, created %d, failed %d), flushes %d, queues %d\n",
-			c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed, c.Flushes, c.Queues)
+		fmt.Fprintf(e.stdout, "  memory syncs pushed %d, secondaries dropped %d, fenced %d, freed pages in quarantine %d, read holds fenced %d\n",
+			c.Syncs, c.SyncDrops, c.Fenced, c.Quarantined, c.ReadFences)
+		fmt.Fprintf(e.stdout, "  lookups %d (top %d, bottom %d, global %d, created %d, failed %d), flushes %d (%d selective), queues %d\n",
+			c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed, c.Flushes, c.SelectiveFlushes, c.Queues)
 	} else {
 		fmt.Fprintf(e.stdout, "primary: %s\n", s.PrimaryError)
 	}
 	fmt.Fprintf(e.stdout, "\nPUBLISHED COUNTERS (%d processes; per-process lines in the segment)\n", len(s.Processes))
-	fmt.Fprintln(w, "SLOT\tPID\tROLE\tLOOKUPS\tTOP\tBOTTOM\tGLOBAL\tCREATED\tFAILED\tFLUSHES\tQUEUES\tREQUESTS\tREQ ERR\tP50\tP99\tSYNCS\tDROPS\tVAL ERR\tUPDATED\t")
+	fmt.Fprintln(w, "SLOT\tPID\tROLE\tLOOKUPS\tTOP\tBOTTOM\tGLOBAL\tCREATED\tFAILED\tFULL\t(DROPPED)\tSEL\t(DROPPED)\tQUEUES\tREQUESTS\tREQ ERR\tP50\tP99\tSYNCS\tDROPS\tVAL ERR\tUPDATED\t")
 	for _, p := range s.Processes {
 		c := p.Counters
-		fmt.Fprintf(w, "%d\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\t%v\t%d\t%d\t%d\t%s ago\t\n",
-			p.Slot, p.PID, p.Role, c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed, c.Flushes,
+		fmt.Fprintf(w, "%d\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%v\t%v\t%d\t%d\t%d\t%s ago\t\n",
+			p.Slot, p.PID, p.Role, c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed,
+			c.Flushes-c.SelectiveFlushes, c.FullDropped, c.SelectiveFlushes, c.SelectiveDropped,
 			c.Queues, c.Requests, c.RequestErrors, round(c.LatencyP50), round(c.LatencyP99), c.Syncs, c.SyncDrops,
 			c.ValidationErrors, round(time.Since(p.Updated)))
 	}

@@ -30,6 +30,12 @@ const (
 	CSyncDrops      // secondaries dropped for not acknowledging a sync
 	CSecondaries    // attached secondaries (primary)
 	CValidationErrs // failures the application reported (see Counters.Add)
+	CSelective      // of the flushes, those that dropped only what an invalidation touched
+	CFullDropped    // entries dropped by full flushes
+	CSelDropped     // entries dropped by selective flushes
+	CFenced         // secondaries fenced for not following memory changes (primary)
+	CQuarantined    // freed pages waiting in quarantine (primary)
+	CReadFences     // global read holds fenced by a writer that would not wait longer
 	NumCounters
 )
 
@@ -38,6 +44,7 @@ var CounterNames = [NumCounters]string{
 	"lookups", "top_hits", "bottom_hits", "global_hits", "created", "failed", "flushes", "queues",
 	"requests", "request_errors", "latency_p50_ns", "latency_p99_ns", "latency_max_ns",
 	"syncs", "sync_drops", "secondaries", "validation_errors",
+	"selective_flushes", "full_flush_dropped", "selective_flush_dropped", "fenced", "quarantined_pages", "read_fences",
 }
 
 // Map returns the counters by CounterNames.
@@ -89,6 +96,12 @@ type Counters struct {
 	Failed     uint64 `json:"failed"`
 	Flushes    uint64 `json:"flushes"` // local caches flushed by an invalidation
 	Queues     int    `json:"queues"`
+	// Of the flushes, those that dropped only the entries an invalidation
+	// touched (the others dropped everything), and the entries each kind
+	// dropped.
+	SelectiveFlushes uint64 `json:"selective_flushes"`
+	FullDropped      uint64 `json:"full_flush_dropped"`
+	SelectiveDropped uint64 `json:"selective_flush_dropped"`
 	// IPC requests made (secondary) or served (primary), and round-trip
 	// (secondary) or service (primary) times.
 	Requests      uint64        `json:"requests"`
@@ -104,25 +117,39 @@ type Counters struct {
 	Secondaries int `json:"secondaries"`
 	// Validation errors the application reported (ReportValidationErrors).
 	ValidationErrors uint64 `json:"validation_errors"`
+	// Secondaries fenced for not following memory changes, and the freed
+	// pages waiting in quarantine meanwhile (primary); global read holds a
+	// writer fenced because they were held too long.
+	Fenced      uint64 `json:"fenced"`
+	Quarantined uint64 `json:"quarantined_pages"`
+	ReadFences  uint64 `json:"read_fences"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
 	return &[NumCounters]uint64{c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed,
 		c.Flushes, uint64(c.Queues), c.Requests, c.RequestErrors, uint64(c.LatencyP50), uint64(c.LatencyP99),
-		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors}
+		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors,
+		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
-	return Counters{v[CLookups], v[CTopHits], v[CBottomHits], v[CGlobalHits], v[CCreated], v[CFailed],
-		v[CFlushes], int(v[CQueues]), v[CRequests], v[CRequestErrors], time.Duration(v[CLatencyP50]),
-		time.Duration(v[CLatencyP99]), time.Duration(v[CLatencyMax]), v[CSyncs], v[CSyncDrops],
-		int(v[CSecondaries]), v[CValidationErrs]}
+	return Counters{
+		Lookups: v[CLookups], TopHits: v[CTopHits], BottomHits: v[CBottomHits], GlobalHits: v[CGlobalHits],
+		Created: v[CCreated], Failed: v[CFailed], Flushes: v[CFlushes], Queues: int(v[CQueues]),
+		SelectiveFlushes: v[CSelective], FullDropped: v[CFullDropped], SelectiveDropped: v[CSelDropped],
+		Requests: v[CRequests], RequestErrors: v[CRequestErrors], LatencyP50: time.Duration(v[CLatencyP50]),
+		LatencyP99: time.Duration(v[CLatencyP99]), LatencyMax: time.Duration(v[CLatencyMax]),
+		Syncs: v[CSyncs], SyncDrops: v[CSyncDrops], Secondaries: int(v[CSecondaries]),
+		ValidationErrors: v[CValidationErrs], Fenced: v[CFenced], Quarantined: v[CQuarantined],
+		ReadFences: v[CReadFences],
+	}
 }
 
 // SetQueues copies queue counters in.
 func (c *Counters) SetQueues(s cache.LocalStats, queues int) {
 	c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits = s.Lookups, s.TopHits, s.BottomHits, s.GlobalHits
 	c.Created, c.Failed, c.Flushes, c.Queues = s.Created, s.Failed, s.Flushes, queues
+	c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped = s.SelectiveFlushes, s.FullDropped, s.SelectiveDropped
 }
 
 // SetLatency copies a histogram's quantiles in.
