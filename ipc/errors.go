@@ -39,14 +39,15 @@ var (
 	// ErrBadPrefix means an instance prefix has characters or a length
 	// that cannot make a safe directory name.
 	ErrBadPrefix = errors.New("ipc: bad instance prefix")
-	// ErrPermission means a refusal for safety: a directory or file on
-	// the way to an instance (see RunDir), or the process at the other
-	// end of a socket, belongs to a user this process does not trust, or
-	// is writable by other users, so that another user could have made
-	// or could change it. The message names the path or peer, its owner
-	// and mode, this process's uid and the fix. (A socket or directory
-	// this user may not reach at all is the system's fs.ErrPermission.)
-	ErrPermission = errors.New("ipc: refused: another user could have made or could change this")
+	// ErrPermission means a permission problem on the way to an
+	// instance: a refusal for safety — a directory or file (see RunDir),
+	// or the process at the other end of a socket, belongs to a user this
+	// process does not trust, or is writable by other users, so that
+	// another user could have made or could change it — or, in the
+	// runtimes, an instance this user may not reach. The message names
+	// the path or peer, its owner and mode, this process's uid and the
+	// fix.
+	ErrPermission = errors.New("mpmr: permission problem")
 	// ErrUnsafeDir is ErrPermission, by the name it had when it only
 	// concerned the socket's directory.
 	ErrUnsafeDir = ErrPermission

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -150,6 +151,9 @@ func (s *Secondary) attach(ctx context.Context) error {
 		if errors.Is(err, ipc.ErrPermission) {
 			return err
 		}
+		if errors.Is(err, fs.ErrPermission) {
+			return deniedErr(dir, err)
+		}
 		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
 	}
 	defer rundir.Close()
@@ -157,6 +161,10 @@ func (s *Secondary) attach(ctx context.Context) error {
 	s.client, err = ipc.DialClient(ctx, sock,
 		ipc.ClientConfig{PushHandler: (*pushes)(s), Logger: s.log, Spin: s.cfg.Spin})
 	if err != nil {
+		if errors.Is(err, fs.ErrPermission) {
+			// Something listens, or at least is there, but not for us.
+			return deniedErr(rundir.Path(), err)
+		}
 		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
 	}
 	// The kernel says who listens; a file only says who wrote it.
@@ -246,6 +254,23 @@ func (s *Secondary) trusted(uid int) bool {
 // checkOwner makes sure the file at path is a regular file of the
 // primary's user (or root): the segment sits in a directory that others
 // may write to (/dev/shm, a hugetlbfs mount).
+// deniedErr turns the system's "permission denied" on the way to an
+// instance into ErrPermission, naming the nearest directory this process
+// could look at, its owner and mode, and this process's uid.
+func deniedErr(dir string, err error) error {
+	for p := dir; ; p = filepath.Dir(p) {
+		var st syscall.Stat_t
+		if syscall.Stat(p, &st) == nil {
+			return fmt.Errorf("%w: %v: %s belongs to uid %d (mode %04o) and this process runs as uid %d: "+
+				"run it as uid %d, or have that user's primary let uid %d in (primary.Config.AllowUIDs)",
+				ErrPermission, err, p, st.Uid, st.Mode&0o7777, os.Geteuid(), st.Uid, os.Geteuid())
+		}
+		if p == filepath.Dir(p) {
+			return fmt.Errorf("%w: %v; this process runs as uid %d", ErrPermission, err, os.Geteuid())
+		}
+	}
+}
+
 func checkOwner(path string, uid int) error {
 	fi, err := os.Lstat(path)
 	if err != nil {

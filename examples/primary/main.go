@@ -1,38 +1,300 @@
+// Command primary runs the main job: it starts a primary, puts a mempool of
+// packet buffers in shared hugepage memory, launches secondary processes
+// (examples/secondary) whose queues move payloads between those buffers
+// through the soft device, keeps freeing and reallocating a region of
+// memory while they work, and prints what every process did.
+//
+//	go run ./examples/primary                        # the main job
+//	go run ./examples/primary -secondaries 0 -duration 1h &   # a primary alone...
+//	go run ./examples/secondary -duration 5s                   # ...and a secondary by hand
+//
+// It exits 0 only if every secondary finished with every copy intact and
+// every key validated.
 package main
 
 import (
+	"bufio"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
 
-	"github.com/mpmr/mpmr/internal/demo"
+	"github.com/mpmr/mpmr/examples/internal/job"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/primary"
 )
 
+type config struct {
+	job.Flags
+	backend      string
+	device       string
+	secondaries  int
+	buffers      int
+	churn        bool
+	secondaryBin string
+}
+
 func main() {
-	o := demo.Flags(flag.CommandLine)
-	role := flag.String("role", "primary", "primary, or secondary (how the primary launches its secondaries)")
+	var c config
+	c.Register(flag.CommandLine)
+	flag.StringVar(&c.backend, "backend", "auto", "memory backend: auto, hugetlbfs or tmpfs")
+	flag.StringVar(&c.device, "device", "soft", "device: soft, or an rdma-core device name (needs -tags rdma)")
+	flag.IntVar(&c.secondaries, "secondaries", 2, "secondary processes to launch (0: serve secondaries started by hand)")
+	flag.IntVar(&c.buffers, "buffers", 8192, "buffers in the pool")
+	flag.BoolVar(&c.churn, "churn", true, "free and reallocate memory while the secondaries work")
+	flag.StringVar(&c.secondaryBin, "secondary-bin", "", "the examples/secondary program to launch (default: built from this module)")
 	flag.Parse()
-	ctx, stop := o.Setup()
-	defer stop()
-	var err error
-	if *role == "secondary" {
-		_, err = demo.RunSecondary(ctx, *o)
-	} else {
-		err = demo.RunPrimary(ctx, *o, launchSelf)
-	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, c)
+	stop()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "error:", err)
+		fmt.Fprintln(os.Stderr, "primary:", err)
 		os.Exit(1)
 	}
 }
 
-// launchSelf runs this program again as a secondary.
-func launchSelf(ctx context.Context, o demo.Options, n int) *exec.Cmd {
-	exe, err := os.Executable()
+func run(ctx context.Context, c config) error {
+	kind, err := hugetlb.ParseKind(c.backend)
 	if err != nil {
-		exe = os.Args[0]
+		return err
 	}
-	return exec.CommandContext(ctx, exe, append(o.Args(), "-role", "secondary")...)
+	// Start creates the control segment, the data memory, the device and
+	// the global MR cache, and serves secondaries on a unix socket. Only
+	// one primary runs per prefix; a dead one's leftovers are cleaned up.
+	p, err := primary.Start(primary.Config{Prefix: c.Prefix, RuntimeDir: c.RuntimeDir, Backend: kind,
+		Device: c.device, Logger: c.Logger()})
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	fmt.Printf("primary pid %d: backend %s (%s)\n", os.Getpid(), p.Backend(), p.RuntimeDir())
+
+	// The pool lives in data memory, mapped at the same address in every
+	// process; secondaries open it by name.
+	pool, err := p.CreatePool(job.PoolName, c.BufSize, c.buffers)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("primary: pool %q of %d buffers of %d bytes at 0x%x\n", job.PoolName, pool.Count(), pool.ObjSize(), pool.Chunks()[0].Addr)
+	// Register the pool before any queue starts, as DPDK's drivers do: the
+	// MRs exist before the datapath needs them (secondaries then find them
+	// in the global table instead of asking over IPC), and memory outside
+	// the memseg lists could only be registered here.
+	q := p.NewQueue()
+	if err := p.RegisterMempool(q, pool); err != nil {
+		return err
+	}
+	q.Close()
+
+	// The churn proves the library's first promise while traffic runs:
+	// once Free returns, no lookup in any process gets a key for the freed
+	// memory. Secondaries look the churned region up and validate the key.
+	// Queues whose buffers are elsewhere keep their cached keys (a free
+	// drops only what it touched).
+	var churns atomic.Uint64
+	stopChurn := func() {}
+	if c.churn {
+		if stopChurn, err = churn(p, &churns); err != nil {
+			return err
+		}
+	}
+	defer func() { stopChurn() }()
+
+	start := time.Now()
+	var sums []job.Summary
+	var failed []error
+	if c.secondaries == 0 {
+		fmt.Printf("primary: serving for %v (prefix %s); attach with examples/secondary\n", c.Duration, c.Prefix)
+		select {
+		case <-ctx.Done():
+		case <-time.After(c.Duration):
+		}
+	} else {
+		bin, cleanup, err := secondaryProgram(c.secondaryBin)
+		if err != nil {
+			return err
+		}
+		sums, failed = launch(ctx, bin, c)
+		cleanup()
+	}
+	stopChurn()
+	stopChurn = func() {}
+
+	st := p.Stats()
+	fmt.Printf("\nsummary after %v: %d memory churns, %d MRs live, %d invalidations; %d requests served (p50 %v, p99 %v); %d secondaries fenced\n",
+		time.Since(start).Round(time.Millisecond), churns.Load(), st.Global.MRs, st.Global.Invalidations,
+		st.Counters.Requests, st.Counters.LatencyP50.Round(time.Microsecond), st.Counters.LatencyP99.Round(time.Microsecond),
+		st.Counters.Fenced)
+	for _, s := range sums {
+		fmt.Printf("  %s\n", s)
+		if s.Failed() {
+			failed = append(failed, fmt.Errorf("secondary pid %d: %d validation failures, errors %v", s.PID, s.ValidationErrors, s.Errors))
+		}
+	}
+	return errors.Join(failed...)
+}
+
+// churn frees and reallocates a region every 20 ms and publishes where it
+// is, until the returned function is called.
+func churn(p *primary.Primary, count *atomic.Uint64) (stop func(), err error) {
+	sc, err := job.NewScratch(p.Segment())
+	if err != nil {
+		return nil, err
+	}
+	size := 2 * p.Backend().PageSize
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(20 * time.Millisecond)
+		defer t.Stop()
+		var cur hugetlb.Region
+		for {
+			// Mark the region changing before it goes; publish the new
+			// one only once every secondary has mapped it (Alloc returns
+			// then).
+			sc.Begin()
+			if cur.Len != 0 {
+				if err := p.Free(cur); err != nil {
+					fmt.Fprintln(os.Stderr, "primary: churn:", err)
+					sc.End(0, 0)
+					return
+				}
+				cur = hugetlb.Region{}
+			}
+			if r, err := p.Alloc(size); err == nil {
+				cur = r
+				count.Add(1)
+			}
+			sc.End(uint64(cur.Addr), cur.Len)
+			select {
+			case <-done:
+				if cur.Len != 0 {
+					sc.Begin()
+					_ = p.Free(cur)
+					sc.End(0, 0)
+				}
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	var once sync.Once
+	return func() { once.Do(func() { close(done); wg.Wait() }) }, nil
+}
+
+// launch runs the secondaries, relays what they print and collects their
+// summaries. A secondary that fails or ends without a summary is an error.
+func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) {
+	sums := make([]job.Summary, c.secondaries)
+	errs := make([]error, c.secondaries)
+	var wg sync.WaitGroup
+	for i := range c.secondaries {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sums[i], errs[i] = runSecondary(ctx, exec.CommandContext(ctx, bin, c.Args()...), i)
+		}()
+	}
+	wg.Wait()
+	var got []job.Summary
+	var failed []error
+	for i := range sums {
+		if errs[i] != nil {
+			failed = append(failed, fmt.Errorf("secondary %d: %w", i, errs[i]))
+		} else {
+			got = append(got, sums[i])
+		}
+	}
+	return got, failed
+}
+
+func runSecondary(ctx context.Context, cmd *exec.Cmd, n int) (job.Summary, error) {
+	var sum job.Summary
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return sum, err
+	}
+	cmd.Stderr = &prefixed{w: os.Stderr, prefix: fmt.Sprintf("[secondary %d] ", n)}
+	if err := cmd.Start(); err != nil {
+		return sum, err
+	}
+	got := false
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() {
+		if s, ok := job.ParseLine(sc.Text()); ok {
+			sum, got = s, true
+			continue
+		}
+		fmt.Printf("[secondary %d] %s\n", n, sc.Text())
+	}
+	if err := cmd.Wait(); err != nil {
+		return sum, err
+	}
+	if !got {
+		return sum, errors.New("ended without a summary")
+	}
+	return sum, ctx.Err()
+}
+
+// secondaryProgram finds the secondary example: the -secondary-bin flag,
+// a program named secondary beside this one, or one built now from this
+// module (what "go run ./examples/primary" needs).
+func secondaryProgram(flagged string) (bin string, cleanup func(), err error) {
+	if flagged != "" {
+		return flagged, func() {}, nil
+	}
+	if exe, err := os.Executable(); err == nil {
+		beside := filepath.Join(filepath.Dir(exe), "secondary")
+		if st, err := os.Stat(beside); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+			return beside, func() {}, nil
+		}
+	}
+	dir, err := os.MkdirTemp("", "mpmr-example-")
+	if err != nil {
+		return "", nil, err
+	}
+	cleanup = func() { os.RemoveAll(dir) }
+	bin = filepath.Join(dir, "secondary")
+	fmt.Println("primary: building examples/secondary")
+	build := exec.Command("go", "build", "-o", bin, "github.com/mpmr/mpmr/examples/secondary")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		cleanup()
+		return "", nil, fmt.Errorf("building examples/secondary (run from inside the module, or give -secondary-bin): %w", err)
+	}
+	return bin, cleanup, nil
+}
+
+// prefixed writes each line with a prefix.
+type prefixed struct {
+	mu     sync.Mutex
+	w      io.Writer
+	prefix string
+	rest   []byte
+}
+
+func (p *prefixed) Write(b []byte) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.rest = append(p.rest, b...)
+	for {
+		i := strings.IndexByte(string(p.rest), '\n')
+		if i < 0 {
+			return len(b), nil
+		}
+		fmt.Fprintf(p.w, "%s%s\n", p.prefix, p.rest[:i])
+		p.rest = p.rest[i+1:]
+	}
 }

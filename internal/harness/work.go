@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
-	"github.com/mpmr/mpmr/internal/demo"
 	"github.com/mpmr/mpmr/secondary"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
@@ -285,7 +284,7 @@ func work(s *secondary.Secondary, spec WorkSpec) (WorkResult, error) {
 		w := &worker{s: s, q: q, checkQ: cache.NewLocal(s.Global(), noCreate{}, 0), board: board, line: spec.Worker + i,
 			c: &c, probs: &probs, rng: rand.New(rand.NewPCG(uint64(os.Getpid()), uint64(i)))}
 		if pool != nil {
-			w.mover = &demo.Mover{Dev: s.Device(), Q: q, Pool: pool, Size: uint32(spec.BufSize), Seed: byte(i)}
+			w.mover = &mover{dev: s.Device(), q: q, pool: pool, size: uint32(spec.BufSize), seed: byte(i)}
 		}
 		workers = append(workers, w)
 		wg.Add(1)
@@ -333,7 +332,7 @@ type worker struct {
 	q      *secondary.Queue // copies: the secondary's regular queue
 	checkQ *cache.Local     // checks: a cache that never creates
 	board  *boardView
-	mover  *demo.Mover // copies, when the workload has a pool
+	mover  *mover // copies, when the workload has a pool
 	line   int
 	c      *counters
 	probs  *problems
@@ -352,7 +351,7 @@ func (w *worker) run(checkEvery int, deadline time.Time) {
 		}
 		if w.mover != nil {
 			w.c.lookups.Add(2)
-			if err := w.mover.Move(); err != nil {
+			if err := w.mover.move(); err != nil {
 				if errors.Is(err, secondary.ErrPrimaryGone) {
 					w.probs.add("queue %d: %v", w.line, err)
 					w.c.errs.Add(1)

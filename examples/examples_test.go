@@ -1,0 +1,192 @@
+package examples_test
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/examples/internal/job"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/testenv"
+)
+
+// build compiles both examples, once per test binary, into a directory
+// every user may read, so that a secondary can run as another user.
+var build = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "mpmr-examples-")
+	if err != nil {
+		return "", err
+	}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		return "", err
+	}
+	cmd := exec.Command("go", "build", "-o", dir+string(filepath.Separator),
+		"github.com/mpmr/mpmr/examples/primary", "github.com/mpmr/mpmr/examples/secondary")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", errors.New(string(out))
+	}
+	return dir, nil
+})
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if dir, err := build(); err == nil {
+		os.RemoveAll(dir)
+	}
+	os.Exit(code)
+}
+
+func programs(t *testing.T) (primary, secondary string) {
+	t.Helper()
+	if _, err := exec.LookPath("go"); err != nil {
+		t.Skipf("the examples are built with the go command, which is not on PATH: %v", err)
+	}
+	dir, err := build()
+	require.NoError(t, err, "building the examples")
+	return filepath.Join(dir, "primary"), filepath.Join(dir, "secondary")
+}
+
+// runDir is a runtime directory every user may traverse (the instance's
+// own directory inside stays private).
+func runDir(t *testing.T) string {
+	t.Helper()
+	dir := testenv.RunDir(t)
+	require.NoError(t, os.Chmod(dir, 0o755))
+	return dir
+}
+
+// The main job as the README runs it, shortened: a primary launches two
+// secondaries that copy payloads while memory churns, and every process
+// reports; the run fails on any validation failure.
+func TestMainJob(t *testing.T) {
+	prim, sec := programs(t)
+	testenv.ForEachBackend(t, 16, func(t *testing.T, b hugetlb.Backend) {
+		cmd := exec.CommandContext(t.Context(), prim, "-prefix", testenv.Prefix(t), "-rundir", runDir(t),
+			"-backend", b.Kind.String(), "-secondaries", "2", "-duration", "500ms", "-buffers", "1024",
+			"-secondary-bin", sec)
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, "output:\n%s", out)
+		text := string(out)
+		t.Log(text)
+		assert.Equal(t, 2, strings.Count(text, "\n  secondary pid"), "a summary per secondary")
+		assert.NotContains(t, text, "ended without a summary")
+		for _, line := range strings.Split(text, "\n") {
+			if strings.HasPrefix(line, "  secondary pid") {
+				assert.Contains(t, line, "validation failures 0")
+			}
+		}
+		assert.Regexp(t, `summary after .*: [1-9][0-9]* memory churns`, text, "memory churned during the run")
+	})
+}
+
+// startPrimary runs the primary example alone, serving secondaries started
+// by hand, and waits until it serves.
+func startPrimary(t *testing.T, prim, prefix, rundir string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.CommandContext(t.Context(), prim, "-prefix", prefix, "-rundir", rundir, "-backend", "tmpfs",
+		"-secondaries", "0", "-duration", "1m")
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), "serving for") {
+			go func() { // keep the pipe drained
+				for sc.Scan() {
+				}
+			}()
+			return cmd
+		}
+	}
+	t.Fatalf("the primary ended before serving")
+	return nil
+}
+
+// A secondary whose primary dies stops its queues, says so in one line and
+// exits with status 2 — it does not keep copying until its time is up.
+func TestSecondaryStopsWhenPrimaryDies(t *testing.T) {
+	prim, sec := programs(t)
+	prefix, rundir := testenv.Prefix(t), runDir(t)
+	p := startPrimary(t, prim, prefix, rundir)
+
+	s := exec.CommandContext(t.Context(), sec, "-prefix", prefix, "-rundir", rundir, "-duration", "1m")
+	stdout, err := s.StdoutPipe()
+	require.NoError(t, err)
+	var stderr bytes.Buffer
+	s.Stderr = &stderr
+	require.NoError(t, s.Start())
+	t.Cleanup(func() { _ = s.Process.Kill() })
+	sc := bufio.NewScanner(stdout)
+	require.True(t, sc.Scan(), "a progress line")
+	require.Contains(t, sc.Text(), "copies")
+
+	require.NoError(t, p.Process.Signal(syscall.SIGKILL))
+	done := make(chan error, 1)
+	go func() {
+		for sc.Scan() {
+		}
+		done <- s.Wait()
+	}()
+	select {
+	case err = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the secondary still runs 30 s after its primary was killed; stderr:\n%s", stderr.String())
+	}
+	var exit *exec.ExitError
+	require.ErrorAs(t, err, &exit, "stderr:\n%s", stderr.String())
+	assert.Equal(t, 2, exit.ExitCode())
+	lines := strings.Split(strings.TrimSpace(stderr.String()), "\n")
+	last := lines[len(lines)-1]
+	assert.Regexp(t, `secondary pid \d+: the primary has gone: stopped 1 queues after \d+ copies; exiting`, last)
+}
+
+// A secondary of another user is told it lacks permission — which path,
+// whose, and which uid it runs as — and not that no primary runs.
+func TestSecondaryOfAnotherUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("running a secondary as another user needs root")
+	}
+	prim, sec := programs(t)
+	prefix, rundir := testenv.Prefix(t), runDir(t)
+	startPrimary(t, prim, prefix, rundir)
+
+	const uid = 42061
+	s := exec.CommandContext(t.Context(), sec, "-prefix", prefix, "-rundir", rundir, "-duration", "1s")
+	s.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid}}
+	out, err := s.CombinedOutput()
+	var exit *exec.ExitError
+	require.ErrorAs(t, err, &exit, "output:\n%s", out)
+	assert.Equal(t, 1, exit.ExitCode())
+	text := string(out)
+	assert.Contains(t, text, "permission problem")
+	assert.Contains(t, text, filepath.Join(rundir, prefix), "names the path")
+	assert.Contains(t, text, "belongs to uid 0", "its owner")
+	assert.Contains(t, text, "runs as uid 42061", "and the uid we are")
+	assert.NotContains(t, text, "no primary is running")
+}
+
+// The summary a secondary prints is the one the primary parses.
+func TestSummaryLine(t *testing.T) {
+	in := job.Summary{Role: "secondary", PID: 7, Lookups: 3, ValidationErrors: 1, Errors: []string{"x"}}
+	out, ok := job.ParseLine(in.Line())
+	require.True(t, ok)
+	assert.Equal(t, in, out)
+	assert.True(t, out.Failed())
+	_, ok = job.ParseLine("secondary pid 7: 3 lookups/s")
+	assert.False(t, ok)
+}
