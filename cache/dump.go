@@ -47,7 +47,8 @@ func (g *Global) Dump() (Dump, error) {
 }
 
 func (g *Global) dumpLocked() (Dump, error) {
-	d := Dump{DevGen: atomic.LoadUint32(g.devGen), Stats: g.Stats()}
+	// Empty lists, not missing ones, for the JSON of operators' tools.
+	d := Dump{DevGen: atomic.LoadUint32(g.devGen), Stats: g.Stats(), MRs: []MRInfo{}, FreeMRs: []MRInfo{}, Table: []Entry{}}
 	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
 		d.MRs = append(d.MRs, m.info())
 		return true

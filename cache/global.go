@@ -361,15 +361,16 @@ func (g *Global) eachMR(head uint64, fn func(mr) bool) error {
 
 // GlobalStats are the global cache's counters.
 type GlobalStats struct {
-	MRs, FreeMRs  int
-	TableLen      int // entries, sentinel excluded
-	TableSize     int
-	Overflowed    bool
-	DevGen        uint32
-	Creates       uint64
-	Rebuilds      uint64
-	Expansions    uint64
-	Invalidations uint64
+	MRs           int    `json:"mrs"`
+	FreeMRs       int    `json:"free_mrs"`
+	TableLen      int    `json:"table_len"` // entries, sentinel excluded
+	TableSize     int    `json:"table_size"`
+	Overflowed    bool   `json:"overflowed"`
+	DevGen        uint32 `json:"dev_gen"`
+	Creates       uint64 `json:"creates"`
+	Rebuilds      uint64 `json:"rebuilds"`
+	Expansions    uint64 `json:"expansions"`
+	Invalidations uint64 `json:"invalidations"`
 }
 
 // Stats reads the counters (without the lock: a best-effort snapshot).

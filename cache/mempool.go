@@ -371,11 +371,11 @@ func (p *ExternalPool) Put(addr uintptr) error {
 
 // PoolInfo describes a shared pool, for dumps.
 type PoolInfo struct {
-	Name    string
-	Base    uint64
-	ObjSize uint64
-	Count   int
-	InUse   int
+	Name    string `json:"name"`
+	Base    uint64 `json:"base"`
+	ObjSize uint64 `json:"obj_size"`
+	Count   int    `json:"count"`
+	InUse   int    `json:"in_use"`
 }
 
 // Pools lists the shared pools of seg.

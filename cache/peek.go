@@ -79,7 +79,8 @@ func PeekGlobal(seg *shm.Segment, patience time.Duration) (Peek, error) {
 // peek reads the state once. valid, if not nil, is asked now and then
 // during long walks; once it says no, the read stops with errTorn.
 func (g *Global) peek(valid func() bool) (Dump, error) {
-	d := Dump{DevGen: atomic.LoadUint32(g.devGen), Stats: g.Stats()}
+	// Empty lists, not missing ones, for the JSON of operators' tools.
+	d := Dump{DevGen: atomic.LoadUint32(g.devGen), Stats: g.Stats(), MRs: []MRInfo{}, FreeMRs: []MRInfo{}, Table: []Entry{}}
 	// Every record is an arena block of its own, so a list longer than
 	// the arena has blocks runs in a circle.
 	limit := g.seg.ArenaStats().Blocks

@@ -19,9 +19,9 @@ const InvalidKey uint32 = 0xFFFFFFFF
 //	 16   4  LKey  host byte order
 //	 20   4  reserved
 type Entry struct {
-	Start uint64
-	End   uint64
-	LKey  uint32
+	Start uint64 `json:"start"`
+	End   uint64 `json:"end"`
+	LKey  uint32 `json:"lkey"`
 	_     uint32
 }
 

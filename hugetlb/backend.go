@@ -38,6 +38,18 @@ func (k Kind) String() string {
 	return fmt.Sprintf("kind(%d)", int(k))
 }
 
+// MarshalText names the kind, for JSON.
+func (k Kind) MarshalText() ([]byte, error) { return []byte(k.String()), nil }
+
+// UnmarshalText reads what MarshalText wrote (see ParseKind).
+func (k *Kind) UnmarshalText(b []byte) error {
+	v, err := ParseKind(string(b))
+	if err == nil {
+		*k = v
+	}
+	return err
+}
+
 // ParseKind parses "auto", "hugetlbfs" (or "hugetlb") and "tmpfs" (or
 // "shm"); the empty string means Auto.
 func ParseKind(s string) (Kind, error) {

@@ -101,28 +101,30 @@ func (m *Memory) find(addr uintptr) (*list, int, bool) {
 
 // ListInfo is the accounting of one memseg list.
 type ListInfo struct {
-	Index    int
-	Base     uintptr
-	End      uintptr // first address past the reserved range
-	PageSize uint64
-	Backend  Kind
-	File     string // backing file
+	Index    int     `json:"index"`
+	Base     uintptr `json:"base"`
+	End      uintptr `json:"end"` // first address past the reserved range
+	PageSize uint64  `json:"page_size"`
+	Backend  Kind    `json:"backend"`
+	File     string  `json:"file"` // backing file
 
 	// Pages.
-	Capacity  int
-	Allocated int // allocated by the primary
-	Free      int
-	Mapped    int // mapped in this process (a secondary lags the primary until it syncs)
+	Capacity  int `json:"capacity"`
+	Allocated int `json:"allocated"` // allocated by the primary
+	Free      int `json:"free"`
+	Mapped    int `json:"mapped"` // mapped in this process (a secondary lags the primary until it syncs)
 	// LargestFree is the longest run of free pages: the largest
 	// allocation the list can still serve.
-	LargestFree int
+	LargestFree int `json:"largest_free"`
 
 	// Quarantined pages are free but wait until no fenced process may map
 	// them any more (primary only; see ReleaseQuarantine); they count as
 	// free above but are not in LargestFree.
-	Quarantined int
+	Quarantined int `json:"quarantined"`
 	// The same in bytes.
-	CapacityBytes, AllocatedBytes, FreeBytes uint64
+	CapacityBytes  uint64 `json:"capacity_bytes"`
+	AllocatedBytes uint64 `json:"allocated_bytes"`
+	FreeBytes      uint64 `json:"free_bytes"`
 }
 
 // Lists returns the accounting of every list (nil after Close).

@@ -186,12 +186,13 @@ func (s *Segment) freeRange(start, size uint64) {
 
 // ArenaStats describes the arena's use.
 type ArenaStats struct {
-	Start, End  uint64 // arena bounds in the segment
-	UsedBytes   uint64 // in allocated blocks, headers included
-	Blocks      uint64 // allocated blocks
-	FreeBytes   uint64
-	FreeBlocks  int
-	LargestFree uint64
+	Start       uint64 `json:"start"`
+	End         uint64 `json:"end"`        // arena bounds in the segment
+	UsedBytes   uint64 `json:"used_bytes"` // in allocated blocks, headers included
+	Blocks      uint64 `json:"blocks"`     // allocated blocks
+	FreeBytes   uint64 `json:"free_bytes"`
+	FreeBlocks  int    `json:"free_blocks"`
+	LargestFree uint64 `json:"largest_free"`
 }
 
 // ArenaStats walks the free list. Without the owner's lock (other

@@ -12,17 +12,17 @@ import (
 
 // Info is what a segment's header says about it.
 type Info struct {
-	Path         string
-	Version      uint32
-	State        string // "initializing", "ready", "dead"
-	Size         uint64
-	MaxSize      uint64
-	PageSize     uint64
-	Hugetlbfs    bool
-	Slots        int
-	CreatorPID   int
-	CreatorUID   int
-	CreatorStart uint64
+	Path         string `json:"path"`
+	Version      uint32 `json:"version"`
+	State        string `json:"state"` // "initializing", "ready", "dead"
+	Size         uint64 `json:"size"`
+	MaxSize      uint64 `json:"max_size"`
+	PageSize     uint64 `json:"page_size"`
+	Hugetlbfs    bool   `json:"hugetlbfs"`
+	Slots        int    `json:"slots"`
+	CreatorPID   int    `json:"creator_pid"`
+	CreatorUID   int    `json:"creator_uid"`
+	CreatorStart uint64 `json:"creator_start"`
 }
 
 func stateName(s uint32) string {

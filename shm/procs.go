@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"sync/atomic"
 
 	"github.com/mpmr/mpmr/internal/ofd"
@@ -36,6 +37,26 @@ func (r Role) String() string {
 	return "role(" + strconv.Itoa(int(r)) + ")"
 }
 
+// MarshalText names the role, for JSON.
+func (r Role) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
+
+// UnmarshalText reads what MarshalText wrote.
+func (r *Role) UnmarshalText(b []byte) error {
+	for _, c := range []Role{RoleNone, RolePrimary, RoleSecondary, RoleObserver} {
+		if c.String() == string(b) {
+			*r = c
+			return nil
+		}
+	}
+	if n, ok := strings.CutPrefix(string(b), "role("); ok {
+		if v, err := strconv.ParseUint(strings.TrimSuffix(n, ")"), 10, 32); err == nil {
+			*r = Role(v)
+			return nil
+		}
+	}
+	return fmt.Errorf("shm: unknown role %q", b)
+}
+
 const (
 	slotFree uint32 = 0
 	slotLive uint32 = 1
@@ -43,23 +64,23 @@ const (
 
 // Proc describes one process-table slot.
 type Proc struct {
-	Slot  int
-	PID   int
-	UID   int
-	Start uint64 // process start time, clock ticks after boot
-	Role  Role
-	Epoch uint32 // how many times the slot has been claimed
+	Slot  int    `json:"slot"`
+	PID   int    `json:"pid"`
+	UID   int    `json:"uid"`
+	Start uint64 `json:"start"` // process start time, clock ticks after boot
+	Role  Role   `json:"role"`
+	Epoch uint32 `json:"epoch"` // how many times the slot has been claimed
 	// Live is what the slot says: a process claimed it and has not
 	// released it.
-	Live bool
+	Live bool `json:"live"`
 	// Alive is what the kernel says: the claimant still holds the slot's
 	// lock. A Live slot that is not Alive belongs to a process that died.
-	Alive bool
+	Alive bool `json:"alive"`
 	// Fenced: the primary stopped trusting this claim to follow memory
 	// changes (see Segment.Fence).
-	Fenced bool
+	Fenced bool `json:"fenced"`
 	// Unmapped: the claimant declared it maps no data memory any more.
-	Unmapped bool
+	Unmapped bool `json:"unmapped"`
 }
 
 // selfStart is this process's start time, read once.

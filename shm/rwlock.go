@@ -479,15 +479,15 @@ func (l *RWLock) Validate(stamp uint32) bool {
 
 // LockState is a snapshot of a lock, for operators.
 type LockState struct {
-	Offset         uint64
-	WriterSlot     int    // -1: none
-	WriterEpoch    uint32 // the epoch of WriterSlot the writer claimed it with
-	Inconsistent   bool
-	NotRecoverable bool
-	Waiters        int
-	Seq            uint32
-	Fences         uint64      // read holds fenced since the lock was made
-	Readers        map[int]int // slot -> read holds, for slots holding any
+	Offset         uint64      `json:"offset"`
+	WriterSlot     int         `json:"writer_slot"`  // -1: none
+	WriterEpoch    uint32      `json:"writer_epoch"` // the epoch of WriterSlot the writer claimed it with
+	Inconsistent   bool        `json:"inconsistent"`
+	NotRecoverable bool        `json:"not_recoverable"`
+	Waiters        int         `json:"waiters"`
+	Seq            uint32      `json:"seq"`
+	Fences         uint64      `json:"fences"`  // read holds fenced since the lock was made
+	Readers        map[int]int `json:"readers"` // slot -> read holds, for slots holding any
 }
 
 // State returns a snapshot of the lock.

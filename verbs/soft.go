@@ -54,12 +54,12 @@ func (s SGE) String() string {
 // every process reads the same figures, and they are read as one
 // consistent set.
 type SoftStats struct {
-	MaxMRs          int
-	Registrations   uint64 // successful registrations since creation
-	Deregistrations uint64 // deregistrations, explicit or by Close
-	LiveMRs         uint64 // Registrations - Deregistrations
-	PinnedBytes     uint64 // bytes of live MRs whose pages mlock pinned
-	UnpinnedMRs     uint64 // live MRs registered without a pin (see RegMR)
+	MaxMRs          int    `json:"max_mrs"`
+	Registrations   uint64 `json:"registrations"`   // successful registrations since creation
+	Deregistrations uint64 `json:"deregistrations"` // deregistrations, explicit or by Close
+	LiveMRs         uint64 `json:"live_mrs"`        // Registrations - Deregistrations
+	PinnedBytes     uint64 `json:"pinned_bytes"`    // bytes of live MRs whose pages mlock pinned
+	UnpinnedMRs     uint64 `json:"unpinned_mrs"`    // live MRs registered without a pin (see RegMR)
 }
 
 // Soft is one process's handle on the soft device: a software HCA whose MR

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 
 	"github.com/mpmr/mpmr/shm"
@@ -55,6 +56,36 @@ func (a Access) String() string {
 	return strings.Join(parts, "|")
 }
 
+// MarshalText names the flags as String does, for JSON.
+func (a Access) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
+
+// UnmarshalText reads what MarshalText wrote.
+func (a *Access) UnmarshalText(b []byte) error {
+	var v Access
+	if string(b) != "read-only" {
+		for _, part := range strings.Split(string(b), "|") {
+			switch part {
+			case "local-write":
+				v |= AccessLocalWrite
+			case "remote-read":
+				v |= AccessRemoteRead
+			case "remote-write":
+				v |= AccessRemoteWrite
+			case "relaxed-ordering":
+				v |= AccessRelaxedOrdering
+			default:
+				n, err := strconv.ParseUint(strings.TrimPrefix(part, "0x"), 16, 32)
+				if err != nil || !strings.HasPrefix(part, "0x") {
+					return fmt.Errorf("verbs: unknown access flag %q", part)
+				}
+				v |= Access(n)
+			}
+		}
+	}
+	*a = v
+	return nil
+}
+
 // check validates the access flags of a registration.
 func (a Access) check() error {
 	if a&^accessAll != 0 {
@@ -73,13 +104,15 @@ const InvalidKey uint32 = 0xFFFFFFFF
 // MR is a registered memory region as a registration returns it. It is a
 // plain value: copying it is fine, and DeregMR takes it back.
 type MR struct {
-	Addr, Len uintptr
+	Addr uintptr `json:"addr"`
+	Len  uintptr `json:"len"`
 	// LKey and RKey are in host byte order (see KeyToBE).
-	LKey, RKey uint32
+	LKey uint32 `json:"lkey"`
+	RKey uint32 `json:"rkey"`
 	// Handle names the MR to the device: the table slot for the soft
 	// device, the kernel's MR handle (what ImportMR takes) for rdma.
-	Handle uint32
-	Access Access
+	Handle uint32 `json:"handle"`
+	Access Access `json:"access"`
 }
 
 // End returns the first address past the MR.

@@ -57,7 +57,6 @@ type primaryStats struct {
 	Secondaries int               `json:"secondaries"`
 	MRs         int               `json:"mrs"`
 	Counters    instance.Counters `json:"counters"`
-	Raw         map[string]uint64 `json:"raw"` // by instance.CounterNames, as sent
 }
 
 func runStats(e *env, args []string) error {

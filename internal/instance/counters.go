@@ -106,9 +106,9 @@ type Counters struct {
 	// (secondary) or service (primary) times.
 	Requests      uint64        `json:"requests"`
 	RequestErrors uint64        `json:"request_errors"`
-	LatencyP50    time.Duration `json:"latency_p50"`
-	LatencyP99    time.Duration `json:"latency_p99"`
-	LatencyMax    time.Duration `json:"latency_max"`
+	LatencyP50    time.Duration `json:"latency_p50_ns"`
+	LatencyP99    time.Duration `json:"latency_p99_ns"`
+	LatencyMax    time.Duration `json:"latency_max_ns"`
 	// Memory syncs pushed (primary) or applied (secondary), and
 	// secondaries dropped for not following one (primary).
 	Syncs     uint64 `json:"syncs"`
