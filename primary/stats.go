@@ -9,8 +9,8 @@ import (
 )
 
 // Counters are a process's counters: its queues' lookups by level,
-// requests (served, for the primary) with their latency, memory syncs and
-// attached secondaries.
+// requests (served, for the primary) with their latency, memory syncs,
+// attached secondaries, and what the primary's IPC limits did.
 type Counters = instance.Counters
 
 // ProcCounters are one process's counters as it last published them.
@@ -49,6 +49,9 @@ func (p *Primary) counters() Counters {
 	c.SetLatency(&p.served)
 	c.Syncs = p.syncs.Load()
 	c.SyncDrops = p.drops.Load()
+	if p.server != nil {
+		c.SetIPC(p.server.Stats())
+	}
 	p.syncMu.Lock()
 	c.Secondaries = len(p.peers)
 	p.syncMu.Unlock()

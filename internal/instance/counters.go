@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 )
 
@@ -30,6 +31,15 @@ const (
 	CSyncDrops      // secondaries dropped for not acknowledging a sync
 	CSecondaries    // attached secondaries (primary)
 	CValidationErrs // failures the application reported (see Counters.Add)
+	// The IPC server's limits (primary), see ipc.ServerStats.
+	CIPCConns                // connections open
+	CIPCRefusedConns         // refused for the total cap
+	CIPCRefusedConnsUID      // refused for the per-user cap
+	CIPCHelloTimeouts        // closed for an overdue hello
+	CIPCRefusedFiles         // requests refused for their descriptors
+	CIPCRefusedFilesInFlight // requests refused for the descriptors their peer held
+	CIPCQueueOverflows       // peers dropped for too many queued requests
+	CIPCWriteTimeouts        // peers dropped for not reading their replies
 	NumCounters
 )
 
@@ -38,6 +48,8 @@ var CounterNames = [NumCounters]string{
 	"lookups", "top_hits", "bottom_hits", "global_hits", "created", "failed", "flushes", "queues",
 	"requests", "request_errors", "latency_p50_ns", "latency_p99_ns", "latency_max_ns",
 	"syncs", "sync_drops", "secondaries", "validation_errors",
+	"ipc_conns", "ipc_refused_conns", "ipc_refused_conns_per_uid", "ipc_hello_timeouts",
+	"ipc_refused_files", "ipc_refused_files_in_flight", "ipc_queue_overflows", "ipc_write_timeouts",
 }
 
 // Map returns the counters by CounterNames.
@@ -104,25 +116,50 @@ type Counters struct {
 	Secondaries int `json:"secondaries"`
 	// Validation errors the application reported (ReportValidationErrors).
 	ValidationErrors uint64 `json:"validation_errors"`
+	// What the primary's IPC limits did (see ipc.ServerStats): connections
+	// open now; connections refused for the total and the per-user cap, or
+	// closed for an overdue hello; requests refused for their descriptors
+	// (too many in one, or any before the hello) or for those their peer
+	// already held; peers dropped for too many queued requests or for not
+	// reading their replies.
+	IPCConns                int    `json:"ipc_conns"`
+	IPCRefusedConns         uint64 `json:"ipc_refused_conns"`
+	IPCRefusedConnsUID      uint64 `json:"ipc_refused_conns_per_uid"`
+	IPCHelloTimeouts        uint64 `json:"ipc_hello_timeouts"`
+	IPCRefusedFiles         uint64 `json:"ipc_refused_files"`
+	IPCRefusedFilesInFlight uint64 `json:"ipc_refused_files_in_flight"`
+	IPCQueueOverflows       uint64 `json:"ipc_queue_overflows"`
+	IPCWriteTimeouts        uint64 `json:"ipc_write_timeouts"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
 	return &[NumCounters]uint64{c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed,
 		c.Flushes, uint64(c.Queues), c.Requests, c.RequestErrors, uint64(c.LatencyP50), uint64(c.LatencyP99),
-		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors}
+		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors,
+		uint64(c.IPCConns), c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts,
+		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
 	return Counters{v[CLookups], v[CTopHits], v[CBottomHits], v[CGlobalHits], v[CCreated], v[CFailed],
 		v[CFlushes], int(v[CQueues]), v[CRequests], v[CRequestErrors], time.Duration(v[CLatencyP50]),
 		time.Duration(v[CLatencyP99]), time.Duration(v[CLatencyMax]), v[CSyncs], v[CSyncDrops],
-		int(v[CSecondaries]), v[CValidationErrs]}
+		int(v[CSecondaries]), v[CValidationErrs],
+		int(v[CIPCConns]), v[CIPCRefusedConns], v[CIPCRefusedConnsUID], v[CIPCHelloTimeouts],
+		v[CIPCRefusedFiles], v[CIPCRefusedFilesInFlight], v[CIPCQueueOverflows], v[CIPCWriteTimeouts]}
 }
 
 // SetQueues copies queue counters in.
 func (c *Counters) SetQueues(s cache.LocalStats, queues int) {
 	c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits = s.Lookups, s.TopHits, s.BottomHits, s.GlobalHits
 	c.Created, c.Failed, c.Flushes, c.Queues = s.Created, s.Failed, s.Flushes, queues
+}
+
+// SetIPC copies the IPC server's limit counters in.
+func (c *Counters) SetIPC(st ipc.ServerStats) {
+	c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID = st.Conns, st.RefusedConns, st.RefusedConnsUID
+	c.IPCHelloTimeouts, c.IPCRefusedFiles, c.IPCRefusedFilesInFlight = st.HelloTimeouts, st.RefusedFiles, st.RefusedFilesInFlight
+	c.IPCQueueOverflows, c.IPCWriteTimeouts = st.QueueOverflows, st.WriteTimeouts
 }
 
 // SetLatency copies a histogram's quantiles in.
