@@ -58,7 +58,9 @@ type ClientConfig struct {
 // from the server go to the PushHandler. Safe for concurrent use.
 type Client struct {
 	endpoint
-	push PushHandler
+	push    PushHandler
+	cred    Cred // the server's, read at the start
+	credErr error
 
 	reader sync.WaitGroup
 
@@ -74,6 +76,7 @@ func NewClient(conn *Conn, cfg ClientConfig) (*Client, error) {
 		return nil, errors.New("ipc: NewClient needs a connection")
 	}
 	c := &Client{push: cfg.PushHandler, pushReady: make(chan struct{}, 1)}
+	c.cred, c.credErr = conn.PeerCred()
 	c.init(conn, cfg.Logger, cfg.WriteTimeout)
 	c.spin = cfg.Spin
 	c.reader.Add(1)
@@ -111,8 +114,10 @@ func (c *Client) Done() <-chan struct{} { return c.done }
 func (c *Client) Err() error { return c.endpoint.Err() }
 
 // ServerCred returns the credentials of the server process, as the kernel
-// recorded them when it started listening.
-func (c *Client) ServerCred() (Cred, error) { return c.conn.PeerCred() }
+// recorded them when it started listening. They are read when the client
+// is made, so they are there even after the connection has ended (a
+// server that refused it, say).
+func (c *Client) ServerCred() (Cred, error) { return c.cred, c.credErr }
 
 // Close closes the connection; pending calls fail with ErrClosed. It waits
 // for the reading goroutine, not for a push handler that is running (its

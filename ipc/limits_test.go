@@ -317,6 +317,9 @@ func TestHelloDeadline(t *testing.T) {
 		assert.ErrorIs(t, c.Err(), ipc.ErrLimit)
 		assert.ErrorIs(t, c.Err(), ipc.ErrPeerGone)
 		assert.ErrorContains(t, c.Err(), "no hello within 200ms")
+		cred, err := c.ServerCred()
+		assert.NoError(t, err, "who the server was is known after the end too")
+		assert.Equal(t, os.Getpid(), cred.PID)
 	}
 	// good was dialled first: its deadline passed too.
 	assert.NoError(t, good.Err())
