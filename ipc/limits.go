@@ -7,10 +7,10 @@ import (
 )
 
 // ErrLimit means a peer went beyond one of a server's Limits. A request
-// over a descriptor limit fails with it and the connection carries on; a
-// connection over a cap, or one whose hello is overdue, is closed and
-// told why: its calls then fail with an error matching both ErrLimit and
-// ErrPeerGone.
+// of an admitted peer over a descriptor limit fails with it and the
+// connection carries on; a connection over a cap, or one whose hello is
+// overdue, is closed and told why: its calls then fail with an error
+// matching both ErrLimit and ErrPeerGone.
 var ErrLimit = errors.New("ipc: peer exceeded a limit")
 
 // ErrBacklog means a client had more requests waiting than the server
@@ -38,10 +38,11 @@ func init() { RegisterError("ipc.limit", ErrLimit) }
 // A peer is admitted once it has completed the handshake that
 // ServerConfig.HelloKind names. Until then it is held to far less than
 // these limits, whatever they say: one request handled at a time and
-// maxUnadmittedQueued more waiting, frames of at most
-// MaxUnadmittedMessage bytes, no descriptors at all, and HelloTimeout to
-// complete the handshake. These checks run as frames arrive, before any
-// handler sees them.
+// four more waiting, frames of at most MaxUnadmittedMessage bytes,
+// HelloTimeout to complete the handshake, and no descriptors at all:
+// those that come are closed on arrival, and the request goes on without
+// them (its handler sees none). These checks run as frames arrive, before
+// any handler sees them.
 type Limits struct {
 	// HelloTimeout is how long a connection may stay open without being
 	// admitted; then it is closed, with ErrLimit as the reason. It
@@ -132,9 +133,10 @@ type ServerStats struct {
 	RefusedConnsUID uint64 `json:"refused_conns_uid"`
 	// HelloTimeouts counts connections closed for an overdue hello.
 	HelloTimeouts uint64 `json:"hello_timeouts"`
-	// RefusedFiles counts requests refused for carrying descriptors
-	// before the hello or more than MaxFilesPerMessage;
-	// RefusedFilesInFlight those refused for MaxFilesPerPeer.
+	// RefusedFiles counts requests whose descriptors were refused:
+	// closed on arrival before the hello, or refused whole for more than
+	// MaxFilesPerMessage; RefusedFilesInFlight those refused for
+	// MaxFilesPerPeer.
 	RefusedFiles         uint64 `json:"refused_files"`
 	RefusedFilesInFlight uint64 `json:"refused_files_in_flight"`
 	// QueueOverflows counts peers dropped for too many queued requests

@@ -553,16 +553,18 @@ func (p *Peer) drop(why error) {
 }
 
 // checkFiles says whether a request of kind may bring n descriptors now,
-// and counts and logs a refusal. Call it with p.qmu held.
-func (p *Peer) checkFiles(kind Kind, n int) error {
+// and counts and logs a refusal. Before its hello a peer may bring none:
+// the request then goes on without them (strip). After it, a request over
+// a limit is refused whole, since its handler would expect them. Call it
+// with p.qmu held.
+func (p *Peer) checkFiles(kind Kind, n int) (strip bool, err error) {
 	s := p.srv
-	var err error
 	var trip int
 	switch {
 	case !p.admitted.Load():
 		s.refusedFiles.Add(1)
-		trip = tripFilesBeforeHello
-		err = fmt.Errorf("%w: %s request with %d descriptors before the %s", ErrLimit, kind, n, s.cfg.HelloKind)
+		trip, strip = tripFilesBeforeHello, true
+		err = fmt.Errorf("%w: %s request with %d descriptors before the %s: closed them", ErrLimit, kind, n, s.cfg.HelloKind)
 	case n > s.lim.MaxFilesPerMessage:
 		s.refusedFiles.Add(1)
 		trip = tripFilesPerMessage
@@ -573,14 +575,17 @@ func (p *Peer) checkFiles(kind Kind, n int) error {
 		err = fmt.Errorf("%w: %s request with %d descriptors while %d are held, at most %d",
 			ErrLimit, kind, n, p.filesHeld, s.lim.MaxFilesPerPeer)
 	default:
-		return nil
+		return false, nil
 	}
 	if p.tripped&trip == 0 {
 		p.tripped |= trip
 		s.trip("files", "ipc: refused a request's descriptors",
 			"limit", "files", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "err", err)
 	}
-	return err
+	if strip {
+		err = nil
+	}
+	return strip, err
 }
 
 // incoming starts or queues a request. It runs on the reader goroutine and
@@ -599,8 +604,10 @@ func (p *Peer) incoming(f Frame, files []*os.File) error {
 	}
 	p.qmu.Lock()
 	if len(files) > 0 {
-		if m.refused = p.checkFiles(f.Kind, len(files)); m.refused != nil {
+		strip, err := p.checkFiles(f.Kind, len(files))
+		if strip || err != nil {
 			closeFiles(files) // at once: they must not pile up
+			m.refused = err
 		} else {
 			m.files = files
 			p.filesHeld += len(files)
