@@ -48,6 +48,7 @@ var sentinels = []struct {
 	{"shm.ErrOwnerDied", shm.ErrOwnerDied},
 	{"hugetlb.ErrAddressInUse", hugetlb.ErrAddressInUse},
 	{"ipc.ErrRefused", ipc.ErrRefused},
+	{"ipc.ErrLimit", ipc.ErrLimit},
 	{"ipc.ErrPeerGone", ipc.ErrPeerGone},
 	{"ipc.ErrClosed", ipc.ErrClosed},
 	{"ipc.ErrMalformed", ipc.ErrMalformed},
