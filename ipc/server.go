@@ -27,8 +27,9 @@ const maxRefusing = 64
 // concurrently: Handle from one goroutine per request in flight (several
 // per peer), Connected and Disconnected from each peer's own goroutine.
 type Handler interface {
-	// Connected is called once a peer passed the credentials check,
-	// before any of its requests is handled.
+	// Connected is called once a peer passed the credentials check and
+	// the connection caps, before any of its requests is handled (with
+	// ServerConfig.HelloKind set, before it is admitted).
 	Connected(p *Peer)
 	// Handle serves one request. ctx ends when the peer goes. The
 	// returned reply (a message, or a WithFiles) or error is sent back;
