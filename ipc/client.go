@@ -58,13 +58,16 @@ type ClientConfig struct {
 // from the server go to the PushHandler. Safe for concurrent use.
 type Client struct {
 	endpoint
-	push PushHandler
+	push    PushHandler
+	cred    Cred // the server's, read at the start
+	credErr error
 
 	reader sync.WaitGroup
 
-	pmu       sync.Mutex
-	pushes    []message // received, not yet handled, in arrival order
-	pushReady chan struct{}
+	pmu        sync.Mutex
+	pushes     []message // received, not yet handled, in arrival order
+	pushesDone bool      // the push loop has ended: later pushes are dropped
+	pushReady  chan struct{}
 }
 
 // NewClient takes over conn and starts reading from it.
@@ -73,6 +76,7 @@ func NewClient(conn *Conn, cfg ClientConfig) (*Client, error) {
 		return nil, errors.New("ipc: NewClient needs a connection")
 	}
 	c := &Client{push: cfg.PushHandler, pushReady: make(chan struct{}, 1)}
+	c.cred, c.credErr = conn.PeerCred()
 	c.init(conn, cfg.Logger, cfg.WriteTimeout)
 	c.spin = cfg.Spin
 	c.reader.Add(1)
@@ -110,8 +114,10 @@ func (c *Client) Done() <-chan struct{} { return c.done }
 func (c *Client) Err() error { return c.endpoint.Err() }
 
 // ServerCred returns the credentials of the server process, as the kernel
-// recorded them when it started listening.
-func (c *Client) ServerCred() (Cred, error) { return c.conn.PeerCred() }
+// recorded them when it started listening. They are read when the client
+// is made, so they are there even after the connection has ended (a
+// server that refused it, say).
+func (c *Client) ServerCred() (Cred, error) { return c.cred, c.credErr }
 
 // Close closes the connection; pending calls fail with ErrClosed. It waits
 // for the reading goroutine, not for a push handler that is running (its
@@ -129,10 +135,6 @@ func (c *Client) read() {
 	if err = c.Err(); isViolation(err) {
 		c.log.Warn("ipc: closed the connection of a server that broke the protocol", "err", err)
 	}
-	select { // wake the push loop so it sees the end
-	case c.pushReady <- struct{}{}:
-	default:
-	}
 }
 
 // incoming queues a push for the push loop; it never blocks.
@@ -142,6 +144,11 @@ func (c *Client) incoming(f Frame, files []*os.File) error {
 		return fmt.Errorf("%w: %s from the server", ErrUnknownKind, f.Kind)
 	}
 	c.pmu.Lock()
+	if c.pushesDone {
+		c.pmu.Unlock()
+		closeFiles(files)
+		return nil // the connection has ended: nobody handles it
+	}
 	if len(c.pushes) >= maxPushQueue {
 		c.pmu.Unlock()
 		closeFiles(files)
@@ -157,37 +164,54 @@ func (c *Client) incoming(f Frame, files []*os.File) error {
 }
 
 // pushLoop handles pushes one at a time, in arrival order, until the
-// connection ends.
+// connection ends. It watches done, which is closed as soon as the end is
+// decided, whoever decides it: the reader, a writer, or Close.
 func (c *Client) pushLoop() {
-	for range c.pushReady {
+	for {
+		select {
+		case <-c.pushReady:
+		case <-c.done:
+		}
 		for {
-			c.pmu.Lock()
-			if len(c.pushes) == 0 {
-				c.pmu.Unlock()
+			m, ok := c.nextPush()
+			if !ok {
 				break
 			}
-			m := c.pushes[0]
-			c.pushes[0] = message{}
-			c.pushes = c.pushes[1:]
-			c.pmu.Unlock()
 			c.handlePush(m)
 		}
-		if c.ctx.Err() != nil {
+		select {
+		case <-c.done:
 			c.pmu.Lock()
 			for _, m := range c.pushes {
 				closeFiles(m.files)
 			}
-			c.pushes = nil
+			c.pushes, c.pushesDone = nil, true
 			c.pmu.Unlock()
 			return
+		default:
 		}
 	}
 }
 
+// nextPush takes the oldest push waiting, if any.
+func (c *Client) nextPush() (message, bool) {
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	if len(c.pushes) == 0 {
+		return message{}, false
+	}
+	m := c.pushes[0]
+	c.pushes[0] = message{}
+	c.pushes = c.pushes[1:]
+	return m, true
+}
+
 func (c *Client) handlePush(m message) {
-	if c.ctx.Err() != nil {
+	select {
+	case <-c.done: // ended: nobody to acknowledge
 		closeFiles(m.files)
 		return
+	default:
 	}
 	d := &Decoder{body: m.body, files: m.files}
 	var reply any

@@ -30,6 +30,21 @@
 // the acknowledgement; the client handles pushes one at a time in the order
 // they came, which memory synchronisation relies on.
 //
+// # Limits
+//
+// A server bounds what its peers can make it hold (see Limits): its
+// connections in all and per user; the descriptors one request may carry
+// and a peer's requests may hold at once; the requests a peer may have
+// waiting; how long a reply may wait for a peer that does not read. With
+// ServerConfig.HelloKind set, a connection is a stranger until its
+// handshake succeeds: descriptors it sends are closed on arrival, it may
+// send only small frames, one request at a time, and is closed if it has
+// not completed the handshake within Limits.HelloTimeout. All of this is
+// checked as frames arrive, before any handler runs. A connection over a
+// cap is closed and a request over a descriptor limit refused, both with
+// ErrLimit as the reason; Server.Stats counts each limit that tripped,
+// and the server logs it (at most once a second per limit).
+//
 // Every wait has the caller's context as its bound, and none outlives the
 // connection: when it ends, every pending and later call fails at once with
 // ErrPeerGone. Errors that handlers return travel as a code and a message;

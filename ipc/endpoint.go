@@ -80,12 +80,15 @@ func closeFiles(files []*os.File) {
 }
 
 // message is a received request or push waiting for its handler. Its body
-// is a copy: the receive buffer is reused for the next frame.
+// is a copy: the receive buffer is reused for the next frame. A request
+// refused on arrival (over a limit) carries why instead of a body and
+// files, and is answered with that error without a handler.
 type message struct {
-	id    uint64
-	kind  Kind
-	body  []byte
-	files []*os.File
+	id      uint64
+	kind    Kind
+	body    []byte
+	files   []*os.File
+	refused error
 }
 
 // call is one request or push waiting for its answer.
@@ -103,6 +106,15 @@ type endpoint struct {
 	writeTimeout time.Duration
 	spin         time.Duration // how long the reader polls before it sleeps
 	wsem         chan struct{} // the write lock; a channel so waiting honours ctx
+
+	// frameLimit, when set, gives the largest frame the reader accepts
+	// now (else MaxMessage); rearm, when set, says whether the reader
+	// goes on after its read deadline fired (someone woke it on purpose);
+	// ending, when set, learns why the connection ends before the socket
+	// closes.
+	frameLimit func() int
+	rearm      func() bool
+	ending     func(err error)
 
 	ctx    context.Context // handlers' context: cancelled when the connection ends
 	cancel context.CancelFunc
@@ -150,12 +162,30 @@ func (e *endpoint) fail(cause error) {
 	close(e.done)
 	e.mu.Unlock()
 
+	if e.ending != nil {
+		e.ending(err)
+	}
 	// Close before cancelling: a handler that sees its context end must
 	// find the connection gone, not slip an answer out.
 	e.conn.Close()
 	e.cancel()
 	for _, c := range pending {
 		c.ch <- err
+	}
+}
+
+// farewell tells the peer why the connection ends, if that can be done at
+// once: not while another frame is being written (the peer is then
+// likely not reading), nor waiting more than farewellWait for room.
+func (e *endpoint) farewell(why error) {
+	select {
+	case e.wsem <- struct{}{}:
+	default:
+		return
+	}
+	defer func() { <-e.wsem }()
+	if e.Err() == nil {
+		_ = tell(e.conn, why, time.Now().Add(farewellWait))
 	}
 }
 
@@ -233,7 +263,7 @@ func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) er
 		if byCtx {
 			return context.DeadlineExceeded // the timer may not have marked ctx yet
 		}
-		err = fmt.Errorf("peer took no message for %v", e.writeTimeout)
+		err = fmt.Errorf("%w: peer took no message for %v", errSlowReader, e.writeTimeout)
 	}
 	if err != nil {
 		e.fail(err)
@@ -293,13 +323,23 @@ func (e *endpoint) take(id uint64) *call {
 // readLoop receives frames until the connection ends and returns why:
 // answers go to their calls, anything else to incoming.
 func (e *endpoint) readLoop(incoming func(Frame, []*os.File) error) error {
-	buf := make([]byte, MaxMessage)
+	var buf []byte
 	for {
+		size := MaxMessage
+		if e.frameLimit != nil {
+			size = e.frameLimit()
+		}
+		if len(buf) != size {
+			buf = make([]byte, size)
+		}
 		if e.spin > 0 {
 			e.conn.c.SpinReadable(e.spin)
 		}
 		n, files, err := e.conn.recv(buf)
 		if err != nil {
+			if e.rearm != nil && errors.Is(err, os.ErrDeadlineExceeded) && e.rearm() {
+				continue
+			}
 			return err
 		}
 		f, err := ParseFrame(buf[:n])

@@ -148,7 +148,7 @@ type testServer struct {
 
 type serverOpt func(*ipc.ServerConfig)
 
-func startServer(t testing.TB, h *handler, opts ...serverOpt) *testServer {
+func startServer(t testing.TB, h ipc.Handler, opts ...serverOpt) *testServer {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "rt", ipc.SocketName)
 	l, err := ipc.Listen(path)
@@ -156,8 +156,12 @@ func startServer(t testing.TB, h *handler, opts ...serverOpt) *testServer {
 	return startServerOn(t, l, h, opts...)
 }
 
-func startServerOn(t testing.TB, l *ipc.Listener, h *handler, opts ...serverOpt) *testServer {
+func startServerOn(t testing.TB, l *ipc.Listener, h ipc.Handler, opts ...serverOpt) *testServer {
 	t.Helper()
+	th, _ := h.(*handler)
+	if q, ok := h.(quietHandler); ok {
+		th = q.handler
+	}
 	lb := &logBuffer{}
 	cfg := ipc.ServerConfig{Listener: l, Handler: h, Logger: lb.logger()}
 	for _, o := range opts {
@@ -176,7 +180,7 @@ func startServerOn(t testing.TB, l *ipc.Listener, h *handler, opts ...serverOpt)
 			t.Error("Serve did not return after Close")
 		}
 	})
-	return &testServer{Server: s, path: l.Path(), h: h, log: lb}
+	return &testServer{Server: s, path: l.Path(), h: th, log: lb}
 }
 
 func dial(t testing.TB, path string, cfg ipc.ClientConfig) *ipc.Client {
@@ -208,4 +212,24 @@ func waitFor[T any](t testing.TB, ch <-chan T, what string) T {
 		t.Fatalf("no %s within %v", what, bound)
 		panic("unreachable")
 	}
+}
+
+// quietHandler is handler without the connect and disconnect reports,
+// which a flood would fill.
+type quietHandler struct{ *handler }
+
+func (quietHandler) Connected(*ipc.Peer)           {}
+func (quietHandler) Disconnected(*ipc.Peer, error) {}
+
+// eventually polls cond until it holds or bound passes, and reports
+// whether it held.
+func eventually(cond func() bool) bool {
+	deadline := time.Now().Add(bound)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
 }

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -551,4 +552,28 @@ func TestServerThatDoesNotReadIsDropped(t *testing.T) {
 		assert.ErrorIs(t, waitFor(t, errs, "a call's end"), ipc.ErrPeerGone)
 	}
 	assert.ErrorContains(t, c.Err(), "took no message")
+}
+
+// Clients that close, or whose server drops them, leave no goroutine
+// behind: the push loop sees the end however it comes.
+func TestClosedClientsLeaveNoGoroutines(t *testing.T) {
+	s := startServer(t, quietHandler{newHandler()})
+	goroutines := runtime.NumGoroutine()
+	for i := range 300 {
+		c := dial(t, s.path, ipc.ClientConfig{})
+		require.NoError(t, c.Call(ctxBound(t), ipc.KindDetach, &ipc.Detach{}, nil))
+		if i%2 == 1 {
+			for _, p := range s.Peers() {
+				p.Close()
+			}
+			waitFor(t, c.Done(), "the client's end")
+		}
+		require.NoError(t, c.Close())
+	}
+	ok := eventually(func() bool { return runtime.NumGoroutine() <= goroutines+4 })
+	if !ok {
+		buf := make([]byte, 1<<20)
+		t.Logf("goroutines:\n%s", buf[:runtime.Stack(buf, true)])
+	}
+	assert.True(t, ok, "goroutines: %d before, %d after 300 clients", goroutines, runtime.NumGoroutine())
 }

@@ -62,19 +62,6 @@ func helperAsUser(args []string) int {
 	return 0
 }
 
-func becomeUser(uid int) error {
-	if err := syscall.Setgroups(nil); err != nil {
-		return fmt.Errorf("setgroups: %w", err)
-	}
-	if err := syscall.Setgid(uid); err != nil {
-		return fmt.Errorf("setgid: %w", err)
-	}
-	if err := syscall.Setuid(uid); err != nil {
-		return fmt.Errorf("setuid: %w", err)
-	}
-	return nil
-}
-
 // fileMode turns permission bits with the sticky bit into an os.FileMode.
 func fileMode(m uint32) os.FileMode {
 	fm := os.FileMode(m & 0o777)

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -18,24 +19,17 @@ import (
 // unless ServerConfig says otherwise.
 const DefaultMaxInflight = 64
 
-// Requests of one connection beyond those in flight wait in a backlog of
-// at most this many requests and bytes. A client that overflows it is not
-// waiting for its answers: it is dropped (ErrBacklog).
-const (
-	maxBacklog      = 4096
-	maxBacklogBytes = 4 << 20
-)
-
-// ErrBacklog means a client had more requests waiting than the server
-// queues per connection; its connection is closed.
-var ErrBacklog = errors.New("ipc: too many requests queued on one connection")
+// Refusals of connections over a cap that may be draining at once (see
+// refuse); beyond, a connection is told why and closed without draining.
+const maxRefusing = 64
 
 // Handler serves the requests of a Server's peers. Its methods are called
 // concurrently: Handle from one goroutine per request in flight (several
 // per peer), Connected and Disconnected from each peer's own goroutine.
 type Handler interface {
-	// Connected is called once a peer passed the credentials check,
-	// before any of its requests is handled.
+	// Connected is called once a peer passed the credentials check and
+	// the connection caps, before any of its requests is handled (with
+	// ServerConfig.HelloKind set, before it is admitted).
 	Connected(p *Peer)
 	// Handle serves one request. ctx ends when the peer goes. The
 	// returned reply (a message, or a WithFiles) or error is sent back;
@@ -69,12 +63,23 @@ type ServerConfig struct {
 	// DefaultMaxInflight.
 	MaxInflightPerConn int
 	// WriteTimeout bounds how long a reply waits for room in the peer's
-	// receive queue before the peer is dropped. Default
-	// DefaultWriteTimeout.
+	// receive queue: a peer that takes no message for that long is not
+	// reading its replies, and is dropped, which frees the handlers
+	// waiting to answer it. Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
 	// Spin is how long each connection's reader polls for the next
 	// request before it sleeps (see ClientConfig.Spin). 0 never polls.
 	Spin time.Duration
+	// HelloKind names the handshake request. When set, a connection
+	// starts unadmitted, held to the limits of a stranger (see Limits),
+	// and is admitted once the Handler answers a request of this kind
+	// without error; one that is not admitted within
+	// Limits.HelloTimeout is closed. When 0, every connection that passes
+	// the credentials check is admitted at once.
+	HelloKind Kind
+	// Limits bound what peers can make the server hold; zero fields take
+	// the defaults.
+	Limits Limits
 }
 
 // Server accepts connections on a Listener, checks each peer's
@@ -85,13 +90,27 @@ type Server struct {
 	log         *slog.Logger
 	uid         int
 	maxInflight int
+	lim         Limits // with defaults
 
-	mu       sync.Mutex
-	serving  bool
-	closed   bool
-	peers    map[*Peer]struct{}
-	nextPeer uint64
-	wg       sync.WaitGroup // connection and handler goroutines
+	mu         sync.Mutex
+	serving    bool
+	closed     bool
+	peers      map[*Peer]struct{}
+	nextPeer   uint64
+	conns      int            // open, from accept to the end of serveConn
+	connsByUID map[int]int    // the same, by user
+	unadmitted int            // peers not admitted yet
+	wg         sync.WaitGroup // connection and handler goroutines
+	refusing   chan struct{}  // refusals draining (maxRefusing)
+
+	refusedConns     atomic.Uint64
+	refusedConnsUID  atomic.Uint64
+	helloTimeouts    atomic.Uint64
+	refusedFiles     atomic.Uint64
+	refusedFilesHeld atomic.Uint64
+	queueOverflows   atomic.Uint64
+	writeTimeouts    atomic.Uint64
+	trips            tripLog
 
 	closing   chan struct{}
 	closeOnce sync.Once
@@ -103,12 +122,18 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Listener == nil || cfg.Handler == nil {
 		return nil, errors.New("ipc: NewServer needs a Listener and a Handler")
 	}
+	if cfg.HelloKind != 0 && !cfg.HelloKind.IsRequest() {
+		return nil, fmt.Errorf("ipc: NewServer: hello kind %s is not a request", cfg.HelloKind)
+	}
 	s := &Server{
 		cfg:         cfg,
 		log:         cfg.Logger,
 		uid:         os.Geteuid(),
 		maxInflight: cfg.MaxInflightPerConn,
+		lim:         cfg.Limits.withDefaults(),
 		peers:       map[*Peer]struct{}{},
+		connsByUID:  map[int]int{},
+		refusing:    make(chan struct{}, maxRefusing),
 		closing:     make(chan struct{}),
 	}
 	if s.log == nil {
@@ -154,15 +179,78 @@ func (s *Server) Serve(ctx context.Context) error {
 			continue
 		}
 		backoff = 0
+		cred, err := c.PeerCred()
+		if err != nil {
+			s.log.Warn("ipc: dropped a connection without credentials", "err", err)
+			c.Close()
+			continue
+		}
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
 			c.Close()
 			continue // Accept fails next
 		}
+		if err := s.takeConn(cred); err != nil {
+			s.mu.Unlock()
+			s.turnAway(c, err)
+			continue
+		}
 		s.wg.Add(1)
 		s.mu.Unlock()
-		go s.serveConn(c)
+		go s.serveConn(c, cred)
+	}
+}
+
+// takeConn counts a new connection of cred's user, or says which cap it
+// is over. Call it with s.mu held.
+func (s *Server) takeConn(cred Cred) error {
+	switch {
+	case s.conns >= s.lim.MaxConns:
+		s.refusedConns.Add(1)
+		s.trip("conns", "ipc: refused a connection: too many connections",
+			"limit", "conns", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConns)
+		return fmt.Errorf("%w: %d connections open, at most %d", ErrLimit, s.conns, s.lim.MaxConns)
+	case s.connsByUID[cred.UID] >= s.lim.MaxConnsPerUID:
+		s.refusedConnsUID.Add(1)
+		s.trip("conns-per-uid", "ipc: refused a connection: too many connections per user",
+			"limit", "conns-per-uid", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConnsPerUID)
+		return fmt.Errorf("%w: uid %d has %d connections open, at most %d per user",
+			ErrLimit, cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)
+	}
+	s.conns++
+	s.connsByUID[cred.UID]++
+	return nil
+}
+
+// releaseConn uncounts a connection of uid.
+func (s *Server) releaseConn(uid int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.conns--
+	if s.connsByUID[uid]--; s.connsByUID[uid] <= 0 {
+		delete(s.connsByUID, uid)
+	}
+}
+
+// turnAway closes a connection over a cap, telling it why. The drain that
+// keeps the reason from being lost (see refuse) runs in a goroutine of
+// its own, up to maxRefusing at once; beyond, the reason is sent and the
+// connection closed at once, which a client that has not spoken yet
+// still reads.
+func (s *Server) turnAway(c *Conn, why error) {
+	select {
+	case s.refusing <- struct{}{}:
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			refuse(c, why)
+			c.Close()
+			<-s.refusing
+		}()
+	default:
+		tell(c, why, time.Now().Add(farewellWait))
+		c.Close()
 	}
 }
 
@@ -208,16 +296,11 @@ func (s *Server) allowed(uid int) bool {
 	return uid == s.uid || uid == 0 || slices.Contains(s.cfg.AllowUIDs, uid)
 }
 
-func (s *Server) serveConn(c *Conn) {
+func (s *Server) serveConn(c *Conn, cred Cred) {
 	defer s.wg.Done()
-	cred, err := c.PeerCred()
-	if err != nil {
-		s.log.Warn("ipc: dropped a connection without credentials", "err", err)
-		c.Close()
-		return
-	}
+	defer s.releaseConn(cred.UID)
 	if !s.allowed(cred.UID) {
-		s.log.Warn("ipc: refused a connection by credentials", "pid", cred.PID, "uid", cred.UID, "gid", cred.GID)
+		s.trip("credentials", "ipc: refused a connection by credentials", "pid", cred.PID, "uid", cred.UID, "gid", cred.GID)
 		refuse(c, fmt.Errorf("%w: uid %d may not connect", ErrRefused, cred.UID))
 		c.Close()
 		return
@@ -226,6 +309,7 @@ func (s *Server) serveConn(c *Conn) {
 	p := &Peer{srv: s, cred: cred}
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
+	p.frameLimit, p.rearm, p.ending = p.maxFrame, p.rearmReader, p.ended
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -235,36 +319,64 @@ func (s *Server) serveConn(c *Conn) {
 	s.nextPeer++
 	p.id = s.nextPeer
 	s.peers[p] = struct{}{}
+	if s.cfg.HelloKind == 0 {
+		p.admitted.Store(true)
+	} else {
+		p.counted = true
+		s.unadmitted++
+		p.helloTimer = time.AfterFunc(s.lim.HelloTimeout, p.helloDue)
+	}
 	s.mu.Unlock()
 
 	s.log.Debug("ipc: peer connected", "peer", p.id, "pid", cred.PID, "uid", cred.UID)
 	s.cfg.Handler.Connected(p)
 	p.fail(p.readLoop(p.incoming))
-	err = p.Err()
-	if isViolation(err) {
+	if p.helloTimer != nil {
+		p.helloTimer.Stop()
+	}
+	err := p.Err()
+	switch {
+	case errors.Is(err, ErrLimit), errors.Is(err, errSlowReader): // counted and logged by ending
+	case isViolation(err):
 		s.log.Warn("ipc: closed the connection of a peer that broke the protocol",
 			"peer", p.id, "pid", cred.PID, "uid", cred.UID, "err", err)
-	} else {
+	default:
 		s.log.Debug("ipc: peer disconnected", "peer", p.id, "pid", cred.PID, "err", err)
 	}
 	s.mu.Lock()
 	delete(s.peers, p)
+	if p.counted {
+		p.counted = false
+		s.unadmitted--
+	}
 	s.mu.Unlock()
 	s.cfg.Handler.Disconnected(p, err)
 }
 
-// refuse tells a refused client why, as an error frame with id 0, without
-// waiting for room in its queue. It then reads and drops what the client
-// sent meanwhile, for a moment: closing a socket with unread data resets
-// the connection, and the client would lose the reason along with it.
+// farewellWait bounds how long the reason for closing a connection may
+// wait for room in the peer's queue: a peer whose queue is full is not
+// reading, and would not learn it anyway.
+const farewellWait = 100 * time.Millisecond
+
+// tell sends the reason why the connection ends, as an error frame with
+// id 0, waiting until deadline at most.
+func tell(c *Conn, why error, deadline time.Time) error {
+	b, _ := AppendFrame(nil, 0, KindError, 0, errorReply(why))
+	return c.send(b, nil, deadline)
+}
+
+// refuse tells a refused client why without waiting for room in its
+// queue. It then reads and drops what the client sent meanwhile, for a
+// moment: closing a socket with unread data resets the connection, and
+// the client would lose the reason along with it. What it reads is cut
+// to a small buffer: only the datagrams count, not their bytes.
 func refuse(c *Conn, err error) {
 	deadline := time.Now().Add(100 * time.Millisecond)
-	b, _ := AppendFrame(nil, 0, KindError, 0, errorReply(err))
-	if c.send(b, nil, deadline) != nil {
+	if tell(c, err, deadline) != nil {
 		return
 	}
 	_ = c.c.SetReadDeadline(deadline)
-	buf := make([]byte, MaxMessage)
+	buf := make([]byte, 512)
 	for {
 		_, files, err := c.recv(buf)
 		for _, f := range files {
@@ -283,11 +395,26 @@ type Peer struct {
 	id   uint64
 	cred Cred
 
+	admitted   atomic.Bool
+	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
+	helloTimer *time.Timer // closes the connection when the hello is overdue
+
 	qmu          sync.Mutex
 	active       int       // requests being handled
 	backlog      []message // requests waiting for a free slot, in order
 	backlogBytes int
+	filesHeld    int  // descriptors of requests received and not yet handled
+	hellos       int  // hello requests in their handler
+	helloLate    bool // the hello timer fired while a hello was handled
+	tripped      int  // limits that tripped (tripFiles...), logged once per peer
 }
+
+// Limits a peer tripped, for Peer.tripped.
+const (
+	tripFilesBeforeHello = 1 << iota
+	tripFilesPerMessage
+	tripFilesHeld
+)
 
 // ID returns the peer's number, unique within its server.
 func (p *Peer) ID() uint64 { return p.id }
@@ -303,6 +430,10 @@ func (p *Peer) UID() int { return p.cred.UID }
 
 // GID returns the peer's group id.
 func (p *Peer) GID() int { return p.cred.GID }
+
+// Admitted reports whether the peer has completed the handshake that
+// ServerConfig.HelloKind names (always true without one).
+func (p *Peer) Admitted() bool { return p.admitted.Load() }
 
 // Context returns a context that ends when the connection does.
 func (p *Peer) Context() context.Context { return p.ctx }
@@ -337,31 +468,187 @@ func (p *Peer) Push(ctx context.Context, kind Kind, body, reply any) error {
 	return p.call(ctx, kind, body, reply)
 }
 
+// ended counts and logs a connection that ends over a limit, before its
+// socket closes (so that whoever sees the end finds it counted).
+func (p *Peer) ended(err error) {
+	s := p.srv
+	switch {
+	case errors.Is(err, errSlowReader):
+		s.writeTimeouts.Add(1)
+		s.trip("write-timeout", "ipc: dropped a peer that is not reading its replies",
+			"limit", "write-timeout", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "err", err)
+	case errors.Is(err, ErrBacklog):
+		s.queueOverflows.Add(1)
+		s.trip("queue", "ipc: dropped a peer with too many requests queued",
+			"limit", "queue", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "err", err)
+	}
+}
+
+// maxFrame is the largest frame the peer may send now.
+func (p *Peer) maxFrame() int {
+	if p.admitted.Load() {
+		return MaxMessage
+	}
+	return MaxUnadmittedMessage
+}
+
+// rearmReader lets the reader go on after its read deadline fired, which
+// admit uses to wake it: it then takes a receive buffer of full size.
+func (p *Peer) rearmReader() bool {
+	if !p.admitted.Load() {
+		return false
+	}
+	return p.conn.c.SetReadDeadline(time.Time{}) == nil
+}
+
+// admit marks the peer as having completed its hello: from now on the
+// limits of Limits apply instead of those of a stranger.
+func (p *Peer) admit() {
+	if p.admitted.Swap(true) {
+		return
+	}
+	s := p.srv
+	s.mu.Lock()
+	if p.counted {
+		p.counted = false
+		s.unadmitted--
+	}
+	s.mu.Unlock()
+	p.helloTimer.Stop()
+	// The reader waits with a buffer sized for a stranger's frames, and
+	// the peer may send a larger one as soon as it has the hello's reply,
+	// which goes out after this: wake the reader so it takes a full one.
+	_ = p.conn.c.SetReadDeadline(time.Unix(1, 0))
+}
+
+// helloDue runs when the peer's time to say hello is up.
+func (p *Peer) helloDue() {
+	p.qmu.Lock()
+	if p.hellos > 0 && !p.admitted.Load() {
+		p.helloLate = true // the hello's handler decides
+		p.qmu.Unlock()
+		return
+	}
+	p.qmu.Unlock()
+	if !p.admitted.Load() {
+		p.helloOverdue()
+	}
+}
+
+func (p *Peer) helloOverdue() {
+	if p.Err() != nil {
+		return // ended meanwhile, for another reason
+	}
+	s := p.srv
+	s.helloTimeouts.Add(1)
+	s.trip("hello", "ipc: closed a connection that sent no hello in time",
+		"limit", "hello", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "timeout", s.lim.HelloTimeout)
+	p.drop(fmt.Errorf("%w: no hello within %v", ErrLimit, s.lim.HelloTimeout))
+}
+
+// drop ends the connection for why, telling the peer if that can be done
+// at once.
+func (p *Peer) drop(why error) {
+	p.farewell(why)
+	p.fail(why)
+}
+
+// checkFiles says whether a request of kind may bring n descriptors now,
+// and counts and logs a refusal. Before its hello a peer may bring none:
+// the request then goes on without them (strip). After it, a request over
+// a limit is refused whole, since its handler would expect them. Call it
+// with p.qmu held.
+func (p *Peer) checkFiles(kind Kind, n int) (strip bool, err error) {
+	s := p.srv
+	var trip int
+	switch {
+	case !p.admitted.Load():
+		s.refusedFiles.Add(1)
+		trip, strip = tripFilesBeforeHello, true
+		err = fmt.Errorf("%w: %s request with %d descriptors before the %s: closed them", ErrLimit, kind, n, s.cfg.HelloKind)
+	case n > s.lim.MaxFilesPerMessage:
+		s.refusedFiles.Add(1)
+		trip = tripFilesPerMessage
+		err = fmt.Errorf("%w: %s request with %d descriptors, at most %d", ErrLimit, kind, n, s.lim.MaxFilesPerMessage)
+	case p.filesHeld+n > s.lim.MaxFilesPerPeer:
+		s.refusedFilesHeld.Add(1)
+		trip = tripFilesHeld
+		err = fmt.Errorf("%w: %s request with %d descriptors while %d are held, at most %d",
+			ErrLimit, kind, n, p.filesHeld, s.lim.MaxFilesPerPeer)
+	default:
+		return false, nil
+	}
+	if p.tripped&trip == 0 {
+		p.tripped |= trip
+		s.trip("files", "ipc: refused a request's descriptors",
+			"limit", "files", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "err", err)
+	}
+	if strip {
+		err = nil
+	}
+	return strip, err
+}
+
 // incoming starts or queues a request. It runs on the reader goroutine and
 // never blocks, so that acknowledgements keep flowing while handlers wait.
+// The limits on descriptors and queued requests are checked here, before
+// any handler sees the request.
 func (p *Peer) incoming(f Frame, files []*os.File) error {
 	if !f.Kind.IsRequest() {
 		closeFiles(files)
 		return fmt.Errorf("%w: %s from a client", ErrUnknownKind, f.Kind)
 	}
-	m := message{id: f.ID, kind: f.Kind, body: bytes.Clone(f.Body), files: files}
+	m := message{id: f.ID, kind: f.Kind}
+	inflight, queued, queuedBytes := p.srv.maxInflight, p.srv.lim.MaxQueued, p.srv.lim.MaxQueuedBytes
+	if !p.admitted.Load() {
+		inflight, queued = 1, min(queued, maxUnadmittedQueued)
+	}
 	p.qmu.Lock()
-	if p.active < p.srv.maxInflight {
+	if len(files) > 0 {
+		strip, err := p.checkFiles(f.Kind, len(files))
+		if strip || err != nil {
+			closeFiles(files) // at once: they must not pile up
+			m.refused = err
+		} else {
+			m.files = files
+			p.filesHeld += len(files)
+		}
+	}
+	if m.refused == nil {
+		m.body = bytes.Clone(f.Body)
+	}
+	if p.active < inflight {
 		p.active++
 		p.qmu.Unlock()
 		p.srv.wg.Add(1) // the connection goroutine holds the group open
 		go p.work(m)
 		return nil
 	}
-	if len(p.backlog) >= maxBacklog || p.backlogBytes+len(m.body) > maxBacklogBytes {
+	if len(p.backlog) >= queued || p.backlogBytes+len(m.body) > queuedBytes {
+		waiting := len(p.backlog)
+		p.filesHeld -= len(m.files)
 		p.qmu.Unlock()
-		closeFiles(files)
-		return fmt.Errorf("%w: %d waiting", ErrBacklog, len(p.backlog))
+		closeFiles(m.files)
+		return fmt.Errorf("%w: %d waiting", ErrBacklog, waiting)
 	}
 	p.backlog = append(p.backlog, m)
 	p.backlogBytes += len(m.body)
 	p.qmu.Unlock()
 	return nil
+}
+
+// releaseFiles uncounts n descriptors of a request that is done with, and
+// a hello that was in its handler; it reports whether the peer's time to
+// say hello ran out meanwhile (and no other hello runs).
+func (p *Peer) releaseFiles(n int, hello bool) (late bool) {
+	p.qmu.Lock()
+	defer p.qmu.Unlock()
+	p.filesHeld -= n
+	if hello {
+		p.hellos--
+		late = p.helloLate && p.hellos == 0
+	}
+	return late
 }
 
 // work handles m, then whatever waits in the backlog.
@@ -386,16 +673,36 @@ func (p *Peer) work(m message) {
 func (p *Peer) handle(m message) {
 	if p.ctx.Err() != nil { // gone: nobody to answer
 		closeFiles(m.files)
+		p.releaseFiles(len(m.files), false)
 		return
+	}
+	if m.refused != nil {
+		p.answer(m, nil, m.refused)
+		return
+	}
+	hello := m.kind == p.srv.cfg.HelloKind && !p.admitted.Load()
+	if hello {
+		p.qmu.Lock()
+		p.hellos++
+		p.qmu.Unlock()
 	}
 	d := &Decoder{body: m.body, files: m.files}
 	reply, err := p.srv.cfg.Handler.Handle(p.ctx, p, m.kind, d)
 	d.release()
+	// The request holds its descriptors no more (the handler took them or
+	// they are closed): make room before the peer learns the answer.
+	late := p.releaseFiles(len(m.files), hello)
 	if d.err != nil {
 		p.fail(fmt.Errorf("%s request: %w", m.kind, d.err))
 		return
 	}
+	if hello && err == nil {
+		p.admit() // before the reply: the peer's next request is an admitted one's
+	}
 	p.answer(m, reply, err)
+	if late && !p.admitted.Load() {
+		p.helloOverdue()
+	}
 }
 
 // answer sends a handler's reply or error. A reply that cannot be sent

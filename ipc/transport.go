@@ -227,9 +227,12 @@ func (c *Conn) send(b []byte, files []*os.File, deadline time.Time) error {
 // interruptSend makes a blocked send fail with os.ErrDeadlineExceeded.
 func (c *Conn) interruptSend() { _ = c.c.SetWriteDeadline(time.Unix(1, 0)) }
 
-// recv reads one frame into b (of at least MaxMessage bytes).
+// recv reads one frame into b; a longer one fails with ErrTooLarge.
 func (c *Conn) recv(b []byte) (int, []*os.File, error) {
 	n, files, err := c.c.Recv(b)
+	if errors.Is(err, sock.ErrTruncated) {
+		return 0, nil, fmt.Errorf("%w: frame longer than %d bytes", ErrTooLarge, len(b))
+	}
 	return n, files, connErr(err)
 }
 

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
 )
@@ -67,6 +68,18 @@ type Config struct {
 	// loosened for them too, and their secondaries must trust this
 	// primary's user: secondary.Config.TrustUIDs.)
 	AllowUIDs []int
+	// Limits bound what any connection to the primary can make it hold;
+	// zero fields take the defaults of ipc.Limits: 256 connections, 128
+	// per user, 4 descriptors per request and 16 held per connection,
+	// 1,024 requests (1 MiB) queued per connection, 5 s to complete the
+	// hello. Until its hello succeeds a connection may send no
+	// descriptors and only small frames, one request at a time. The
+	// counters of Stats say how often each limit tripped.
+	Limits ipc.Limits
+	// ReplyTimeout bounds how long a reply or a push waits for room in a
+	// secondary's receive queue: one that takes nothing for that long is
+	// not reading, and is dropped. Default 2 s.
+	ReplyTimeout time.Duration
 
 	// Logger receives diagnostics. Default slog.Default().
 	Logger *slog.Logger
@@ -76,9 +89,10 @@ type Config struct {
 }
 
 const (
-	defaultPrefix      = "mpmr"
-	defaultMemoryPages = 512
-	defaultSyncTimeout = 2 * time.Second
+	defaultPrefix       = "mpmr"
+	defaultMemoryPages  = 512
+	defaultSyncTimeout  = 2 * time.Second
+	defaultReplyTimeout = 2 * time.Second
 )
 
 func (c *Config) setDefaults() error {
@@ -90,6 +104,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.SyncTimeout <= 0 {
 		c.SyncTimeout = defaultSyncTimeout
+	}
+	if c.ReplyTimeout <= 0 {
+		c.ReplyTimeout = defaultReplyTimeout
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

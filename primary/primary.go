@@ -179,8 +179,11 @@ func (p *Primary) start() error {
 	if err != nil {
 		return err
 	}
+	// Until a secondary's hello succeeds, its connection is a stranger's
+	// (see Config.Limits).
 	p.server, err = ipc.NewServer(ipc.ServerConfig{Listener: ln, Handler: (*handler)(p), Logger: p.log,
-		AllowUIDs: c.AllowUIDs, Spin: c.Spin})
+		AllowUIDs: c.AllowUIDs, Spin: c.Spin, HelloKind: ipc.KindHello, Limits: c.Limits,
+		WriteTimeout: c.ReplyTimeout})
 	if err != nil {
 		ln.Close()
 		return err

@@ -9,8 +9,8 @@ import (
 )
 
 // Counters are a process's counters: its queues' lookups by level,
-// requests (served, for the primary) with their latency, memory syncs and
-// attached secondaries.
+// requests (served, for the primary) with their latency, memory syncs,
+// attached secondaries, and what the primary's IPC limits did.
 type Counters = instance.Counters
 
 // ProcCounters are one process's counters as it last published them.
@@ -52,6 +52,9 @@ func (p *Primary) counters() Counters {
 	c.Fenced = p.fenced.Load()
 	c.Quarantined = uint64(p.mem.Quarantined())
 	c.ReadFences = p.global.LockState().Fences
+	if p.server != nil {
+		c.SetIPC(p.server.Stats())
+	}
 	p.syncMu.Lock()
 	c.Secondaries = len(p.peers)
 	p.syncMu.Unlock()

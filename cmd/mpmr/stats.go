@@ -27,8 +27,10 @@ level answered them (top half, bottom half, global table, created), failed
 lookups, cache flushes (FULL dropped everything, SEL only what an
 invalidation touched, with the entries each dropped), IPC requests made or
 served with their p50/p99 latency, memory syncs, dropped and fenced
-secondaries, pages in quarantine, and the validation errors the application
-reported.
+secondaries, pages in quarantine, the validation errors the application
+reported, and how often the primary's IPC limits tripped (connections
+refused or closed without hello, requests refused for their descriptors,
+peers dropped for a full queue or for not reading).
 
 For a dead instance the primary cannot be asked; the published lines of
 processes still alive are shown. It fails (status 1) when a live primary
@@ -131,6 +133,10 @@ func (s *statsOut) print(e *env) error {
 			c.Requests, c.RequestErrors, c.LatencyP50, c.LatencyP99, c.LatencyMax)
 		fmt.Fprintf(e.stdout, "  memory syncs pushed %d, secondaries dropped %d, fenced %d, freed pages in quarantine %d, read holds fenced %d\n",
 			c.Syncs, c.SyncDrops, c.Fenced, c.Quarantined, c.ReadFences)
+		fmt.Fprintf(e.stdout, "  ipc: %d connections open; refused %d over the total, %d over the per-user cap; %d closed without hello; "+
+			"requests refused for descriptors %d (%d over the held limit); peers dropped: %d queue full, %d not reading\n",
+			c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts, c.IPCRefusedFiles+c.IPCRefusedFilesInFlight,
+			c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts)
 		fmt.Fprintf(e.stdout, "  lookups %d (top %d, bottom %d, global %d, created %d, failed %d), flushes %d (%d selective), queues %d\n",
 			c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed, c.Flushes, c.SelectiveFlushes, c.Queues)
 	} else {

@@ -33,6 +33,7 @@ func TestStatsShowsWhatProcessesPublished(t *testing.T) {
 	assert.Equal(t, 1, got.Primary.Secondaries, "asking for stats does not attach")
 	assert.Equal(t, 1, got.Primary.MRs)
 	assert.GreaterOrEqual(t, got.Primary.Counters.Requests, uint64(1), "the secondary's create was served")
+	assert.Equal(t, 2, got.Primary.Counters.IPCConns, "the secondary's connection and the tool's")
 
 	var sec *instance.ProcCounters
 	for i, pc := range got.Processes {
@@ -55,6 +56,7 @@ func TestStatsShowsWhatProcessesPublished(t *testing.T) {
 	require.Equal(t, 0, status, errOut)
 	assert.Contains(t, out, "primary pid "+strconv.Itoa(os.Getpid()))
 	assert.Contains(t, out, "1 secondaries attached")
+	assert.Contains(t, out, "ipc: 2 connections open; refused 0 over the total")
 	assert.Regexp(t, `\s`+strconv.Itoa(h.PID())+`\s+secondary\s+5\s+4\s+0\s+0\s+1\s`, out,
 		"slot, pid, role, lookups, top, bottom, global, created")
 	assert.Equal(t, 1, p.Stats().Counters.Secondaries)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 )
 
@@ -36,6 +37,15 @@ const (
 	CFenced         // secondaries fenced for not following memory changes (primary)
 	CQuarantined    // freed pages waiting in quarantine (primary)
 	CReadFences     // global read holds fenced by a writer that would not wait longer
+	// The IPC server's limits (primary), see ipc.ServerStats.
+	CIPCConns                // connections open
+	CIPCRefusedConns         // refused for the total cap
+	CIPCRefusedConnsUID      // refused for the per-user cap
+	CIPCHelloTimeouts        // closed for an overdue hello
+	CIPCRefusedFiles         // requests refused for their descriptors
+	CIPCRefusedFilesInFlight // requests refused for the descriptors their peer held
+	CIPCQueueOverflows       // peers dropped for too many queued requests
+	CIPCWriteTimeouts        // peers dropped for not reading their replies
 	NumCounters
 )
 
@@ -45,6 +55,8 @@ var CounterNames = [NumCounters]string{
 	"requests", "request_errors", "latency_p50_ns", "latency_p99_ns", "latency_max_ns",
 	"syncs", "sync_drops", "secondaries", "validation_errors",
 	"selective_flushes", "full_flush_dropped", "selective_flush_dropped", "fenced", "quarantined_pages", "read_fences",
+	"ipc_conns", "ipc_refused_conns", "ipc_refused_conns_per_uid", "ipc_hello_timeouts",
+	"ipc_refused_files", "ipc_refused_files_in_flight", "ipc_queue_overflows", "ipc_write_timeouts",
 }
 
 // Map returns the counters by CounterNames.
@@ -123,13 +135,29 @@ type Counters struct {
 	Fenced      uint64 `json:"fenced"`
 	Quarantined uint64 `json:"quarantined_pages"`
 	ReadFences  uint64 `json:"read_fences"`
+	// What the primary's IPC limits did (see ipc.ServerStats): connections
+	// open now; connections refused for the total and the per-user cap, or
+	// closed for an overdue hello; requests refused for their descriptors
+	// (too many in one, or any before the hello) or for those their peer
+	// already held; peers dropped for too many queued requests or for not
+	// reading their replies.
+	IPCConns                int    `json:"ipc_conns"`
+	IPCRefusedConns         uint64 `json:"ipc_refused_conns"`
+	IPCRefusedConnsUID      uint64 `json:"ipc_refused_conns_per_uid"`
+	IPCHelloTimeouts        uint64 `json:"ipc_hello_timeouts"`
+	IPCRefusedFiles         uint64 `json:"ipc_refused_files"`
+	IPCRefusedFilesInFlight uint64 `json:"ipc_refused_files_in_flight"`
+	IPCQueueOverflows       uint64 `json:"ipc_queue_overflows"`
+	IPCWriteTimeouts        uint64 `json:"ipc_write_timeouts"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
 	return &[NumCounters]uint64{c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed,
 		c.Flushes, uint64(c.Queues), c.Requests, c.RequestErrors, uint64(c.LatencyP50), uint64(c.LatencyP99),
 		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors,
-		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences}
+		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences,
+		uint64(c.IPCConns), c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts,
+		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
@@ -142,6 +170,10 @@ func fromVector(v *[NumCounters]uint64) Counters {
 		Syncs: v[CSyncs], SyncDrops: v[CSyncDrops], Secondaries: int(v[CSecondaries]),
 		ValidationErrors: v[CValidationErrs], Fenced: v[CFenced], Quarantined: v[CQuarantined],
 		ReadFences: v[CReadFences],
+		IPCConns:   int(v[CIPCConns]), IPCRefusedConns: v[CIPCRefusedConns], IPCRefusedConnsUID: v[CIPCRefusedConnsUID],
+		IPCHelloTimeouts: v[CIPCHelloTimeouts], IPCRefusedFiles: v[CIPCRefusedFiles],
+		IPCRefusedFilesInFlight: v[CIPCRefusedFilesInFlight], IPCQueueOverflows: v[CIPCQueueOverflows],
+		IPCWriteTimeouts: v[CIPCWriteTimeouts],
 	}
 }
 
@@ -150,6 +182,13 @@ func (c *Counters) SetQueues(s cache.LocalStats, queues int) {
 	c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits = s.Lookups, s.TopHits, s.BottomHits, s.GlobalHits
 	c.Created, c.Failed, c.Flushes, c.Queues = s.Created, s.Failed, s.Flushes, queues
 	c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped = s.SelectiveFlushes, s.FullDropped, s.SelectiveDropped
+}
+
+// SetIPC copies the IPC server's limit counters in.
+func (c *Counters) SetIPC(st ipc.ServerStats) {
+	c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID = st.Conns, st.RefusedConns, st.RefusedConnsUID
+	c.IPCHelloTimeouts, c.IPCRefusedFiles, c.IPCRefusedFilesInFlight = st.HelloTimeouts, st.RefusedFiles, st.RefusedFilesInFlight
+	c.IPCQueueOverflows, c.IPCWriteTimeouts = st.QueueOverflows, st.WriteTimeouts
 }
 
 // SetLatency copies a histogram's quantiles in.

@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"syscall"
 	"testing"
@@ -24,6 +25,7 @@ import (
 	"github.com/mpmr/mpmr/internal/sock"
 	"github.com/mpmr/mpmr/internal/testenv"
 	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/shm"
 )
 
@@ -31,12 +33,18 @@ import (
 // secondaries copy payloads through the soft device and check the region
 // the primary keeps freeing and reallocating for the whole test, and must
 // finish without a single failure. Meanwhile: garbage, truncated,
-// oversized and unknown frames and stray descriptors on the socket; a
-// flood of create requests for addresses outside any memory; processes of
-// another user; and calls to the primary's API with impossible arguments.
+// oversized and unknown frames and stray descriptors on the socket;
+// thousands of connections that never speak, from this user and another;
+// a process that sends requests with descriptors as fast as it can and
+// reads nothing; a flood of create requests for addresses outside any
+// memory; processes of another user; and calls to the primary's API with
+// impossible arguments.
 func TestAbuse(t *testing.T) {
 	s := harness.New(t, testenv.Tmpfs(t))
-	p := s.StartPrimary()
+	// Connections that never say hello are closed sooner than by default,
+	// so that the idle flood ends within the test.
+	const helloTimeout = 2 * time.Second
+	p := s.StartPrimary(func(c *primary.Config) { c.Limits.HelloTimeout = helloTimeout })
 	ps := p.Backend().PageSize
 	pool, err := p.CreatePool("abuse", 2048, 256)
 	require.NoError(t, err)
@@ -52,7 +60,7 @@ func TestAbuse(t *testing.T) {
 			CheckEvery: 4, Limit: 5 * time.Minute}))
 		good = append(good, sec)
 	}
-	stopRounds := runRounds(board)
+	stopRounds, pauseRounds := runRounds(board)
 	t.Cleanup(func() { stopRounds() })
 	sockPath := filepath.Join(p.RuntimeDir(), ipc.SocketName)
 	seed := uint64(time.Now().UnixNano())
@@ -164,6 +172,79 @@ func TestAbuse(t *testing.T) {
 		assert.Eventually(t, func() bool { return openFDs() <= before }, hangBound, time.Millisecond,
 			"descriptors of this process: %d before, %d after", before, openFDs())
 	})
+	t.Run("idle connection flood", func(t *testing.T) {
+		n := harness.Pick(2000, 10000)
+		// flood has a process of uid dial n connections that never speak
+		// and checks, while it holds them, what the primary holds; then
+		// it waits for the primary to close every one, and returns how
+		// many it told why, over a limit or refused.
+		flood := func(t *testing.T, uid int) harness.IdleFloodCheck {
+			goroutines, heap := runtime.NumGoroutine(), liveHeap()
+			before := p.Stats().Counters
+			h := s.In(t).Start(harness.RoleSocketFlood, harness.SocketFloodArgs{Socket: sockPath, UID: uid, GID: uid,
+				Mode: harness.FloodIdle, N: n})
+			held, grown, conns := runtime.NumGoroutine(), liveHeap(), p.Stats().Counters.IPCConns
+			t.Logf("%d idle connections of uid %d dialled: the primary holds %d connections, %d goroutines (%d before), %+d KiB of heap",
+				n, uid, conns, held, goroutines, (int64(grown)-int64(heap))>>10)
+			assert.LessOrEqual(t, conns, ipc.DefaultMaxConnsPerUID+before.IPCConns, "connections the primary holds")
+			assert.LessOrEqual(t, held, goroutines+2*ipc.DefaultMaxConnsPerUID+32, "goroutines of the primary's process")
+			assert.Less(t, int64(grown)-int64(heap), int64(32<<20), "heap held for the flood")
+			c, err := harness.AwaitIdleFlood(h, n)
+			require.NoError(t, err)
+			after := p.Stats().Counters
+			t.Logf("closed all %d: %d refused over the per-user cap, %d without hello, %d by credentials; %d told over a limit, %d refused",
+				n, after.IPCRefusedConnsUID-before.IPCRefusedConnsUID, after.IPCHelloTimeouts-before.IPCHelloTimeouts,
+				n-c.Limit, c.Limit, c.Refused)
+			assert.Equal(t, n, c.Limit+c.Refused, "every connection was told why it was closed")
+			return c
+		}
+		t.Run("this user", func(t *testing.T) {
+			before := p.Stats().Counters
+			c := flood(t, 0)
+			after := p.Stats().Counters
+			assert.Equal(t, n, c.Limit, "closed over the per-user cap or for an overdue hello")
+			assert.EqualValues(t, n, (after.IPCRefusedConnsUID-before.IPCRefusedConnsUID)+(after.IPCHelloTimeouts-before.IPCHelloTimeouts))
+			assert.NotZero(t, after.IPCHelloTimeouts-before.IPCHelloTimeouts)
+			sec := s.In(t).StartSecondary()
+			sec.MustCall("create", harness.Addr{Addr: uint64(pool.Chunks()[0].Addr)}, nil)
+			require.NoError(t, sec.Close(), "a secondary attaches once the flood is over")
+		})
+		t.Run("another user", func(t *testing.T) {
+			if os.Geteuid() != 0 {
+				t.Skip("needs root to run a helper as uid 65534")
+			}
+			openSocket(t, s, sockPath)
+			requests := p.Stats().Counters.Requests
+			c := flood(t, 65534)
+			assert.NotZero(t, c.Refused, "refused by credentials")
+			assert.Equal(t, requests, p.Stats().Counters.Requests, "no request of theirs reached the primary")
+		})
+	})
+	t.Run("descriptor flood", func(t *testing.T) {
+		start := p.Stats().Counters
+		h := s.In(t).Start(harness.RoleSocketFlood, harness.SocketFloodArgs{Socket: sockPath, Mode: harness.FloodFiles,
+			N: harness.Pick(5000, 50000), Files: sock.MaxFiles})
+		before := openFDs()
+		stop := make(chan struct{})
+		peak := peakFDs(stop)
+		var r harness.FilesFloodResult
+		require.NoError(t, h.Call("flood", nil, &r))
+		close(stop)
+		most := <-peak
+		t.Logf("sent %d requests with %d descriptors each (then %v); the primary's process held at most %d descriptors, %d before",
+			r.Sent, sock.MaxFiles, r.Err, most, before)
+		// One message's descriptors are open between their arrival and
+		// their closing; nothing before the hello keeps any.
+		assert.LessOrEqual(t, most, before+sock.MaxFiles+4)
+		require.Eventually(t, func() bool {
+			c := p.Stats().Counters
+			return c.IPCQueueOverflows+c.IPCWriteTimeouts > start.IPCQueueOverflows+start.IPCWriteTimeouts
+		}, hangBound, time.Millisecond, "the primary drops a peer that does not read")
+		after := p.Stats().Counters
+		assert.Greater(t, after.IPCRefusedFiles, start.IPCRefusedFiles)
+		assert.Eventually(t, func() bool { return openFDs() < before }, hangBound, time.Millisecond,
+			"descriptors of this process: %d before, %d after", before, openFDs())
+	})
 	t.Run("create flood outside any memory", func(t *testing.T) {
 		lists := p.Memory().Lists()
 		end := uint64(lists[len(lists)-1].End)
@@ -214,17 +295,14 @@ func TestAbuse(t *testing.T) {
 		var r harness.AsUserResult
 		require.NoError(t, decodeData(h.Ready, &r))
 		assert.Equal(t, 65534, r.UID)
-		assert.True(t, r.Attach.Matches("secondary.ErrNoPrimary"), "attach: %s", r.Attach)
+		// A primary runs: the user is told it lacks permission, not that
+		// nobody is there.
+		assert.True(t, r.Attach.Matches("secondary.ErrPermission"), "attach: %s", r.Attach)
 		assert.True(t, r.Dial.Matches("os.ErrPermission"), "dial: %s", r.Dial)
 
 		// With the socket open to everyone, the primary's credential
 		// check refuses it before any handler sees it.
-		for path, mode := range map[string]os.FileMode{s.RunDir: 0o711, p.RuntimeDir(): 0o711, sockPath: 0o666} {
-			fi, err := os.Stat(path)
-			require.NoError(t, err)
-			require.NoError(t, os.Chmod(path, mode))
-			t.Cleanup(func() { os.Chmod(path, fi.Mode().Perm()) })
-		}
+		openSocket(t, s, sockPath)
 		h = s.In(t).Start(harness.RoleAsUser, as)
 		require.NoError(t, decodeData(h.Ready, &r))
 		assert.Nil(t, r.Dial)
@@ -247,8 +325,12 @@ func TestAbuse(t *testing.T) {
 		assert.ErrorIs(t, p.Free(hugetlb.Region{Addr: 0x1000, Len: ps}), hugetlb.ErrForeign)
 		assert.ErrorIs(t, p.Free(hugetlb.Region{Addr: x.Addr, Len: 0}), hugetlb.ErrZeroLength)
 		assert.ErrorIs(t, p.Free(hugetlb.Region{Addr: x.Addr, Len: 1 << 50}), hugetlb.ErrForeign)
+		// A round would take the page just freed: the second Free would
+		// then free the round's.
+		resume := pauseRounds()
 		require.NoError(t, p.Free(x))
 		assert.ErrorIs(t, p.Free(x), hugetlb.ErrDoubleFree)
+		resume()
 		for _, a := range []uint64{0, ^uint64(0), uint64(x.Addr)} {
 			_, err = p.Global().Create(a)
 			assert.ErrorIs(t, err, cache.ErrNoMemory, "create 0x%x", a)
@@ -401,6 +483,46 @@ func frame(t testing.TB, id uint64, kind ipc.Kind, body any, files ...int) []byt
 	return b
 }
 
+// openSocket lets every user reach the socket until the test ends: only
+// the primary's credentials check stands in their way then.
+func openSocket(t *testing.T, s *harness.Scenario, sockPath string) {
+	t.Helper()
+	for path, mode := range map[string]os.FileMode{s.RunDir: 0o711, filepath.Dir(sockPath): 0o711, sockPath: 0o666} {
+		fi, err := os.Stat(path)
+		require.NoError(t, err)
+		require.NoError(t, os.Chmod(path, mode))
+		t.Cleanup(func() { os.Chmod(path, fi.Mode().Perm()) })
+	}
+}
+
+// liveHeap returns the bytes of live heap objects.
+func liveHeap() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
+}
+
+// peakFDs samples this process's open descriptors until stop is closed
+// and then sends the most it saw.
+func peakFDs(stop <-chan struct{}) <-chan int {
+	out := make(chan int, 1)
+	go func() {
+		peak := 0
+		for {
+			peak = max(peak, openFDs())
+			select {
+			case <-stop:
+				out <- peak
+				return
+			default:
+				runtime.Gosched()
+			}
+		}
+	}()
+	return out
+}
+
 // openFDs counts this process's open descriptors.
 func openFDs() int {
 	ents, _ := os.ReadDir("/proc/self/fd")
@@ -414,13 +536,15 @@ func decodeData(r harness.Ready, v any) error {
 	return json.Unmarshal(r.Data, v)
 }
 
-// runRounds runs board rounds of one page until the returned function is
-// called, which reports the first error.
-func runRounds(board *harness.Board) func() error {
+// runRounds runs board rounds of one page until stopRounds is called,
+// which reports the first error. pause waits for the round under way to
+// end and holds the next until the function it returns is called.
+func runRounds(board *harness.Board) (stopRounds func() error, pause func() (resume func())) {
 	var (
 		wg   sync.WaitGroup
 		err  error
 		stop = make(chan struct{})
+		mu   sync.Mutex // held for each round, and while paused
 	)
 	wg.Add(1)
 	go func() {
@@ -431,16 +555,22 @@ func runRounds(board *harness.Board) func() error {
 				return
 			default:
 			}
-			if _, err = board.Round(harness.RoundOptions{Pages: 1, While: func() error {
+			mu.Lock()
+			_, err = board.Round(harness.RoundOptions{Pages: 1, While: func() error {
 				return board.WaitLookups(50, hangBound)
-			}}); err != nil {
+			}})
+			mu.Unlock()
+			if err != nil {
 				return
 			}
 		}
 	}()
 	var once sync.Once
 	return func() error {
-		once.Do(func() { close(stop); wg.Wait() })
-		return err
-	}
+			once.Do(func() { close(stop); wg.Wait() })
+			return err
+		}, func() func() {
+			mu.Lock()
+			return mu.Unlock
+		}
 }

@@ -160,7 +160,7 @@ func TestSquattedRuntimeDirectory(t *testing.T) {
 			CheckEvery: 4, Limit: 5 * time.Minute}))
 		good = append(good, sec)
 	}
-	stopRounds := runRounds(board)
+	stopRounds, _ := runRounds(board)
 	t.Cleanup(func() { stopRounds() })
 
 	sq := squatter{testproc.Start(t, "squatter", nil), t}

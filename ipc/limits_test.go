@@ -1,0 +1,522 @@
+package ipc_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/ipc"
+)
+
+func init() {
+	testproc.Register("flood", helperFlood)
+}
+
+const nobody = 65534
+
+// helperFlood becomes user args[1] (when that is not already its user) and
+// floods the server at args[0] the way args[2] says, args[3] times:
+//
+//	idle N         opens N connections and sends nothing on them; prints
+//	               "open N" once they are dialled, then answers each
+//	               "check" with "check closed=C limit=L" (of them, how
+//	               many the server has closed, and how many of those with
+//	               a reason that matches ErrLimit)
+//	files N        sends N stats requests on one connection, each with
+//	               MaxFiles descriptors, and reads nothing
+//	hello-files N  says hello, then sends N create requests that the
+//	               server's handler holds (blockAddr), each with 4
+//	               descriptors, and reads nothing
+//
+// The senders print "ready" once connected, start on the input line "go",
+// print "sent S err=E" when they are done (or the server hung up) and
+// keep the connection until their input ends.
+func helperFlood(args []string) int {
+	uid, _ := strconv.Atoi(args[1])
+	if uid != os.Geteuid() {
+		if err := becomeUser(uid); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 3
+		}
+	}
+	n, _ := strconv.Atoi(args[3])
+	switch args[2] {
+	case "idle":
+		return floodIdle(args[0], n)
+	case "files", "hello-files":
+		return floodFiles(args[0], n, args[2] == "hello-files")
+	}
+	fmt.Fprintln(os.Stderr, "unknown flood", args[2])
+	return 2
+}
+
+func becomeUser(uid int) error {
+	if err := syscall.Setgroups(nil); err != nil {
+		return fmt.Errorf("setgroups: %w", err)
+	}
+	if err := syscall.Setgid(uid); err != nil {
+		return fmt.Errorf("setgid: %w", err)
+	}
+	if err := syscall.Setuid(uid); err != nil {
+		return fmt.Errorf("setuid: %w", err)
+	}
+	return nil
+}
+
+// dialRetry dials path, retrying while the listen backlog is full (a
+// flood outruns the server's accept loop).
+func dialRetry(path string) (*sock.Conn, error) {
+	for i := 0; ; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), bound)
+		c, err := sock.Dial(ctx, path)
+		cancel()
+		if err == nil || !errors.Is(err, syscall.EAGAIN) || i == 10000 {
+			return c, err
+		}
+		runtime.Gosched()
+	}
+}
+
+func floodIdle(path string, n int) int {
+	var closed, limited atomic.Int64
+	for range n {
+		c, err := dialRetry(path)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "dial:", err)
+			return 3
+		}
+		// Watch the connection: the server may tell why it ends it.
+		go func() {
+			buf := make([]byte, ipc.MaxMessage)
+			why := false
+			for {
+				n, files, err := c.Recv(buf)
+				for _, f := range files {
+					f.Close()
+				}
+				if err != nil {
+					break
+				}
+				f, err := ipc.ParseFrame(buf[:n])
+				var r ipc.ErrorReply
+				if err == nil && f.ID == 0 && f.Kind == ipc.KindError && ipc.Unmarshal(f.Body, &r) == nil && r.Code == "ipc.limit" {
+					why = true
+				}
+			}
+			if why {
+				limited.Add(1)
+			}
+			closed.Add(1)
+		}()
+	}
+	testproc.Say("open %d", n)
+	in := testproc.Commands()
+	for in.Scan() {
+		if in.Text() == "check" {
+			testproc.Say("check closed=%d limit=%d", closed.Load(), limited.Load())
+		}
+	}
+	return 0
+}
+
+func floodFiles(path string, n int, hello bool) int {
+	c, err := dialRetry(path)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "dial:", err)
+		return 3
+	}
+	defer c.Close()
+	devNull, err := os.Open(os.DevNull)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	files := make([]*os.File, ipc.MaxFiles)
+	for i := range files {
+		files[i] = devNull
+	}
+	if hello {
+		b, _ := ipc.AppendFrame(nil, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"})
+		if err := c.Send(b, nil); err != nil {
+			fmt.Fprintln(os.Stderr, "hello:", err)
+			return 3
+		}
+		buf := make([]byte, ipc.MaxMessage)
+		if _, _, err := c.Recv(buf); err != nil {
+			fmt.Fprintln(os.Stderr, "hello reply:", err)
+			return 3
+		}
+		files = files[:4]
+	}
+	testproc.Say("ready")
+	in := testproc.Commands()
+	if !in.Scan() || in.Text() != "go" {
+		return 0
+	}
+	sent := 0
+	for i := range n {
+		var b []byte
+		if hello {
+			b, _ = ipc.AppendFrame(nil, uint64(i+2), ipc.KindCreateMR, len(files), &ipc.CreateMR{Addr: blockAddr})
+		} else {
+			b, _ = ipc.AppendFrame(nil, uint64(i+2), ipc.KindStats, len(files), &ipc.StatsRequest{})
+		}
+		if err = c.Send(b, files); err != nil {
+			break
+		}
+		sent++
+	}
+	testproc.Say("sent %d err=%v", sent, err)
+	for in.Scan() {
+	}
+	return 0
+}
+
+// liveHeap returns the bytes of live heap objects.
+func liveHeap() uint64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc
+}
+
+func hello(t testing.TB, c *ipc.Client) {
+	t.Helper()
+	require.NoError(t, c.Call(ctxBound(t), ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{}))
+}
+
+func withHello(c *ipc.ServerConfig) { c.HelloKind = ipc.KindHello }
+
+// Thousands of connections of another user that never speak cost the
+// server no more than its per-user cap allows, are closed when their
+// hello is overdue, and a legitimate client is served throughout.
+func TestIdleConnectionFloodIsBounded(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the flooding process switches to uid 65534 with setuid")
+	}
+	const flood = 2000
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody}
+		c.Limits.HelloTimeout = time.Second
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+	goroutines, heap := runtime.NumGoroutine(), liveHeap()
+
+	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", strconv.Itoa(flood)})
+	h.Expect("open ", 0)
+	st := s.Stats()
+	held, grown := runtime.NumGoroutine(), liveHeap()
+	t.Logf("%d idle connections dialled: the server holds %d connections, %d goroutines (%d before), %d KiB more heap; refused %d",
+		flood, st.Conns, held, goroutines, (int64(grown)-int64(heap))>>10, st.RefusedConnsUID)
+	assert.LessOrEqual(t, st.Conns, ipc.DefaultMaxConnsPerUID, "connections held for one user")
+	assert.LessOrEqual(t, held, goroutines+2*ipc.DefaultMaxConnsPerUID+16, "goroutines")
+	assert.Less(t, int64(grown)-int64(heap), int64(16<<20), "heap held for the idle connections")
+	assert.NotZero(t, st.RefusedConnsUID)
+
+	c := dial(t, path, ipc.ClientConfig{})
+	hello(t, c)
+	var r ipc.CreateMRReply
+	require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x5000}, &r), "a legitimate client is served")
+
+	var closed, limited int
+	require.True(t, eventually(func() bool {
+		h.Send("check")
+		_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
+		require.NoError(t, err)
+		return closed == flood
+	}), "the server closed %d of the %d idle connections", closed, flood)
+	assert.Equal(t, flood, limited, "every idle connection was told why it was closed")
+	st = s.Stats()
+	t.Logf("refused at connect %d, closed for an overdue hello %d", st.RefusedConnsUID, st.HelloTimeouts)
+	assert.EqualValues(t, flood, st.RefusedConnsUID+st.HelloTimeouts)
+	assert.NotZero(t, st.HelloTimeouts)
+	assert.Equal(t, 1, st.Conns, "the legitimate client")
+	assert.Zero(t, st.Unadmitted)
+	assert.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x5000}, &r))
+	assert.Contains(t, s.log.String(), "no hello")
+	assert.Contains(t, s.log.String(), "per user")
+}
+
+// The total and per-user caps count connections of real users.
+func TestConnectionCaps(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a helper switches to uid 65534 with setuid")
+	}
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody}
+		c.Limits = ipc.Limits{MaxConns: 6, MaxConnsPerUID: 4, HelloTimeout: time.Hour}
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+
+	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "6"})
+	h.Expect("open 6", 0)
+	require.True(t, eventually(func() bool { st := s.Stats(); return st.Conns == 4 && st.RefusedConnsUID == 2 }),
+		"4 of uid 65534's 6 connections are served, 2 refused: %+v", s.Stats())
+	var closed, limited int
+	require.True(t, eventually(func() bool {
+		h.Send("check")
+		_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
+		require.NoError(t, err)
+		return closed == 2
+	}), "the refused connections end")
+	assert.Equal(t, 2, limited, "and are told why")
+
+	for range 2 { // root's own: served up to the total
+		c := dial(t, path, ipc.ClientConfig{})
+		hello(t, c)
+	}
+	over := dial(t, path, ipc.ClientConfig{})
+	waitFor(t, over.Done(), "the end of a connection over the total")
+	assert.ErrorIs(t, over.Err(), ipc.ErrLimit)
+	assert.ErrorIs(t, over.Err(), ipc.ErrPeerGone)
+	assert.ErrorContains(t, over.Err(), "connections")
+	st := s.Stats()
+	assert.Equal(t, 6, st.Conns)
+	assert.EqualValues(t, 1, st.RefusedConns)
+	assert.EqualValues(t, 2, st.RefusedConnsUID)
+}
+
+// A connection that does not complete its hello in time is closed and
+// told why; a failed hello does not count, and requests before the hello
+// are still served.
+func TestHelloDeadline(t *testing.T) {
+	h := newHandler()
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		var m ipc.Hello
+		if kind == ipc.KindHello && body.Decode(&m) == nil && m.Role == "intruder" {
+			return nil, errors.New("not one of ours"), true
+		}
+		return nil, nil, false
+	}
+	s := startServer(t, quietHandler{h}, withHello, func(c *ipc.ServerConfig) { c.Limits.HelloTimeout = 200 * time.Millisecond })
+	good := dial(t, s.path, ipc.ClientConfig{})
+	hello(t, good)
+	bad := dial(t, s.path, ipc.ClientConfig{})
+	err := bad.Call(ctxBound(t), ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: 1, Role: "intruder"}, nil)
+	require.ErrorContains(t, err, "not one of ours")
+	idle := dial(t, s.path, ipc.ClientConfig{})
+	var st ipc.StatsReply
+	require.NoError(t, idle.Call(ctxBound(t), ipc.KindStats, &ipc.StatsRequest{}, &st), "a stats request needs no hello")
+
+	for _, c := range []*ipc.Client{bad, idle} {
+		waitFor(t, c.Done(), "the end of a connection without hello")
+		assert.ErrorIs(t, c.Err(), ipc.ErrLimit)
+		assert.ErrorIs(t, c.Err(), ipc.ErrPeerGone)
+		assert.ErrorContains(t, c.Err(), "no hello within 200ms")
+		cred, err := c.ServerCred()
+		assert.NoError(t, err, "who the server was is known after the end too")
+		assert.Equal(t, os.Getpid(), cred.PID)
+	}
+	// good was dialled first: its deadline passed too.
+	assert.NoError(t, good.Err())
+	assert.NoError(t, good.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, nil))
+	assert.EqualValues(t, 2, s.Stats().HelloTimeouts)
+	assert.Contains(t, s.log.String(), "no hello")
+}
+
+// Descriptors: none before the hello (they are closed on arrival and the
+// request goes on without them), at most MaxFilesPerMessage in one
+// message and MaxFilesPerPeer held at once after it (a request over a
+// limit is refused with ErrLimit and its files closed at once). The
+// connection carries on.
+func TestDescriptorLimits(t *testing.T) {
+	release := make(chan struct{})
+	holding := make(chan struct{}, 2)
+	h := fileHandler()
+	files := h.handle
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		var m ipc.CreateMR
+		if kind == ipc.KindCreateMR && body.Decode(&m) == nil && m.Addr == 0x401d {
+			holding <- struct{}{}
+			<-release // hold the request and its files
+			return nil, nil, true
+		}
+		return files(ctx, p, kind, body)
+	}
+	s := startServer(t, h, withHello, func(c *ipc.ServerConfig) {
+		c.Limits.MaxFilesPerMessage = 2
+		c.Limits.MaxFilesPerPeer = 3
+	})
+	c := dial(t, s.path, ipc.ClientConfig{})
+	r, w := pipe(t)
+	call := func(addr uint64, n int) error {
+		fs := make([]*os.File, n)
+		for i := range fs {
+			fs[i] = w
+		}
+		return c.Call(ctxBound(t), ipc.KindCreateMR, ipc.WithFiles{Body: &ipc.CreateMR{Addr: addr}, Files: fs}, nil)
+	}
+
+	require.NoError(t, call(0xf11e, 1), "a request with a descriptor before the hello is served...")
+	assert.EqualValues(t, 1, s.Stats().RefusedFiles, "...without its descriptor")
+	assert.Contains(t, s.log.String(), "before the hello")
+	hello(t, c)
+	callWithFiles(t, c)
+	err := call(0xf11e, 3)
+	assert.ErrorIs(t, err, ipc.ErrLimit, "3 descriptors in one message")
+	assert.ErrorContains(t, err, "at most 2")
+
+	// A request in its handler holds 2 descriptors; another with 2 would
+	// make 4, over the peer's 3.
+	done := make(chan error, 1)
+	go func() { done <- call(0x401d, 2) }()
+	waitFor(t, holding, "the first request in its handler")
+	err = call(0x401d, 2)
+	assert.ErrorIs(t, err, ipc.ErrLimit, "descriptors held by the peer")
+	assert.ErrorContains(t, err, "held")
+	close(release)
+	require.NoError(t, <-done)
+	require.NoError(t, call(0x1000, 2), "room again once the request is done")
+	require.NoError(t, c.Err())
+
+	require.NoError(t, w.Close())
+	assert.Equal(t, "", readAll(t, r), "no handler wrote into the file, and the server closed every copy")
+	st := s.Stats()
+	assert.EqualValues(t, 2, st.RefusedFiles)
+	assert.EqualValues(t, 1, st.RefusedFilesInFlight)
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs() int {
+	ents, _ := os.ReadDir("/proc/self/fd")
+	return len(ents) - 1
+}
+
+// peakFDs samples this process's open descriptors until stop is closed
+// and returns the most it saw.
+func peakFDs(stop <-chan struct{}) <-chan int {
+	out := make(chan int, 1)
+	go func() {
+		peak := 0
+		for {
+			peak = max(peak, openFDs())
+			select {
+			case <-stop:
+				out <- peak
+				return
+			default:
+				runtime.Gosched()
+			}
+		}
+	}()
+	return out
+}
+
+// A process that sends requests with descriptors as fast as it can and
+// never reads its replies cannot make the server hold more than its
+// limits allow: before its hello none at all, after it MaxFilesPerPeer.
+func TestDescriptorFloodIsBounded(t *testing.T) {
+	for _, tc := range []struct {
+		mode string
+		most int // descriptors the server may hold for the flood
+	}{
+		{"files", 0},
+		{"hello-files", ipc.DefaultMaxFilesPerPeer},
+	} {
+		t.Run(tc.mode, func(t *testing.T) {
+			s := startServer(t, quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+				c.WriteTimeout = 200 * time.Millisecond
+			})
+			base := openFDs()
+			h := testproc.Start(t, "flood", []string{s.path, strconv.Itoa(os.Geteuid()), tc.mode, "5000"})
+			h.Expect("ready", 0)
+			require.True(t, eventually(func() bool { return s.Stats().Conns == 1 }), "the server has the connection")
+			before := openFDs()
+			stop := make(chan struct{})
+			peak := peakFDs(stop)
+			h.Send("go")
+			line := h.Expect("sent ", 0)
+			close(stop)
+			most := <-peak
+			// One message's descriptors are open between its receipt and
+			// the check that refuses them.
+			t.Logf("%s; descriptors of the server: %d before, at most %d during the flood", line, before, most)
+			assert.LessOrEqual(t, most, before+tc.most+ipc.MaxFiles)
+			require.True(t, eventually(func() bool { st := s.Stats(); return st.QueueOverflows+st.WriteTimeouts == 1 && st.Conns == 0 }),
+				"the flooding connection is dropped: %+v", s.Stats())
+			h.CloseInput()
+			require.NoError(t, h.Wait(0))
+			before = base
+			st := s.Stats()
+			t.Logf("%+v", st)
+			assert.NotZero(t, st.RefusedFiles+st.RefusedFilesInFlight)
+			assert.True(t, eventually(func() bool { return openFDs() <= before }), "descriptors: %d before, %d after", before, openFDs())
+		})
+	}
+}
+
+// Requests beyond the running and the queued are not waited for: the
+// connection is dropped (before the hello, far fewer are allowed).
+func TestQueueLimit(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		hello bool
+		calls int // the one that overflows
+	}{
+		{"admitted", true, 1 + 3 + 1},
+		{"before hello", false, 1 + 4 + 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := startServer(t, quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+				c.MaxInflightPerConn = 1
+				c.Limits.MaxQueued = 3
+			})
+			c := dial(t, s.path, ipc.ClientConfig{})
+			if tc.hello {
+				hello(t, c)
+			}
+			errs := make(chan error, tc.calls)
+			for range tc.calls {
+				go func() { errs <- c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: blockAddr}, nil) }()
+			}
+			for range tc.calls {
+				assert.ErrorIs(t, waitFor(t, errs, "a call's end"), ipc.ErrPeerGone)
+			}
+			assert.EqualValues(t, 1, s.Stats().QueueOverflows)
+			assert.Contains(t, s.log.String(), "queued")
+		})
+	}
+}
+
+// A client that does not read its replies is dropped once a reply has
+// waited WriteTimeout, which frees the handlers.
+func TestSlowReaderIsDropped(t *testing.T) {
+	h := newHandler()
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind != ipc.KindStats {
+			return nil, nil, false
+		}
+		// Replies of 60 KiB: a few fill the socket's buffer.
+		r := &ipc.StatsReply{Counters: map[string]uint64{}}
+		for i := range 2000 {
+			r.Counters[fmt.Sprintf("counter-%020d", i)] = uint64(i)
+		}
+		return r, nil, true
+	}
+	s := startServer(t, quietHandler{h}, func(c *ipc.ServerConfig) { c.WriteTimeout = 50 * time.Millisecond })
+	c, err := sock.Dial(ctxBound(t), s.path)
+	require.NoError(t, err)
+	defer c.Close()
+	b, err := ipc.AppendFrame(nil, 1, ipc.KindStats, 0, &ipc.StatsRequest{})
+	require.NoError(t, err)
+	for range 40 { // more replies than the socket queues
+		require.NoError(t, c.Send(b, nil))
+	}
+	require.True(t, eventually(func() bool { st := s.Stats(); return st.WriteTimeouts == 1 && st.Conns == 0 }),
+		"the connection is dropped: %+v", s.Stats())
+	assert.Contains(t, s.log.String(), "not reading")
+}
