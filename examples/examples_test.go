@@ -94,14 +94,24 @@ func TestMainJob(t *testing.T) {
 // by hand, and waits until it serves.
 func startPrimary(t *testing.T, prim, prefix, rundir string) *exec.Cmd {
 	t.Helper()
-	cmd := exec.CommandContext(t.Context(), prim, "-prefix", prefix, "-rundir", rundir, "-backend", "tmpfs",
+	// Not t.Context(): it ends before cleanups run, and the cleanup below
+	// stops the primary cleanly.
+	cmd := exec.Command(prim, "-prefix", prefix, "-rundir", rundir, "-backend", "tmpfs",
 		"-secondaries", "0", "-duration", "1m")
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
+		// SIGTERM: the primary closes cleanly and removes its files.
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
 	})
 	sc := bufio.NewScanner(stdout)
 	for sc.Scan() {
@@ -153,6 +163,11 @@ func TestSecondaryStopsWhenPrimaryDies(t *testing.T) {
 	lines := strings.Split(strings.TrimSpace(stderr.String()), "\n")
 	last := lines[len(lines)-1]
 	assert.Regexp(t, `secondary pid \d+: the primary has gone: stopped 1 queues after \d+ copies; exiting`, last)
+
+	// A new primary on the prefix cleans up what the killed one left.
+	out, err := exec.CommandContext(t.Context(), prim, "-prefix", prefix, "-rundir", rundir, "-backend", "tmpfs",
+		"-secondaries", "0", "-duration", "1ms").CombinedOutput()
+	require.NoError(t, err, "output:\n%s", out)
 }
 
 // A secondary of another user is told it lacks permission — which path,

@@ -158,6 +158,7 @@ func startLeakPrimary(t *testing.T, b hugetlb.Backend, slots, perUID int) (*test
 		Logger: slog.New(slog.DiscardHandler)}
 	p := testproc.Start(t, "leak-primary", []string{cfg.Prefix, cfg.RuntimeDir, b.Kind.String(),
 		strconv.Itoa(slots), strconv.Itoa(perUID)})
+	t.Cleanup(func() { p.End(0) }) // a clean exit removes the instance's files
 	p.Expect("ready", 0)
 	return p, cfg
 }

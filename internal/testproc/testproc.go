@@ -90,7 +90,12 @@ func Command(ctx context.Context, name string, args ...string) *exec.Cmd {
 // Start runs helper name with args and extra environment entries ("K=V").
 func Start(tb testing.TB, name string, args []string, env ...string) *Proc {
 	tb.Helper()
-	cmd := Command(tb.Context(), name, args...)
+	// Not the test's context: that ends before cleanups run, which would
+	// kill the helper before a cleanup registered later (End) could let it
+	// exit cleanly. The helper is killed by this cleanup, the first
+	// registered and so the last to run.
+	ctx, cancel := context.WithCancel(context.WithoutCancel(tb.Context()))
+	cmd := Command(ctx, name, args...)
 	cmd.Env = append(cmd.Env, env...)
 	cmd.Cancel = func() error { return cmd.Process.Kill() }
 	p := &Proc{tb: tb, name: name, cmd: cmd, lines: make(chan string, 1024),
@@ -117,6 +122,7 @@ func Start(tb testing.TB, name string, args []string, env ...string) *Proc {
 		close(p.done)
 	}()
 	tb.Cleanup(func() {
+		cancel()
 		p.Kill()
 		<-p.done
 		if tb.Failed() && p.stderr.Len() > 0 {
@@ -177,6 +183,23 @@ func (p *Proc) CloseInput() {
 	p.tb.Helper()
 	if err := p.stdin.Close(); err != nil {
 		p.tb.Fatalf("testproc: close input of %s: %v", p.name, err)
+	}
+}
+
+// End closes the helper's input, unless that was done already, so that it
+// shuts down cleanly, and waits up to timeout (DefaultTimeout when 0) for
+// it to exit. Unlike Wait it does not fail the test; a helper still
+// running afterwards is killed at cleanup as usual. Register it with
+// t.Cleanup for helpers that must release what they hold (a primary's
+// files) instead of dying by SIGKILL.
+func (p *Proc) End(timeout time.Duration) {
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	_ = p.stdin.Close()
+	select {
+	case <-p.done:
+	case <-time.After(timeout):
 	}
 }
 
