@@ -259,9 +259,9 @@ func TestFailedAttachLeavesNothing(t *testing.T) {
 		require.NoError(t, err)
 		defer c.Close()
 		require.NoError(t, c.Call(ctx, ipc.KindStats, &ipc.StatsRequest{}, &ipc.StatsReply{}))
-		// The connection ends before the hello is answered, which Attach
-		// reports as the primary's end, with the reason.
-		refused(t, cfg, secondary.ErrPrimaryGone, "at most 1 per user")
+		// The primary closes the connection before the hello is answered,
+		// and says why: a limit, not its end.
+		refused(t, cfg, ipc.ErrLimit, "at most 1 per user")
 	})
 	t.Run("primary does not answer", func(t *testing.T) {
 		p, cfg := startLeakPrimary(t, testenv.Tmpfs(t), 0, 0)

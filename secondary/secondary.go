@@ -408,10 +408,15 @@ func (s *Secondary) isGone() bool {
 // ended.
 func (s *Secondary) requestError(what string, err error) error {
 	if s.dropped.Load() || s.seg != nil && s.seg.Fenced() {
-		return fmt.Errorf("%w: %s: %v", ErrDropped, what, err)
+		return fmt.Errorf("%w: %s: %w", ErrDropped, what, err)
+	}
+	if errors.Is(err, ipc.ErrLimit) {
+		// The primary lives but turned this connection away (too many
+		// connections, an overdue hello): not its end.
+		return fmt.Errorf("secondary: %s: %w", what, err)
 	}
 	if errors.Is(err, ipc.ErrPeerGone) || errors.Is(err, ipc.ErrClosed) || s.isGone() {
-		return fmt.Errorf("%w: %s: %v", ErrPrimaryGone, what, err)
+		return fmt.Errorf("%w: %s: %w", ErrPrimaryGone, what, err)
 	}
 	return fmt.Errorf("secondary: %s: %w", what, err)
 }
