@@ -40,11 +40,31 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	}
 	if ok {
 		h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
-		h.p().fenceIfAlive(s, "its connection ended")
+		// A process that dies closes its socket a moment before the
+		// kernel drops its slot's lock (and has unmapped its memory by
+		// then): give its death that moment before fencing it as alive.
+		if h.p().aliveAfter(s, deathGrace) {
+			h.p().fenceIfAlive(s, "its connection ended")
+		}
 	}
 	if reaped := h.seg.Reap(); len(reaped) > 0 {
 		h.log.Info("reclaimed slots of dead processes", "slots", reaped)
 	}
+}
+
+// deathGrace bounds how long Disconnected looks for a secondary's death
+// before it treats the secondary as alive.
+const deathGrace = 100 * time.Millisecond
+
+// aliveAfter reports whether s is still alive after up to grace.
+func (p *Primary) aliveAfter(s *secondary, grace time.Duration) bool {
+	for deadline := time.Now().Add(grace); p.seg.AliveAs(s.slot, s.epoch); {
+		if time.Now().After(deadline) {
+			return true
+		}
+		time.Sleep(time.Millisecond) // the kernel's answer, looked at again
+	}
+	return false
 }
 
 // fenceIfAlive fences s if its claim of its slot is still alive and it may
