@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/testenv"
 	"github.com/mpmr/mpmr/internal/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
@@ -46,7 +47,7 @@ const nobody = 65534
 func helperFlood(args []string) int {
 	uid, _ := strconv.Atoi(args[1])
 	if uid != os.Geteuid() {
-		if err := becomeUser(uid); err != nil {
+		if err := testenv.BecomeUser(uid); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 3
 		}
@@ -60,19 +61,6 @@ func helperFlood(args []string) int {
 	}
 	fmt.Fprintln(os.Stderr, "unknown flood", args[2])
 	return 2
-}
-
-func becomeUser(uid int) error {
-	if err := syscall.Setgroups(nil); err != nil {
-		return fmt.Errorf("setgroups: %w", err)
-	}
-	if err := syscall.Setgid(uid); err != nil {
-		return fmt.Errorf("setgid: %w", err)
-	}
-	if err := syscall.Setuid(uid); err != nil {
-		return fmt.Errorf("setuid: %w", err)
-	}
-	return nil
 }
 
 // dialRetry dials path, retrying while the listen backlog is full (a

@@ -9,13 +9,13 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/internal/testenv"
 	"github.com/mpmr/mpmr/internal/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
@@ -109,16 +109,8 @@ func helperClient(args []string) int {
 // "call" it reports the result of a call.
 func helperDialAs(args []string) int {
 	uid, _ := strconv.Atoi(args[1])
-	if err := syscall.Setgroups(nil); err != nil {
-		fmt.Fprintln(os.Stderr, "setgroups:", err)
-		return 3
-	}
-	if err := syscall.Setgid(uid); err != nil {
-		fmt.Fprintln(os.Stderr, "setgid:", err)
-		return 3
-	}
-	if err := syscall.Setuid(uid); err != nil {
-		fmt.Fprintln(os.Stderr, "setuid:", err)
+	if err := testenv.BecomeUser(uid); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), bound)

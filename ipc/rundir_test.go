@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/internal/testenv"
 	"github.com/mpmr/mpmr/internal/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
@@ -34,7 +35,7 @@ func init() { testproc.Register("as-user", helperAsUser) }
 //	open DIR          opens DIR as a primary's runtime directory
 func helperAsUser(args []string) int {
 	uid, _ := strconv.Atoi(args[0])
-	if err := becomeUser(uid); err != nil {
+	if err := testenv.BecomeUser(uid); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}

@@ -287,11 +287,7 @@ func backendOf(s string) hugetlb.Kind {
 
 func init() {
 	testproc.Register("attach-as-nobody", func(args []string) int {
-		if err := syscall.Setgid(65534); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 3
-		}
-		if err := syscall.Setuid(65534); err != nil {
+		if err := testenv.BecomeUser(65534); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 3
 		}

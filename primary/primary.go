@@ -197,9 +197,8 @@ func (p *Primary) start() error {
 			p.log.Error("serving secondaries stopped", "err", err)
 		}
 	}()
-	p.serveWG.Add(2)
-	go p.publishLoop(ctx)
-	go p.reapLoop(ctx)
+	p.serveWG.Add(1)
+	go p.housekeeping(ctx)
 	start, _ := shm.ProcessStart(os.Getpid())
 	if err := instance.WriteInfoIn(p.rundir, instance.Info{
 		Prefix: c.Prefix, PID: os.Getpid(), Start: start, Backend: p.backend.Kind.String(),
@@ -273,18 +272,29 @@ func lockFile(path string) (*os.File, error) {
 func (p *Primary) Name() string { return p.name }
 
 // publishEvery is how often the runtime publishes its counters into the
-// segment for tools.
-const publishEvery = 250 * time.Millisecond
+// segment for tools; reapEvery how often it looks whether quarantined pages
+// can go back to the allocator.
+const (
+	publishEvery = 250 * time.Millisecond
+	reapEvery    = 20 * time.Millisecond
+)
 
-func (p *Primary) publishLoop(ctx context.Context) {
+// housekeeping publishes the counters now and then, and returns quarantined
+// pages once the fenced processes they wait for are gone.
+func (p *Primary) housekeeping(ctx context.Context) {
 	defer p.serveWG.Done()
-	t := time.NewTicker(publishEvery)
+	t := time.NewTicker(reapEvery)
 	defer t.Stop()
-	for {
+	for n := 1; ; n++ {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		}
+		if p.mem.Quarantined() > 0 {
+			p.mem.ReleaseQuarantine()
+		}
+		if n%int(publishEvery/reapEvery) == 0 {
 			p.Stats()
 		}
 	}

@@ -43,19 +43,6 @@ func requireRoot(t *testing.T) {
 	}
 }
 
-func becomeUser(uid int) error {
-	if err := syscall.Setgroups(nil); err != nil {
-		return fmt.Errorf("setgroups: %w", err)
-	}
-	if err := syscall.Setgid(uid); err != nil {
-		return fmt.Errorf("setgid: %w", err)
-	}
-	if err := syscall.Setuid(uid); err != nil {
-		return fmt.Errorf("setuid: %w", err)
-	}
-	return nil
-}
-
 // userEnv is the environment of a user without XDG_RUNTIME_DIR whose
 // temporary directory is tmp: the runtimes' default runtime directory is
 // then tmp/mpmr-UID.
@@ -76,7 +63,7 @@ func sharedTmp(t *testing.T) string {
 func helperUserMkdir(args []string) int {
 	uid, _ := strconv.Atoi(args[0])
 	mode, _ := strconv.ParseUint(args[2], 8, 32)
-	err := becomeUser(uid)
+	err := testenv.BecomeUser(uid)
 	if err == nil {
 		err = os.Mkdir(args[1], 0o700)
 	}
@@ -103,7 +90,7 @@ func helperUserMkdir(args []string) int {
 //	alloc       -> "> region ADDR" (one page)
 func helperUserPrimary(args []string) int {
 	uid, _ := strconv.Atoi(args[0])
-	if err := becomeUser(uid); err != nil {
+	if err := testenv.BecomeUser(uid); err != nil {
 		testproc.Say("result %v", err)
 		return 3
 	}
@@ -176,7 +163,7 @@ func openUp(p *primary.Primary) error {
 //	lookup ADDR  -> "> key K" or "> err TEXT"
 func helperUserSecondary(args []string) int {
 	uid, _ := strconv.Atoi(args[0])
-	if err := becomeUser(uid); err != nil {
+	if err := testenv.BecomeUser(uid); err != nil {
 		testproc.Say("result %v", err)
 		return 3
 	}
@@ -235,7 +222,7 @@ func helperListenAs(args []string) int {
 		err = os.Chmod(args[0], 0o666)
 	}
 	if err == nil {
-		err = becomeUser(uid)
+		err = testenv.BecomeUser(uid)
 	}
 	if err == nil {
 		err = syscall.Listen(fd, 8)

@@ -304,28 +304,6 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 	wg.Wait()
 }
 
-// reapEvery is how often the primary looks whether quarantined pages can
-// go back to the allocator.
-const reapEvery = 20 * time.Millisecond
-
-// reapLoop returns quarantined pages once the fenced processes they wait
-// for are gone.
-func (p *Primary) reapLoop(ctx context.Context) {
-	defer p.serveWG.Done()
-	t := time.NewTicker(reapEvery)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if p.mem.Quarantined() > 0 {
-				p.mem.ReleaseQuarantine()
-			}
-		}
-	}
-}
-
 // stats answers a Stats request.
 func (h *handler) stats() *ipc.StatsReply {
 	st := h.p().Stats()

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -93,4 +94,20 @@ func RunDir(tb testing.TB) string {
 	}
 	tb.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
+}
+
+// BecomeUser turns the calling helper process into user uid (group uid,
+// no supplementary groups): how tests, run as root, get a process of
+// another user. Call it in a re-executed helper, before anything else.
+func BecomeUser(uid int) error {
+	if err := syscall.Setgroups(nil); err != nil {
+		return fmt.Errorf("setgroups: %w", err)
+	}
+	if err := syscall.Setgid(uid); err != nil {
+		return fmt.Errorf("setgid: %w", err)
+	}
+	if err := syscall.Setuid(uid); err != nil {
+		return fmt.Errorf("setuid: %w", err)
+	}
+	return nil
 }
