@@ -115,8 +115,8 @@ type gateHandler struct {
 }
 
 func (h gateHandler) Enabled(context.Context, slog.Level) bool { return true }
-func (h gateHandler) WithAttrs([]slog.Attr) slog.Handler        { return h }
-func (h gateHandler) WithGroup(string) slog.Handler             { return h }
+func (h gateHandler) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h gateHandler) WithGroup(string) slog.Handler            { return h }
 func (h gateHandler) Handle(_ context.Context, r slog.Record) error {
 	if r.Message == h.gate {
 		h.once.Do(func() { close(h.entered) })
