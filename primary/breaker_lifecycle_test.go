@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -21,6 +22,7 @@ import (
 	"github.com/mpmr/mpmr/internal/testproc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
 )
 
@@ -299,4 +301,94 @@ func firstNonZero(b []byte) (int, byte) {
 		}
 	}
 	return -1, 0
+}
+
+// slowDeregDevice is the soft device with a deregistration that takes as
+// long as the test wants for one key (a hardware dereg_mr, or the soft
+// device's mutex held by a long mlock in a concurrent registration).
+type slowDeregDevice struct {
+	*verbs.Soft
+	slowKey atomic.Uint32
+	entered chan struct{}
+	release chan struct{}
+}
+
+type slowDeregPD struct {
+	verbs.PD
+	d *slowDeregDevice
+}
+
+func (d *slowDeregDevice) AllocPD() (verbs.PD, error) {
+	pd, err := d.Soft.AllocPD()
+	if err != nil {
+		return nil, err
+	}
+	return slowDeregPD{PD: pd, d: d}, nil
+}
+
+func (p slowDeregPD) DeregMR(mr verbs.MR) error {
+	if k := p.d.slowKey.Load(); k != 0 && mr.LKey == k {
+		close(p.d.entered)
+		<-p.d.release
+	}
+	return p.PD.DeregMR(mr)
+}
+
+// Free deregisters the MRs it emptied with Global.GC, which first detaches
+// the whole free list under the write lock and deregisters it outside. Any
+// Create runs GC too (every miss of every process ends in one). If a
+// Create's GC detaches the list while Free waits for its syncs, Free's own
+// GC finds the list empty and Free returns nil while the emptied MR is
+// still being deregistered by the other goroutine: its key still validates
+// after Free returned.
+func TestBreakerFreeReturnsBeforeAConcurrentGCDeregistersItsMR(t *testing.T) {
+	var dev *slowDeregDevice
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.SinglePage, c.SyncTimeout = true, time.Second
+		primary.WithDeviceOpener(c, func(seg *shm.Segment, log *slog.Logger) (verbs.Device, error) {
+			soft, err := verbs.CreateSoft(seg, verbs.SoftOptions{Logger: log})
+			dev = &slowDeregDevice{Soft: soft, entered: make(chan struct{}), release: make(chan struct{})}
+			return dev, err
+		})
+	})
+	ps := p.Backend().PageSize
+	rA, err := p.Alloc(ps)
+	require.NoError(t, err)
+	rB, err := p.Alloc(ps)
+	require.NoError(t, err)
+	q := p.NewQueue()
+	keyA, err := q.Lookup(rA.Addr)
+	require.NoError(t, err)
+	dev.slowKey.Store(keyA)
+	released := false
+	defer func() {
+		if !released {
+			close(dev.release)
+		}
+	}()
+
+	staller := startSecondary(t, cfg)
+	staller.Stop() // Free waits SyncTimeout for it
+	gen := p.Global().DevGen()
+	freed := make(chan error, 1)
+	go func() { freed <- p.Free(rA) }()
+	require.Eventually(t, func() bool { return p.Global().DevGen() != gen }, 5*time.Second, time.Millisecond)
+
+	// Meanwhile, a queue misses on other memory: its create collects the
+	// free list first.
+	go func() {
+		q2 := p.NewQueue()
+		_, _ = q2.Lookup(rB.Addr)
+	}()
+	select {
+	case <-dev.entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the create's GC did not deregister the emptied MR")
+	}
+	require.NoError(t, <-freed)
+	assert.Error(t, dev.Soft.Validate(verbs.SGE{Addr: rA.Addr, Len: 1, Key: keyA}, verbs.AccessLocalWrite),
+		"Free returned nil while the MR it emptied is still registered: the device accepts its key for freed memory")
+	close(dev.release)
+	released = true
+	staller.Continue()
 }
