@@ -193,6 +193,23 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	return e, false, err
 }
 
+// Repair takes the global lock over if a writer died holding it (the
+// rebuild that comes with the takeover repairs the table) and reports
+// whether it did. Readers cannot repair a dead writer's lock, and lookups
+// fail with shm.ErrOwnerDied until a writer comes: the primary calls this
+// now and then so that one always comes. Primary only.
+func (g *Global) Repair() (bool, error) {
+	if !g.owner || !g.lock.OwnerDead() || g.closed.Load() {
+		return false, nil
+	}
+	cancel, err := g.writeLock()
+	if err != nil {
+		return false, err
+	}
+	g.writeUnlock(cancel)
+	return true, nil
+}
+
 // push puts m at the head of a list. Call with the write lock held.
 func (g *Global) push(head *uint64, count *uint32, m mr) {
 	atomic.StoreUint64(&m.rec.Next, atomic.LoadUint64(head))
@@ -270,8 +287,13 @@ func (g *Global) rebuild() error {
 // Exclusive runs fn while holding the global write lock, so that no lookup,
 // creation or invalidation runs in any process meanwhile. It is meant for
 // tools and tests: a process that dies inside fn leaves the lock to be
-// recovered as from a writer that died mid-update.
+// recovered as from a writer that died mid-update. Primary only
+// (ErrNotPrimary elsewhere): only the primary writes the global cache, so
+// no other process, stopped or slow, can hold every other one up.
 func (g *Global) Exclusive(fn func()) error {
+	if !g.owner {
+		return ErrNotPrimary
+	}
 	cancel, err := g.writeLock()
 	if err != nil {
 		return err

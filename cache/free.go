@@ -7,6 +7,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
 )
 
 // guardFree is the memory's free guard: it runs before the pages of a free
@@ -75,6 +76,7 @@ func (g *Global) invalidate(addr, length uint64) error {
 			errs = append(errs, g.moveToFree(h.m))
 		}
 	}
+	errs = append(errs, g.trim(addr, length))
 	errs = append(errs, g.rebuild())
 	if err := errors.Join(errs...); err != nil {
 		g.bumpGen(everything.start, everything.end) // the list cannot be trusted: every cache flushes
@@ -85,6 +87,29 @@ func (g *Global) invalidate(addr, length uint64) error {
 		return err
 	}
 	return nil
+}
+
+// trim tells the device that the MRs still on the list whose registered
+// range overlaps [addr, addr+length) no longer cover it: an MR that lost
+// some of its pages, or one registered over pages another MR held (the
+// create path registers a whole run and leaves such pages out of its
+// bitmap only). Without that, the device would keep accepting their keys
+// for freed memory. Devices that cannot trim (rdma-core) keep the pages
+// registered, as DPDK's drivers do. Call with the write lock held.
+func (g *Global) trim(addr, length uint64) error {
+	t, ok := g.pd.(verbs.Trimmer)
+	if !ok {
+		return nil
+	}
+	var errs []error
+	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
+		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
+		if !m.external() && addr < s+n && s < addr+length {
+			errs = append(errs, t.TrimMR(m.verbsMR(), uintptr(addr), uintptr(length)))
+		}
+		return true
+	})
+	return errors.Join(append(errs, err)...)
 }
 
 // pageSize returns the page size of the memseg list holding addr (the
@@ -127,14 +152,31 @@ func (g *Global) moveToFree(m mr) error {
 // GC deregisters the MRs on the free list and frees their records: the
 // list is detached under the write lock and released outside it, as the
 // mlx5 driver does. Primary only; returns how many MRs were released.
+// Failures are logged; Collect reports them.
 func (g *Global) GC() int {
-	if !g.owner || atomic.LoadUint32(&g.root.FreeCount) == 0 {
-		return 0
+	n, err := g.Collect()
+	if err != nil {
+		g.log.Error("MR garbage collection", "err", err)
+	}
+	return n
+}
+
+// Collect is GC reporting what failed. Collections run one at a time: when
+// Collect returns, every MR that was on the free list when it was called
+// has been deregistered — by this call, or by one that ran meanwhile — or
+// the error says why not.
+func (g *Global) Collect() (int, error) {
+	if !g.owner {
+		return 0, nil
+	}
+	g.gcMu.Lock()
+	defer g.gcMu.Unlock()
+	if atomic.LoadUint32(&g.root.FreeCount) == 0 {
+		return 0, nil
 	}
 	cancel, err := g.writeLock()
 	if err != nil {
-		g.log.Error("MR garbage collection", "err", err)
-		return 0
+		return 0, fmt.Errorf("cache: collect freed MRs: %w", err)
 	}
 	head := atomic.LoadUint64(&g.root.FreeList)
 	atomic.StoreUint64(&g.root.FreeList, 0)
@@ -151,9 +193,9 @@ func (g *Global) GC() int {
 		return true
 	})
 	if err := errors.Join(append(errs, err)...); err != nil {
-		g.log.Error("MR garbage collection", "err", err)
+		return n, fmt.Errorf("cache: collect freed MRs: %w", err)
 	}
-	return n
+	return n, nil
 }
 
 // Close releases every MR (deregistering them) and the global table, and

@@ -123,6 +123,7 @@ type Global struct {
 	// noExpand keeps the table at its size (tests of the overflow path).
 	noExpand  bool
 	fullFlush bool
+	gcMu      sync.Mutex // one collection at a time (see Collect)
 	closeMu   sync.Mutex
 	closed    atomic.Bool
 }

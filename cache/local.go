@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+
+	"github.com/mpmr/mpmr/shm"
 )
 
 // Creator is how a miss in every cache becomes a new MR. The primary
@@ -179,6 +181,12 @@ func (l *Local) miss(a uint64) (Entry, error) {
 		_ = l.bh.Expand(2 * l.bh.Size()) // on failure the table overflows; fine
 	}
 	e, found, err := l.global.Lookup(a)
+	if errors.Is(err, shm.ErrOwnerDied) {
+		// A writer died mid-update: the table cannot be trusted, and only a
+		// writer can repair it. The create path leads to one (the primary
+		// takes the lock over, rebuilds and answers).
+		found, err = false, nil
+	}
 	switch {
 	case err != nil:
 	case found:

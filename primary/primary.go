@@ -164,8 +164,12 @@ func (p *Primary) start() error {
 		return err
 	}
 	// The cache guards frees, so it invalidates (or refuses the free)
-	// before secondaries are told to unmap.
-	p.unsub = p.mem.Subscribe(p.syncSecondaries)
+	// before secondaries are told to unmap; then the MRs the free emptied
+	// are deregistered, so that the device lets go of the memory before
+	// anyone does.
+	unguard := p.mem.GuardFree(p.collectFreed)
+	unsync := p.mem.Subscribe(p.syncSecondaries)
+	p.unsub = func() { unsync(); unguard() }
 	if err := p.seg.MarkReady(); err != nil {
 		return err
 	}
@@ -294,6 +298,13 @@ func (p *Primary) housekeeping(ctx context.Context) {
 		if p.mem.Quarantined() > 0 {
 			p.mem.ReleaseQuarantine()
 		}
+		// A process that died holding the global write lock leaves every
+		// lookup failing until a writer comes: be that writer.
+		if repaired, err := p.global.Repair(); err != nil {
+			p.log.Error("repairing the global cache after its writer died", "err", err)
+		} else if repaired {
+			p.log.Warn("took the global cache lock over from a dead writer and rebuilt the table")
+		}
 		if n%int(publishEvery/reapEvery) == 0 {
 			p.Stats()
 		}
@@ -372,14 +383,17 @@ func (p *Primary) Free(r hugetlb.Region) error {
 	if p.closed.Load() {
 		return ErrClosed
 	}
-	if err := p.mem.Free(r); err != nil {
-		return err
-	}
-	// MRs the free emptied are deregistered now, outside the memory lock,
-	// rather than at the next creation: the device stops accepting their
-	// keys before Free returns.
-	p.global.GC()
-	return nil
+	return p.mem.Free(r)
+}
+
+// collectFreed is the primary's free guard, after the cache's: the MRs the
+// invalidation emptied are deregistered before the pages go (a device stops
+// using memory before it is released), not at the next creation. If that
+// fails, the free is refused: the memory stays, without the registrations
+// the invalidation already removed.
+func (p *Primary) collectFreed(hugetlb.Event) error {
+	_, err := p.global.Collect()
+	return err
 }
 
 // Queue is a per-queue MR cache of the primary: use it from one goroutine

@@ -33,19 +33,24 @@ func (h *handler) Connected(peer *ipc.Peer) {
 func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	h.syncMu.Lock()
 	s, ok := h.peers[peer]
-	delete(h.peers, peer)
 	h.syncMu.Unlock()
-	if h.closed.Load() {
-		return
-	}
-	if ok {
+	if ok && !h.closed.Load() {
 		h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
 		// A process that dies closes its socket a moment before the
 		// kernel drops its slot's lock (and has unmapped its memory by
 		// then): give its death that moment before fencing it as alive.
+		// It stays in the sync set meanwhile (a free's push to it fails
+		// and fences it there), and leaves it only once fenced or dead:
+		// at no moment does a free neither sync it nor quarantine for it.
 		if h.p().aliveAfter(s, deathGrace) {
 			h.p().fenceIfAlive(s, "its connection ended")
 		}
+	}
+	h.syncMu.Lock()
+	delete(h.peers, peer)
+	h.syncMu.Unlock()
+	if h.closed.Load() {
+		return
 	}
 	if reaped := h.seg.Reap(); len(reaped) > 0 {
 		h.log.Info("reclaimed slots of dead processes", "slots", reaped)
@@ -136,13 +141,16 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		}
 		h.syncMu.Lock()
 		s := h.peers[peer]
-		delete(h.peers, peer)
 		h.syncMu.Unlock()
 		if s != nil {
 			// A secondary unmaps its data memory before it detaches; one
-			// that did not is fenced like one that stopped answering.
+			// that did not is fenced like one that stopped answering —
+			// before it leaves the sync set, so that no free falls between.
 			p.fenceIfAlive(s, "it detached without unmapping its memory")
 		}
+		h.syncMu.Lock()
+		delete(h.peers, peer)
+		h.syncMu.Unlock()
 		return &ipc.DetachReply{}, nil
 	}
 	return nil, fmt.Errorf("primary: request kind %v not served", kind)
@@ -287,17 +295,18 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 				p.syncs.Add(1)
 				return
 			}
-			p.syncMu.Lock()
-			delete(p.peers, s.peer)
-			p.syncMu.Unlock()
 			if p.seg.AliveAs(s.slot, s.epoch) {
 				p.drops.Add(1)
 				p.log.Warn("dropping secondary that did not follow a memory change",
 					"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
-				// Fenced before its connection closes, so that it finds
-				// the fence when it sees the end.
+				// Fenced before it leaves the sync set and before its
+				// connection closes, so that it finds the fence when it
+				// sees the end.
 				p.fenceIfAlive(s, fmt.Sprintf("it did not acknowledge a %s sync: %v", op, err))
 			} // else it died: its mappings went with it
+			p.syncMu.Lock()
+			delete(p.peers, s.peer)
+			p.syncMu.Unlock()
 			s.peer.Close()
 		}()
 	}

@@ -497,20 +497,24 @@ func (q *Queue) Lookup(addr uintptr) (uint32, error) {
 		return cache.InvalidKey, ErrDropped
 	}
 	k, err := q.Local.Lookup(addr)
-	return k, lockError(err)
+	return k, q.s.lockError(err)
 }
 
 // RegisterMempool is cache.Local.RegisterMempool, reporting a global cache
 // whose writer died as ErrPrimaryGone.
 func (q *Queue) RegisterMempool(mp cache.Mempool) error {
-	return lockError(q.Local.RegisterMempool(mp))
+	return q.s.lockError(q.Local.RegisterMempool(mp))
 }
 
-// lockError turns the global lock's word that its only writer, the
-// primary, died mid-update into ErrPrimaryGone.
-func lockError(err error) error {
-	if err != nil && (errors.Is(err, shm.ErrOwnerDied) || errors.Is(err, shm.ErrNotRecoverable)) {
-		return fmt.Errorf("%w: %v", ErrPrimaryGone, err)
+// lockError turns the global lock's word that a writer died mid-update
+// into ErrPrimaryGone when that writer was the primary (it is no longer
+// alive); a live primary repairs the lock within moments.
+func (s *Secondary) lockError(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, shm.ErrNotRecoverable) || errors.Is(err, shm.ErrOwnerDied) && !s.primaryAlive() {
+		return fmt.Errorf("%w: %w", ErrPrimaryGone, err)
 	}
 	return err
 }

@@ -431,6 +431,13 @@ func (l *RWLock) abort(prev uint64) {
 	}
 }
 
+// OwnerDead reports whether a writer died holding the lock and nobody has
+// taken it over yet (Lock would, and return ErrOwnerDied).
+func (l *RWLock) OwnerDead() bool {
+	w := atomic.LoadUint64(l.owner)
+	return w != 0 && w != ownerUnrecoverable && !l.alive(w)
+}
+
 // MarkConsistent declares the protected state repaired after Lock returned
 // ErrOwnerDied. Call it with the write lock held.
 func (l *RWLock) MarkConsistent() {

@@ -8,20 +8,25 @@ import (
 
 // The soft device is one arena block of the control segment, found through
 // shm.RootDevice: a 128-byte header followed by the MR table, MaxMRs slots
-// of one cache line each. Only the owner writes any of it; every field is
-// read and written with sync/atomic.
+// of one cache line each, and the hole table, MaxMRs*holesPerMR entries.
+// Only the owner writes any of it; every field is read and written with
+// sync/atomic.
 
 // softMagic identifies the block: "MPMRSOFT" read as a little-endian word.
 const softMagic uint64 = 0x54464f53524d504d
 
 // softVersion is bumped when a shared struct changes meaning without
 // changing shape (a shape change already changes Layout).
-const softVersion uint32 = 1
+const softVersion uint32 = 2
 
 const (
 	headerBytes = 128
 	slotBytes   = 64
 	lineBytes   = 64
+	holeBytes   = 24
+	// holesPerMR sizes the hole table: on average this many trimmed
+	// ranges per MR slot.
+	holesPerMR = 4
 )
 
 // Soft device states.
@@ -42,7 +47,9 @@ const (
 //	 24   4  State            softOpen, softClosed
 //	 28   4  OwnerPID         creator, for dumps
 //	 32   4  NextPD           last PD number handed out
-//	 36  28  reserved
+//	 36   4  Holes            hole table length
+//	 40   8  HolesOff         segment offset of hole 0
+//	 48  16  reserved
 //	 64   4  StatSeq          odd while the owner updates the counters
 //	 68   4  reserved
 //	 72   8  Registrations    successful RegMR calls
@@ -58,7 +65,9 @@ type softHeader struct {
 	State           uint32
 	OwnerPID        uint32
 	NextPD          uint32
-	_               [28]byte
+	Holes           uint32
+	HolesOff        uint64
+	_               [16]byte
 	StatSeq         uint32
 	_               uint32
 	Registrations   uint64
@@ -81,7 +90,8 @@ type softHeader struct {
 //	 28   4  PD       number of the PD that registered it
 //	 32   4  Uses     keys handed out from this slot so far (variant source)
 //	 36   4  Flags    slotPinned
-//	 40  24  reserved
+//	 40   4  Holes    first trimmed range (hole index + 1), 0 if none
+//	 44  20  reserved
 type mrSlot struct {
 	Seq    uint32
 	Key    uint32
@@ -91,7 +101,24 @@ type mrSlot struct {
 	PD     uint32
 	Uses   uint32
 	Flags  uint32
-	_      [24]byte
+	Holes  uint32
+	_      [20]byte
+}
+
+// hole is a range an MR no longer covers: its pages were freed while the
+// rest of the MR stays registered (see TrimMR). A slot's holes form a list
+// through Next (hole index + 1, 0 at the end).
+//
+//	off size field
+//	  0   8  Start
+//	  8   8  End
+//	 16   4  Next
+//	 20   4  reserved
+type hole struct {
+	Start uint64
+	End   uint64
+	Next  uint32
+	_     uint32
 }
 
 const slotPinned uint32 = 1
@@ -103,6 +130,8 @@ var (
 	_ [unsafe.Sizeof(softHeader{}) - headerBytes]byte
 	_ [slotBytes - unsafe.Sizeof(mrSlot{})]byte
 	_ [unsafe.Sizeof(mrSlot{}) - slotBytes]byte
+	_ [holeBytes - unsafe.Sizeof(hole{})]byte
+	_ [unsafe.Sizeof(hole{}) - holeBytes]byte
 	_ [lineBytes - unsafe.Offsetof(softHeader{}.StatSeq)]byte
 	_ [unsafe.Offsetof(softHeader{}.StatSeq) - lineBytes]byte
 )
@@ -111,5 +140,5 @@ var (
 // memory. The runtime hashes them, with the other layers', into the layout
 // tag it passes to shm.Create and shm.Attach.
 func Layout() []string {
-	return []string{shm.Describe(softHeader{}), shm.Describe(mrSlot{})}
+	return []string{shm.Describe(softHeader{}), shm.Describe(mrSlot{}), shm.Describe(hole{})}
 }

@@ -85,6 +85,7 @@ type SoftStats struct {
 type Soft struct {
 	hdr    *softHeader
 	table  []mrSlot
+	holes  []hole
 	log    *slog.Logger
 	closed atomic.Bool
 	own    *owner // nil unless made by CreateSoft
@@ -97,6 +98,7 @@ type owner struct {
 	head, n   int
 	pinned    map[uint32]span // pinned MRs by slot, in whole pages
 	pinWarned bool
+	freeHoles []uint32 // stack of free hole indexes
 }
 
 // span is a page-rounded address range [lo, hi).
@@ -130,14 +132,18 @@ func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
 	if seg.Root(shm.RootDevice) != 0 {
 		return nil, fmt.Errorf("verbs: create soft device in %s: %w", seg.Path(), ErrExists)
 	}
-	off, err := seg.Alloc(headerBytes+uint64(n)*slotBytes, lineBytes)
+	nh := n * holesPerMR
+	off, err := seg.Alloc(headerBytes+uint64(n)*slotBytes+uint64(nh)*holeBytes, lineBytes)
 	if err != nil {
 		return nil, fmt.Errorf("verbs: create soft device with %d MR slots: %w", n, err)
 	}
 	h := shm.At[softHeader](seg, off)
+	holesOff := off + headerBytes + uint64(n)*slotBytes
 	atomic.StoreUint32(&h.Version, softVersion)
 	atomic.StoreUint32(&h.MaxMRs, uint32(n))
 	atomic.StoreUint64(&h.TableOff, off+headerBytes)
+	atomic.StoreUint32(&h.Holes, uint32(nh))
+	atomic.StoreUint64(&h.HolesOff, holesOff)
 	atomic.StoreUint32(&h.State, softOpen)
 	atomic.StoreUint32(&h.OwnerPID, uint32(os.Getpid()))
 	// The magic goes in last: a reader that sees it sees a whole header.
@@ -146,11 +152,15 @@ func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
 		_ = seg.Free(off)
 		return nil, fmt.Errorf("verbs: create soft device: %w", err)
 	}
-	own := &owner{free: make([]uint32, n), n: n, pinned: make(map[uint32]span)}
+	own := &owner{free: make([]uint32, n), n: n, pinned: make(map[uint32]span), freeHoles: make([]uint32, nh)}
 	for i := range own.free {
 		own.free[i] = uint32(i)
 	}
-	d := &Soft{hdr: h, table: shm.Slice[mrSlot](seg, off+headerBytes, n), log: log, own: own}
+	for i := range own.freeHoles {
+		own.freeHoles[i] = uint32(nh - 1 - i)
+	}
+	d := &Soft{hdr: h, table: shm.Slice[mrSlot](seg, off+headerBytes, n), holes: shm.Slice[hole](seg, holesOff, nh),
+		log: log, own: own}
 	log.Debug("soft device created", "segment", seg.Path(), "max_mrs", n, "offset", off)
 	return d, nil
 }
@@ -179,6 +189,11 @@ func AttachSoft(seg *shm.Segment) (*Soft, error) {
 	if n < 1 || n > MaxMRsLimit || table%lineBytes != 0 || seg.CheckRange(table, uint64(n)*slotBytes) != nil {
 		return nil, fmt.Errorf("verbs: attach soft device: %w: %d slots at 0x%x", ErrCorrupt, n, table)
 	}
+	nh := uint64(atomic.LoadUint32(&h.Holes))
+	holesOff := atomic.LoadUint64(&h.HolesOff)
+	if nh > uint64(n)*holesPerMR || holesOff%8 != 0 || seg.CheckRange(holesOff, nh*holeBytes) != nil {
+		return nil, fmt.Errorf("verbs: attach soft device: %w: %d holes at 0x%x", ErrCorrupt, nh, holesOff)
+	}
 	switch s := atomic.LoadUint32(&h.State); s {
 	case softOpen:
 	case softClosed:
@@ -186,7 +201,8 @@ func AttachSoft(seg *shm.Segment) (*Soft, error) {
 	default:
 		return nil, fmt.Errorf("verbs: attach soft device: %w: state %d", ErrCorrupt, s)
 	}
-	return &Soft{hdr: h, table: shm.Slice[mrSlot](seg, table, int(n)), log: slog.Default()}, nil
+	return &Soft{hdr: h, table: shm.Slice[mrSlot](seg, table, int(n)), holes: shm.Slice[hole](seg, holesOff, int(nh)),
+		log: slog.Default()}, nil
 }
 
 // Name returns SoftName.
@@ -429,7 +445,12 @@ func (d *Soft) invalidateLocked(idx uint32) {
 	atomic.AddUint32(&s.Seq, 1)
 	atomic.StoreUint32(&s.Key, 0)
 	atomic.StoreUint32(&s.Flags, 0)
+	holes := atomic.SwapUint32(&s.Holes, 0)
 	atomic.AddUint32(&s.Seq, 1)
+	for i, n := holes, 0; i != 0 && n < len(d.holes); n++ {
+		o.freeHoles = append(o.freeHoles, i-1)
+		i = atomic.LoadUint32(&d.holes[i-1].Next)
+	}
 	d.unpinLocked(idx)
 
 	h := d.hdr
@@ -444,6 +465,68 @@ func (d *Soft) invalidateLocked(idx uint32) {
 
 	o.free[(o.head+o.n)%len(o.free)] = idx
 	o.n++
+}
+
+// TrimMR takes [addr, addr+length) out of mr, which stays registered for
+// the rest of its range: from now on Validate refuses the key for any
+// element that touches the trimmed range, in every process. The data
+// memory layer calls it (through the MR cache) when pages an MR covers are
+// freed while others stay, so that no key reaches memory that is gone even
+// when its MR lives on. Owner only; ErrNoResources when the hole table is
+// full.
+func (p *softPD) TrimMR(mr MR, addr, length uintptr) error {
+	d := p.d
+	if d.own == nil {
+		return fmt.Errorf("verbs: trim_mr key 0x%x: %w: only the process that created the soft device trims", mr.LKey, ErrPermission)
+	}
+	lo, hi := max(uint64(addr), uint64(mr.Addr)), min(uint64(addr)+uint64(length), uint64(mr.Addr)+uint64(mr.Len))
+	if lo >= hi {
+		return nil
+	}
+	o := d.own
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if d.closed.Load() {
+		return fmt.Errorf("verbs: trim_mr key 0x%x: %w", mr.LKey, ErrClosed)
+	}
+	idx := mr.LKey >> variantBits
+	if mr.LKey&variantMask == 0 || idx >= uint32(len(d.table)) {
+		return fmt.Errorf("verbs: trim_mr key 0x%x: %w", mr.LKey, ErrInvalidKey)
+	}
+	s := &d.table[idx]
+	if atomic.LoadUint32(&s.Key) != mr.LKey || atomic.LoadUint32(&s.PD) != p.id {
+		return fmt.Errorf("verbs: trim_mr key 0x%x: %w", mr.LKey, ErrStaleKey)
+	}
+	// A range freed again (its pages reallocated and freed once more)
+	// takes no second hole; one next to a hole widens it.
+	for i, n := atomic.LoadUint32(&s.Holes), 0; i != 0 && n < len(d.holes); n++ {
+		h := &d.holes[i-1]
+		hs, he := atomic.LoadUint64(&h.Start), atomic.LoadUint64(&h.End)
+		if hs <= lo && hi <= he {
+			return nil
+		}
+		if lo <= he && hs <= hi { // touching or overlapping: grow it
+			atomic.AddUint32(&s.Seq, 1)
+			atomic.StoreUint64(&h.Start, min(hs, lo))
+			atomic.StoreUint64(&h.End, max(he, hi))
+			atomic.AddUint32(&s.Seq, 1)
+			return nil
+		}
+		i = atomic.LoadUint32(&h.Next)
+	}
+	if len(o.freeHoles) == 0 {
+		return fmt.Errorf("verbs: trim_mr key 0x%x [0x%x, 0x%x): %w: all %d holes in use", mr.LKey, lo, hi, ErrNoResources, len(d.holes))
+	}
+	hi2 := o.freeHoles[len(o.freeHoles)-1]
+	o.freeHoles = o.freeHoles[:len(o.freeHoles)-1]
+	h := &d.holes[hi2]
+	atomic.StoreUint64(&h.Start, lo)
+	atomic.StoreUint64(&h.End, hi)
+	atomic.StoreUint32(&h.Next, atomic.LoadUint32(&s.Holes))
+	atomic.AddUint32(&s.Seq, 1)
+	atomic.StoreUint32(&s.Holes, hi2+1)
+	atomic.AddUint32(&s.Seq, 1)
+	return nil
 }
 
 // Close deregisters the PD's remaining MRs (owner) and closes it. It is
@@ -495,25 +578,55 @@ func (d *Soft) Validate(sge SGE, access Access) error {
 		return ErrClosed
 	}
 	s := &d.table[idx]
-	seq := atomic.LoadUint32(&s.Seq)
-	key := atomic.LoadUint32(&s.Key)
-	addr := atomic.LoadUint64(&s.Addr)
-	n := atomic.LoadUint64(&s.Len)
-	granted := Access(atomic.LoadUint32(&s.Access))
-	// The only rewrites of a slot are a registration (which hands out a key
-	// nobody holds yet) and the deregistration of the key it holds. So if
-	// one is under way or happened while we read, the caller's key is dead
-	// or about to be: no retry is needed, the answer is "stale".
-	if seq&1 != 0 || key != sge.Key || atomic.LoadUint32(&s.Seq) != seq {
-		return keyError(s, sge.Key)
+	for try := 0; ; try++ {
+		seq := atomic.LoadUint32(&s.Seq)
+		key := atomic.LoadUint32(&s.Key)
+		addr := atomic.LoadUint64(&s.Addr)
+		n := atomic.LoadUint64(&s.Len)
+		granted := Access(atomic.LoadUint32(&s.Access))
+		holes := atomic.LoadUint32(&s.Holes)
+		// A slot is rewritten by a registration (which hands out a key
+		// nobody holds yet), by the deregistration of the key it holds,
+		// and by a trim, which keeps the key. So if the key changed, or a
+		// rewrite is under way with another key, the caller's key is dead
+		// or about to be: the answer is "stale". A trim under way is
+		// waited out.
+		if key != sge.Key {
+			return keyError(s, sge.Key)
+		}
+		lo, hi := uint64(sge.Addr), uint64(sge.Addr)+uint64(sge.Len)
+		err := error(nil)
+		switch {
+		case lo < addr || hi > addr+n:
+			err = ErrLocalProtection
+		case d.inHole(holes, lo, hi):
+			err = ErrLocalProtection // that part of the MR was freed
+		default:
+			if need := access &^ AccessRelaxedOrdering; granted&need != need {
+				err = ErrLocalAccess
+			}
+		}
+		if seq&1 == 0 && atomic.LoadUint32(&s.Seq) == seq {
+			return err
+		}
+		if atomic.LoadUint32(&s.Key) != sge.Key || try >= 100 {
+			return keyError(s, sge.Key)
+		}
+		runtime.Gosched()
 	}
-	if uint64(sge.Addr) < addr || uint64(sge.Addr)+uint64(sge.Len) > addr+n {
-		return ErrLocalProtection
+}
+
+// inHole reports whether [lo, hi) touches any of the holes listed from
+// first. The walk is bounded by the table, whatever a torn read says.
+func (d *Soft) inHole(first uint32, lo, hi uint64) bool {
+	for i, n := first, 0; i != 0 && int(i) <= len(d.holes) && n < len(d.holes); n++ {
+		h := &d.holes[i-1]
+		if lo < atomic.LoadUint64(&h.End) && atomic.LoadUint64(&h.Start) < hi {
+			return true
+		}
+		i = atomic.LoadUint32(&h.Next)
 	}
-	if need := access &^ AccessRelaxedOrdering; granted&need != need {
-		return ErrLocalAccess
-	}
-	return nil
+	return false
 }
 
 // keyError tells a key its slot never handed out from one whose MR is

@@ -147,6 +147,15 @@ type PD interface {
 	Close() error
 }
 
+// Trimmer is implemented by the PDs of devices that can take part of an
+// MR's range away while the rest stays registered (the soft device). The
+// MR cache uses it when a free takes some of an MR's pages and leaves the
+// others: without it (rdma-core), the MR keeps covering — and on hardware
+// pinning — the freed pages until all its pages are freed, as in DPDK.
+type Trimmer interface {
+	TrimMR(mr MR, addr, length uintptr) error
+}
+
 // SoftName is the name Open knows the soft device by.
 const SoftName = "soft"
 
