@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -23,7 +25,54 @@ import (
 // An allowed user of another uid, not a secondary of the instance.
 const breakerAllowedUID = 44201
 
-func init() { testproc.Register("breaker-dial-as", helperBreakerDialAs) }
+func init() {
+	testproc.Register("breaker-dial-as", helperBreakerDialAs)
+	testproc.Register("breaker-churn", helperBreakerChurn)
+}
+
+// helperBreakerChurn becomes uid args[0] (unless it is this process's),
+// says "churning", and then, from args[2] goroutines for args[3], connects
+// to the socket at args[1] and hangs up at once, as fast as it can; it
+// ends saying "churned ok=N eagain=N other=N".
+func helperBreakerChurn(args []string) int {
+	uid, _ := strconv.Atoi(args[0])
+	if uid != os.Geteuid() {
+		if err := testenv.BecomeUser(uid); err != nil {
+			testproc.Say("churned %v", err)
+			return 3
+		}
+	}
+	g, _ := strconv.Atoi(args[2])
+	d, _ := time.ParseDuration(args[3])
+	var ok, eagain, other atomic.Int64
+	var wg sync.WaitGroup
+	testproc.Say("churning")
+	deadline := time.Now().Add(d)
+	for range g {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+				if err == nil {
+					err = unix.Connect(fd, &unix.SockaddrUnix{Name: args[1]})
+					unix.Close(fd)
+				}
+				switch err {
+				case nil:
+					ok.Add(1)
+				case unix.EAGAIN:
+					eagain.Add(1)
+				default:
+					other.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	testproc.Say("churned ok=%d eagain=%d other=%d", ok.Load(), eagain.Load(), other.Load())
+	return 0
+}
 
 // helperBreakerDialAs becomes uid args[0], connects to the socket at
 // args[1] and says "conn FD" with the connection's descriptor; it then
@@ -157,4 +206,62 @@ func TestBreakerHelloFromAReusedPIDIsAdmittedInTheVictimsName(t *testing.T) {
 	assert.True(t, strings.HasPrefix(answer, "key "),
 		"the victim secondary was fenced because someone else's connection in its name ended: %s", answer)
 	assert.Zero(t, p.Stats().Counters.Fenced, "secondaries fenced")
+}
+
+// A peer that connects and hangs up in a tight loop (two goroutines, no
+// request, not even a hello) keeps the primary's listen backlog full: the
+// accept loop, which does the credentials check, the caps and a goroutine
+// per connection, runs slower than connect(2). A secondary that attaches
+// meanwhile gets EAGAIN from connect and Attach fails at once, well within
+// its AttachTimeout, with ErrNoPrimary ("no primary is running") although
+// one runs. The churner needs nothing but to reach the socket: the
+// instance's own user, or any user once the socket is opened for
+// AllowUIDs, even one that is not allowed in.
+//
+// The contract: peers that "open thousands of connections ... are cut off
+// by limits, and the legitimate ones keep working"; Attach is bounded by
+// AttachTimeout, and ErrNoPrimary "means nothing listens".
+func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		uid  int
+	}{{"this user", os.Geteuid()}, {"a user not allowed in", breakerAllowedUID + 1}} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.uid != os.Geteuid() {
+				requireRoot(t)
+			}
+			p, cfg := startPrimary(t, testenv.Tmpfs(t))
+			region, err := p.Alloc(p.Backend().PageSize)
+			require.NoError(t, err)
+			sock := filepath.Join(p.RuntimeDir(), ipc.SocketName)
+			if c.uid != os.Geteuid() {
+				// Opened up as a primary with AllowUIDs must be; this user
+				// is not among them.
+				for _, d := range []string{cfg.RuntimeDir, p.RuntimeDir()} {
+					require.NoError(t, os.Chmod(d, 0o711))
+				}
+				require.NoError(t, os.Chmod(sock, 0o666))
+			}
+			attached := startSecondary(t, cfg)
+
+			churn := testproc.Start(t, "breaker-churn", []string{strconv.Itoa(c.uid), sock, "2", "5s"})
+			churn.Expect("churning", 0)
+			time.Sleep(200 * time.Millisecond)
+			var failures []string
+			const attaches = 6
+			for range attaches {
+				h := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
+				line := h.Expect("", 0)
+				if !strings.HasPrefix(line, "ready") {
+					failures = append(failures, line)
+				}
+				h.Kill()
+				time.Sleep(100 * time.Millisecond)
+			}
+			// Those attached before the flood are served meanwhile.
+			parseKey(t, ask(t, attached, "create %d", region.Addr))
+			t.Logf("%s", churn.Expect("churned", 0))
+			assert.Empty(t, failures, "%d of %d secondaries failed to attach while a peer churned connections", len(failures), attaches)
+		})
+	}
 }
