@@ -150,3 +150,40 @@ func TestBreakerToolTrustsASquattedRuntimeDirectory(t *testing.T) {
 			"ls lists the squatter's instance as one of this user's:\n%s", all)
 	})
 }
+
+// Backend directories are shared by every user: once a dead instance's
+// segment is gone, anyone may put a file under its name (here: the dead
+// primary's own bytes, given to another user, as a forger would copy them
+// out of a dump). The runtimes refuse a segment that is not their user's
+// (secondary: "is not a regular file of the primary's uid"; clean: "only
+// if it is a regular file of the instance's user"), but dump, ls and stats
+// map it and show what it says as this instance's state.
+func TestBreakerToolShowsAnotherUsersSegmentAsTheInstances(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to give files to another user")
+	}
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	h, prefix := startDeadable(t, b, rundir)
+	var addr uint64
+	_, err := fmt.Sscanf(h.ask("alloc 2"), "region %d", &addr)
+	require.NoError(t, err)
+	parseKey(t, h.ask("mr %d", addr))
+	h.Kill()
+	require.Error(t, h.Wait(0))
+	seg := instance.SegmentPath(b.Dir, instanceName(rundir, prefix))
+	require.NoError(t, os.Chown(seg, breakerSquatterUID, breakerSquatterUID))
+
+	out, errOut, status := tool(t, "-rundir", rundir, "dump", prefix)
+	assert.NotEqual(t, 0, status, "dump showed uid %d's file %s as the instance's segment:\n%s",
+		breakerSquatterUID, seg, firstLines(out, 12))
+	assert.Contains(t, out+errOut, ipc.ErrPermission.Error())
+
+	out, errOut, _ = tool(t, "-rundir", rundir, "ls")
+	assert.Contains(t, out+errOut, ipc.ErrPermission.Error(), "ls says nothing of the segment's owner:\n%s", out)
+}
+
+func firstLines(s string, n int) string {
+	l := strings.SplitN(s, "\n", n+1)
+	return strings.Join(l[:min(n, len(l))], "\n")
+}
