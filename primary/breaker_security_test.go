@@ -265,3 +265,22 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 		})
 	}
 }
+
+// "The instance's own directory is made mode 0700 by the user" (README,
+// Robustness). A directory the user made beforehand with the usual umask
+// (mkdir -p, a deployment script) is accepted as it is, 0755: every local
+// user may list it and stat what is in it. (The files themselves are
+// 0600 and the credentials check still turns strangers away: low.)
+func TestBreakerPreexistingInstanceDirectoryIsNotMadePrivate(t *testing.T) {
+	rundir := testenv.RunDir(t)
+	prefix := testenv.Prefix(t)
+	require.NoError(t, os.Mkdir(filepath.Join(rundir, prefix), 0o755))
+	require.NoError(t, os.Chmod(filepath.Join(rundir, prefix), 0o755))
+	p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: testenv.Tmpfs(t).Kind,
+		MemoryPages: 16, Logger: quiet})
+	require.NoError(t, err)
+	defer p.Close()
+	fi, err := os.Stat(p.RuntimeDir())
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o700), fi.Mode().Perm(), "mode of the instance directory %s", p.RuntimeDir())
+}
