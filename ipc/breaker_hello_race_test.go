@@ -1,0 +1,124 @@
+package ipc_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/ipc"
+)
+
+// raceHandler answers hellos around the moment the peer's hello deadline
+// runs out (from 400 µs before to 100 µs after), and records which peers' hellos
+// it accepted and why each connection ended.
+type raceHandler struct {
+	timeout time.Duration
+	mu      sync.Mutex
+	at      map[*ipc.Peer]time.Time // when Connected saw it: its hello timer started just before
+	ok      map[*ipc.Peer]bool      // its hello was accepted
+	delta   map[*ipc.Peer]time.Duration // its handler's end, from its deadline
+	hits    []time.Duration // the delta of each one dropped after acceptance
+	dropped atomic.Int64            // accepted, then closed for an overdue hello
+	done    chan struct{}
+}
+
+func (h *raceHandler) Connected(p *ipc.Peer) {
+	h.mu.Lock()
+	h.at[p] = time.Now()
+	h.mu.Unlock()
+}
+
+func (h *raceHandler) Disconnected(p *ipc.Peer, err error) {
+	h.mu.Lock()
+	ok := h.ok[p]
+	delete(h.ok, p)
+	delete(h.at, p)
+	h.mu.Unlock()
+	if ok && errors.Is(err, ipc.ErrLimit) {
+		h.dropped.Add(1)
+		h.mu.Lock()
+		h.hits = append(h.hits, h.delta[p])
+		h.mu.Unlock()
+	}
+	h.done <- struct{}{}
+}
+
+func (h *raceHandler) Handle(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+	var m ipc.Hello
+	if err := body.Decode(&m); err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	d := time.Duration(rand.IntN(500)-400) * time.Microsecond
+	h.delta[p] = d
+	until := h.at[p].Add(h.timeout + d)
+	h.mu.Unlock()
+	for time.Now().Before(until) { // spin: a sleep is far coarser than the window
+	}
+	h.mu.Lock()
+	h.ok[p] = true
+	h.mu.Unlock()
+	return &ipc.HelloReply{Slot: 1}, nil
+}
+
+// "A hello still in its handler when the time is up is waited for"
+// (Limits.HelloTimeout), and a hello that its handler accepts admits the
+// peer. But the handler's end and the admission are two steps: the
+// handle path uncounts the running hello (releaseFiles) and only then
+// admits the peer (admit). A hello timer that fires between the two sees
+// no hello running and a peer not admitted, and closes the connection for
+// an overdue hello, after the handler accepted it. In the primary the
+// handler has by then put the secondary in its sync set, so the
+// disconnect fences a secondary that did everything right, and its Attach
+// fails with "no hello within 5s".
+//
+// The window is a few instructions wide; 6,000 hellos answered around
+// their deadline, with the garbage collector stopping the world all along,
+// hit it 1 to 9 times in each of six runs here (about 9 s; 19 s with
+// -race).
+func TestBreakerHelloAcceptedAtItsDeadlineIsDropped(t *testing.T) {
+	const timeout = time.Millisecond
+	h := &raceHandler{timeout: timeout, at: map[*ipc.Peer]time.Time{}, ok: map[*ipc.Peer]bool{},
+		delta: map[*ipc.Peer]time.Duration{}, done: make(chan struct{}, 1)}
+	s := startServer(t, h, withHello, func(c *ipc.ServerConfig) { c.Limits.HelloTimeout = timeout })
+	trials, lost := 6000, 0
+	// Stop-the-world pauses stop the handling goroutine wherever it is,
+	// between two of its steps too, and let the timer's goroutine overtake
+	// it: they widen the window that a busy machine opens now and then.
+	stopGC := make(chan struct{})
+	defer close(stopGC)
+	go func() {
+		for {
+			select {
+			case <-stopGC:
+				return
+			default:
+				runtime.GC()
+			}
+		}
+	}()
+	for range trials {
+		ctx, cancel := context.WithTimeout(context.Background(), bound)
+		c, err := ipc.DialClient(ctx, s.path, ipc.ClientConfig{Logger: quiet})
+		require.NoError(t, err)
+		err = c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: 1, Role: "secondary"}, &ipc.HelloReply{})
+		if errors.Is(err, ipc.ErrLimit) {
+			lost++
+		}
+		c.Close()
+		cancel()
+		waitFor(t, h.done, "the end of the connection")
+	}
+	t.Logf("%d hellos answered at their deadline: %d accepted by the handler and then dropped as overdue, "+
+		"%d calls failed with ErrLimit", trials, h.dropped.Load(), lost)
+	t.Logf("accepted and dropped with the handler's end at deadline%+v", h.hits)
+	assert.Zero(t, h.dropped.Load(), "peers whose hello the handler accepted were closed for an overdue hello")
+}
