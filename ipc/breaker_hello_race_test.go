@@ -22,11 +22,11 @@ import (
 type raceHandler struct {
 	timeout time.Duration
 	mu      sync.Mutex
-	at      map[*ipc.Peer]time.Time // when Connected saw it: its hello timer started just before
-	ok      map[*ipc.Peer]bool      // its hello was accepted
+	at      map[*ipc.Peer]time.Time     // when Connected saw it: its hello timer started just before
+	ok      map[*ipc.Peer]bool          // its hello was accepted
 	delta   map[*ipc.Peer]time.Duration // its handler's end, from its deadline
-	hits    []time.Duration // the delta of each one dropped after acceptance
-	dropped atomic.Int64            // accepted, then closed for an overdue hello
+	hits    []time.Duration             // the delta of each one dropped after acceptance
+	dropped atomic.Int64                // accepted, then closed for an overdue hello
 	done    chan struct{}
 }
 
