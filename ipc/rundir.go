@@ -124,7 +124,32 @@ func (c *checker) open(dir string, mine, sticky bool) (*RunDir, error) {
 		d.f.Close()
 		return nil, err
 	}
+	if mine && c.create {
+		if err := d.private(); err != nil {
+			d.f.Close()
+			return nil, err
+		}
+	}
 	return d, nil
+}
+
+// private makes this user's own instance directory mode 0700 if it was
+// found (not made) more open, through its descriptor: nobody else needs to
+// list it, and users let in by name are given search rights (0711) by the
+// runtime that lets them in, after this.
+func (d *RunDir) private() error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(d.f.Fd()), &st); err != nil {
+		return &fs.PathError{Op: "fstat", Path: d.path, Err: err}
+	}
+	if st.Mode&0o077 == 0 {
+		return nil
+	}
+	// An O_PATH descriptor cannot fchmod; its /proc link names the inode.
+	if err := os.Chmod(fmt.Sprintf("/proc/self/fd/%d", d.f.Fd()), 0o700); err != nil {
+		return fmt.Errorf("make %s private: %w", d.path, err)
+	}
+	return nil
 }
 
 // resolve checks every component of the absolute path p, following

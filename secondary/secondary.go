@@ -369,13 +369,14 @@ func (s *Secondary) drop(why string) {
 	s.goneMu.Do(func() {
 		s.dropped.Store(true)
 		s.log.Error("dropped by the primary: stopping; the data memory is unmapped and requests fail", "why", why)
-		close(s.gone)
 		s.client.Close()
 		if err := s.mem.Close(); err != nil {
 			s.log.Error("unmapping the data memory", "err", err)
-			return
+		} else {
+			s.seg.MarkUnmapped()
 		}
-		s.seg.MarkUnmapped()
+		// Last: whoever waits on PrimaryGone finds the memory gone.
+		close(s.gone)
 	})
 }
 
