@@ -86,16 +86,24 @@ func runClean(e *env, args []string) error {
 }
 
 func clean(e *env, t *target) (*cleanOut, error) {
+	// Everything in the runtime directory is reached through it, checked
+	// (no link followed, no file of another user trusted): the directory
+	// may belong to a user other than the one running the tool.
+	rd, err := t.openDir()
+	if err != nil {
+		return nil, err
+	}
+	defer rd.Close()
 	// Hold the primary lock while cleaning: a live primary makes this fail,
 	// and no new primary can start halfway through.
-	lockPath := filepath.Join(t.Dir, instance.PrimaryLockFile)
-	_, err := os.Stat(lockPath)
+	_, err = rd.Stat(instance.PrimaryLockFile)
 	created := errors.Is(err, os.ErrNotExist)
-	lockf, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o600)
+	lockf, err := rd.OpenFile(instance.PrimaryLockFile, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, err
 	}
 	defer lockf.Close()
+	lockPath := lockf.Name()
 	if err := ofd.TryLock(lockf, 0, true); err != nil {
 		if errors.Is(err, ofd.ErrLocked) {
 			who := ""
@@ -117,7 +125,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		held := segmentHeld(segPath)
 		if held || t.Info != nil && info.CreatorPID == t.Info.PID && running(info.CreatorPID, info.CreatorStart) {
 			if created {
-				os.Remove(lockPath)
+				_ = rd.Remove(instance.PrimaryLockFile)
 			}
 			return nil, fmt.Errorf("refusing to clean %q: %w (pid %d), though its lock file %s was replaced",
 				t.Prefix, errPrimaryLives, info.CreatorPID, lockPath)
@@ -128,6 +136,14 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		switch err := os.Remove(path); {
 		case err == nil:
 			out.Removed = append(out.Removed, path)
+		case !errors.Is(err, os.ErrNotExist):
+			out.Warnings = append(out.Warnings, err.Error())
+		}
+	}
+	removeIn := func(name string) {
+		switch err := rd.Remove(name); {
+		case err == nil:
+			out.Removed = append(out.Removed, filepath.Join(rd.Path(), name))
 		case !errors.Is(err, os.ErrNotExist):
 			out.Warnings = append(out.Warnings, err.Error())
 		}
@@ -146,16 +162,19 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	}
 
 	for _, dir := range t.backendDirs() {
-		t.cleanBackend(e, dir, out, remove)
+		t.cleanBackend(e, rd, dir, out, remove)
 	}
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
-		remove(filepath.Join(t.Dir, name))
+		removeIn(name)
 	}
 	// The primary lock goes last, as a closing primary does it: a primary
 	// starting now retries on the new file.
-	remove(lockPath)
-	if err := os.Remove(t.Dir); err == nil {
-		out.Removed = append(out.Removed, t.Dir)
+	removeIn(instance.PrimaryLockFile)
+	// The directory goes only if its path still names the one checked.
+	if err := rd.Check(); err != nil {
+		out.Warnings = append(out.Warnings, fmt.Sprintf("runtime directory %s kept: %v", t.Dir, err))
+	} else if err := os.Remove(rd.Path()); err == nil {
+		out.Removed = append(out.Removed, rd.Path())
 	} else {
 		out.Warnings = append(out.Warnings, fmt.Sprintf("runtime directory %s kept: %v", t.Dir, err))
 	}
@@ -198,7 +217,7 @@ func segmentHeld(path string) bool {
 // cleanBackend removes the instance's segment and memory files in dir:
 // only files it proves dead (no live process holds their lock) and the
 // instance user's, whatever their names say.
-func (t *target) cleanBackend(e *env, dir string, out *cleanOut, remove func(string)) {
+func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut, remove func(string)) {
 	claim := func(path string) *ofd.Claim {
 		c, err := ofd.ClaimFile(path, t.UID)
 		switch {
@@ -220,9 +239,12 @@ func (t *target) cleanBackend(e *env, dir string, out *cleanOut, remove func(str
 	segPath := instance.SegmentPath(dir, t.Name)
 	if c := claim(segPath); c != nil {
 		_, perr := shm.Probe(segPath, instance.LayoutTag)
-		o, _ := t.segmentOptions()
-		o.Path = segPath
-		o.Logger = e.log
+		o := shm.Options{LayoutTag: instance.LayoutTag, Path: segPath, Logger: e.log,
+			LockPath: filepath.Join(rd.Path(), instance.SlotsLockFile)}
+		if lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDONLY, 0); err == nil {
+			defer lockf.Close()
+			o.LockPath = fmt.Sprintf("/proc/self/fd/%d", lockf.Fd())
+		}
 		if seg, _, err := shm.OpenReadOnly(o); err == nil {
 			for _, p := range seg.Procs() {
 				if p.Alive {

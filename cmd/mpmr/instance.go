@@ -95,25 +95,48 @@ func (e *env) target(prefix string) (*target, error) {
 
 func look(prefix, dir string) *target {
 	t := &target{Prefix: prefix, Dir: dir, UID: os.Geteuid()}
-	if fi, err := os.Lstat(dir); err == nil {
-		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-			t.UID = int(st.Uid)
-		}
+	rd, err := t.openDir()
+	if err != nil {
+		t.InfoErr, t.LiveErr = err, err
+		t.Name = instance.Name(prefix, t.UID, dir)
+		return t
 	}
+	defer rd.Close()
 	t.Name = instance.Name(prefix, t.UID, dir)
-	if info, err := instance.ReadInfo(dir); err == nil {
+	if info, err := instance.ReadInfoIn(rd); err == nil {
 		t.Info = &info
 	} else if !errors.Is(err, os.ErrNotExist) {
 		t.InfoErr = err
 	}
-	t.Live, t.LiveErr = primaryHeld(dir)
+	t.Live, t.LiveErr = primaryHeld(rd)
 	return t
 }
 
+// openDir opens the instance's runtime directory the way a secondary does
+// (every component checked, nothing followed), trusting its owner — the
+// instance's user — besides this user and root, and records that owner.
+// Everything the tool reads or changes in the directory goes through it:
+// run by root on another user's instance, the tool must not follow that
+// user's links or trust files somebody else planted.
+func (t *target) openDir() (*ipc.RunDir, error) {
+	var trust []int
+	if fi, err := os.Lstat(t.Dir); err == nil {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+			trust = []int{int(st.Uid)}
+		}
+	}
+	rd, err := ipc.OpenRunDir(t.Dir, ipc.RunDirOptions{TrustUIDs: trust})
+	if err != nil {
+		return nil, err
+	}
+	t.UID = rd.Owner()
+	return rd, nil
+}
+
 // primaryHeld reports whether a process holds the primary lock of the
-// instance in dir. Looking takes no lock and creates nothing.
-func primaryHeld(dir string) (bool, error) {
-	f, err := os.Open(filepath.Join(dir, instance.PrimaryLockFile))
+// instance in rd. Looking takes no lock and creates nothing.
+func primaryHeld(rd *ipc.RunDir) (bool, error) {
+	f, err := rd.OpenFile(instance.PrimaryLockFile, os.O_RDONLY, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return false, nil
 	}
@@ -157,37 +180,79 @@ func (t *target) backendDirs() []string {
 	return append(dirs, hugetlb.DefaultTmpfsDir)
 }
 
-// segmentOptions returns how to open the instance's control segment, and
-// false when no segment file is found.
-func (t *target) segmentOptions() (shm.Options, bool) {
-	o := shm.Options{LayoutTag: instance.LayoutTag, LockPath: filepath.Join(t.Dir, instance.SlotsLockFile)}
-	if t.Info != nil && t.Info.LockFile != "" {
-		o.LockPath = t.Info.LockFile
-	}
-	if t.Info != nil && t.Info.Segment != "" {
-		o.Path = t.Info.Segment
-		_, err := os.Stat(o.Path)
-		return o, err == nil
-	}
+// segmentPath returns the instance's control segment file, and false when
+// none is found. The primary's description is believed only where it names
+// the file the instance's name gives, in a backend directory.
+func (t *target) segmentPath() (string, bool) {
 	for _, dir := range t.backendDirs() {
 		p := instance.SegmentPath(dir, t.Name)
-		if _, err := os.Stat(p); err == nil {
-			o.Path = p
-			return o, true
+		if t.Info != nil && t.Info.Segment != "" && t.Info.Segment != p {
+			continue
+		}
+		if _, err := os.Lstat(p); err == nil {
+			return p, true
 		}
 	}
-	return o, false
+	if t.Info != nil && t.Info.Segment != "" {
+		return t.Info.Segment, false
+	}
+	return "", false
 }
 
-// open maps the instance's segment read-only, claiming no slot.
+// expectedSegment reports whether path is where the instance's segment
+// belongs: its name in one of the backend directories.
+func (t *target) expectedSegment(path string) bool {
+	for _, dir := range t.backendDirs() {
+		if path == instance.SegmentPath(dir, t.Name) {
+			return true
+		}
+	}
+	return false
+}
+
+// open maps the instance's segment read-only, claiming no slot. The file
+// must be a regular file of the instance's user (or root): a file of
+// anyone else's at that name is not this instance's, whatever it holds.
 func (t *target) open(e *env) (*shm.Segment, shm.Info, error) {
-	o, ok := t.segmentOptions()
+	path, ok := t.segmentPath()
+	if !ok && t.Info != nil && path == t.Info.Segment && path != "" && !t.expectedSegment(path) {
+		return nil, shm.Info{}, fmt.Errorf("%w: the instance's description names the segment %s, which is not the instance's "+
+			"(want %s in a backend directory); not opened", ipc.ErrPermission, path, filepath.Base(instance.SegmentPath("", t.Name)))
+	}
 	if !ok {
-		if o.Path == "" {
+		if path == "" {
 			return nil, shm.Info{}, fmt.Errorf("no control segment of %q found in %v", t.Prefix, t.backendDirs())
 		}
-		return nil, shm.Info{Path: o.Path}, fmt.Errorf("control segment %s is gone", o.Path)
+		return nil, shm.Info{Path: path}, fmt.Errorf("control segment %s is gone", path)
 	}
-	o.Logger = e.log
-	return shm.OpenReadOnly(o)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, shm.Info{Path: path}, err
+	}
+	defer f.Close()
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, shm.Info{Path: path}, err
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || (int(st.Uid) != t.UID && st.Uid != 0) {
+		return nil, shm.Info{Path: path}, fmt.Errorf("%w: %s is not a regular file of the instance's user (uid %d): owner uid %d, mode %04o",
+			ipc.ErrPermission, path, t.UID, st.Uid, st.Mode&0o7777)
+	}
+	rd, err := t.openDir()
+	if err != nil {
+		return nil, shm.Info{Path: path}, err
+	}
+	defer rd.Close()
+	// The files just checked, by descriptor: not paths that could be
+	// swapped meanwhile.
+	o := shm.Options{LayoutTag: instance.LayoutTag, Path: fmt.Sprintf("/proc/self/fd/%d", f.Fd()), Logger: e.log}
+	if lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDONLY, 0); err == nil {
+		defer lockf.Close()
+		o.LockPath = fmt.Sprintf("/proc/self/fd/%d", lockf.Fd())
+	} else {
+		o.LockPath = filepath.Join(rd.Path(), instance.SlotsLockFile) // absent: nobody alive
+	}
+	seg, info, err := shm.OpenReadOnly(o)
+	info.Path = path
+	return seg, info, err
 }

@@ -29,6 +29,7 @@ type lsEntry struct {
 	State       string    `json:"state"` // live, dead, unknown
 	Live        bool      `json:"live"`
 	RuntimeDir  string    `json:"runtime_dir"`
+	UID         int       `json:"uid"` // the instance's user: its runtime directory's owner
 	PID         int       `json:"pid,omitempty"`
 	Backend     string    `json:"backend,omitempty"`
 	BackendDir  string    `json:"backend_dir,omitempty"`
@@ -61,7 +62,7 @@ func runLs(e *env, _ []string) error {
 		return nil
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "PREFIX\tSTATE\tPID\tBACKEND\tPAGE\tIN USE\tPROCS\tCREATED")
+	fmt.Fprintln(w, "PREFIX\tSTATE\tUID\tPID\tBACKEND\tPAGE\tIN USE\tPROCS\tCREATED")
 	for _, x := range out {
 		page, inUse, procs, created := "-", "-", "-", "-"
 		if x.PageSize != 0 {
@@ -76,7 +77,7 @@ func runLs(e *env, _ []string) error {
 		if !x.Created.IsZero() {
 			created = x.Created.Local().Format(time.DateTime)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", x.Prefix, x.State, orDash(x.PID),
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", x.Prefix, x.State, x.UID, orDash(x.PID),
 			orDashS(x.Backend), page, inUse, procs, created)
 	}
 	if err := w.Flush(); err != nil {
@@ -92,7 +93,7 @@ func runLs(e *env, _ []string) error {
 
 // describeTarget gathers what ls shows of t.
 func describeTarget(e *env, t *target) lsEntry {
-	x := lsEntry{Prefix: t.Prefix, State: t.state(), Live: t.Live, RuntimeDir: t.Dir, PID: t.primaryPID()}
+	x := lsEntry{Prefix: t.Prefix, State: t.state(), Live: t.Live, RuntimeDir: t.Dir, UID: t.UID, PID: t.primaryPID()}
 	if t.LiveErr != nil {
 		x.Errors = append(x.Errors, "primary lock: "+t.LiveErr.Error())
 	}

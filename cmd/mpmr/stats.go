@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"path/filepath"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -100,9 +101,26 @@ func runStats(e *env, args []string) error {
 // askPrimary asks the primary for its counters. A stats request is served
 // without the attach handshake, so this joins nothing.
 func askPrimary(e *env, t *target) (*primaryStats, error) {
-	sock := filepath.Join(t.Dir, ipc.SocketName)
-	if t.Info != nil && t.Info.Socket != "" {
-		sock = t.Info.Socket
+	// The socket in the checked runtime directory, whatever the
+	// description says, and a socket of the instance's user only: the tool
+	// speaks to that user's primary and to nothing else.
+	rd, err := t.openDir()
+	if err != nil {
+		return nil, err
+	}
+	defer rd.Close()
+	sock := filepath.Join(rd.Path(), ipc.SocketName)
+	if t.Info != nil && t.Info.Socket != "" && filepath.Clean(t.Info.Socket) != sock && filepath.Clean(t.Info.Socket) != filepath.Join(t.Dir, ipc.SocketName) {
+		return nil, fmt.Errorf("%w: %s names the socket %s, which is not the instance's (%s); not dialled",
+			ipc.ErrPermission, filepath.Join(rd.Path(), instance.InfoFile), t.Info.Socket, sock)
+	}
+	st, err := rd.Stat(ipc.SocketName)
+	if err != nil {
+		return nil, err
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFSOCK || int(st.Uid) != t.UID && st.Uid != 0 {
+		return nil, fmt.Errorf("%w: %s is not a socket of the instance's user (uid %d): owner uid %d, mode %04o",
+			ipc.ErrPermission, sock, t.UID, st.Uid, st.Mode&0o7777)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), e.timeout)
 	defer cancel()
@@ -111,6 +129,12 @@ func askPrimary(e *env, t *target) (*primaryStats, error) {
 		return nil, err
 	}
 	defer c.Close()
+	if cred, err := c.ServerCred(); err != nil {
+		return nil, err
+	} else if cred.UID != t.UID {
+		return nil, fmt.Errorf("%w: the process listening at %s runs as uid %d, not as the instance's user (uid %d)",
+			ipc.ErrPermission, sock, cred.UID, t.UID)
+	}
 	var r ipc.StatsReply
 	if err := c.Call(ctx, ipc.KindStats, &ipc.StatsRequest{}, &r); err != nil {
 		if errors.Is(err, context.DeadlineExceeded) {
