@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"math/bits"
 	"sync/atomic"
 	"unsafe"
 
@@ -15,7 +16,15 @@ var (
 	_ [unsafe.Sizeof(Entry{}) - 24]byte
 	_ [64 - unsafe.Sizeof(tableHeader{})]byte
 	_ [unsafe.Sizeof(tableHeader{}) - 64]byte
+	_ [32 - unsafe.Sizeof(window{})]byte
+	_ [unsafe.Sizeof(window{}) - 32]byte
+	_ [192 - unsafe.Sizeof(tableIndex{})]byte
+	_ [unsafe.Sizeof(tableIndex{}) - 192]byte
+	_ [64 - unsafe.Offsetof(tableIndex{}.W)]byte
+	_ [unsafe.Offsetof(tableIndex{}.W) - 64]byte
 )
+
+const tableIndexSize = uint64(unsafe.Sizeof(tableIndex{}))
 
 // search is DPDK's MR B-tree binary search over ents[:n] (0 < n <= len(ents)):
 // it returns the index of the last entry whose Start is at most addr, the
@@ -35,6 +44,93 @@ func search(ents []Entry, n int, addr uint64) int {
 		}
 	}
 	return base
+}
+
+// probe is Lookup's constant-time path: addr lies inside a window and its
+// bucket holds at most one start. It reads the two directory words, the
+// entry before the bucket and the one that may start in it together, and
+// picks one without a branch. ok is false when the index cannot answer
+// that way (addr outside every window, a crowded bucket, a torn read);
+// locate then does. Pointers stand in for slice indexes once the bounds
+// are checked, as in search.
+func (t *Table) probe(addr uint64, n int) (key uint32, idx int, ok bool) {
+	ix := t.ix
+	nw := min(atomic.LoadUint32(&ix.Windows), maxWindows)
+	for w := range nw {
+		win := (*window)(unsafe.Add(unsafe.Pointer(&ix.W), uintptr(w)*unsafe.Sizeof(window{})))
+		off := addr - atomic.LoadUint64(&win.Lo)
+		if off > atomic.LoadUint64(&win.Span) {
+			continue // below (off wrapped) or above the window
+		}
+		j := uint64(atomic.LoadUint32(&win.Dir)) + min(off>>(atomic.LoadUint32(&win.Shift)&63), uint64(atomic.LoadUint32(&win.Last)))
+		if j+1 >= uint64(len(t.dir)) {
+			return InvalidKey, 0, false
+		}
+		d := unsafe.Add(unsafe.Pointer(unsafe.SliceData(t.dir)), uintptr(j)*4)
+		i := uint64(atomic.LoadUint32((*uint32)(d)))
+		e := uint64(atomic.LoadUint32((*uint32)(unsafe.Add(d, 4))))
+		if e >= uint64(n) || e-i > 1 { // i <= e, or the difference wraps
+			return InvalidKey, 0, false
+		}
+		p := unsafe.Pointer(unsafe.SliceData(t.ents))
+		before := (*Entry)(unsafe.Add(p, uintptr(i)*unsafe.Sizeof(Entry{})))
+		in := (*Entry)(unsafe.Add(p, uintptr(e)*unsafe.Sizeof(Entry{})))
+		endB, keyB := atomic.LoadUint64(&before.End), atomic.LoadUint32(&before.LKey)
+		endI, keyI := atomic.LoadUint64(&in.End), atomic.LoadUint32(&in.LKey)
+		_, below := bits.Sub64(addr, atomic.LoadUint64(&in.Start), 0)
+		take := (e - i) & (below ^ 1) // 1: the entry starting in the bucket holds addr or stops the search
+		mask := -take
+		end := endB ^ (endB^endI)&mask
+		key = keyB ^ (keyB^keyI)&uint32(mask)
+		idx = int(i + take)
+		if addr < end {
+			return key, idx, true
+		}
+		return InvalidKey, idx, true
+	}
+	return InvalidKey, 0, false
+}
+
+// probeLocal is probe for a Go-memory table, which one goroutine owns:
+// the same steps with plain loads, which the compiler schedules better
+// than atomic ones (a nanosecond of a five-nanosecond lookup). Keep the two
+// in step; the index tests run every case through both.
+func (t *Table) probeLocal(addr uint64, n int) (key uint32, idx int, ok bool) {
+	ix := t.ix
+	nw := min(ix.Windows, maxWindows)
+	for w := range nw {
+		win := (*window)(unsafe.Add(unsafe.Pointer(&ix.W), uintptr(w)*unsafe.Sizeof(window{})))
+		off := addr - win.Lo
+		if off > win.Span {
+			continue // below (off wrapped) or above the window
+		}
+		j := uint64(win.Dir) + min(off>>(win.Shift&63), uint64(win.Last))
+		if j+1 >= uint64(len(t.dir)) {
+			return InvalidKey, 0, false
+		}
+		d := unsafe.Add(unsafe.Pointer(unsafe.SliceData(t.dir)), uintptr(j)*4)
+		i := uint64(*(*uint32)(d))
+		e := uint64(*(*uint32)(unsafe.Add(d, 4)))
+		if e >= uint64(n) || e-i > 1 { // i <= e, or the difference wraps
+			return InvalidKey, 0, false
+		}
+		p := unsafe.Pointer(unsafe.SliceData(t.ents))
+		before := (*Entry)(unsafe.Add(p, uintptr(i)*unsafe.Sizeof(Entry{})))
+		in := (*Entry)(unsafe.Add(p, uintptr(e)*unsafe.Sizeof(Entry{})))
+		endB, keyB := before.End, before.LKey
+		endI, keyI := in.End, in.LKey
+		_, below := bits.Sub64(addr, in.Start, 0)
+		take := (e - i) & (below ^ 1) // 1: the entry starting in the bucket holds addr or stops the search
+		mask := -take
+		end := endB ^ (endB^endI)&mask
+		key = keyB ^ (keyB^keyI)&uint32(mask)
+		idx = int(i + take)
+		if addr < end {
+			return key, idx, true
+		}
+		return InvalidKey, idx, true
+	}
+	return InvalidKey, 0, false
 }
 
 const (
@@ -76,6 +172,6 @@ func sliceAddr(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceDat
 // Layout describes this package's shared structs, for the segment's layout
 // tag (see shm.LayoutHash).
 func Layout() []string {
-	return []string{shm.Describe(Entry{}), shm.Describe(tableHeader{}), shm.Describe(mrRecord{}),
+	return []string{shm.Describe(Entry{}), shm.Describe(tableHeader{}), shm.Describe(tableIndex{}), shm.Describe(window{}), shm.Describe(mrRecord{}),
 		shm.Describe(globalRoot{}), shm.Describe(poolDir{}), shm.Describe(poolDesc{}), shm.Describe(logEntry{})}
 }
