@@ -53,7 +53,7 @@ func search(ents []Entry, n int, addr uint64) int {
 // that way (addr outside every window, a crowded bucket, a torn read);
 // locate then does. Pointers stand in for slice indexes once the bounds
 // are checked, as in search.
-func (t *Table) probe(addr uint64, n int) (key uint32, idx int, ok bool) {
+func (t *Table) probe(addr uint64, n int) (e Entry, idx int, ok bool) {
 	ix := t.ix
 	nw := min(atomic.LoadUint32(&ix.Windows), maxWindows)
 	for w := range nw {
@@ -64,38 +64,29 @@ func (t *Table) probe(addr uint64, n int) (key uint32, idx int, ok bool) {
 		}
 		j := uint64(atomic.LoadUint32(&win.Dir)) + min(off>>(atomic.LoadUint32(&win.Shift)&63), uint64(atomic.LoadUint32(&win.Last)))
 		if j+1 >= uint64(len(t.dir)) {
-			return InvalidKey, 0, false
+			return Entry{}, 0, false
 		}
 		d := unsafe.Add(unsafe.Pointer(unsafe.SliceData(t.dir)), uintptr(j)*4)
 		i := uint64(atomic.LoadUint32((*uint32)(d)))
 		e := uint64(atomic.LoadUint32((*uint32)(unsafe.Add(d, 4))))
 		if e >= uint64(n) || e-i > 1 { // i <= e, or the difference wraps
-			return InvalidKey, 0, false
+			return Entry{}, 0, false
 		}
 		p := unsafe.Pointer(unsafe.SliceData(t.ents))
 		before := (*Entry)(unsafe.Add(p, uintptr(i)*unsafe.Sizeof(Entry{})))
 		in := (*Entry)(unsafe.Add(p, uintptr(e)*unsafe.Sizeof(Entry{})))
-		endB, keyB := atomic.LoadUint64(&before.End), atomic.LoadUint32(&before.LKey)
-		endI, keyI := atomic.LoadUint64(&in.End), atomic.LoadUint32(&in.LKey)
-		_, below := bits.Sub64(addr, atomic.LoadUint64(&in.Start), 0)
-		take := (e - i) & (below ^ 1) // 1: the entry starting in the bucket holds addr or stops the search
-		mask := -take
-		end := endB ^ (endB^endI)&mask
-		key = keyB ^ (keyB^keyI)&uint32(mask)
-		idx = int(i + take)
-		if addr < end {
-			return key, idx, true
-		}
-		return InvalidKey, idx, true
+		startB, endB, keyB := atomic.LoadUint64(&before.Start), atomic.LoadUint64(&before.End), atomic.LoadUint32(&before.LKey)
+		startI, endI, keyI := atomic.LoadUint64(&in.Start), atomic.LoadUint64(&in.End), atomic.LoadUint32(&in.LKey)
+		return pick(addr, i, e, Entry{Start: startB, End: endB, LKey: keyB}, Entry{Start: startI, End: endI, LKey: keyI})
 	}
-	return InvalidKey, 0, false
+	return Entry{}, 0, false
 }
 
 // probeLocal is probe for a Go-memory table, which one goroutine owns:
 // the same steps with plain loads, which the compiler schedules better
 // than atomic ones (a nanosecond of a five-nanosecond lookup). Keep the two
 // in step; the index tests run every case through both.
-func (t *Table) probeLocal(addr uint64, n int) (key uint32, idx int, ok bool) {
+func (t *Table) probeLocal(addr uint64, n int) (e Entry, idx int, ok bool) {
 	ix := t.ix
 	nw := min(ix.Windows, maxWindows)
 	for w := range nw {
@@ -106,31 +97,34 @@ func (t *Table) probeLocal(addr uint64, n int) (key uint32, idx int, ok bool) {
 		}
 		j := uint64(win.Dir) + min(off>>(win.Shift&63), uint64(win.Last))
 		if j+1 >= uint64(len(t.dir)) {
-			return InvalidKey, 0, false
+			return Entry{}, 0, false
 		}
 		d := unsafe.Add(unsafe.Pointer(unsafe.SliceData(t.dir)), uintptr(j)*4)
 		i := uint64(*(*uint32)(d))
 		e := uint64(*(*uint32)(unsafe.Add(d, 4)))
 		if e >= uint64(n) || e-i > 1 { // i <= e, or the difference wraps
-			return InvalidKey, 0, false
+			return Entry{}, 0, false
 		}
 		p := unsafe.Pointer(unsafe.SliceData(t.ents))
 		before := (*Entry)(unsafe.Add(p, uintptr(i)*unsafe.Sizeof(Entry{})))
 		in := (*Entry)(unsafe.Add(p, uintptr(e)*unsafe.Sizeof(Entry{})))
-		endB, keyB := before.End, before.LKey
-		endI, keyI := in.End, in.LKey
-		_, below := bits.Sub64(addr, in.Start, 0)
-		take := (e - i) & (below ^ 1) // 1: the entry starting in the bucket holds addr or stops the search
-		mask := -take
-		end := endB ^ (endB^endI)&mask
-		key = keyB ^ (keyB^keyI)&uint32(mask)
-		idx = int(i + take)
-		if addr < end {
-			return key, idx, true
-		}
-		return InvalidKey, idx, true
+		return pick(addr, i, e, *before, *in)
 	}
-	return InvalidKey, 0, false
+	return Entry{}, 0, false
+}
+
+// pick returns, of the entry before a bucket (index i) and the one that may
+// start in it (index e, i <= e <= i+1), the last that starts at or before
+// addr, choosing with masks rather than a branch.
+func pick(addr, i, e uint64, before, in Entry) (Entry, int, bool) {
+	_, below := bits.Sub64(addr, in.Start, 0)
+	take := (e - i) & (below ^ 1)
+	m := -take
+	return Entry{
+		Start: before.Start ^ (before.Start^in.Start)&m,
+		End:   before.End ^ (before.End^in.End)&m,
+		LKey:  before.LKey ^ (before.LKey^in.LKey)&uint32(m),
+	}, int(i + take), true
 }
 
 const (

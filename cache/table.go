@@ -183,27 +183,33 @@ func (t *Table) Clear() {
 // last entry starting at or before addr, after which addr would be
 // inserted.
 func (t *Table) Lookup(addr uint64) (uint32, int) {
+	e, idx, hit := t.find(addr)
+	if hit {
+		return e.LKey, idx
+	}
+	return InvalidKey, idx
+}
+
+// find is Lookup returning the entry where the search stopped, and whether
+// it holds addr.
+func (t *Table) find(addr uint64) (e Entry, idx int, hit bool) {
 	// The bound keeps an optimistic reader of the global table, which may
 	// see a length from a newer, larger array, inside the one it has.
 	n := min(int(atomic.LoadUint32(&t.hdr.Len)), len(t.ents))
 	if n == 0 {
-		return InvalidKey, 0
+		return Entry{LKey: InvalidKey}, 0, false
 	}
+	ok := false
 	if t.seg != nil {
-		if key, idx, ok := t.probe(addr, n); ok {
-			return key, idx
-		}
+		e, idx, ok = t.probe(addr, n)
 	} else if t.reindexIn == 0 {
-		if key, idx, ok := t.probeLocal(addr, n); ok {
-			return key, idx
-		}
+		e, idx, ok = t.probeLocal(addr, n)
 	}
-	base := t.locate(addr, n)
-	e := &t.ents[base]
-	if addr < atomic.LoadUint64(&e.End) {
-		return atomic.LoadUint32(&e.LKey), base
+	if !ok {
+		idx = t.locate(addr, n)
+		e = t.At(idx)
 	}
-	return InvalidKey, base
+	return e, idx, addr < e.End
 }
 
 // At returns entry i (0 <= i < Len()).
