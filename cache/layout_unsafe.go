@@ -127,6 +127,30 @@ func pick(addr, i, e uint64, before, in Entry) (Entry, int, bool) {
 	}, int(i + take), true
 }
 
+// run stores key in keys for the addresses at the front of addrs that lie
+// in [start, start+size), and returns how many there were: four at a time
+// while the farthest of four from start is inside, then one by one.
+// LookupBurst's inner loop; pointers stand in for the indexes, which stay
+// below the shorter slice's length.
+func run(addrs []uintptr, keys []uint32, start, size uint64, key uint32) int {
+	n := min(len(addrs), len(keys))
+	pa, pk := unsafe.Pointer(unsafe.SliceData(addrs)), unsafe.Pointer(unsafe.SliceData(keys))
+	const sa, sk = unsafe.Sizeof(uintptr(0)), unsafe.Sizeof(uint32(0))
+	i := 0
+	for ; i+4 <= n; i += 4 {
+		a := (*[4]uintptr)(unsafe.Add(pa, uintptr(i)*sa))
+		if max(uint64(a[0])-start, uint64(a[1])-start, uint64(a[2])-start, uint64(a[3])-start) >= size {
+			break
+		}
+		k := (*[4]uint32)(unsafe.Add(pk, uintptr(i)*sk))
+		k[0], k[1], k[2], k[3] = key, key, key, key
+	}
+	for ; i < n && uint64(*(*uintptr)(unsafe.Add(pa, uintptr(i)*sa)))-start < size; i++ {
+		*(*uint32)(unsafe.Add(pk, uintptr(i)*sk)) = key
+	}
+	return i
+}
+
 const (
 	mrRecordSize   = uint64(unsafe.Sizeof(mrRecord{}))
 	globalRootSize = uint64(unsafe.Sizeof(globalRoot{}))
