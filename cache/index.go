@@ -165,8 +165,10 @@ func (t *Table) reindex() {
 	start := func(i int) uint64 { return atomic.LoadUint64(&t.ents[i].Start) }
 
 	// Windows: entries [bounds[w], bounds[w+1]), split at the gap that is
-	// the largest part of its window's span, while that part is an eighth
-	// or more. Evenly spread starts stay one window.
+	// the largest part of its window's span while that part is an eighth
+	// or more and the gap at least four times the window's other gaps on
+	// average: a gap that widens every bucket of its window. Evenly spread
+	// starts stay one window.
 	var bounds [maxWindows + 1]int
 	nw := 0
 	if n > 1 {
@@ -176,17 +178,22 @@ func (t *Table) reindex() {
 		best, at, in := 0.0, 0, 0
 		for w := range nw {
 			a, b := bounds[w], bounds[w+1]-1
-			if b <= a {
-				continue
+			if b-a < 2 {
+				continue // two starts always fall in different buckets
 			}
 			span := float64(start(b) - start(a))
+			widest, wat := 0.0, 0
 			for i := a; i < b; i++ {
-				if r := float64(start(i+1)-start(i)) / span; r > best {
-					best, at, in = r, i+1, w
+				if g := float64(start(i+1) - start(i)); g > widest {
+					widest, wat = g, i+1
 				}
 			}
+			rest := (span - widest) / float64(b-a-1)
+			if r := widest / span; r >= 1.0/8 && widest >= 4*rest && r > best {
+				best, at, in = r, wat, w
+			}
 		}
-		if best < 1.0/8 {
+		if best == 0 {
 			break
 		}
 		copy(bounds[in+2:nw+2], bounds[in+1:nw+1])

@@ -237,6 +237,24 @@ func TestTableIndexBucketsHoldOneStart(t *testing.T) {
 			assert.LessOrEqual(t, len(loads), 2*len(es)+maxWindows, "two buckets per entry at most")
 		})
 	}
+	for _, name := range []string{"two", "spaced 17", "spaced 1000", "pages back to back", "top of the address space"} {
+		t.Run("evenly spread starts stay one window/"+name, func(t *testing.T) {
+			es := layout(name, rng)
+			tb := NewTable(len(es) + 1)
+			require.True(t, tb.Fill(es))
+			tb.reindex()
+			assert.Equal(t, uint32(1), tb.ix.Windows)
+		})
+	}
+	for _, n := range []int{3, 4, 8, 9, 16} {
+		t.Run(fmt.Sprintf("evenly spread starts stay one window/spaced %d", n), func(t *testing.T) {
+			tb := NewTable(n + 1)
+			require.True(t, tb.Fill(spaced(n)))
+			tb.reindex()
+			assert.Equal(t, uint32(1), tb.ix.Windows)
+			assert.LessOrEqual(t, slices.Max(bucketLoads(tb)), 1)
+		})
+	}
 	t.Run("external memory gets windows of its own", func(t *testing.T) {
 		es := layout("two lists and external memory", rng)
 		tb := NewTable(len(es) + 1)

@@ -81,8 +81,13 @@ type Table struct {
 	dir  []uint32
 
 	// Go-memory tables only: lookups left until the index is rebuilt, 0
-	// when it is up to date.
+	// when it is up to date; and the header and index hdr and ix point
+	// to, which lookups then reach without following the pointers.
 	reindexIn int
+	own       struct {
+		hdr tableHeader
+		ix  tableIndex
+	}
 
 	// Segment tables only.
 	seg *shm.Segment
@@ -93,7 +98,8 @@ type Table struct {
 // NewTable returns a table in Go memory with room for size entries.
 func NewTable(size int) *Table {
 	size = max(size, 2)
-	t := &Table{hdr: &tableHeader{}, ents: make([]Entry, size), ix: &tableIndex{}}
+	t := &Table{ents: make([]Entry, size)}
+	t.hdr, t.ix = &t.own.hdr, &t.own.ix
 	atomic.StoreUint32(&t.hdr.Size, uint32(size))
 	t.Clear()
 	return t
@@ -203,7 +209,7 @@ func (t *Table) find(addr uint64) (e Entry, idx int, hit bool) {
 	if t.seg != nil {
 		e, idx, ok = t.probe(addr, n)
 	} else if t.reindexIn == 0 {
-		e, idx, ok = t.probeLocal(addr, n)
+		e, idx, ok = t.probeLocal(addr)
 	}
 	if !ok {
 		idx = t.locate(addr, n)
