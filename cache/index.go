@@ -181,15 +181,18 @@ func (t *Table) reindex() {
 			if b-a < 2 {
 				continue // two starts always fall in different buckets
 			}
-			span := float64(start(b) - start(a))
-			widest, wat := 0.0, 0
-			for i := a; i < b; i++ {
-				if g := float64(start(i+1) - start(i)); g > widest {
-					widest, wat = g, i+1
+			var widest uint64
+			wat, prev := 0, start(a)
+			for i := a + 1; i <= b; i++ {
+				s := start(i)
+				if s-prev > widest {
+					widest, wat = s-prev, i
 				}
+				prev = s
 			}
-			rest := (span - widest) / float64(b-a-1)
-			if r := widest / span; r >= 1.0/8 && widest >= 4*rest && r > best {
+			span, g := float64(prev-start(a)), float64(widest)
+			rest := (span - g) / float64(b-a-1)
+			if r := g / span; r >= 1.0/8 && g >= 4*rest && r > best {
 				best, at, in = r, wat, w
 			}
 		}
@@ -228,11 +231,15 @@ func (t *Table) reindex() {
 			span = end - 1 - lo // the last entry's bytes, in the last bucket
 		}
 		buckets := int((start(b)-lo)>>shift) + 1
-		k := a - 1
-		for j := 0; j <= buckets; j++ {
-			for k < b && int((start(k+1)-lo)>>shift) < j {
-				k++
+		// Bucket j records the last entry whose bucket is below j.
+		j, k := 0, a-1
+		for e := a; e <= b; e++ {
+			for be := int((start(e) - lo) >> shift); j <= be; j++ {
+				t.setDir(p+j, uint32(k))
 			}
+			k = e
+		}
+		for ; j <= buckets; j++ {
 			t.setDir(p+j, uint32(k))
 		}
 		win := &t.ix.W[w]
@@ -248,12 +255,13 @@ func (t *Table) reindex() {
 	atomic.StoreUint32(&t.ix.Windows, uint32(nw))
 }
 
-// setDir writes directory word i: atomically in the segment, plainly in
-// Go memory (which one goroutine owns).
+// setDir writes directory word i: plainly in Go memory (which one
+// goroutine owns); atomically in the segment, and only if it changes, since
+// most words keep their value when an entry is added near the end.
 func (t *Table) setDir(i int, v uint32) {
-	if t.seg != nil {
-		atomic.StoreUint32(&t.dir[i], v)
-	} else {
+	if t.seg == nil {
 		t.dir[i] = v
+	} else if d := &t.dir[i]; atomic.LoadUint32(d) != v {
+		atomic.StoreUint32(d, v)
 	}
 }
