@@ -97,7 +97,7 @@ func (l *Local) hitEntry(a uint64) (uint32, bool) {
 // Answers from the cache allocate nothing.
 func (l *Local) LookupBurst(addrs []uintptr, keys []uint32) (int, error) {
 	if len(keys) < len(addrs) {
-		return 0, fmt.Errorf("cache: burst of %d addresses with room for %d keys", len(addrs), len(keys))
+		return 0, errShortKeys(len(addrs), len(keys))
 	}
 	if atomic.LoadUint32(l.devGen) != l.gen {
 		return l.burst(addrs, keys, 0)
@@ -109,8 +109,16 @@ func (l *Local) LookupBurst(addrs []uintptr, keys []uint32) (int, error) {
 		l.mruHit += uint64(n)
 		return l.burst(addrs, keys, n)
 	}
-	l.countRun(uint64(n))
+	before := l.mruHit + l.topHit
+	l.mruHit += uint64(n)
+	if (before^(before+uint64(n)))>>12 != 0 { // crossed a multiple of publishEvery
+		l.publish()
+	}
 	return n, nil
+}
+
+func errShortKeys(addrs, keys int) error {
+	return fmt.Errorf("cache: burst of %d addresses with room for %d keys", addrs, keys)
 }
 
 // countRun counts n addresses answered by runs in the top half.

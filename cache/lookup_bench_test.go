@@ -24,8 +24,7 @@ func pageEntries(base uint64, n int) []Entry {
 //
 // The tables are filled directly with the chunks single-page mode would
 // register: registering 32,768 MRs one Create at a time takes about half
-// a minute here, most of it in the segment arena's first-fit allocation of
-// the records, and a lookup reads only the tables.
+// a minute here, and a lookup reads only the tables.
 func BenchmarkLookupPastTopHalf(b *testing.B) {
 	const n = 32768
 	p := newPrimary(b, fixtureConfig{pages: 4, tableSize: 2 * n})
