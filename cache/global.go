@@ -256,10 +256,9 @@ func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
 		if err != nil || t.Overflowed() {
 			break
 		}
-		key, idx := t.Lookup(addr)
-		e := t.At(idx)
+		e, _, hit := t.find(addr)
 		if g.lock.Validate(stamp) {
-			if key == InvalidKey {
+			if !hit {
 				return Entry{}, false, nil
 			}
 			return e, true, nil
@@ -309,11 +308,11 @@ func (g *Global) find(addr uint64) (Entry, bool, error) {
 		return Entry{}, false, err
 	}
 	if !t.Overflowed() {
-		key, idx := t.Lookup(addr)
-		if key == InvalidKey {
+		e, _, hit := t.find(addr)
+		if !hit {
 			return Entry{}, false, nil
 		}
-		return t.At(idx), true, nil
+		return e, true, nil
 	}
 	e, _, found, err := g.findInList(addr)
 	return e, found, err

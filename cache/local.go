@@ -140,8 +140,20 @@ func (l *Local) Hit(addr uintptr) (uint32, bool) {
 	return InvalidKey, false
 }
 
-// lookupMiss is Lookup past the top half.
+// lookupMiss is Lookup past the top half. A bottom-half hit is answered
+// here, without the rest of the slow path's bookkeeping.
 func (l *Local) lookupMiss(a uint64) (uint32, error) {
+	if atomic.LoadUint32(l.devGen) == l.gen {
+		if e, _, hit := l.bh.find(a); hit {
+			l.st.Lookups++
+			l.st.BottomHits++
+			l.promote(e)
+			if l.st.Lookups&63 == 0 {
+				l.publish()
+			}
+			return e.LKey, nil
+		}
+	}
 	e, err := l.lookupSlow(a)
 	return e.LKey, err
 }
@@ -157,17 +169,14 @@ func (l *Local) lookupSlow(a uint64) (Entry, error) {
 	}()
 	if g := atomic.LoadUint32(l.devGen); g != l.gen {
 		l.catchUp(g)
-		for i := range l.top {
-			if e := &l.top[i]; a-e.start < e.size {
-				l.st.TopHits++
-				l.mru = uint32(i)
-				return e.entry(), nil
-			}
+		if i, ok := l.findTop(a); ok {
+			l.st.TopHits++
+			l.mru = i
+			return l.top[i].entry(), nil
 		}
 	}
-	if key, idx := l.bh.Lookup(a); key != InvalidKey {
+	if e, _, hit := l.bh.find(a); hit {
 		l.st.BottomHits++
-		e := l.bh.At(idx)
 		l.promote(e)
 		return e, nil
 	}
@@ -207,13 +216,24 @@ func (l *Local) miss(a uint64) (Entry, error) {
 }
 
 // topEntry is a top-half entry, kept as start and size so that a hit
-// check is one subtraction and one comparison.
+// check is one subtraction and one comparison. An entry of size 0 is
+// unused.
 type topEntry struct {
 	start, size uint64
 	key         uint32
 }
 
 func (e *topEntry) entry() Entry { return Entry{Start: e.start, End: e.start + e.size, LKey: e.key} }
+
+// findTop returns the top-half entry holding a.
+func (l *Local) findTop(a uint64) (uint32, bool) {
+	for i := range l.top {
+		if e := &l.top[i]; a-e.start < e.size {
+			return uint32(i), true
+		}
+	}
+	return 0, false
+}
 
 // promote puts e in the top half in place of the oldest entry.
 func (l *Local) promote(e Entry) {
@@ -330,11 +350,9 @@ func (l *Local) Entries() (top, bottom []Entry) {
 // lookupEntry is Lookup returning the whole entry.
 func (l *Local) lookupEntry(a uint64) (Entry, error) {
 	if atomic.LoadUint32(l.devGen) == l.gen {
-		for i := range l.top {
-			if e := &l.top[i]; a-e.start < e.size {
-				l.topHit++
-				return e.entry(), nil
-			}
+		if i, ok := l.findTop(a); ok {
+			l.topHit++
+			return l.top[i].entry(), nil
 		}
 	}
 	return l.lookupSlow(a)

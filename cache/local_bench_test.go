@@ -87,3 +87,54 @@ func BenchmarkTopHalfRandom8(b *testing.B) {
 		_ = sink
 	})
 }
+
+// LookupBurst of a transmit burst of 32 addresses (targets: 0.5 ns per
+// address in one MR; no more than the Lookup loop over 8 MRs). Each
+// iteration looks up one burst; ns/addr is the figure to compare.
+func BenchmarkLookupBurst(b *testing.B) {
+	es := spaced(8)
+	rng := rand.New(rand.NewPCG(2, 2))
+	const burst = 32
+	bursts := func(mrs int) [][]uintptr {
+		out := make([][]uintptr, 128)
+		for i := range out {
+			out[i] = make([]uintptr, burst)
+			for j := range out[i] {
+				e := es[rng.IntN(mrs)]
+				out[i][j] = uintptr(e.Start + rng.Uint64N(e.End-e.Start))
+			}
+		}
+		return out
+	}
+	for _, c := range []struct {
+		name string
+		mrs  int
+	}{{"one MR", 1}, {"8 MRs", 8}} {
+		addrs := bursts(c.mrs)
+		keys := make([]uint32, burst)
+		b.Run(c.name+"/LookupBurst", func(b *testing.B) {
+			l := topOnly(es)
+			b.ReportAllocs()
+			for i := range b.N {
+				if n, err := l.LookupBurst(addrs[i&127], keys); n != burst || err != nil {
+					b.Fatal(n, err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*burst), "ns/addr")
+		})
+		b.Run(c.name+"/Lookup", func(b *testing.B) {
+			l := topOnly(es)
+			b.ReportAllocs()
+			for i := range b.N {
+				for j, a := range addrs[i&127] {
+					k, err := l.Lookup(a)
+					if err != nil {
+						b.Fatal(err)
+					}
+					keys[j] = k
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*burst), "ns/addr")
+		})
+	}
+}

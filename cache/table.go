@@ -64,8 +64,12 @@ const MaxTableSize = 1 << 24
 
 // Table is the sorted lookup table DPDK's mlx5 driver calls its "B-tree": entries ordered
 // by Start with a zero entry at index 0, so a binary search never falls off
-// the front. The same code serves local tables in Go memory and the global
-// table in the control segment.
+// the front. Lookups go through an index of address buckets in front of
+// the array (see index.go) that answers in constant time. The same code
+// serves local tables in Go memory and the global table in the control
+// segment, where the entry array and its index share one arena block:
+//
+//	[Size]Entry, padded to 64 bytes | tableIndex | [dirCap(Size)]uint32
 //
 // A Table is not safe for concurrent use by itself: local tables belong to
 // one goroutine; the global table is guarded by the global cache's lock.
@@ -73,6 +77,17 @@ const MaxTableSize = 1 << 24
 type Table struct {
 	hdr  *tableHeader
 	ents []Entry // ents[:hdr.Len] are in use; len(ents) == hdr.Size
+	ix   *tableIndex
+	dir  []uint32
+
+	// Go-memory tables only: lookups left until the index is rebuilt, 0
+	// when it is up to date; and the header and index hdr and ix point
+	// to, which lookups then reach without following the pointers.
+	reindexIn int
+	own       struct {
+		hdr tableHeader
+		ix  tableIndex
+	}
 
 	// Segment tables only.
 	seg *shm.Segment
@@ -83,7 +98,8 @@ type Table struct {
 // NewTable returns a table in Go memory with room for size entries.
 func NewTable(size int) *Table {
 	size = max(size, 2)
-	t := &Table{hdr: &tableHeader{}, ents: make([]Entry, size)}
+	t := &Table{ents: make([]Entry, size)}
+	t.hdr, t.ix = &t.own.hdr, &t.own.ix
 	atomic.StoreUint32(&t.hdr.Size, uint32(size))
 	t.Clear()
 	return t
@@ -92,7 +108,7 @@ func NewTable(size int) *Table {
 // newSegmentTable lays out a table of size entries in the segment, with its
 // header at hdrOff (owner only).
 func newSegmentTable(seg *shm.Segment, hdrOff uint64, size int) (*Table, error) {
-	off, err := seg.Alloc(uint64(size)*entrySize, 64)
+	off, err := seg.Alloc(tableBlockSize(size), 64)
 	if err != nil {
 		return nil, fmt.Errorf("cache: table of %d entries: %w", size, err)
 	}
@@ -116,7 +132,7 @@ func openSegmentTable(seg *shm.Segment, hdrOff uint64) (*Table, error) {
 	gen := atomic.LoadUint32(&hdr.Gen)
 	off := atomic.LoadUint64(&hdr.Entries)
 	size := uint64(atomic.LoadUint32(&hdr.Size))
-	if size < 2 || size > MaxTableSize || seg.CheckRange(off, size*entrySize) != nil {
+	if size < 2 || size > MaxTableSize || seg.CheckRange(off, tableBlockSize(int(size))) != nil {
 		return nil, fmt.Errorf("%w: global table header names %d entries at 0x%x", ErrCorrupt, size, off)
 	}
 	t := &Table{hdr: hdr, seg: seg, gen: gen}
@@ -134,6 +150,19 @@ func (t *Table) Stale() bool {
 func (t *Table) remap(off uint64, size int) {
 	t.off = off
 	t.ents = shm.Slice[Entry](t.seg, off, size)
+	ixOff := off + entriesSize(size)
+	t.ix = shm.At[tableIndex](t.seg, ixOff)
+	t.dir = shm.Slice[uint32](t.seg, ixOff+tableIndexSize, dirCap(size))
+}
+
+// entriesSize returns the bytes of an entry array of size entries, padded
+// so that the index behind it starts on a cache line.
+func entriesSize(size int) uint64 { return (uint64(size)*entrySize + 63) &^ 63 }
+
+// tableBlockSize returns the bytes of a segment table's block: entries,
+// index header and directory.
+func tableBlockSize(size int) uint64 {
+	return entriesSize(size) + tableIndexSize + uint64(dirCap(size))*4
 }
 
 // Len returns the number of entries in use, the sentinel included.
@@ -152,6 +181,7 @@ func (t *Table) Clear() {
 	t.store(0, Entry{LKey: InvalidKey})
 	atomic.StoreUint32(&t.hdr.Len, 1)
 	atomic.StoreUint32(&t.hdr.Overflow, 0)
+	t.reindex()
 }
 
 // Lookup searches for addr. It returns the key and the index of the entry
@@ -159,18 +189,33 @@ func (t *Table) Clear() {
 // last entry starting at or before addr, after which addr would be
 // inserted.
 func (t *Table) Lookup(addr uint64) (uint32, int) {
+	e, idx, hit := t.find(addr)
+	if hit {
+		return e.LKey, idx
+	}
+	return InvalidKey, idx
+}
+
+// find is Lookup returning the entry where the search stopped, and whether
+// it holds addr.
+func (t *Table) find(addr uint64) (e Entry, idx int, hit bool) {
 	// The bound keeps an optimistic reader of the global table, which may
 	// see a length from a newer, larger array, inside the one it has.
 	n := min(int(atomic.LoadUint32(&t.hdr.Len)), len(t.ents))
 	if n == 0 {
-		return InvalidKey, 0
+		return Entry{LKey: InvalidKey}, 0, false
 	}
-	base := search(t.ents, n, addr)
-	e := &t.ents[base]
-	if addr < atomic.LoadUint64(&e.End) {
-		return atomic.LoadUint32(&e.LKey), base
+	ok := false
+	if t.seg != nil {
+		e, idx, ok = t.probe(addr, n)
+	} else if t.reindexIn == 0 {
+		e, idx, ok = t.probeLocal(addr)
 	}
-	return InvalidKey, base
+	if !ok {
+		idx = t.locate(addr, n)
+		e = t.At(idx)
+	}
+	return e, idx, addr < e.End
 }
 
 // At returns entry i (0 <= i < Len()).
@@ -192,11 +237,11 @@ func (t *Table) Insert(e Entry) error {
 	if e.Start == 0 || e.End <= e.Start {
 		return fmt.Errorf("cache: insert %v: empty or null range", e)
 	}
-	key, idx := t.Lookup(e.Start)
-	if key != InvalidKey {
+	n := t.Len()
+	idx := search(t.ents, n, e.Start)
+	if e.Start < t.At(idx).End {
 		return nil
 	}
-	n := t.Len()
 	if n >= t.Size() {
 		atomic.StoreUint32(&t.hdr.Overflow, 1)
 		return ErrTableFull
@@ -212,6 +257,7 @@ func (t *Table) Insert(e Entry) error {
 	}
 	t.store(idx, e)
 	atomic.StoreUint32(&t.hdr.Len, uint32(n+1))
+	t.changed()
 	return nil
 }
 
@@ -231,6 +277,7 @@ func (t *Table) Fill(es []Entry) bool {
 	} else {
 		atomic.StoreUint32(&t.hdr.Overflow, 0)
 	}
+	t.changed()
 	return !full
 }
 
@@ -261,7 +308,7 @@ func (t *Table) expandSegment(n int) (*Table, error) {
 	if n > MaxTableSize {
 		return nil, fmt.Errorf("cache: table of %d entries: over the limit of %d", n, MaxTableSize)
 	}
-	off, err := t.seg.Alloc(uint64(n)*entrySize, 64)
+	off, err := t.seg.Alloc(tableBlockSize(n), 64)
 	if err != nil {
 		return nil, fmt.Errorf("cache: expand table to %d entries: %w", n, err)
 	}
@@ -271,6 +318,7 @@ func (t *Table) expandSegment(n int) (*Table, error) {
 	for i := range used {
 		nt.store(i, t.At(i))
 	}
+	nt.reindex()
 	atomic.StoreUint32(&t.hdr.Size, uint32(n))
 	atomic.StoreUint64(&t.hdr.Entries, off)
 	atomic.StoreUint32(&t.hdr.Gen, nt.gen)
@@ -290,6 +338,9 @@ func (t *Table) dropOverlapping(spans []span) int {
 		}
 	}
 	atomic.StoreUint32(&t.hdr.Len, uint32(w))
+	if w != n {
+		t.changed()
+	}
 	return n - w
 }
 

@@ -397,7 +397,8 @@ func (p *Primary) collectFreed(hugetlb.Event) error {
 }
 
 // Queue is a per-queue MR cache of the primary: use it from one goroutine
-// at a time. Close it when the queue goes away.
+// at a time. Close it when the queue goes away. Its lookups (Lookup, Hit,
+// LookupBurst, LookupRange) are cache.Local's.
 type Queue struct {
 	*cache.Local
 	p *Primary

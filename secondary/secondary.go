@@ -501,6 +501,28 @@ func (q *Queue) Lookup(addr uintptr) (uint32, error) {
 	return k, q.s.lockError(err)
 }
 
+// LookupBurst is cache.Local.LookupBurst with Lookup's errors: once the
+// primary dropped this secondary it answers nothing and fails with
+// ErrDropped; a global cache whose writer died is reported as
+// ErrPrimaryGone.
+func (q *Queue) LookupBurst(addrs []uintptr, keys []uint32) (int, error) {
+	if q.s.dropped.Load() {
+		return 0, ErrDropped
+	}
+	n, err := q.Local.LookupBurst(addrs, keys)
+	return n, q.s.lockError(err)
+}
+
+// LookupRange is cache.Local.LookupRange with Lookup's errors (see
+// LookupBurst); a buffer over two MRs still gets a *cache.SplitError.
+func (q *Queue) LookupRange(addr uintptr, n uint64) (uint32, error) {
+	if q.s.dropped.Load() {
+		return cache.InvalidKey, ErrDropped
+	}
+	k, err := q.Local.LookupRange(addr, n)
+	return k, q.s.lockError(err)
+}
+
 // RegisterMempool is cache.Local.RegisterMempool, reporting a global cache
 // whose writer died as ErrPrimaryGone.
 func (q *Queue) RegisterMempool(mp cache.Mempool) error {
