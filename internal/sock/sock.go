@@ -4,9 +4,13 @@
 //
 // SOCK_SEQPACKET keeps message boundaries like a datagram socket and is
 // connection-oriented like a stream: a peer that dies is seen as end of
-// file, never as silence. The sockets live on Go's network poller (they are
+// file, never as silence. A Conn lives on Go's network poller (it is a
 // net.UnixConn underneath), so a blocked receive is interrupted by Close and
 // honours deadlines, and a goroutine waiting on one does not hold a thread.
+// A Blocking connection does the opposite, for the round trips where the
+// poller's hand-offs would cost more than the trip itself: its waits block
+// the goroutine's thread in the kernel, and the message wakes that very
+// thread.
 //
 // Received descriptors arrive close-on-exec (MSG_CMSG_CLOEXEC). A receive
 // that fails for any reason closes whatever descriptors came with the
@@ -246,10 +250,18 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 // with ErrTooManyFiles; either way its descriptors are closed.
 func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
 	n, oobn, flags, _, err := c.c.ReadMsgUnix(b, c.oob)
+	return received(n, len(b), c.oob[:max(oobn, 0)], flags, err)
+}
+
+// received turns what recvmsg returned into Recv's results: the files
+// that came in oob, and the errors of a truncated message, too many
+// descriptors, the peer's end (an empty message or ECONNRESET read as
+// io.EOF). On error, every descriptor that came is closed.
+func received(n, size int, oob []byte, flags int, err error) (int, []*os.File, error) {
 	var files []*os.File
-	if oobn > 0 {
+	if len(oob) > 0 {
 		var perr error
-		files, perr = parseRights(c.oob[:oobn])
+		files, perr = parseRights(oob)
 		if err == nil {
 			err = perr
 		}
@@ -259,7 +271,7 @@ func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
 	case flags&unix.MSG_CTRUNC != 0:
 		err = ErrTooManyFiles
 	case flags&unix.MSG_TRUNC != 0:
-		err = fmt.Errorf("%w: longer than %d bytes", ErrTruncated, len(b))
+		err = fmt.Errorf("%w: longer than %d bytes", ErrTruncated, size)
 	case n == 0 && len(files) == 0:
 		return 0, nil, io.EOF
 	}
