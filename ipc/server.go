@@ -8,11 +8,14 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/mpmr/mpmr/internal/sock"
 )
 
 // DefaultMaxInflight is how many requests of one connection run at once
@@ -25,7 +28,9 @@ const maxRefusing = 64
 
 // Handler serves the requests of a Server's peers. Its methods are called
 // concurrently: Handle from one goroutine per request in flight (several
-// per peer), Connected and Disconnected from each peer's own goroutine.
+// per peer) or, for the kinds of ServerConfig.Inline, from the reader of
+// the peer's call lane; Connected and Disconnected from each peer's own
+// goroutine.
 type Handler interface {
 	// Connected is called once a peer passed the credentials check and
 	// the connection caps, before any of its requests is handled (with
@@ -67,9 +72,19 @@ type ServerConfig struct {
 	// reading its replies, and is dropped, which frees the handlers
 	// waiting to answer it. Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
-	// Spin is how long each connection's reader polls for the next
-	// request before it sleeps (see ClientConfig.Spin). 0 never polls.
+	// Spin is how long each connection's readers poll for the next
+	// request before they block (see ClientConfig.Spin). 0 never polls.
 	Spin time.Duration
+	// Inline lists the request kinds that an admitted peer's call lane
+	// reader handles itself, one at a time and in arrival order, before
+	// it reads the next request: the answer goes out from the thread the
+	// request woke, with no goroutine in between. Meant for short
+	// requests: while one is handled, the peer's later requests wait (its
+	// pushes and their acknowledgements do not, so a handler may push to
+	// its own peer). Inline requests do not count against
+	// MaxInflightPerConn. Other kinds, and requests that come before the
+	// peer is admitted, run on goroutines of their own.
+	Inline []Kind
 	// HelloKind names the handshake request. When set, a connection
 	// starts unadmitted, held to the limits of a stranger (see Limits),
 	// and is admitted once the Handler answers a request of this kind
@@ -388,7 +403,11 @@ func refuse(c *Conn, err error) {
 	}
 }
 
-// Peer is one connected client of a Server. Safe for concurrent use.
+// Peer is one connected client of a Server. Once admitted, it has two
+// sockets: its connection, which carries pushes, their acknowledgements
+// and what came before the admission, and its call lane, on which its
+// requests and their answers travel (see the package doc). Safe for
+// concurrent use.
 type Peer struct {
 	endpoint
 	srv  *Server
@@ -396,6 +415,7 @@ type Peer struct {
 	cred Cred
 
 	admitted   atomic.Bool
+	laneOnce   sync.Once   // opens the call lane, before the first answer once admitted
 	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
 	helloTimer *time.Timer // closes the connection when the hello is overdue
 
@@ -589,16 +609,24 @@ func (p *Peer) checkFiles(kind Kind, n int) (strip bool, err error) {
 	return strip, err
 }
 
-// incoming starts or queues a request. It runs on the reader goroutine and
-// never blocks, so that acknowledgements keep flowing while handlers wait.
-// The limits on descriptors and queued requests are checked here, before
-// any handler sees the request.
+// incoming starts or queues a request that came on the connection. It
+// runs on the connection's reader and never blocks, so that
+// acknowledgements keep flowing while handlers wait.
 func (p *Peer) incoming(f Frame, files []*os.File) error {
+	_, err := p.request(f, files, nil)
+	return err
+}
+
+// request starts or queues a request that came on lane (nil: on the
+// connection), or handles it at once (inline) if it came on the lane and
+// is of an inline kind. The limits on descriptors and queued requests are
+// checked here, before any handler sees the request.
+func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline bool, err error) {
 	if !f.Kind.IsRequest() {
 		closeFiles(files)
-		return fmt.Errorf("%w: %s from a client", ErrUnknownKind, f.Kind)
+		return false, fmt.Errorf("%w: %s from a client", ErrUnknownKind, f.Kind)
 	}
-	m := message{id: f.ID, kind: f.Kind}
+	m := message{id: f.ID, kind: f.Kind, lane: lane}
 	inflight, queued, queuedBytes := p.srv.maxInflight, p.srv.lim.MaxQueued, p.srv.lim.MaxQueuedBytes
 	if !p.admitted.Load() {
 		inflight, queued = 1, min(queued, maxUnadmittedQueued)
@@ -614,6 +642,14 @@ func (p *Peer) incoming(f Frame, files []*os.File) error {
 			p.filesHeld += len(files)
 		}
 	}
+	if lane != nil && slices.Contains(p.srv.cfg.Inline, f.Kind) {
+		p.qmu.Unlock()
+		if m.refused == nil {
+			m.body = f.Body // handled before the lane's buffer is read into again
+		}
+		p.handle(m)
+		return true, nil
+	}
 	if m.refused == nil {
 		m.body = bytes.Clone(f.Body)
 	}
@@ -622,19 +658,19 @@ func (p *Peer) incoming(f Frame, files []*os.File) error {
 		p.qmu.Unlock()
 		p.srv.wg.Add(1) // the connection goroutine holds the group open
 		go p.work(m)
-		return nil
+		return false, nil
 	}
 	if len(p.backlog) >= queued || p.backlogBytes+len(m.body) > queuedBytes {
 		waiting := len(p.backlog)
 		p.filesHeld -= len(m.files)
 		p.qmu.Unlock()
 		closeFiles(m.files)
-		return fmt.Errorf("%w: %d waiting", ErrBacklog, waiting)
+		return false, fmt.Errorf("%w: %d waiting", ErrBacklog, waiting)
 	}
 	p.backlog = append(p.backlog, m)
 	p.backlogBytes += len(m.body)
 	p.qmu.Unlock()
-	return nil
+	return false, nil
 }
 
 // releaseFiles uncounts n descriptors of a request that is done with, and
@@ -709,14 +745,82 @@ func (p *Peer) handle(m message) {
 // (it does not encode or is too large) becomes an error reply: the
 // requester must not wait in vain for a bug of this side.
 func (p *Peer) answer(m message, reply any, err error) {
+	if p.admitted.Load() {
+		// An admitted peer's first answer brings its lane, so that it has
+		// the lane when its hello returns.
+		p.laneOnce.Do(p.openLane)
+	}
 	ctx := context.Background() // the write ends with the connection anyway
+	write := func(kind Kind, body any) error {
+		if m.lane != nil {
+			return p.writeLane(ctx, m.lane, m.id, kind, body)
+		}
+		return p.write(ctx, m.id, kind, body)
+	}
 	if err != nil {
-		err = p.write(ctx, m.id, KindError, errorReply(err))
-	} else if err = p.write(ctx, m.id, KindReply, reply); err != nil && p.ctx.Err() == nil {
+		err = write(KindError, errorReply(err))
+	} else if err = write(KindReply, reply); err != nil && p.ctx.Err() == nil {
 		p.srv.log.Error("ipc: reply could not be sent", "kind", m.kind, "peer", p.id, "err", err)
-		err = p.write(ctx, m.id, KindError, errorReply(fmt.Errorf("ipc: %s reply: %w", m.kind, err)))
+		err = write(KindError, errorReply(fmt.Errorf("ipc: %s reply: %w", m.kind, err)))
 	}
 	if err != nil && p.ctx.Err() == nil {
 		p.srv.log.Error("ipc: error reply could not be sent", "kind", m.kind, "peer", p.id, "err", err)
+	}
+}
+
+// openLane makes the peer's call lane, a socket pair, starts its reader
+// and hands the other end to the client. Without a lane (the pair could
+// not be made), the peer is served on its connection.
+func (p *Peer) openLane() {
+	l, f, err := sock.BlockingPair()
+	if err != nil {
+		p.srv.log.Warn("ipc: no call lane for a peer; it is served on its connection", "peer", p.id, "err", err)
+		return
+	}
+	if err := p.installLane(l); err != nil || p.lane.Load() != l {
+		f.Close() // the connection has ended
+		return
+	}
+	p.srv.wg.Add(1) // the caller holds the group open
+	go p.serveLane(l)
+	// If the frame cannot go, the connection has ended.
+	_ = p.write(context.Background(), 0, KindChannel, WithFiles{Body: &Channel{}, Files: []*os.File{f}, CloseAfterSend: true})
+}
+
+// serveLane reads the peer's requests on its call lane until it ends,
+// blocking in the kernel between them (see sock.Blocking): a request
+// wakes this goroutine's thread, and an inline one is answered from it.
+func (p *Peer) serveLane(l *sock.Blocking) {
+	defer p.srv.wg.Done()
+	buf := make([]byte, MaxMessage)
+	for {
+		if p.spin > 0 {
+			l.SpinReadable(p.spin)
+		}
+		n, files, err := l.Recv(buf, time.Time{})
+		if err != nil {
+			p.fail(connErr(err))
+			return
+		}
+		f, err := ParseFrame(buf[:n])
+		if err == nil && f.Files != len(files) {
+			err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
+		}
+		inline := false
+		if err != nil {
+			closeFiles(files)
+		} else {
+			inline, err = p.request(f, files, l)
+		}
+		if err != nil {
+			p.fail(err)
+			return
+		}
+		if !inline {
+			// The handler's goroutine waits on this thread's P, which the
+			// runtime does not hand over when Recv blocks: let it run
+			// first instead of waiting for the runtime to notice.
+			runtime.Gosched()
+		}
 	}
 }
