@@ -369,7 +369,9 @@ func (s *Secondary) drop(why string) {
 	s.goneMu.Do(func() {
 		s.dropped.Store(true)
 		s.log.Error("dropped by the primary: stopping; the data memory is unmapped and requests fail", "why", why)
-		close(s.gone)
+		// Announced once the memory is unmapped: whoever sees PrimaryGone
+		// and Dropped may rely on it (see ErrDropped).
+		defer close(s.gone)
 		s.client.Close()
 		if err := s.mem.Close(); err != nil {
 			s.log.Error("unmapping the data memory", "err", err)
