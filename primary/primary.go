@@ -62,8 +62,12 @@ type Primary struct {
 	unsub   func()
 
 	// Secondaries that follow memory changes, by peer.
-	syncMu sync.Mutex // guards peers; taken inside the memory lock
+	syncMu sync.Mutex // guards peers and unreaped; taken inside the memory lock
 	peers  map[*ipc.Peer]*secondary
+	// unreaped holds the slots (and their claims' epochs) of secondaries
+	// whose connection ended while their slot was still held: reapLoop
+	// reclaims each once its process is gone.
+	unreaped map[int]uint32
 
 	served    instance.Histogram // service time of requests
 	requests  atomic.Uint64
@@ -104,7 +108,8 @@ func Start(cfg Config) (*Primary, error) {
 	if err != nil {
 		return nil, fmt.Errorf("primary: %w", err)
 	}
-	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{}}
+	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
+		unreaped: map[int]uint32{}}
 	if err := p.start(); err != nil {
 		p.teardown()
 		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)

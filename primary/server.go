@@ -45,6 +45,16 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	if reaped := h.seg.Reap(); len(reaped) > 0 {
 		h.log.Info("reclaimed slots of dead processes", "slots", reaped)
 	}
+	if ok {
+		// A process that dies closes its sockets a moment before the
+		// kernel drops its slot's lock: the end of the connection may be
+		// seen first. Then reapLoop reclaims the slot once it is gone.
+		if pr := h.seg.Proc(s.slot); pr.Live && pr.Epoch == s.epoch {
+			h.syncMu.Lock()
+			h.unreaped[s.slot] = s.epoch
+			h.syncMu.Unlock()
+		}
+	}
 }
 
 // fenceIfAlive fences s if its claim of its slot is still alive and it may
@@ -299,9 +309,32 @@ func (p *Primary) reapLoop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+			p.reapDisconnected()
 			if p.mem.Quarantined() > 0 {
 				p.mem.ReleaseQuarantine()
 			}
+		}
+	}
+}
+
+// reapDisconnected reclaims the slots of secondaries whose connection
+// ended while they held it, once their processes are gone; it forgets
+// those that someone else reclaimed, or that were claimed anew.
+func (p *Primary) reapDisconnected() {
+	p.syncMu.Lock()
+	n := len(p.unreaped)
+	p.syncMu.Unlock()
+	if n == 0 {
+		return
+	}
+	if reaped := p.seg.Reap(); len(reaped) > 0 {
+		p.log.Info("reclaimed slots of dead processes", "slots", reaped)
+	}
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	for slot, epoch := range p.unreaped {
+		if pr := p.seg.Proc(slot); !pr.Live || pr.Epoch != epoch {
+			delete(p.unreaped, slot)
 		}
 	}
 }
