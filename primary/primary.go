@@ -188,7 +188,7 @@ func (p *Primary) start() error {
 	// (see Config.Limits).
 	p.server, err = ipc.NewServer(ipc.ServerConfig{Listener: ln, Handler: (*handler)(p), Logger: p.log,
 		AllowUIDs: c.AllowUIDs, Spin: c.Spin, HelloKind: ipc.KindHello, Limits: c.Limits,
-		WriteTimeout: c.ReplyTimeout})
+		WriteTimeout: c.ReplyTimeout, Inline: inlineKinds})
 	if err != nil {
 		ln.Close()
 		return err

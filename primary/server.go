@@ -15,6 +15,16 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
+// inlineKinds are the requests a secondary's call lane reader answers
+// itself (see ipc.ServerConfig.Inline): a create, the question on every
+// miss, is answered from the thread its request woke, with no goroutine
+// hand-off, which would cost about as much again as the round trip. They
+// are short: at worst a create waits for the memory lock, which a memory
+// sync holds for at most SyncTimeout (acknowledgements travel on the
+// connection, so they are not stuck behind it). A mempool's registration,
+// which may create thousands of MRs, runs on a goroutine of its own.
+var inlineKinds = []ipc.Kind{ipc.KindCreateMR, ipc.KindStats, ipc.KindDetach}
+
 // handler serves the secondaries' requests.
 type handler Primary
 
