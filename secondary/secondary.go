@@ -202,7 +202,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 	withFiles := &ipc.WithFiles{Body: &hello}
 	if err := s.client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
 		Start: start, Role: "secondary"}, withFiles); err != nil {
-		return s.requestError("hello", err)
+		return s.requestError(request{what: "hello"}, err)
 	}
 	s.device, s.pdHandle = hello.Device, hello.PD
 	for i, f := range withFiles.Files {
@@ -406,9 +406,29 @@ func (s *Secondary) isGone() bool {
 	}
 }
 
+// request names a request in errors. It is formatted only when one
+// fails: a create is on the datapath's miss path.
+type request struct {
+	what     string // "create MR for", "register mempool"...
+	name     string // of a mempool
+	addr     uint64
+	withAddr bool
+}
+
+func (r request) String() string {
+	s := r.what
+	if r.name != "" {
+		s += " " + r.name
+	}
+	if r.withAddr {
+		s += fmt.Sprintf(" 0x%x", r.addr)
+	}
+	return s
+}
+
 // requestError maps a failed request to ErrPrimaryGone when the connection
 // ended.
-func (s *Secondary) requestError(what string, err error) error {
+func (s *Secondary) requestError(what fmt.Stringer, err error) error {
 	if s.dropped.Load() || s.seg != nil && s.seg.Fenced() {
 		return fmt.Errorf("%w: %s: %v", ErrDropped, what, err)
 	}
@@ -420,7 +440,7 @@ func (s *Secondary) requestError(what string, err error) error {
 
 // call makes one request to the primary, bounded by RequestTimeout and
 // failing at once if the primary is gone.
-func (s *Secondary) call(what string, kind ipc.Kind, req, reply any) error {
+func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 	if s.closed.Load() {
 		return ErrClosed
 	}
@@ -447,7 +467,7 @@ func (s *Secondary) call(what string, kind ipc.Kind, req, reply any) error {
 // needed). It implements the create path of this process's local caches.
 func (s *Secondary) CreateMR(addr uint64) (cache.Entry, error) {
 	var r ipc.CreateMRReply
-	if err := s.call(fmt.Sprintf("create MR for 0x%x", addr), ipc.KindCreateMR, &ipc.CreateMR{Addr: addr}, &r); err != nil {
+	if err := s.call(request{what: "create MR for", addr: addr, withAddr: true}, ipc.KindCreateMR, &ipc.CreateMR{Addr: addr}, &r); err != nil {
 		return cache.Entry{LKey: cache.InvalidKey}, err
 	}
 	return cache.Entry{Start: r.Start, End: r.End, LKey: r.LKey}, nil
@@ -534,7 +554,7 @@ func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 		req.Chunks = append(req.Chunks, ipc.Chunk{Addr: uint64(c.Addr), Len: c.Len})
 	}
 	var r ipc.RegisterMempoolReply
-	if err := s.call("register mempool "+mp.Name(), ipc.KindRegisterMempool, req, &r); err != nil {
+	if err := s.call(request{what: "register mempool", name: mp.Name()}, ipc.KindRegisterMempool, req, &r); err != nil {
 		return err
 	}
 	return q.RegisterMempool(mp)
