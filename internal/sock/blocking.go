@@ -257,8 +257,8 @@ func (c *Blocking) Wake() {
 
 // SpinReadable waits up to d for a message (or the end of the connection)
 // without blocking in the kernel: it polls, yielding to other goroutines
-// between polls, and reports whether Recv would now return at once (see
-// Conn.SpinReadable).
+// and threads between polls, and reports whether Recv would now return at
+// once (see Conn.SpinReadable).
 func (c *Blocking) SpinReadable(d time.Duration) bool {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
@@ -273,7 +273,10 @@ func (c *Blocking) SpinReadable(d time.Duration) bool {
 		if time.Now().After(deadline) {
 			return false
 		}
+		// Let other goroutines run, and other threads: the peer may be
+		// waiting for this very CPU to send what is awaited.
 		runtime.Gosched()
+		_, _, _ = unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 	}
 	return true // closed: Recv returns at once
 }

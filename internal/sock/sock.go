@@ -213,8 +213,8 @@ func rawFD(f *os.File) (int, error) {
 
 // SpinReadable waits up to d for a message (or the end of the connection)
 // to be queued, without parking: it polls the socket, yielding to other
-// goroutines between polls, and reports whether Recv would now return at
-// once. Waking a parked reader costs a cross-CPU wake-up, tens of
+// goroutines and threads between polls, and reports whether Recv would now
+// return at once. Waking a parked reader costs a cross-CPU wake-up, tens of
 // microseconds on some machines; a reader that expects a message soon can
 // spend that time polling instead. Call it from the goroutine that calls
 // Recv.
@@ -236,7 +236,10 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 			if time.Now().After(deadline) {
 				return
 			}
+			// Let other goroutines run, and other threads: the peer may
+			// be waiting for this very CPU to send what is awaited.
 			runtime.Gosched()
+			_, _, _ = unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 		}
 	})
 	return ready
