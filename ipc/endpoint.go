@@ -374,9 +374,10 @@ const laneWriteSlice = 10 * time.Millisecond
 
 // writeLane sends one frame on the call lane l, as write does on the
 // connection: it fails without harm to the connection when the body
-// cannot be encoded, is too large, or when ctx ends before the frame could
-// go; any other failure ends the connection.
-func (e *endpoint) writeLane(ctx context.Context, l *sock.Blocking, id uint64, kind Kind, body any) error {
+// cannot be encoded, is too large, or when ctx ends or callDeadline (zero:
+// none) passes before the frame could go; any other failure ends the
+// connection.
+func (e *endpoint) writeLane(ctx context.Context, callDeadline time.Time, l *sock.Blocking, id uint64, kind Kind, body any) error {
 	payload, files, closeAfter := splitFiles(body)
 	if closeAfter {
 		defer closeFiles(files)
@@ -402,10 +403,12 @@ func (e *endpoint) writeLane(ctx context.Context, l *sock.Blocking, id uint64, k
 	// context's deadline or the write timeout, whichever comes first,
 	// looking at the context every laneWriteSlice.
 	deadline := time.Now().Add(e.writeTimeout)
-	ctxDeadline, hasDeadline := ctx.Deadline()
-	byCtx := hasDeadline && ctxDeadline.Before(deadline)
+	byCtx := !callDeadline.IsZero() && callDeadline.Before(deadline)
 	if byCtx {
-		deadline = ctxDeadline
+		deadline = callDeadline
+	}
+	if ctxDeadline, ok := ctx.Deadline(); ok && ctxDeadline.Before(deadline) {
+		deadline, byCtx = ctxDeadline, true
 	}
 	for {
 		slice := deadline

@@ -322,3 +322,54 @@ func btoi(b bool) int {
 	}
 	return 0
 }
+
+// CallTimeout ends a call at its timeout, whether it reads the lane
+// itself or waits while another call does, and before the lane exists;
+// the connection carries on and the late answers are dropped.
+func TestCallTimeout(t *testing.T) {
+	release := make(chan struct{})
+	h := newHandler()
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		var m ipc.CreateMR
+		if kind == ipc.KindCreateMR && body.Decode(&m) == nil && m.Addr >= 0x10_0000 {
+			select { // held until released
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return nil, nil, false
+	}
+	s := startServer(t, h)
+	defer close(release)
+
+	c := dial(t, s.path, ipc.ClientConfig{})
+	var r ipc.CreateMRReply
+	require.NoError(t, c.CallTimeout(bound, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x4000}, &r), "before the lane")
+	assert.Equal(t, uint32(4), r.LKey)
+	require.True(t, ipc.HasLane(c))
+	assert.ErrorIs(t, c.CallTimeout(bound, ipc.KindSync, &ipc.Sync{}, nil), ipc.ErrUnknownKind)
+
+	// A call that reads the lane, and one that waits behind it, both
+	// held by the server: each ends at its own timeout.
+	held := make(chan error, 1)
+	go func() {
+		held <- c.CallTimeout(300*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x10_0000}, nil)
+	}()
+	behind := make(chan error, 1)
+	go func() {
+		behind <- c.CallTimeout(20*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x20_0000}, nil)
+	}()
+	assert.ErrorIs(t, waitFor(t, behind, "the shorter call"), context.DeadlineExceeded)
+	assert.ErrorIs(t, waitFor(t, held, "the longer call"), context.DeadlineExceeded)
+	release <- struct{}{} // late answers, dropped
+	release <- struct{}{}
+
+	require.NoError(t, c.CallTimeout(bound, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x6000}, &r), "the connection carries on")
+	assert.Equal(t, uint32(6), r.LKey)
+	assert.NoError(t, c.Err())
+
+	fresh := dial(t, s.path, ipc.ClientConfig{})
+	assert.ErrorIs(t, fresh.CallTimeout(10*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x30_0000}, nil),
+		context.DeadlineExceeded, "before the lane too")
+	release <- struct{}{}
+}

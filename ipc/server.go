@@ -753,7 +753,7 @@ func (p *Peer) answer(m message, reply any, err error) {
 	ctx := context.Background() // the write ends with the connection anyway
 	write := func(kind Kind, body any) error {
 		if m.lane != nil {
-			return p.writeLane(ctx, m.lane, m.id, kind, body)
+			return p.writeLane(ctx, time.Time{}, m.lane, m.id, kind, body)
 		}
 		return p.write(ctx, m.id, kind, body)
 	}
