@@ -450,10 +450,8 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 		}
 		return fmt.Errorf("%w: %s", ErrPrimaryGone, what)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
-	defer cancel()
 	start := time.Now()
-	err := s.client.Call(ctx, kind, req, reply)
+	err := s.client.CallTimeout(s.cfg.RequestTimeout, kind, req, reply)
 	s.rtt.Record(time.Since(start))
 	s.requests.Add(1)
 	if err != nil {
