@@ -60,9 +60,10 @@ func helperCreateLoop(args []string) int {
 // the primary: "new" registers a fresh page each time (single-page mode),
 // "existing" finds an MR already there (the IPC round trip plus a global
 // lookup); "spin" has the primary poll for requests for 200 µs and the
-// secondary for answers for 50 µs before sleeping (Config.Spin). Target:
-// p50 <= 30 µs, p99 <= 150 µs; DPDK's rte_mp_request_sync echo measured
-// p50 84 µs, p99 174 µs on the reference machine.
+// secondary for answers for 50 µs before sleeping (Config.Spin). Target,
+// without polling: "new" p50 <= 0.7x and p99 <= 1x DPDK's
+// rte_mp_request_sync echo measured in the same run
+// (../shared/anchors/run dpdk-mp).
 func BenchmarkCreateMRRoundTrip(b *testing.B) {
 	for _, kind := range []string{"tmpfs", "hugetlbfs"} {
 		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin"} {

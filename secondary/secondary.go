@@ -65,10 +65,12 @@ type Config struct {
 	// RequestTimeout bounds each request to the primary (an MR creation).
 	// Default 2 s. A dead primary fails requests at once regardless.
 	RequestTimeout time.Duration
-	// Spin is how long the secondary polls its connection for the
-	// primary's answer before sleeping: an answer that comes within it
-	// needs no cross-CPU wake-up, at the price of a CPU busy meanwhile. 0
-	// (the default) never polls.
+	// Spin is how long a request polls for the primary's answer before
+	// it blocks: an answer that comes within it needs no wake-up, at the
+	// price of a CPU busy meanwhile (yielding between polls). It pays
+	// only when both processes have a CPU of their own; on a machine
+	// whose CPUs the queues keep busy it costs more than it saves. 0 (the
+	// default) never polls.
 	Spin time.Duration
 	// Logger receives diagnostics. Default slog.Default().
 	Logger *slog.Logger
