@@ -295,7 +295,11 @@ func (c *Client) takeLane(f Frame, files []*os.File) error {
 		return fmt.Errorf("%w: channel: %w", ErrMalformed, err)
 	}
 	cred, err := l.PeerCred()
-	if err == nil && (c.credErr != nil || cred.PID != c.cred.PID) {
+	switch {
+	case err != nil:
+	case c.credErr != nil:
+		err = fmt.Errorf("the server's credentials are unknown: %w", c.credErr)
+	case cred.PID != c.cred.PID:
 		err = fmt.Errorf("made by pid %d, the server is pid %d", cred.PID, c.cred.PID)
 	}
 	if err != nil {
