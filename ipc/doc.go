@@ -26,9 +26,55 @@
 // goroutines; each carries an id and its answer comes back with it, so
 // answers may arrive in any order. The Server runs each request in its own
 // goroutine (at most ServerConfig.MaxInflightPerConn at once per
-// connection). The server pushes to a client with Peer.Push and waits for
-// the acknowledgement; the client handles pushes one at a time in the order
+// connection), except the kinds of ServerConfig.Inline (see below). The
+// server pushes to a client with Peer.Push and waits for the
+// acknowledgement; the client handles pushes one at a time in the order
 // they came, which memory synchronisation relies on.
+//
+// # The call lane: a round trip with one wake-up per side
+//
+// A round trip between two processes that block in the kernel costs two
+// thread wake-ups, one per side, and on small virtual machines a wake-up
+// costs as much as all the rest (a C ping-pong over such a socket takes
+// 15–25 µs here, nearly all of it waking up). A Go program that reads its
+// socket through the runtime's network poller pays more: the poller's
+// thread wakes, finds the goroutine waiting and hands it to a thread that
+// can run it, waking another one; a reader goroutine that receives an
+// answer hands it to the goroutine that waits for it; a server's reader
+// hands each request to a handler goroutine. Each hand-off is a wake-up
+// on the critical path, and measured here they made a round trip 5–7
+// times the C floor, whether or not the reader polled first.
+//
+// So once a peer is admitted (its hello succeeded, or at once without
+// ServerConfig.HelloKind), the server makes a socket pair, the call lane,
+// and hands one end to the client with its first answer (a KindChannel
+// frame). From then on requests and their answers travel on the lane,
+// which both ends use with blocking system calls on the goroutine's own
+// thread, outside the poller (see sock.Blocking):
+//
+//   - the calling goroutine that is the only one waiting receives its own
+//     answer: it sends, then blocks in the kernel until the answer wakes
+//     its thread. When several wait, the first reads for all of them and
+//     hands each answer to its caller; when its own comes it hands the
+//     reading to the next (leader and followers). A caller's cancellation
+//     reaches the reader through an eventfd it polls beside the socket.
+//   - the server reads each peer's lane on a goroutine blocked in recvmsg,
+//     which answers the inline kinds itself, from the thread the request
+//     woke. Other kinds go to goroutines as before.
+//
+// The connection stays open beside the lane and carries what must never
+// wait behind a call: the server's pushes and their acknowledgements
+// (a secondary answers memory syncs even while idle, and a handler may
+// push to its own peer while its request waits), the reason a server
+// gives when it closes the connection, and everything before admission.
+// Its reader sleeps in the poller and notices a dead peer at once.
+// Strangers never get a lane nor any descriptor.
+//
+// A round trip on the lane makes one sendmsg and one recvmsg per side,
+// plus one ppoll on the client (the eventfd), and no other system call or
+// wake-up: the C floor's shape. The price is a thread per goroutine
+// blocked on a lane: one per admitted peer in the server, one per
+// waiting caller's reader in the client.
 //
 // # Limits
 //
@@ -40,10 +86,11 @@
 // handshake succeeds: descriptors it sends are closed on arrival, it may
 // send only small frames, one request at a time, and is closed if it has
 // not completed the handshake within Limits.HelloTimeout. All of this is
-// checked as frames arrive, before any handler runs. A connection over a
-// cap is closed and a request over a descriptor limit refused, both with
-// ErrLimit as the reason; Server.Stats counts each limit that tripped,
-// and the server logs it (at most once a second per limit).
+// checked as frames arrive, on the connection and on the lane alike,
+// before any handler runs. A connection over a cap is closed and a
+// request over a descriptor limit refused, both with ErrLimit as the
+// reason; Server.Stats counts each limit that tripped, and the server
+// logs it (at most once a second per limit).
 //
 // Every wait has the caller's context as its bound, and none outlives the
 // connection: when it ends, every pending and later call fails at once with

@@ -7,7 +7,10 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/mpmr/mpmr/internal/sock"
 )
 
 // DefaultWriteTimeout is how long a frame may wait for room in the peer's
@@ -89,12 +92,22 @@ type message struct {
 	body    []byte
 	files   []*os.File
 	refused error
+	lane    *sock.Blocking // the call lane it came on, where its answer goes; nil: the connection
+	hello   bool           // a stranger's hello: counted as running from its arrival on
 }
 
 // call is one request or push waiting for its answer.
 type call struct {
+	id    uint64
 	reply any
 	ch    chan error // buffered: whoever takes the call from pending sends once
+
+	// A call on the lane (see Client) that waits for its answer while
+	// another reads the lane follows it: it is linked in the client's
+	// followers, and lead (buffered) tells it to take over the reading.
+	lead       chan struct{}
+	prev, next *call
+	following  bool
 }
 
 // endpoint is what both ends of a connection share: writing frames,
@@ -119,11 +132,21 @@ type endpoint struct {
 	ctx    context.Context // handlers' context: cancelled when the connection ends
 	cancel context.CancelFunc
 
+	// lane is the call lane once the server has handed it over: requests
+	// and their answers travel there, pushes and theirs on conn. Set once,
+	// under mu, and only while the connection is open; fail closes it.
+	lane atomic.Pointer[sock.Blocking]
+
 	mu      sync.Mutex
 	nextID  uint64
 	pending map[uint64]*call
-	err     error         // why the connection ended; nil while it is open
-	done    chan struct{} // closed when err is set
+	// The reading of a client's lane: leader is the call whose goroutine
+	// reads it now (nil: none), firstF to lastF the other calls waiting
+	// for their answers there, in order.
+	leader        *call
+	firstF, lastF *call
+	err           error         // why the connection ended; nil while it is open
+	done          chan struct{} // closed when err is set
 }
 
 func (e *endpoint) init(conn *Conn, log *slog.Logger, writeTimeout time.Duration) {
@@ -159,6 +182,10 @@ func (e *endpoint) fail(cause error) {
 	e.err = err
 	pending := e.pending
 	e.pending = nil
+	e.leader = nil
+	for e.firstF != nil { // nobody reads the lane any more: nobody to hand it to
+		e.unfollow(e.firstF)
+	}
 	close(e.done)
 	e.mu.Unlock()
 
@@ -168,6 +195,9 @@ func (e *endpoint) fail(cause error) {
 	// Close before cancelling: a handler that sees its context end must
 	// find the connection gone, not slip an answer out.
 	e.conn.Close()
+	if l := e.lane.Load(); l != nil {
+		l.Close()
+	}
 	e.cancel()
 	for _, c := range pending {
 		c.ch <- err
@@ -316,8 +346,99 @@ func (e *endpoint) take(id uint64) *call {
 	c := e.pending[id]
 	if c != nil {
 		delete(e.pending, id)
+		e.unfollow(c)
 	}
 	return c
+}
+
+// installLane makes l the connection's call lane, unless the connection
+// has ended (then l is closed) or has one already (an error).
+func (e *endpoint) installLane(l *sock.Blocking) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.err != nil {
+		l.Close()
+		return nil
+	}
+	if e.lane.Load() != nil {
+		l.Close()
+		return errors.New("a second call lane")
+	}
+	e.lane.Store(l)
+	return nil
+}
+
+// laneWriteSlice bounds each wait of a frame for room on the lane, so
+// that the waiter can notice its context's end in between (the lane's
+// one wake-up is its reader's).
+const laneWriteSlice = 10 * time.Millisecond
+
+// writeLane sends one frame on the call lane l, as write does on the
+// connection: it fails without harm to the connection when the body
+// cannot be encoded, is too large, or when ctx ends or callDeadline (zero:
+// none) passes before the frame could go; any other failure ends the
+// connection.
+func (e *endpoint) writeLane(ctx context.Context, callDeadline time.Time, l *sock.Blocking, id uint64, kind Kind, body any) error {
+	payload, files, closeAfter := splitFiles(body)
+	if closeAfter {
+		defer closeFiles(files)
+	}
+	if len(files) > MaxFiles {
+		return fmt.Errorf("ipc: %s with %d files, at most %d", kind, len(files), MaxFiles)
+	}
+	bp := frameBufs.Get().(*[]byte)
+	b, err := AppendFrame((*bp)[:0], id, kind, len(files), payload)
+	defer func() {
+		if cap(b) <= 2*MaxMessage {
+			*bp = b[:0]
+			frameBufs.Put(bp)
+		}
+	}()
+	if err != nil {
+		return err
+	}
+	if len(b) > MaxMessage {
+		return fmt.Errorf("%w: %s frame of %d bytes", ErrTooLarge, kind, len(b))
+	}
+	// A send waits only when the peer's queue is full, until the
+	// context's deadline or the write timeout, whichever comes first,
+	// looking at the context every laneWriteSlice.
+	deadline := time.Now().Add(e.writeTimeout)
+	byCtx := !callDeadline.IsZero() && callDeadline.Before(deadline)
+	if byCtx {
+		deadline = callDeadline
+	}
+	if ctxDeadline, ok := ctx.Deadline(); ok && ctxDeadline.Before(deadline) {
+		deadline, byCtx = ctxDeadline, true
+	}
+	for {
+		slice := deadline
+		if next := time.Now().Add(laneWriteSlice); ctx.Done() != nil && next.Before(deadline) {
+			slice = next
+		}
+		err = l.Send(b, files, slice)
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if !time.Now().Before(deadline) {
+			if byCtx {
+				return context.DeadlineExceeded // the timer may not have marked ctx yet
+			}
+			err = fmt.Errorf("%w: peer took no message for %v", errSlowReader, e.writeTimeout)
+			break
+		}
+	}
+	if err != nil {
+		if !errors.Is(err, errSlowReader) {
+			err = connErr(err)
+		}
+		e.fail(err)
+		return e.Err()
+	}
+	return nil
 }
 
 // readLoop receives frames until the connection ends and returns why:
@@ -379,18 +500,23 @@ func (e *endpoint) deliver(f Frame, files []*os.File) error {
 		e.log.Debug("ipc: dropped an answer nobody waits for", "id", f.ID, "kind", f.Kind)
 		return nil
 	}
-	var err error
-	if f.Kind == KindError {
-		closeFiles(files)
-		var r ErrorReply
-		if err = Unmarshal(f.Body, &r); err == nil {
-			err = remoteError(&r)
-		}
-	} else {
-		err = decodeReply(f.Body, files, c.reply)
-	}
-	c.ch <- err
+	c.ch <- decodeAnswer(f, files, c.reply)
 	return nil
+}
+
+// decodeAnswer returns what an answer says: the error of an error frame,
+// or nil once the reply is decoded into reply (see decodeReply).
+func decodeAnswer(f Frame, files []*os.File, reply any) error {
+	if f.Kind != KindError {
+		return decodeReply(f.Body, files, reply)
+	}
+	closeFiles(files)
+	var r ErrorReply
+	err := Unmarshal(f.Body, &r)
+	if err == nil {
+		err = remoteError(&r)
+	}
+	return err
 }
 
 // decodeReply decodes an answer into reply, handing its files over when

@@ -34,6 +34,10 @@ var (
 	// ErrNotListening means nobody listens at the socket path: no file, or
 	// a file left by a server that ended.
 	ErrNotListening = errors.New("ipc: no server listening")
+	// ErrBusy means the server's queue of connections to accept stayed
+	// full until the dial gave up: it listens, but does not keep up (it is
+	// overloaded, or flooded with connections).
+	ErrBusy = errors.New("ipc: server too busy to accept")
 	// ErrAddressInUse means a live server already listens at the path.
 	ErrAddressInUse = errors.New("ipc: socket address in use")
 	// ErrBadPrefix means an instance prefix has characters or a length

@@ -25,6 +25,7 @@ func FuzzParseFrame(f *testing.F) {
 		{ipc.KindStats, &ipc.StatsReply{Counters: map[string]uint64{"a": 1}}},
 		{ipc.KindReply, nil},
 		{ipc.KindError, &ipc.ErrorReply{Code: "c", Message: "m"}},
+		{ipc.KindChannel, &ipc.Channel{}},
 		{999, []any{1, "x", 2.5, true, []byte{1}}},
 	}
 	for i, s := range seeds {
@@ -142,7 +143,7 @@ func FuzzEmptyMessages(f *testing.F) {
 		f.Add(b)
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		for _, m := range []any{&ipc.SyncAck{}, &ipc.StatsRequest{}, &ipc.Detach{}, &ipc.DetachReply{}} {
+		for _, m := range []any{&ipc.SyncAck{}, &ipc.StatsRequest{}, &ipc.Detach{}, &ipc.DetachReply{}, &ipc.Channel{}} {
 			if ipc.Unmarshal(b, m) != nil {
 				continue
 			}

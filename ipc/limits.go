@@ -2,6 +2,7 @@ package ipc
 
 import (
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 )
@@ -29,7 +30,16 @@ func (e *limitError) Unwrap() error { return ErrLimit }
 // message for the write timeout.
 var errSlowReader = errors.New("peer is not reading")
 
-func init() { RegisterError("ipc.limit", ErrLimit) }
+// ErrConnsInUse is the ErrLimit of a connection refused because every
+// connection the cap allows belongs to a peer that said hello: unlike a cap
+// filled by connections that never speak (the oldest of which makes room
+// for a newcomer) or that are closing, it does not pass by itself.
+var ErrConnsInUse = fmt.Errorf("%w: every connection allowed is in use by a peer that said hello", ErrLimit)
+
+func init() {
+	RegisterError("ipc.limit", ErrLimit)
+	RegisterError("ipc.conns-in-use", ErrConnsInUse)
+}
 
 // Limits bound what the peers of a Server can make it hold: connections,
 // descriptors, queued requests, and time without a hello. Zero fields

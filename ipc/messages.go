@@ -9,7 +9,7 @@ import (
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 1
+const ABI uint32 = 2
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
@@ -18,8 +18,9 @@ type Kind uint16
 
 // Frame kinds. Values are part of the protocol: never renumber one.
 const (
-	KindReply Kind = 1 // a successful answer; body is the reply message
-	KindError Kind = 2 // a failed answer; body is ErrorReply
+	KindReply   Kind = 1 // a successful answer; body is the reply message
+	KindError   Kind = 2 // a failed answer; body is ErrorReply
+	KindChannel Kind = 3 // server to client, id 0: the call lane (one descriptor); body is Channel
 
 	KindHello           Kind = 16 // Hello → HelloReply
 	KindCreateMR        Kind = 17 // CreateMR → CreateMRReply
@@ -38,6 +39,7 @@ type kindInfo struct {
 var kinds = map[Kind]kindInfo{
 	KindReply:           {name: "reply"},
 	KindError:           {name: "error"},
+	KindChannel:         {name: "channel"},
 	KindHello:           {name: "hello"},
 	KindCreateMR:        {name: "create-mr"},
 	KindRegisterMempool: {name: "register-mempool"},
@@ -59,7 +61,7 @@ func (k Kind) known() bool { _, ok := kinds[k]; return ok }
 // by the server's Handler.
 func (k Kind) IsRequest() bool {
 	i, ok := kinds[k]
-	return ok && !i.push && k != KindReply && k != KindError
+	return ok && !i.push && k != KindReply && k != KindError && k != KindChannel
 }
 
 // IsPush reports whether k is a push kind: sent by the server, handled by
@@ -83,6 +85,11 @@ var errField = errors.New("field out of range")
 func fieldErr(format string, args ...any) error {
 	return fmt.Errorf("%w: "+format, append([]any{errField}, args...)...)
 }
+
+// Channel is the body of the KindChannel frame by which a server hands an
+// admitted client the other end of its call lane (see the package doc).
+// A plain value.
+type Channel struct{}
 
 // Hello is the attach handshake a secondary sends first. The server
 // compares ABI with its own; Start is the process start time (see

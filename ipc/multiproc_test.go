@@ -50,7 +50,8 @@ func (procHandler) Handle(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body 
 	return serve(ctx, kind, body)
 }
 
-// helperServe serves args[0] until its input ends.
+// helperServe serves args[0] until its input ends. args[1], when given,
+// is ServerConfig.Spin; args[2] "inline" answers create requests inline.
 func helperServe(args []string) int {
 	l, err := ipc.Listen(args[0])
 	if err != nil {
@@ -61,7 +62,11 @@ func helperServe(args []string) int {
 	if len(args) > 1 {
 		spin, _ = time.ParseDuration(args[1])
 	}
-	s, err := ipc.NewServer(ipc.ServerConfig{Listener: l, Handler: procHandler{}, Logger: quiet, Spin: spin})
+	cfg := ipc.ServerConfig{Listener: l, Handler: procHandler{}, Logger: quiet, Spin: spin}
+	if len(args) > 2 && args[2] == "inline" {
+		cfg.Inline = []ipc.Kind{ipc.KindCreateMR}
+	}
+	s, err := ipc.NewServer(cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3

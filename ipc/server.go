@@ -8,11 +8,14 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/mpmr/mpmr/internal/sock"
 )
 
 // DefaultMaxInflight is how many requests of one connection run at once
@@ -25,7 +28,9 @@ const maxRefusing = 64
 
 // Handler serves the requests of a Server's peers. Its methods are called
 // concurrently: Handle from one goroutine per request in flight (several
-// per peer), Connected and Disconnected from each peer's own goroutine.
+// per peer) or, for the kinds of ServerConfig.Inline, from the reader of
+// the peer's call lane; Connected and Disconnected from each peer's own
+// goroutine.
 type Handler interface {
 	// Connected is called once a peer passed the credentials check and
 	// the connection caps, before any of its requests is handled (with
@@ -67,9 +72,19 @@ type ServerConfig struct {
 	// reading its replies, and is dropped, which frees the handlers
 	// waiting to answer it. Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
-	// Spin is how long each connection's reader polls for the next
-	// request before it sleeps (see ClientConfig.Spin). 0 never polls.
+	// Spin is how long each connection's readers poll for the next
+	// request before they block (see ClientConfig.Spin). 0 never polls.
 	Spin time.Duration
+	// Inline lists the request kinds that an admitted peer's call lane
+	// reader handles itself, one at a time and in arrival order, before
+	// it reads the next request: the answer goes out from the thread the
+	// request woke, with no goroutine in between. Meant for short
+	// requests: while one is handled, the peer's later requests wait (its
+	// pushes and their acknowledgements do not, so a handler may push to
+	// its own peer). Inline requests do not count against
+	// MaxInflightPerConn. Other kinds, and requests that come before the
+	// peer is admitted, run on goroutines of their own.
+	Inline []Kind
 	// HelloKind names the handshake request. When set, a connection
 	// starts unadmitted, held to the limits of a stranger (see Limits),
 	// and is admitted once the Handler answers a request of this kind
@@ -205,22 +220,78 @@ func (s *Server) Serve(ctx context.Context) error {
 // takeConn counts a new connection of cred's user, or says which cap it
 // is over. Call it with s.mu held.
 func (s *Server) takeConn(cred Cred) error {
+	// Over a cap, the oldest connection that has not said hello (of this
+	// user, for the user's cap) makes room: a client that is what it says
+	// speaks at once, so a flood of connections that never speak, or that
+	// come and go, cannot keep one out for long.
+	total, mine := s.conns >= s.lim.MaxConns, s.connsByUID[cred.UID] >= s.lim.MaxConnsPerUID
+	if total || mine {
+		if v := s.oldestStranger(mine, cred.UID); v != nil {
+			v.evicted = true
+			s.helloTimeouts.Add(1)
+			s.trip("evict", "ipc: closed a connection that had not said hello to make room for a newer one",
+				"limit", "conns", "peer", v.id, "pid", v.cred.PID, "uid", v.cred.UID)
+			go v.drop(fmt.Errorf("%w: closed to make room: no hello yet, and the connections are at their limit", ErrLimit))
+			total, mine = false, false
+		}
+	}
+	// Refused: say whether the cap is held by peers that said hello (then
+	// only their leaving makes room) or by connections coming and going.
+	limit := ErrLimit
 	switch {
-	case s.conns >= s.lim.MaxConns:
+	case total && s.admittedConns(false, 0) >= s.conns,
+		!total && mine && s.admittedConns(true, cred.UID) >= s.connsByUID[cred.UID]:
+		limit = ErrConnsInUse
+	}
+	switch {
+	case total:
 		s.refusedConns.Add(1)
 		s.trip("conns", "ipc: refused a connection: too many connections",
 			"limit", "conns", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConns)
-		return fmt.Errorf("%w: %d connections open, at most %d", ErrLimit, s.conns, s.lim.MaxConns)
-	case s.connsByUID[cred.UID] >= s.lim.MaxConnsPerUID:
+		return fmt.Errorf("%w: %d connections open, at most %d", limit, s.conns, s.lim.MaxConns)
+	case mine:
 		s.refusedConnsUID.Add(1)
 		s.trip("conns-per-uid", "ipc: refused a connection: too many connections per user",
 			"limit", "conns-per-uid", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConnsPerUID)
 		return fmt.Errorf("%w: uid %d has %d connections open, at most %d per user",
-			ErrLimit, cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)
+			limit, cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)
 	}
 	s.conns++
 	s.connsByUID[cred.UID]++
 	return nil
+}
+
+// admittedConns counts the peers that said hello, of uid if sameUID. Call
+// it with s.mu held.
+func (s *Server) admittedConns(sameUID bool, uid int) int {
+	n := 0
+	for p := range s.peers {
+		if p.admitted.Load() && (!sameUID || p.cred.UID == uid) {
+			n++
+		}
+	}
+	return n
+}
+
+// oldestStranger returns the oldest peer that has not said hello and was
+// not evicted yet, of uid if sameUID, or nil. Call it with s.mu held.
+func (s *Server) oldestStranger(sameUID bool, uid int) *Peer {
+	var oldest *Peer
+	for p := range s.peers {
+		if p.admitted.Load() || p.evicted || sameUID && p.cred.UID != uid {
+			continue
+		}
+		p.qmu.Lock()
+		speaking := p.hellos > 0 // its hello is in: it is what it says
+		p.qmu.Unlock()
+		if speaking {
+			continue
+		}
+		if oldest == nil || p.born.Before(oldest.born) {
+			oldest = p
+		}
+	}
+	return oldest
 }
 
 // releaseConn uncounts a connection of uid.
@@ -306,7 +377,8 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 		return
 	}
 
-	p := &Peer{srv: s, cred: cred}
+	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID), born: time.Now()}
+	defer p.ident.close()
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
 	p.frameLimit, p.rearm, p.ending = p.maxFrame, p.rearmReader, p.ended
@@ -388,15 +460,23 @@ func refuse(c *Conn, err error) {
 	}
 }
 
-// Peer is one connected client of a Server. Safe for concurrent use.
+// Peer is one connected client of a Server. Once admitted, it has two
+// sockets: its connection, which carries pushes, their acknowledgements
+// and what came before the admission, and its call lane, on which its
+// requests and their answers travel (see the package doc). Safe for
+// concurrent use.
 type Peer struct {
+	ident identity // the process that made the connection
 	endpoint
 	srv  *Server
 	id   uint64
 	cred Cred
 
 	admitted   atomic.Bool
+	laneOnce   sync.Once   // opens the call lane, before the first answer once admitted
 	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
+	evicted    bool        // made room for a newer connection; guarded by srv.mu
+	born       time.Time   // when it was accepted
 	helloTimer *time.Timer // closes the connection when the hello is overdue
 
 	qmu          sync.Mutex
@@ -404,7 +484,8 @@ type Peer struct {
 	backlog      []message // requests waiting for a free slot, in order
 	backlogBytes int
 	filesHeld    int  // descriptors of requests received and not yet handled
-	hellos       int  // hello requests in their handler
+	hellos       int  // hello requests arrived and not yet done with
+	overdue      bool // the time to say hello ran out: no request starts
 	helloLate    bool // the hello timer fired while a hello was handled
 	tripped      int  // limits that tripped (tripFiles...), logged once per peer
 }
@@ -421,6 +502,12 @@ func (p *Peer) ID() uint64 { return p.id }
 
 // Cred returns the peer's credentials as the kernel recorded them.
 func (p *Peer) Cred() Cred { return p.cred }
+
+// ProcessAlive reports whether the process that made the connection still
+// runs — that process, not merely one with its pid (see PID): a pid can be
+// handed to another process once the first exits, and whoever kept the
+// connection open could then speak in the newcomer's name.
+func (p *Peer) ProcessAlive() bool { return p.ident.alive() }
 
 // PID returns the peer's process id.
 func (p *Peer) PID() int { return p.cred.PID }
@@ -529,8 +616,13 @@ func (p *Peer) helloDue() {
 		p.qmu.Unlock()
 		return
 	}
+	// Decided under qmu, where a hello that arrives now is counted: from
+	// here on none starts, so none is accepted on a connection about to
+	// close for want of one.
+	overdue := !p.admitted.Load()
+	p.overdue = overdue
 	p.qmu.Unlock()
-	if !p.admitted.Load() {
+	if overdue {
 		p.helloOverdue()
 	}
 }
@@ -589,21 +681,41 @@ func (p *Peer) checkFiles(kind Kind, n int) (strip bool, err error) {
 	return strip, err
 }
 
-// incoming starts or queues a request. It runs on the reader goroutine and
-// never blocks, so that acknowledgements keep flowing while handlers wait.
-// The limits on descriptors and queued requests are checked here, before
-// any handler sees the request.
+// incoming starts or queues a request that came on the connection. It
+// runs on the connection's reader and never blocks, so that
+// acknowledgements keep flowing while handlers wait.
 func (p *Peer) incoming(f Frame, files []*os.File) error {
+	_, err := p.request(f, files, nil)
+	return err
+}
+
+// request starts or queues a request that came on lane (nil: on the
+// connection), or handles it at once (inline) if it came on the lane and
+// is of an inline kind. The limits on descriptors and queued requests are
+// checked here, before any handler sees the request.
+func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline bool, err error) {
 	if !f.Kind.IsRequest() {
 		closeFiles(files)
-		return fmt.Errorf("%w: %s from a client", ErrUnknownKind, f.Kind)
+		return false, fmt.Errorf("%w: %s from a client", ErrUnknownKind, f.Kind)
 	}
-	m := message{id: f.ID, kind: f.Kind}
+	m := message{id: f.ID, kind: f.Kind, lane: lane}
 	inflight, queued, queuedBytes := p.srv.maxInflight, p.srv.lim.MaxQueued, p.srv.lim.MaxQueuedBytes
 	if !p.admitted.Load() {
 		inflight, queued = 1, min(queued, maxUnadmittedQueued)
 	}
 	p.qmu.Lock()
+	if p.overdue {
+		p.qmu.Unlock()
+		closeFiles(files)
+		return false, nil // the connection is closing for an overdue hello
+	}
+	if f.Kind == p.srv.cfg.HelloKind && !p.admitted.Load() {
+		// From its arrival on, not from its handler's start: the hello
+		// timer, firing while the hello waits for a handler, must wait
+		// for it too.
+		m.hello = true
+		p.hellos++
+	}
 	if len(files) > 0 {
 		strip, err := p.checkFiles(f.Kind, len(files))
 		if strip || err != nil {
@@ -614,6 +726,14 @@ func (p *Peer) incoming(f Frame, files []*os.File) error {
 			p.filesHeld += len(files)
 		}
 	}
+	if lane != nil && slices.Contains(p.srv.cfg.Inline, f.Kind) {
+		p.qmu.Unlock()
+		if m.refused == nil {
+			m.body = f.Body // handled before the lane's buffer is read into again
+		}
+		p.handle(m)
+		return true, nil
+	}
 	if m.refused == nil {
 		m.body = bytes.Clone(f.Body)
 	}
@@ -622,19 +742,22 @@ func (p *Peer) incoming(f Frame, files []*os.File) error {
 		p.qmu.Unlock()
 		p.srv.wg.Add(1) // the connection goroutine holds the group open
 		go p.work(m)
-		return nil
+		return false, nil
 	}
 	if len(p.backlog) >= queued || p.backlogBytes+len(m.body) > queuedBytes {
 		waiting := len(p.backlog)
 		p.filesHeld -= len(m.files)
+		if m.hello {
+			p.hellos--
+		}
 		p.qmu.Unlock()
 		closeFiles(m.files)
-		return fmt.Errorf("%w: %d waiting", ErrBacklog, waiting)
+		return false, fmt.Errorf("%w: %d waiting", ErrBacklog, waiting)
 	}
 	p.backlog = append(p.backlog, m)
 	p.backlogBytes += len(m.body)
 	p.qmu.Unlock()
-	return nil
+	return false, nil
 }
 
 // releaseFiles uncounts n descriptors of a request that is done with, and
@@ -673,31 +796,34 @@ func (p *Peer) work(m message) {
 func (p *Peer) handle(m message) {
 	if p.ctx.Err() != nil { // gone: nobody to answer
 		closeFiles(m.files)
-		p.releaseFiles(len(m.files), false)
+		p.releaseFiles(len(m.files), m.hello)
 		return
 	}
 	if m.refused != nil {
+		late := p.releaseFiles(0, m.hello)
 		p.answer(m, nil, m.refused)
+		if late && !p.admitted.Load() {
+			p.helloOverdue()
+		}
 		return
 	}
-	hello := m.kind == p.srv.cfg.HelloKind && !p.admitted.Load()
-	if hello {
-		p.qmu.Lock()
-		p.hellos++
-		p.qmu.Unlock()
-	}
+	hello := m.hello
 	d := &Decoder{body: m.body, files: m.files}
 	reply, err := p.srv.cfg.Handler.Handle(p.ctx, p, m.kind, d)
 	d.release()
+	if hello && err == nil && d.err == nil {
+		// Before the reply, the peer's next request is an admitted one's;
+		// and before the hello stops counting as running, so that the
+		// hello timer, firing in between, finds the peer admitted rather
+		// than finding no hello.
+		p.admit()
+	}
 	// The request holds its descriptors no more (the handler took them or
 	// they are closed): make room before the peer learns the answer.
 	late := p.releaseFiles(len(m.files), hello)
 	if d.err != nil {
 		p.fail(fmt.Errorf("%s request: %w", m.kind, d.err))
 		return
-	}
-	if hello && err == nil {
-		p.admit() // before the reply: the peer's next request is an admitted one's
 	}
 	p.answer(m, reply, err)
 	if late && !p.admitted.Load() {
@@ -709,14 +835,82 @@ func (p *Peer) handle(m message) {
 // (it does not encode or is too large) becomes an error reply: the
 // requester must not wait in vain for a bug of this side.
 func (p *Peer) answer(m message, reply any, err error) {
+	if p.admitted.Load() {
+		// An admitted peer's first answer brings its lane, so that it has
+		// the lane when its hello returns.
+		p.laneOnce.Do(p.openLane)
+	}
 	ctx := context.Background() // the write ends with the connection anyway
+	write := func(kind Kind, body any) error {
+		if m.lane != nil {
+			return p.writeLane(ctx, time.Time{}, m.lane, m.id, kind, body)
+		}
+		return p.write(ctx, m.id, kind, body)
+	}
 	if err != nil {
-		err = p.write(ctx, m.id, KindError, errorReply(err))
-	} else if err = p.write(ctx, m.id, KindReply, reply); err != nil && p.ctx.Err() == nil {
+		err = write(KindError, errorReply(err))
+	} else if err = write(KindReply, reply); err != nil && p.ctx.Err() == nil {
 		p.srv.log.Error("ipc: reply could not be sent", "kind", m.kind, "peer", p.id, "err", err)
-		err = p.write(ctx, m.id, KindError, errorReply(fmt.Errorf("ipc: %s reply: %w", m.kind, err)))
+		err = write(KindError, errorReply(fmt.Errorf("ipc: %s reply: %w", m.kind, err)))
 	}
 	if err != nil && p.ctx.Err() == nil {
 		p.srv.log.Error("ipc: error reply could not be sent", "kind", m.kind, "peer", p.id, "err", err)
+	}
+}
+
+// openLane makes the peer's call lane, a socket pair, starts its reader
+// and hands the other end to the client. Without a lane (the pair could
+// not be made), the peer is served on its connection.
+func (p *Peer) openLane() {
+	l, f, err := sock.BlockingPair()
+	if err != nil {
+		p.srv.log.Warn("ipc: no call lane for a peer; it is served on its connection", "peer", p.id, "err", err)
+		return
+	}
+	if err := p.installLane(l); err != nil || p.lane.Load() != l {
+		f.Close() // the connection has ended
+		return
+	}
+	p.srv.wg.Add(1) // the caller holds the group open
+	go p.serveLane(l)
+	// If the frame cannot go, the connection has ended.
+	_ = p.write(context.Background(), 0, KindChannel, WithFiles{Body: &Channel{}, Files: []*os.File{f}, CloseAfterSend: true})
+}
+
+// serveLane reads the peer's requests on its call lane until it ends,
+// blocking in the kernel between them (see sock.Blocking): a request
+// wakes this goroutine's thread, and an inline one is answered from it.
+func (p *Peer) serveLane(l *sock.Blocking) {
+	defer p.srv.wg.Done()
+	buf := make([]byte, MaxMessage)
+	for {
+		if p.spin > 0 {
+			l.SpinReadable(p.spin)
+		}
+		n, files, err := l.Recv(buf, time.Time{})
+		if err != nil {
+			p.fail(connErr(err))
+			return
+		}
+		f, err := ParseFrame(buf[:n])
+		if err == nil && f.Files != len(files) {
+			err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
+		}
+		inline := false
+		if err != nil {
+			closeFiles(files)
+		} else {
+			inline, err = p.request(f, files, l)
+		}
+		if err != nil {
+			p.fail(err)
+			return
+		}
+		if !inline {
+			// The handler's goroutine waits on this thread's P, which the
+			// runtime does not hand over when Recv blocks: let it run
+			// first instead of waiting for the runtime to notice.
+			runtime.Gosched()
+		}
 	}
 }

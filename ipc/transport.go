@@ -194,12 +194,17 @@ type Conn struct {
 }
 
 // Dial connects to the server listening at path. It fails with
-// ErrNotListening when nobody listens there.
+// ErrNotListening when nobody listens there, and with ErrBusy when the
+// server's queue of connections stays full until ctx ends (it retries
+// until then).
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	c, err := sock.Dial(ctx, path)
 	if err != nil {
 		if errors.Is(err, sock.ErrNoSocket) || errors.Is(err, sock.ErrRefused) {
 			return nil, fmt.Errorf("%w: %w", ErrNotListening, err)
+		}
+		if errors.Is(err, sock.ErrBusy) {
+			return nil, fmt.Errorf("%w: %w", ErrBusy, err)
 		}
 		return nil, fmt.Errorf("ipc: %w", err)
 	}

@@ -57,11 +57,14 @@ type Config struct {
 	// map or unmap; one that does not answer in time is dropped. Default
 	// 2 s.
 	SyncTimeout time.Duration
-	// Spin is how long the primary polls a secondary's connection for its
-	// next request before sleeping: requests that follow within it (a
-	// queue warming up, many queues missing at once) are served without a
-	// cross-CPU wake-up, at the price of a CPU busy meanwhile. 0 (the
-	// default) never polls; see the README's performance notes.
+	// Spin is how long the primary polls each secondary's call lane for
+	// its next request before it blocks: requests that follow within it
+	// (a queue warming up, many queues missing at once) are served
+	// without a wake-up, at the price of a CPU busy meanwhile (yielding
+	// between polls), per secondary. 0 (the default) never polls; see the
+	// README's performance notes. Without it, a secondary's lane is read
+	// by a thread of its own blocked in the kernel, which answers creates
+	// itself (see package ipc).
 	Spin time.Duration
 	// AllowUIDs lists users besides the primary's own and root that may
 	// attach. (The runtime directory's and socket's permissions must be

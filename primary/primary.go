@@ -62,8 +62,12 @@ type Primary struct {
 	unsub   func()
 
 	// Secondaries that follow memory changes, by peer.
-	syncMu sync.Mutex // guards peers; taken inside the memory lock
+	syncMu sync.Mutex // guards peers and unreaped; taken inside the memory lock
 	peers  map[*ipc.Peer]*secondary
+	// unreaped holds the slots (and their claims' epochs) of secondaries
+	// whose connection ended while their slot was still held: housekeeping
+	// reclaims each once its process is gone.
+	unreaped map[int]uint32
 
 	served    instance.Histogram // service time of requests
 	requests  atomic.Uint64
@@ -71,6 +75,14 @@ type Primary struct {
 	syncs     atomic.Uint64
 	drops     atomic.Uint64
 	fenced    atomic.Uint64
+	throttled atomic.Uint64 // stats requests of strangers refused for the budget
+
+	// The stats answers of peers that have not attached (strangerStats).
+	strangerMu     sync.Mutex
+	strangerTokens float64
+	strangerRefill time.Time
+	strangerReply  *ipc.StatsReply
+	strangerAt     time.Time
 
 	closeMu sync.Mutex
 	closed  atomic.Bool
@@ -104,7 +116,8 @@ func Start(cfg Config) (*Primary, error) {
 	if err != nil {
 		return nil, fmt.Errorf("primary: %w", err)
 	}
-	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{}}
+	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
+		unreaped: map[int]uint32{}}
 	if err := p.start(); err != nil {
 		p.teardown()
 		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
@@ -187,7 +200,7 @@ func (p *Primary) start() error {
 	// (see Config.Limits).
 	p.server, err = ipc.NewServer(ipc.ServerConfig{Listener: ln, Handler: (*handler)(p), Logger: p.log,
 		AllowUIDs: c.AllowUIDs, Spin: c.Spin, HelloKind: ipc.KindHello, Limits: c.Limits,
-		WriteTimeout: c.ReplyTimeout})
+		WriteTimeout: c.ReplyTimeout, Inline: inlineKinds})
 	if err != nil {
 		ln.Close()
 		return err
@@ -295,6 +308,7 @@ func (p *Primary) housekeeping(ctx context.Context) {
 			return
 		case <-t.C:
 		}
+		p.reapDisconnected()
 		if p.mem.Quarantined() > 0 {
 			p.mem.ReleaseQuarantine()
 		}

@@ -15,6 +15,16 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
+// inlineKinds are the requests a secondary's call lane reader answers
+// itself (see ipc.ServerConfig.Inline): a create, the question on every
+// miss, is answered from the thread its request woke, with no goroutine
+// hand-off, which would cost about as much again as the round trip. They
+// are short: at worst a create waits for the memory lock, which a memory
+// sync holds for at most SyncTimeout (acknowledgements travel on the
+// connection, so they are not stuck behind it). A mempool's registration,
+// which may create thousands of MRs, runs on a goroutine of its own.
+var inlineKinds = []ipc.Kind{ipc.KindCreateMR, ipc.KindStats, ipc.KindDetach}
+
 // handler serves the secondaries' requests.
 type handler Primary
 
@@ -54,6 +64,16 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	}
 	if reaped := h.seg.Reap(); len(reaped) > 0 {
 		h.log.Info("reclaimed slots of dead processes", "slots", reaped)
+	}
+	if ok {
+		// A process that dies closes its sockets a moment before the
+		// kernel drops its slot's lock: the end of the connection may be
+		// seen first. Then housekeeping reclaims the slot once it is gone.
+		if pr := h.seg.Proc(s.slot); pr.Live && pr.Epoch == s.epoch {
+			h.syncMu.Lock()
+			h.unreaped[s.slot] = s.epoch
+			h.syncMu.Unlock()
+		}
 	}
 }
 
@@ -133,6 +153,13 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		if err := body.Decode(&m); err != nil {
 			return nil, err
 		}
+		if !h.attached(peer) {
+			// Tools ask without attaching; so can anyone the socket lets
+			// in. All of them together get a small budget, and an answer
+			// that is at most strangerStatsAge old, so that a flood of them
+			// costs the attached secondaries nothing much.
+			return h.strangerStats()
+		}
 		return h.stats(), nil
 	case ipc.KindDetach:
 		var m ipc.Detach
@@ -184,6 +211,14 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	}
 	if slot < 0 {
 		return nil, fmt.Errorf("%w: pid %d holds no slot in the process table", instance.ErrNotAttached, m.PID)
+	}
+	// After the slot is found: while the process that made the connection
+	// lives, its pid is its own, so the slot found is its slot. Once it
+	// has exited, the pid may be another process's, and whoever kept the
+	// connection must not speak in that process's name.
+	if !peer.ProcessAlive() {
+		return nil, fmt.Errorf("%w: the process that made this connection (pid %d) has exited; pid %d may now be another's",
+			ipc.ErrRefused, m.PID, m.PID)
 	}
 	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
 		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
@@ -311,6 +346,60 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 		}()
 	}
 	wg.Wait()
+}
+
+// reapDisconnected reclaims the slots of secondaries whose connection
+// ended while they held it, once their processes are gone; it forgets
+// those that someone else reclaimed, or that were claimed anew.
+func (p *Primary) reapDisconnected() {
+	p.syncMu.Lock()
+	n := len(p.unreaped)
+	p.syncMu.Unlock()
+	if n == 0 {
+		return
+	}
+	if reaped := p.seg.Reap(); len(reaped) > 0 {
+		p.log.Info("reclaimed slots of dead processes", "slots", reaped)
+	}
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	for slot, epoch := range p.unreaped {
+		if pr := p.seg.Proc(slot); !pr.Live || pr.Epoch != epoch {
+			delete(p.unreaped, slot)
+		}
+	}
+}
+
+// Budget of the stats requests of peers that have not attached (tools such
+// as mpmr stats), all together: StrangerStatsRate a second,
+// StrangerStatsBurst at once. Beyond it they get ipc.ErrLimit, counted in
+// Counters.IPCThrottled.
+const (
+	StrangerStatsRate  = 50
+	StrangerStatsBurst = 20
+	strangerStatsAge   = 100 * time.Millisecond
+)
+
+// strangerStats answers a stats request of a peer that has not attached:
+// from the last answer if it is recent enough, within the strangers'
+// budget, else with ipc.ErrLimit.
+func (h *handler) strangerStats() (*ipc.StatsReply, error) {
+	p := h.p()
+	p.strangerMu.Lock()
+	defer p.strangerMu.Unlock()
+	now := time.Now()
+	p.strangerTokens = min(StrangerStatsBurst, p.strangerTokens+now.Sub(p.strangerRefill).Seconds()*StrangerStatsRate)
+	p.strangerRefill = now
+	if p.strangerTokens < 1 {
+		p.throttled.Add(1)
+		return nil, fmt.Errorf("%w: too many stats requests from processes that have not attached (%d a second at most, all together)",
+			ipc.ErrLimit, StrangerStatsRate)
+	}
+	p.strangerTokens--
+	if p.strangerReply == nil || now.Sub(p.strangerAt) > strangerStatsAge {
+		p.strangerReply, p.strangerAt = h.stats(), now
+	}
+	return p.strangerReply, nil
 }
 
 // stats answers a Stats request.

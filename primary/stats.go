@@ -50,6 +50,7 @@ func (p *Primary) counters() Counters {
 	c.Syncs = p.syncs.Load()
 	c.SyncDrops = p.drops.Load()
 	c.Fenced = p.fenced.Load()
+	c.IPCThrottled = p.throttled.Load()
 	c.Quarantined = uint64(p.mem.Quarantined())
 	c.ReadFences = p.global.LockState().Fences
 	if p.server != nil {

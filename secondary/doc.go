@@ -32,4 +32,18 @@
 // If the primary dies, requests fail at once with ErrPrimaryGone (the
 // socket's end of file, or the process table, tells within milliseconds)
 // while keys already cached keep resolving; PrimaryGone is closed then.
+//
+// # Sharing CPUs with the runtime
+//
+// A create waits for its answer on its own thread, blocked in the kernel
+// (see package ipc: the answer wakes that thread and nothing else), and
+// the Go runtime lets another thread take its P while it waits only once
+// it notices, after 20 µs to 10 ms. When the answer comes, the goroutine
+// needs a P again: if every P is busy with queues that never block or
+// yield, it waits until the runtime preempts one of them (after 10 ms of
+// running at the soonest), and the create's round trip grows from tens of
+// microseconds to milliseconds. Leave the runtime a P (GOMAXPROCS above the number of
+// queues that poll without blocking), or have polling queues yield
+// (runtime.Gosched) between bursts. Config.Spin trades a CPU for the
+// wake-up, and pays only when that CPU is spare.
 package secondary

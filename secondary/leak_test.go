@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -29,6 +28,22 @@ import (
 
 func init() {
 	testproc.Register("leak-primary", helperLeakPrimary)
+	testproc.Register("leak-holder", helperLeakHolder)
+}
+
+// helperLeakHolder attaches to the instance (args: prefix, runtime
+// directory), says "attached", and stays until its input ends.
+func helperLeakHolder(args []string) int {
+	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer s.Close()
+	testproc.Say("attached")
+	for in := testproc.Commands(); in.Scan(); {
+	}
+	return 0
 }
 
 // helperLeakPrimary runs a primary (args: prefix, runtime directory,
@@ -252,15 +267,15 @@ func TestFailedAttachLeavesNothing(t *testing.T) {
 	})
 	t.Run("connections of the user", func(t *testing.T) {
 		_, cfg := startLeakPrimary(t, testenv.Tmpfs(t), 0, 1)
-		// This connection is the one the user may have.
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		c, err := ipc.DialClient(ctx, filepath.Join(cfg.RuntimeDir, cfg.Prefix, ipc.SocketName), ipc.ClientConfig{Logger: cfg.Logger})
-		require.NoError(t, err)
-		defer c.Close()
-		require.NoError(t, c.Call(ctx, ipc.KindStats, &ipc.StatsRequest{}, &ipc.StatsReply{}))
+		// Another process's secondary holds the one connection the user may
+		// have. (A connection that has not said hello would make room.)
+		first := testproc.Start(t, "leak-holder", []string{cfg.Prefix, cfg.RuntimeDir})
+		t.Cleanup(func() { first.End(0) })
+		first.Expect("attached", 0)
 		// The primary closes the connection before the hello is answered,
-		// and says why: a limit, not its end.
+		// and says why: a limit, not its end. Attach tries again until its
+		// timeout, which is kept short here.
+		cfg.AttachTimeout = 20 * time.Millisecond
 		refused(t, cfg, ipc.ErrLimit, "at most 1 per user")
 	})
 	t.Run("primary does not answer", func(t *testing.T) {

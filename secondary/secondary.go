@@ -65,10 +65,12 @@ type Config struct {
 	// RequestTimeout bounds each request to the primary (an MR creation).
 	// Default 2 s. A dead primary fails requests at once regardless.
 	RequestTimeout time.Duration
-	// Spin is how long the secondary polls its connection for the
-	// primary's answer before sleeping: an answer that comes within it
-	// needs no cross-CPU wake-up, at the price of a CPU busy meanwhile. 0
-	// (the default) never polls.
+	// Spin is how long a request polls for the primary's answer before
+	// it blocks: an answer that comes within it needs no wake-up, at the
+	// price of a CPU busy meanwhile (yielding between polls). It pays
+	// only when both processes have a CPU of their own; on a machine
+	// whose CPUs the queues keep busy it costs more than it saves. 0 (the
+	// default) never polls.
 	Spin time.Duration
 	// Logger receives diagnostics. Default slog.Default().
 	Logger *slog.Logger
@@ -128,16 +130,45 @@ func Attach(cfg Config) (*Secondary, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	s := &Secondary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), ready: make(chan struct{}),
-		gone: make(chan struct{}), primarySlot: -1}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.AttachTimeout)
 	defer cancel()
-	if err := s.attach(ctx); err != nil {
+	var retried error // why the last attempt was worth trying again
+	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
+		s := &Secondary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), ready: make(chan struct{}),
+			gone: make(chan struct{}), primarySlot: -1}
+		err := s.attach(ctx)
+		if err == nil {
+			return s, nil
+		}
 		s.teardown()
-		return nil, fmt.Errorf("secondary %s: %w", cfg.Prefix, err)
+		if retried != nil && ctx.Err() != nil {
+			// Out of time while trying again: the reason to try again is
+			// the news, not the timeout.
+			return nil, fmt.Errorf("secondary %s: gave up after %v: %w", cfg.Prefix, cfg.AttachTimeout, retried)
+		}
+		// A primary that turned the connection away for a limit, or lost it
+		// before the hello was answered, lives: try again, up to
+		// AttachTimeout, since a flood that fills the limits moves on.
+		var again *retryAttach
+		if !errors.As(err, &again) || ctx.Err() != nil {
+			return nil, fmt.Errorf("secondary %s: %w", cfg.Prefix, err)
+		}
+		retried = err
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("secondary %s: gave up after %v: %w", cfg.Prefix, cfg.AttachTimeout, err)
+		case <-t.C:
+		}
 	}
-	return s, nil
 }
+
+// retryAttach marks an attach that failed in a way worth trying again.
+type retryAttach struct{ err error }
+
+func (r *retryAttach) Error() string { return r.err.Error() }
+func (r *retryAttach) Unwrap() error { return r.err }
 
 func (s *Secondary) attach(ctx context.Context) error {
 	dir, err := instance.Dir(s.cfg.Prefix, s.cfg.RuntimeDir)
@@ -164,6 +195,9 @@ func (s *Secondary) attach(ctx context.Context) error {
 		if errors.Is(err, fs.ErrPermission) {
 			// Something listens, or at least is there, but not for us.
 			return deniedErr(rundir.Path(), err)
+		}
+		if !errors.Is(err, ipc.ErrNotListening) {
+			return fmt.Errorf("secondary: connect to the primary: %w", err) // busy, or worse: not absent
 		}
 		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
 	}
@@ -202,7 +236,12 @@ func (s *Secondary) attach(ctx context.Context) error {
 	withFiles := &ipc.WithFiles{Body: &hello}
 	if err := s.client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
 		Start: start, Role: "secondary"}, withFiles); err != nil {
-		return s.requestError("hello", err)
+		err = s.requestError(request{what: "hello"}, err)
+		transient := errors.Is(err, ipc.ErrLimit) && !errors.Is(err, ipc.ErrConnsInUse)
+		if transient || errors.Is(err, ipc.ErrPeerGone) && !errors.Is(err, ipc.ErrLimit) && !errors.Is(err, ipc.ErrRefused) {
+			return &retryAttach{err}
+		}
+		return err
 	}
 	s.device, s.pdHandle = hello.Device, hello.PD
 	for i, f := range withFiles.Files {
@@ -405,9 +444,29 @@ func (s *Secondary) isGone() bool {
 	}
 }
 
+// request names a request in errors. It is formatted only when one
+// fails: a create is on the datapath's miss path.
+type request struct {
+	what     string // "create MR for", "register mempool"...
+	name     string // of a mempool
+	addr     uint64
+	withAddr bool
+}
+
+func (r request) String() string {
+	s := r.what
+	if r.name != "" {
+		s += " " + r.name
+	}
+	if r.withAddr {
+		s += fmt.Sprintf(" 0x%x", r.addr)
+	}
+	return s
+}
+
 // requestError maps a failed request to ErrPrimaryGone when the connection
 // ended.
-func (s *Secondary) requestError(what string, err error) error {
+func (s *Secondary) requestError(what fmt.Stringer, err error) error {
 	if s.dropped.Load() || s.seg != nil && s.seg.Fenced() {
 		return fmt.Errorf("%w: %s: %w", ErrDropped, what, err)
 	}
@@ -424,7 +483,7 @@ func (s *Secondary) requestError(what string, err error) error {
 
 // call makes one request to the primary, bounded by RequestTimeout and
 // failing at once if the primary is gone.
-func (s *Secondary) call(what string, kind ipc.Kind, req, reply any) error {
+func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 	if s.closed.Load() {
 		return ErrClosed
 	}
@@ -434,10 +493,8 @@ func (s *Secondary) call(what string, kind ipc.Kind, req, reply any) error {
 		}
 		return fmt.Errorf("%w: %s", ErrPrimaryGone, what)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
-	defer cancel()
 	start := time.Now()
-	err := s.client.Call(ctx, kind, req, reply)
+	err := s.client.CallTimeout(s.cfg.RequestTimeout, kind, req, reply)
 	s.rtt.Record(time.Since(start))
 	s.requests.Add(1)
 	if err != nil {
@@ -451,7 +508,7 @@ func (s *Secondary) call(what string, kind ipc.Kind, req, reply any) error {
 // needed). It implements the create path of this process's local caches.
 func (s *Secondary) CreateMR(addr uint64) (cache.Entry, error) {
 	var r ipc.CreateMRReply
-	if err := s.call(fmt.Sprintf("create MR for 0x%x", addr), ipc.KindCreateMR, &ipc.CreateMR{Addr: addr}, &r); err != nil {
+	if err := s.call(request{what: "create MR for", addr: addr, withAddr: true}, ipc.KindCreateMR, &ipc.CreateMR{Addr: addr}, &r); err != nil {
 		return cache.Entry{LKey: cache.InvalidKey}, err
 	}
 	return cache.Entry{Start: r.Start, End: r.End, LKey: r.LKey}, nil
@@ -564,7 +621,7 @@ func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 		req.Chunks = append(req.Chunks, ipc.Chunk{Addr: uint64(c.Addr), Len: c.Len})
 	}
 	var r ipc.RegisterMempoolReply
-	if err := s.call("register mempool "+mp.Name(), ipc.KindRegisterMempool, req, &r); err != nil {
+	if err := s.call(request{what: "register mempool", name: mp.Name()}, ipc.KindRegisterMempool, req, &r); err != nil {
 		return err
 	}
 	return q.RegisterMempool(mp)

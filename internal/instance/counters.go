@@ -46,6 +46,7 @@ const (
 	CIPCRefusedFilesInFlight // requests refused for the descriptors their peer held
 	CIPCQueueOverflows       // peers dropped for too many queued requests
 	CIPCWriteTimeouts        // peers dropped for not reading their replies
+	CIPCThrottled            // requests of peers not attached refused for their budget
 	NumCounters
 )
 
@@ -57,6 +58,7 @@ var CounterNames = [NumCounters]string{
 	"selective_flushes", "full_flush_dropped", "selective_flush_dropped", "fenced", "quarantined_pages", "read_fences",
 	"ipc_conns", "ipc_refused_conns", "ipc_refused_conns_per_uid", "ipc_hello_timeouts",
 	"ipc_refused_files", "ipc_refused_files_in_flight", "ipc_queue_overflows", "ipc_write_timeouts",
+	"ipc_strangers_throttled",
 }
 
 // Map returns the counters by CounterNames.
@@ -149,6 +151,9 @@ type Counters struct {
 	IPCRefusedFilesInFlight uint64 `json:"ipc_refused_files_in_flight"`
 	IPCQueueOverflows       uint64 `json:"ipc_queue_overflows"`
 	IPCWriteTimeouts        uint64 `json:"ipc_write_timeouts"`
+	// Stats requests of peers that have not attached, refused because
+	// they went over their budget, all together (primary).
+	IPCThrottled uint64 `json:"ipc_strangers_throttled"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
@@ -157,7 +162,7 @@ func (c *Counters) vector() *[NumCounters]uint64 {
 		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors,
 		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences,
 		uint64(c.IPCConns), c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts,
-		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts}
+		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCThrottled}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
@@ -173,7 +178,7 @@ func fromVector(v *[NumCounters]uint64) Counters {
 		IPCConns:   int(v[CIPCConns]), IPCRefusedConns: v[CIPCRefusedConns], IPCRefusedConnsUID: v[CIPCRefusedConnsUID],
 		IPCHelloTimeouts: v[CIPCHelloTimeouts], IPCRefusedFiles: v[CIPCRefusedFiles],
 		IPCRefusedFilesInFlight: v[CIPCRefusedFilesInFlight], IPCQueueOverflows: v[CIPCQueueOverflows],
-		IPCWriteTimeouts: v[CIPCWriteTimeouts],
+		IPCWriteTimeouts: v[CIPCWriteTimeouts], IPCThrottled: v[CIPCThrottled],
 	}
 }
 

@@ -4,9 +4,13 @@
 //
 // SOCK_SEQPACKET keeps message boundaries like a datagram socket and is
 // connection-oriented like a stream: a peer that dies is seen as end of
-// file, never as silence. The sockets live on Go's network poller (they are
+// file, never as silence. A Conn lives on Go's network poller (it is a
 // net.UnixConn underneath), so a blocked receive is interrupted by Close and
 // honours deadlines, and a goroutine waiting on one does not hold a thread.
+// A Blocking connection does the opposite, for the round trips where the
+// poller's hand-offs would cost more than the trip itself: its waits block
+// the goroutine's thread in the kernel, and the message wakes that very
+// thread.
 //
 // Received descriptors arrive close-on-exec (MSG_CMSG_CLOEXEC). A receive
 // that fails for any reason closes whatever descriptors came with the
@@ -110,17 +114,30 @@ func (l *Listener) Path() string { return l.l.Addr().String() }
 // file exists there and ErrRefused when nobody listens on it.
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	var d net.Dialer
-	c, err := d.DialContext(ctx, network, path)
-	if err != nil {
+	for wait := 50 * time.Microsecond; ; wait = min(2*wait, 10*time.Millisecond) {
+		c, err := d.DialContext(ctx, network, path)
 		switch {
+		case err == nil:
+			return newConn(c.(*net.UnixConn)), nil
 		case errors.Is(err, unix.ENOENT):
 			return nil, fmt.Errorf("%w: %s", ErrNoSocket, path)
 		case errors.Is(err, unix.ECONNREFUSED):
 			return nil, fmt.Errorf("%w: %s", ErrRefused, path)
+		case errors.Is(err, unix.EAGAIN):
+			// The listener's queue of connections to accept is full: the
+			// server is busy, or someone floods it. Try again until ctx
+			// ends rather than take a busy server for an absent one.
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return nil, fmt.Errorf("%w: %s: %w (last: %v)", ErrBusy, path, ctx.Err(), err)
+			case <-t.C:
+			}
+			continue
 		}
 		return nil, fmt.Errorf("sock: dial %s: %w", path, err)
 	}
-	return newConn(c.(*net.UnixConn)), nil
 }
 
 // Pair returns two connected sockets, for tests and for handing one end to
@@ -209,8 +226,8 @@ func rawFD(f *os.File) (int, error) {
 
 // SpinReadable waits up to d for a message (or the end of the connection)
 // to be queued, without parking: it polls the socket, yielding to other
-// goroutines between polls, and reports whether Recv would now return at
-// once. Waking a parked reader costs a cross-CPU wake-up, tens of
+// goroutines and threads between polls, and reports whether Recv would now
+// return at once. Waking a parked reader costs a cross-CPU wake-up, tens of
 // microseconds on some machines; a reader that expects a message soon can
 // spend that time polling instead. Call it from the goroutine that calls
 // Recv.
@@ -232,7 +249,10 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 			if time.Now().After(deadline) {
 				return
 			}
+			// Let other goroutines run, and other threads: the peer may
+			// be waiting for this very CPU to send what is awaited.
 			runtime.Gosched()
+			_, _, _ = unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 		}
 	})
 	return ready
@@ -246,10 +266,18 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 // with ErrTooManyFiles; either way its descriptors are closed.
 func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
 	n, oobn, flags, _, err := c.c.ReadMsgUnix(b, c.oob)
+	return received(n, len(b), c.oob[:max(oobn, 0)], flags, err)
+}
+
+// received turns what recvmsg returned into Recv's results: the files
+// that came in oob, and the errors of a truncated message, too many
+// descriptors, the peer's end (an empty message or ECONNRESET read as
+// io.EOF). On error, every descriptor that came is closed.
+func received(n, size int, oob []byte, flags int, err error) (int, []*os.File, error) {
 	var files []*os.File
-	if oobn > 0 {
+	if len(oob) > 0 {
 		var perr error
-		files, perr = parseRights(c.oob[:oobn])
+		files, perr = parseRights(oob)
 		if err == nil {
 			err = perr
 		}
@@ -259,7 +287,7 @@ func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
 	case flags&unix.MSG_CTRUNC != 0:
 		err = ErrTooManyFiles
 	case flags&unix.MSG_TRUNC != 0:
-		err = fmt.Errorf("%w: longer than %d bytes", ErrTruncated, len(b))
+		err = fmt.Errorf("%w: longer than %d bytes", ErrTruncated, size)
 	case n == 0 && len(files) == 0:
 		return 0, nil, io.EOF
 	}
@@ -324,6 +352,49 @@ func (c *Conn) PeerCred() (Cred, error) {
 		return Cred{}, fmt.Errorf("sock: peer credentials: %w", gerr)
 	}
 	return Cred{PID: int(uc.Pid), UID: int(uc.Uid), GID: int(uc.Gid)}, nil
+}
+
+// soPeerPidfd is SO_PEERPIDFD (Linux 6.5): a pidfd of the peer process as
+// the connection recorded it.
+const soPeerPidfd = 77
+
+// ErrBusy means a listener's queue of connections stayed full until the
+// dial gave up: somebody listens, but does not keep up.
+var ErrBusy = errors.New("sock: the listener's queue is full")
+
+// ErrNoPidfd means the kernel cannot name a peer by pidfd (before Linux
+// 6.5).
+var ErrNoPidfd = errors.New("sock: the kernel gives no peer pidfd")
+
+// PeerPidfd returns a pidfd of the process at the other end as the kernel
+// recorded it when the connection was made (SO_PEERPIDFD): unlike the pid
+// in PeerCred, it cannot come to name another process once that one
+// exits. It fails with ErrNoPidfd on kernels before 6.5.
+func (c *Conn) PeerPidfd() (*os.File, error) {
+	rc, err := c.c.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("sock: peer pidfd: %w", err)
+	}
+	var fd int
+	var gerr error
+	if err := rc.Control(func(s uintptr) {
+		fd, gerr = unix.GetsockoptInt(int(s), unix.SOL_SOCKET, soPeerPidfd)
+	}); err != nil {
+		return nil, fmt.Errorf("sock: peer pidfd: %w", err)
+	}
+	if errors.Is(gerr, unix.ENOPROTOOPT) {
+		return nil, ErrNoPidfd
+	}
+	if gerr != nil {
+		return nil, fmt.Errorf("sock: peer pidfd: %w", gerr)
+	}
+	unix.CloseOnExec(fd)
+	return os.NewFile(uintptr(fd), "pidfd"), nil
+}
+
+// PidfdAlive reports whether the process a pidfd names has not exited.
+func PidfdAlive(f *os.File) bool {
+	return unix.PidfdSendSignal(int(f.Fd()), 0, nil, 0) == nil
 }
 
 // SetReadDeadline bounds a blocked Recv, which then fails with an error

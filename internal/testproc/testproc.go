@@ -132,6 +132,11 @@ func Start(tb testing.TB, name string, args []string, env ...string) *Proc {
 	return p
 }
 
+// Lines returns the helper's output lines that Expect and Next have not
+// taken yet, for a test that must not block on them; it is closed when the
+// helper's output ends.
+func (p *Proc) Lines() <-chan string { return p.lines }
+
 // PID returns the helper's process id.
 func (p *Proc) PID() int { return p.cmd.Process.Pid }
 

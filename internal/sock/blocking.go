@@ -1,0 +1,316 @@
+package sock
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrWoken means a wait of a Blocking connection was ended by Wake.
+var ErrWoken = errors.New("sock: woken")
+
+// ErrNotSeqpacket means NewBlocking was given a file that is not a unix
+// SOCK_SEQPACKET socket.
+var ErrNotSeqpacket = errors.New("sock: not a unix SOCK_SEQPACKET socket")
+
+var errBlockingClosed = fmt.Errorf("sock: %w", net.ErrClosed)
+
+// Blocking is a SOCK_SEQPACKET connection served by blocking system calls
+// on the calling goroutine's own thread, outside Go's network poller.
+//
+// A goroutine that waits on a Conn parks; when the message comes, the
+// poller's thread wakes, finds the goroutine and hands it to a thread that
+// can run it, often waking another one to do so. On a machine where a
+// thread wake-up costs about as much as a whole round trip between two
+// processes, those hand-offs double or triple it. A goroutine that waits
+// in Recv here blocks its thread in the kernel instead (its P is free for
+// other goroutines meanwhile), and the message wakes exactly that thread,
+// which returns to the same goroutine: one wake-up per message, as in C.
+// The price is a thread per waiting goroutine, so a Blocking suits a
+// connection with one reader at a time that expects its answer soon.
+//
+// Close wakes every wait at once (the socket is shut down first). Waits
+// also end at their deadline, and on a wakeable connection (NewBlocking)
+// when Wake is called: that is how a caller's cancellation reaches a
+// goroutine blocked in the kernel.
+//
+// Send may be called from several goroutines at once (each message goes
+// whole or not at all); Recv from one at a time. Safe for concurrent use
+// otherwise.
+type Blocking struct {
+	fd     int
+	wake   int // eventfd that Wake signals; -1 when not wakeable
+	closed atomic.Bool
+	// mu is read-held around every system call on fd and wake, and
+	// write-held by Close to close them, so that no call ever reaches a
+	// descriptor number that was closed and given to someone else.
+	mu   sync.RWMutex
+	oob  []byte // Recv's control buffer
+	once sync.Once
+	err  error // of Close
+}
+
+// BlockingPair returns a connected pair of SOCK_SEQPACKET sockets: the
+// first end as a Blocking that is not wakeable, the second as a file to
+// hand to another process (over a Conn, say), which takes it over with
+// NewBlocking. Both are close-on-exec.
+func BlockingPair() (*Blocking, *os.File, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("sock: socketpair: %w", err)
+	}
+	// In blocking mode, the file stays off the network poller.
+	return newBlocking(fds[0], -1), os.NewFile(uintptr(fds[1]), "seqpacket-pair"), nil
+}
+
+// NewBlocking takes over f, a unix SOCK_SEQPACKET socket (as received from
+// a peer), and closes f. With wakeable set, Wake can end its waits.
+func NewBlocking(f *os.File, wakeable bool) (*Blocking, error) {
+	defer f.Close()
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("sock: take over %s: %w", f.Name(), err)
+	}
+	fd := -1
+	var cerr error
+	err = rc.Control(func(d uintptr) {
+		var typ, domain int
+		if typ, cerr = unix.GetsockoptInt(int(d), unix.SOL_SOCKET, unix.SO_TYPE); cerr != nil {
+			cerr = fmt.Errorf("%w: %w", ErrNotSeqpacket, cerr)
+			return
+		}
+		if domain, cerr = unix.GetsockoptInt(int(d), unix.SOL_SOCKET, unix.SO_DOMAIN); cerr != nil {
+			cerr = fmt.Errorf("%w: %w", ErrNotSeqpacket, cerr)
+			return
+		}
+		if typ != unix.SOCK_SEQPACKET || domain != unix.AF_UNIX {
+			cerr = fmt.Errorf("%w: domain %d type %d", ErrNotSeqpacket, domain, typ)
+			return
+		}
+		fd, cerr = unix.FcntlInt(d, unix.F_DUPFD_CLOEXEC, 0)
+	})
+	if err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("sock: take over %s: %w", f.Name(), err)
+	}
+	if err := unix.SetNonblock(fd, false); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("sock: take over %s: %w", f.Name(), err)
+	}
+	wake := -1
+	if wakeable {
+		if wake, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+			unix.Close(fd)
+			return nil, fmt.Errorf("sock: eventfd: %w", err)
+		}
+	}
+	return newBlocking(fd, wake), nil
+}
+
+func newBlocking(fd, wake int) *Blocking {
+	return &Blocking{fd: fd, wake: wake, oob: make([]byte, unix.CmsgSpace(MaxFiles*4))}
+}
+
+// Send sends b as one message, with files' descriptors attached, as
+// Conn.Send does. It waits for room in the peer's queue until deadline
+// (zero: none), failing with os.ErrDeadlineExceeded then, and nothing was
+// sent. Wake does not end it: Wake is for the one receiver.
+func (c *Blocking) Send(b []byte, files []*os.File, deadline time.Time) error {
+	if len(files) > MaxFiles {
+		return fmt.Errorf("%w: %d > %d", ErrTooManyFiles, len(files), MaxFiles)
+	}
+	var oob []byte
+	if len(files) > 0 {
+		fds := make([]int, len(files))
+		for i, f := range files {
+			fd, err := rawFD(f)
+			if err != nil {
+				return fmt.Errorf("sock: send: descriptor of %s: %w", f.Name(), err)
+			}
+			fds[i] = fd
+		}
+		oob = unix.UnixRights(fds...)
+	}
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	defer runtime.KeepAlive(files) // the raw descriptors are in use until here
+	for {
+		if c.closed.Load() {
+			return errBlockingClosed
+		}
+		_, err := unix.SendmsgN(c.fd, b, oob, nil, unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+		switch {
+		case err == nil:
+			return nil
+		case err == unix.EINTR:
+		case err == unix.EAGAIN:
+			if err := c.wait(unix.POLLOUT, deadline, false); err != nil {
+				return err
+			}
+		case err == unix.EPIPE || err == unix.ECONNRESET:
+			if c.closed.Load() {
+				return errBlockingClosed
+			}
+			return ErrPeerClosed
+		default:
+			return fmt.Errorf("sock: send: %w", err)
+		}
+	}
+}
+
+// Recv receives one message into b, as Conn.Recv does, waiting for it
+// until deadline (zero: none): then it fails with os.ErrDeadlineExceeded,
+// and with ErrWoken when Wake is called meanwhile. Without a deadline on
+// a connection that is not wakeable, it is a single blocking recvmsg.
+func (c *Blocking) Recv(b []byte, deadline time.Time) (int, []*os.File, error) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.closed.Load() {
+		return 0, nil, errBlockingClosed
+	}
+	flags := unix.MSG_CMSG_CLOEXEC
+	if !deadline.IsZero() || c.wake >= 0 {
+		flags |= unix.MSG_DONTWAIT
+		if err := c.wait(unix.POLLIN, deadline, true); err != nil {
+			return 0, nil, err
+		}
+	}
+	for {
+		n, oobn, rflags, _, err := unix.Recvmsg(c.fd, b, c.oob, flags)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN && flags&unix.MSG_DONTWAIT != 0:
+			// Readiness that went away; wait again.
+			if err := c.wait(unix.POLLIN, deadline, true); err != nil {
+				return 0, nil, err
+			}
+			continue
+		}
+		n, files, err := received(n, len(b), c.oob[:max(oobn, 0)], rflags, err)
+		if c.closed.Load() && (err != nil || n == 0 && len(files) == 0) {
+			closeAll(files)
+			return 0, nil, errBlockingClosed // Close shut the socket down: not the peer's end
+		}
+		return n, files, err
+	}
+}
+
+// wait blocks until fd has events, the deadline passes, or, with wake
+// set, Wake is called. Call it with mu read-held.
+func (c *Blocking) wait(events int16, deadline time.Time, wake bool) error {
+	fds := [2]unix.PollFd{{Fd: int32(c.fd), Events: events}, {Fd: int32(c.wake), Events: unix.POLLIN}}
+	n := 1
+	if wake && c.wake >= 0 {
+		n = 2
+	}
+	for {
+		var ts *unix.Timespec
+		if !deadline.IsZero() {
+			d := time.Until(deadline)
+			if d <= 0 {
+				return os.ErrDeadlineExceeded
+			}
+			t := unix.NsecToTimespec(int64(d))
+			ts = &t
+		}
+		ready, err := unix.Ppoll(fds[:n], ts, nil)
+		switch {
+		case err == unix.EINTR || err == nil && ready == 0:
+			continue // a signal, or the deadline: checked above
+		case err != nil:
+			return fmt.Errorf("sock: poll: %w", err)
+		}
+		if n == 2 && fds[1].Revents != 0 {
+			var v [8]byte
+			_, _ = unix.Read(c.wake, v[:]) // reset the count; another waiter may have done it
+			return ErrWoken
+		}
+		if fds[0].Revents != 0 {
+			return nil
+		}
+	}
+}
+
+// Wake ends the wait of the Recv under way on a wakeable connection with
+// ErrWoken; if none is under way, the next one ends so at once. A
+// receiver woken by mistake calls again. It does nothing on a connection
+// that is not wakeable, or closed.
+func (c *Blocking) Wake() {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.wake < 0 || c.closed.Load() {
+		return
+	}
+	one := [8]byte{1} // the eventfd counter is a native (little-endian) uint64
+	_, _ = unix.Write(c.wake, one[:])
+}
+
+// SpinReadable waits up to d for a message (or the end of the connection)
+// without blocking in the kernel: it polls, yielding to other goroutines
+// and threads between polls, and reports whether Recv would now return at
+// once (see Conn.SpinReadable).
+func (c *Blocking) SpinReadable(d time.Duration) bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	deadline := time.Now().Add(d)
+	fds := [1]unix.PollFd{{Fd: int32(c.fd), Events: unix.POLLIN}}
+	var zero unix.Timespec
+	for !c.closed.Load() {
+		n, err := unix.Ppoll(fds[:], &zero, nil)
+		if err == nil && n > 0 {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		// Let other goroutines run, and other threads: the peer may be
+		// waiting for this very CPU to send what is awaited.
+		runtime.Gosched()
+		_, _, _ = unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+	}
+	return true // closed: Recv returns at once
+}
+
+// PeerCred returns the credentials of the peer (SO_PEERCRED): for either
+// end of a pair, the process that made it.
+func (c *Blocking) PeerCred() (Cred, error) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.closed.Load() {
+		return Cred{}, errBlockingClosed
+	}
+	uc, err := unix.GetsockoptUcred(c.fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	if err != nil {
+		return Cred{}, fmt.Errorf("sock: peer credentials: %w", err)
+	}
+	return Cred{PID: int(uc.Pid), UID: int(uc.Uid), GID: int(uc.Gid)}, nil
+}
+
+// Close shuts the connection down, which ends every wait under way at
+// once (the peer sees the end too), then closes its descriptors once no
+// system call uses them. Idempotent.
+func (c *Blocking) Close() error {
+	c.once.Do(func() {
+		c.closed.Store(true)
+		_ = unix.Shutdown(c.fd, unix.SHUT_RDWR)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if err := unix.Close(c.fd); err != nil {
+			c.err = fmt.Errorf("sock: close: %w", err)
+		}
+		if c.wake >= 0 {
+			unix.Close(c.wake)
+		}
+	})
+	return c.err
+}

@@ -1,0 +1,271 @@
+package sock
+
+import (
+	"errors"
+	"io"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// blockingPair returns both ends of a fresh pair as Blocking connections,
+// the second wakeable (as a client's would be).
+func blockingPair(t *testing.T) (*Blocking, *Blocking) {
+	t.Helper()
+	a, f, err := BlockingPair()
+	require.NoError(t, err)
+	b, err := NewBlocking(f, true)
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return a, b
+}
+
+// recvAsync runs Recv on b in a goroutine and returns its error.
+func recvAsync(b *Blocking, deadline time.Time) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := b.Recv(make([]byte, 64), deadline)
+		done <- err
+	}()
+	return done
+}
+
+func waitErr(t *testing.T, ch <-chan error, what string) error {
+	t.Helper()
+	select {
+	case err := <-ch:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s did not return", what)
+		return nil
+	}
+}
+
+func TestBlockingKeepsBoundariesAndFilesBothWays(t *testing.T) {
+	a, b := blockingPair(t)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+
+	buf := make([]byte, 64<<10)
+	for _, dir := range []struct {
+		name     string
+		from, to *Blocking
+	}{{"first to second", a, b}, {"second to first", b, a}} {
+		msgs := [][]byte{[]byte("one"), make([]byte, 40000), []byte("x")}
+		for i, m := range msgs {
+			var files []*os.File
+			if i == 0 {
+				files = []*os.File{w}
+			}
+			require.NoError(t, dir.from.Send(m, files, time.Time{}), dir.name)
+		}
+		for i, m := range msgs {
+			n, files, err := dir.to.Recv(buf, time.Time{})
+			require.NoError(t, err, dir.name)
+			assert.Equal(t, len(m), n, dir.name)
+			if i > 0 {
+				assert.Empty(t, files, dir.name)
+				continue
+			}
+			require.Len(t, files, 1, dir.name)
+			flags, err := unix.FcntlInt(files[0].Fd(), unix.F_GETFD, 0)
+			require.NoError(t, err)
+			assert.NotZero(t, flags&unix.FD_CLOEXEC, "received descriptors are close-on-exec")
+			_, err = files[0].Write([]byte(dir.name))
+			require.NoError(t, err)
+			files[0].Close()
+			got := make([]byte, 64)
+			n, err = r.Read(got)
+			require.NoError(t, err)
+			assert.Equal(t, dir.name, string(got[:n]))
+		}
+	}
+}
+
+func TestBlockingRecvEndsAtDeadlineOnWakeAndOnClose(t *testing.T) {
+	a, b := blockingPair(t)
+
+	start := time.Now()
+	_, _, err := b.Recv(make([]byte, 8), start.Add(20*time.Millisecond))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	assert.GreaterOrEqual(t, time.Since(start), 20*time.Millisecond, "not before the deadline")
+	_, _, err = b.Recv(make([]byte, 8), time.Now().Add(-time.Second))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded, "a deadline in the past")
+
+	done := recvAsync(b, time.Time{})
+	b.Wake()
+	assert.ErrorIs(t, waitErr(t, done, "Recv after Wake"), ErrWoken)
+
+	b.Wake() // before anyone waits: the next wait returns at once
+	_, _, err = b.Recv(make([]byte, 8), time.Time{})
+	assert.ErrorIs(t, err, ErrWoken)
+	_, _, err = b.Recv(make([]byte, 8), time.Now().Add(5*time.Millisecond))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded, "one Wake ends one wait")
+
+	require.NoError(t, a.Send([]byte("after"), nil, time.Time{}))
+	n, _, err := b.Recv(make([]byte, 8), time.Time{})
+	require.NoError(t, err)
+	assert.Equal(t, 5, n)
+
+	// Close ends a Recv blocked with no deadline on either kind of end.
+	for _, wakeable := range []bool{false, true} {
+		a, b := blockingPair(t)
+		c := a
+		if wakeable {
+			c = b
+		}
+		done := recvAsync(c, time.Time{})
+		require.NoError(t, c.Close())
+		err := waitErr(t, done, "Recv after Close")
+		assert.True(t, IsClosed(err), "wakeable %t: got %v", wakeable, err)
+		assert.NoError(t, c.Close(), "Close is idempotent")
+		_, _, err = c.Recv(make([]byte, 8), time.Time{})
+		assert.True(t, IsClosed(err), "wakeable %t: Recv after Close: %v", wakeable, err)
+		assert.True(t, IsClosed(c.Send([]byte("x"), nil, time.Time{})), "wakeable %t: Send after Close", wakeable)
+	}
+}
+
+func TestBlockingPeerEndReadsAsEOF(t *testing.T) {
+	t.Run("after what it sent", func(t *testing.T) {
+		a, b := blockingPair(t)
+		require.NoError(t, a.Send([]byte("last words"), nil, time.Time{}))
+		require.NoError(t, a.Close())
+		buf := make([]byte, 64)
+		n, _, err := b.Recv(buf, time.Time{})
+		require.NoError(t, err, "what was sent before the close is still delivered")
+		assert.Equal(t, "last words", string(buf[:n]))
+		_, _, err = b.Recv(buf, time.Time{})
+		assert.ErrorIs(t, err, io.EOF)
+		assert.ErrorIs(t, b.Send([]byte("anyone?"), nil, time.Time{}), ErrPeerClosed)
+	})
+	t.Run("while blocked", func(t *testing.T) {
+		for _, wakeable := range []bool{false, true} {
+			a, b := blockingPair(t)
+			waiter, closer := a, b
+			if wakeable {
+				waiter, closer = b, a
+			}
+			done := recvAsync(waiter, time.Time{})
+			require.NoError(t, closer.Close())
+			assert.ErrorIs(t, waitErr(t, done, "Recv after the peer's Close"), io.EOF, "wakeable %t", wakeable)
+		}
+	})
+	t.Run("with unread data", func(t *testing.T) {
+		a, b := blockingPair(t)
+		require.NoError(t, b.Send([]byte("never read"), nil, time.Time{}))
+		require.NoError(t, a.Close()) // the kernel reports ECONNRESET to b
+		_, _, err := b.Recv(make([]byte, 64), time.Time{})
+		assert.ErrorIs(t, err, io.EOF)
+	})
+}
+
+func TestBlockingTruncatedMessageClosesItsFiles(t *testing.T) {
+	a, b := blockingPair(t)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+	before := openFDs(t)
+	require.NoError(t, a.Send(make([]byte, 100), []*os.File{w}, time.Time{}))
+	require.NoError(t, a.Send([]byte("next"), nil, time.Time{}))
+	buf := make([]byte, 50)
+	_, files, err := b.Recv(buf, time.Time{})
+	assert.ErrorIs(t, err, ErrTruncated)
+	assert.Nil(t, files)
+	assert.Equal(t, before, openFDs(t), "the truncated message's descriptor was closed")
+	n, _, err := b.Recv(buf, time.Time{})
+	require.NoError(t, err)
+	assert.Equal(t, "next", string(buf[:n]))
+}
+
+// A send that finds the peer's queue full waits for room until its
+// deadline, and sends nothing meanwhile: a datagram goes whole or not at
+// all. Wake is for the receiver: it neither ends the send's wait nor is
+// used up by it.
+func TestBlockingSendWaitsForRoom(t *testing.T) {
+	a, b := blockingPair(t)
+	big := make([]byte, 60<<10)
+	queued := 0
+	for ; ; queued++ {
+		require.Less(t, queued, 1000, "the socket never filled up")
+		err := b.Send(big, nil, time.Now().Add(5*time.Millisecond))
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			break
+		}
+		require.NoError(t, err)
+	}
+	b.Wake()
+	assert.ErrorIs(t, b.Send(big, nil, time.Now().Add(5*time.Millisecond)), os.ErrDeadlineExceeded)
+	_, _, err := b.Recv(make([]byte, 8), time.Time{})
+	assert.ErrorIs(t, err, ErrWoken, "the wake-up is still there for the receiver")
+
+	done := make(chan error, 1)
+	go func() { done <- b.Send([]byte("last"), nil, time.Now().Add(10*time.Second)) }()
+	buf := make([]byte, 64<<10)
+	for range queued {
+		n, _, err := a.Recv(buf, time.Time{})
+		require.NoError(t, err)
+		require.Equal(t, len(big), n, "only whole messages")
+	}
+	require.NoError(t, waitErr(t, done, "Send once there is room"))
+	n, _, err := a.Recv(buf, time.Time{})
+	require.NoError(t, err)
+	assert.Equal(t, "last", string(buf[:n]))
+}
+
+func TestBlockingCloseLeavesNoDescriptors(t *testing.T) {
+	before := openFDs(t)
+	for range 10 {
+		a, f, err := BlockingPair()
+		require.NoError(t, err)
+		b, err := NewBlocking(f, true)
+		require.NoError(t, err)
+		done := recvAsync(b, time.Time{})
+		require.NoError(t, b.Close())
+		assert.True(t, IsClosed(waitErr(t, done, "Recv after Close")))
+		require.NoError(t, a.Close())
+	}
+	assert.Equal(t, before, openFDs(t))
+}
+
+func TestNewBlockingTakesOnlySeqpacketSockets(t *testing.T) {
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	_, err = NewBlocking(w, false)
+	assert.ErrorIs(t, err, ErrNotSeqpacket)
+
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(fds[1])
+	_, err = NewBlocking(os.NewFile(uintptr(fds[0]), "stream"), false)
+	assert.ErrorIs(t, err, ErrNotSeqpacket)
+}
+
+func TestBlockingPeerCred(t *testing.T) {
+	a, b := blockingPair(t)
+	for _, c := range []*Blocking{a, b} {
+		cred, err := c.PeerCred()
+		require.NoError(t, err)
+		assert.Equal(t, Cred{PID: os.Getpid(), UID: os.Getuid(), GID: os.Getgid()}, cred)
+	}
+}
+
+func TestBlockingSpinReadable(t *testing.T) {
+	a, b := blockingPair(t)
+	assert.False(t, b.SpinReadable(time.Millisecond), "nothing was sent")
+	done := make(chan bool)
+	go func() { done <- b.SpinReadable(10 * time.Second) }()
+	require.NoError(t, a.Send([]byte("x"), nil, time.Time{}))
+	assert.True(t, <-done, "a queued message is seen")
+	buf := make([]byte, 8)
+	n, _, err := b.Recv(buf, time.Time{})
+	require.NoError(t, err)
+	assert.Equal(t, "x", string(buf[:n]), "spinning consumed nothing")
+}

@@ -1,0 +1,4 @@
+package ipc
+
+// HasLane reports whether c has its call lane.
+func HasLane(c *Client) bool { return c.lane.Load() != nil }
