@@ -220,23 +220,11 @@ func (s *Server) Serve(ctx context.Context) error {
 // takeConn counts a new connection of cred's user, or says which cap it
 // is over. Call it with s.mu held.
 func (s *Server) takeConn(cred Cred) error {
-	// Over a cap, the oldest connection that has not said hello (of this
-	// user, for the user's cap) makes room: a client that is what it says
-	// speaks at once, so a flood of connections that never speak, or that
-	// come and go, cannot keep one out for long.
 	total, mine := s.conns >= s.lim.MaxConns, s.connsByUID[cred.UID] >= s.lim.MaxConnsPerUID
-	if total || mine {
-		if v := s.oldestStranger(mine, cred.UID); v != nil {
-			v.evicted = true
-			s.helloTimeouts.Add(1)
-			s.trip("evict", "ipc: closed a connection that had not said hello to make room for a newer one",
-				"limit", "conns", "peer", v.id, "pid", v.cred.PID, "uid", v.cred.UID)
-			go v.drop(fmt.Errorf("%w: closed to make room: no hello yet, and the connections are at their limit", ErrLimit))
-			total, mine = false, false
-		}
-	}
 	// Refused: say whether the cap is held by peers that said hello (then
-	// only their leaving makes room) or by connections coming and going.
+	// only their leaving makes room) or also by connections that have not
+	// said hello — which go by themselves, at their hello deadline if not
+	// before: a client may try again (Attach does).
 	limit := ErrLimit
 	switch {
 	case total && s.admittedConns(false, 0) >= s.conns,
@@ -271,27 +259,6 @@ func (s *Server) admittedConns(sameUID bool, uid int) int {
 		}
 	}
 	return n
-}
-
-// oldestStranger returns the oldest peer that has not said hello and was
-// not evicted yet, of uid if sameUID, or nil. Call it with s.mu held.
-func (s *Server) oldestStranger(sameUID bool, uid int) *Peer {
-	var oldest *Peer
-	for p := range s.peers {
-		if p.admitted.Load() || p.evicted || sameUID && p.cred.UID != uid {
-			continue
-		}
-		p.qmu.Lock()
-		speaking := p.hellos > 0 // its hello is in: it is what it says
-		p.qmu.Unlock()
-		if speaking {
-			continue
-		}
-		if oldest == nil || p.born.Before(oldest.born) {
-			oldest = p
-		}
-	}
-	return oldest
 }
 
 // releaseConn uncounts a connection of uid.
@@ -377,7 +344,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 		return
 	}
 
-	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID), born: time.Now()}
+	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
 	defer p.ident.close()
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
@@ -475,8 +442,6 @@ type Peer struct {
 	admitted   atomic.Bool
 	laneOnce   sync.Once   // opens the call lane, before the first answer once admitted
 	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
-	evicted    bool        // made room for a newer connection; guarded by srv.mu
-	born       time.Time   // when it was accepted
 	helloTimer *time.Timer // closes the connection when the hello is overdue
 
 	qmu          sync.Mutex

@@ -321,6 +321,11 @@ func (p *Primary) housekeeping(ctx context.Context) {
 		}
 		if n%int(publishEvery/reapEvery) == 0 {
 			p.Stats()
+			// Slots of processes that died where no disconnect told of it
+			// (killed while attaching, say).
+			if reaped := p.seg.Reap(); len(reaped) > 0 {
+				p.log.Info("reclaimed slots of dead processes", "slots", reaped)
+			}
 		}
 	}
 }

@@ -393,8 +393,10 @@ func (c *Conn) PeerPidfd() (*os.File, error) {
 }
 
 // PidfdAlive reports whether the process a pidfd names has not exited.
+// Signal 0 is only a probe: a process this one may not signal (another
+// user's) answers EPERM, and is alive all the same; ESRCH means gone.
 func PidfdAlive(f *os.File) bool {
-	return unix.PidfdSendSignal(int(f.Fd()), 0, nil, 0) == nil
+	return !errors.Is(unix.PidfdSendSignal(int(f.Fd()), 0, nil, 0), unix.ESRCH)
 }
 
 // SetReadDeadline bounds a blocked Recv, which then fails with an error
