@@ -38,6 +38,9 @@ func helperChurnLookup(args []string) int {
 		return 3
 	}
 	queues, _ := strconv.Atoi(args[3])
+	// A P more than busy queues: the goroutines that apply the primary's
+	// memory syncs must not wait for a queue to be preempted.
+	runtime.GOMAXPROCS(max(runtime.GOMAXPROCS(0), queues+1))
 	d, _ := time.ParseDuration(args[4])
 	testproc.Say("ready")
 	testproc.Commands().Scan() // "go"
