@@ -221,31 +221,44 @@ func (e *endpoint) farewell(why error) {
 
 var frameBufs = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
 
+// encodeFrame makes the frame of body, in a pooled buffer, checked
+// against the limits on descriptors and size. Call release when done with
+// it: it gives the buffer back and closes the descriptors a WithFiles asked
+// to close once sent.
+func encodeFrame(id uint64, kind Kind, body any) (b []byte, files []*os.File, release func(), err error) {
+	payload, files, closeAfter := splitFiles(body)
+	bp := frameBufs.Get().(*[]byte)
+	release = func() {
+		if closeAfter {
+			closeFiles(files)
+		}
+		if b != nil && cap(b) <= 2*MaxMessage {
+			*bp = b[:0]
+			frameBufs.Put(bp)
+		}
+	}
+	if len(files) > MaxFiles {
+		return nil, files, release, fmt.Errorf("ipc: %s with %d files, at most %d", kind, len(files), MaxFiles)
+	}
+	b, err = AppendFrame((*bp)[:0], id, kind, len(files), payload)
+	if err != nil {
+		return b, files, release, err
+	}
+	if len(b) > MaxMessage {
+		return b, files, release, fmt.Errorf("%w: %s frame of %d bytes", ErrTooLarge, kind, len(b))
+	}
+	return b, files, release, nil
+}
+
 // write sends one frame. It fails without harm to the connection when the
 // body cannot be encoded or is too large, or when ctx ends before the
 // frame could go (a datagram goes whole or not at all). Any other failure
 // ends the connection.
 func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) error {
-	payload, files, closeAfter := splitFiles(body)
-	if closeAfter {
-		defer closeFiles(files)
-	}
-	if len(files) > MaxFiles {
-		return fmt.Errorf("ipc: %s with %d files, at most %d", kind, len(files), MaxFiles)
-	}
-	bp := frameBufs.Get().(*[]byte)
-	b, err := AppendFrame((*bp)[:0], id, kind, len(files), payload)
-	defer func() {
-		if cap(b) <= 2*MaxMessage {
-			*bp = b[:0]
-			frameBufs.Put(bp)
-		}
-	}()
+	b, files, release, err := encodeFrame(id, kind, body)
+	defer release()
 	if err != nil {
 		return err
-	}
-	if len(b) > MaxMessage {
-		return fmt.Errorf("%w: %s frame of %d bytes", ErrTooLarge, kind, len(b))
 	}
 
 	select {
@@ -379,26 +392,10 @@ const laneWriteSlice = 10 * time.Millisecond
 // none) passes before the frame could go; any other failure ends the
 // connection.
 func (e *endpoint) writeLane(ctx context.Context, callDeadline time.Time, l *sock.Blocking, id uint64, kind Kind, body any) error {
-	payload, files, closeAfter := splitFiles(body)
-	if closeAfter {
-		defer closeFiles(files)
-	}
-	if len(files) > MaxFiles {
-		return fmt.Errorf("ipc: %s with %d files, at most %d", kind, len(files), MaxFiles)
-	}
-	bp := frameBufs.Get().(*[]byte)
-	b, err := AppendFrame((*bp)[:0], id, kind, len(files), payload)
-	defer func() {
-		if cap(b) <= 2*MaxMessage {
-			*bp = b[:0]
-			frameBufs.Put(bp)
-		}
-	}()
+	b, files, release, err := encodeFrame(id, kind, body)
+	defer release()
 	if err != nil {
 		return err
-	}
-	if len(b) > MaxMessage {
-		return fmt.Errorf("%w: %s frame of %d bytes", ErrTooLarge, kind, len(b))
 	}
 	// A send waits only when the peer's queue is full, until the
 	// context's deadline or the write timeout, whichever comes first,

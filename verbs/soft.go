@@ -398,6 +398,19 @@ func (d *Soft) unpinLocked(idx uint32) {
 	unlock(cur, sp.hi)
 }
 
+// slotLocked returns the slot a key names, for the owner's operation op,
+// or why there is none. Called with the owner's mutex held.
+func (d *Soft) slotLocked(op string, key uint32) (uint32, *mrSlot, error) {
+	if d.closed.Load() {
+		return 0, nil, fmt.Errorf("verbs: %s key 0x%x: %w", op, key, ErrClosed)
+	}
+	idx := key >> variantBits
+	if key&variantMask == 0 || idx >= uint32(len(d.table)) {
+		return 0, nil, fmt.Errorf("verbs: %s key 0x%x: %w", op, key, ErrInvalidKey)
+	}
+	return idx, &d.table[idx], nil
+}
+
 // DeregMR deregisters mr, which must be a live MR of this PD with the
 // range it was registered with. The key stops validating in every process
 // before the pages are unpinned. Owner only.
@@ -409,14 +422,10 @@ func (p *softPD) DeregMR(mr MR) error {
 	o := d.own
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if d.closed.Load() {
-		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w", mr.LKey, ErrClosed)
+	idx, s, err := d.slotLocked("dereg_mr", mr.LKey)
+	if err != nil {
+		return err
 	}
-	idx := mr.LKey >> variantBits
-	if mr.LKey&variantMask == 0 || idx >= uint32(len(d.table)) {
-		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w", mr.LKey, ErrInvalidKey)
-	}
-	s := &d.table[idx]
 	switch {
 	case atomic.LoadUint32(&s.Key) != mr.LKey:
 		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w (deregistered twice?)", mr.LKey, ErrStaleKey)
@@ -486,14 +495,10 @@ func (p *softPD) TrimMR(mr MR, addr, length uintptr) error {
 	o := d.own
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if d.closed.Load() {
-		return fmt.Errorf("verbs: trim_mr key 0x%x: %w", mr.LKey, ErrClosed)
+	_, s, err := d.slotLocked("trim_mr", mr.LKey)
+	if err != nil {
+		return err
 	}
-	idx := mr.LKey >> variantBits
-	if mr.LKey&variantMask == 0 || idx >= uint32(len(d.table)) {
-		return fmt.Errorf("verbs: trim_mr key 0x%x: %w", mr.LKey, ErrInvalidKey)
-	}
-	s := &d.table[idx]
 	if atomic.LoadUint32(&s.Key) != mr.LKey || atomic.LoadUint32(&s.PD) != p.id {
 		return fmt.Errorf("verbs: trim_mr key 0x%x: %w", mr.LKey, ErrStaleKey)
 	}

@@ -125,20 +125,9 @@ func newBlocking(fd, wake int) *Blocking {
 // (zero: none), failing with os.ErrDeadlineExceeded then, and nothing was
 // sent. Wake does not end it: Wake is for the one receiver.
 func (c *Blocking) Send(b []byte, files []*os.File, deadline time.Time) error {
-	if len(files) > MaxFiles {
-		return fmt.Errorf("%w: %d > %d", ErrTooManyFiles, len(files), MaxFiles)
-	}
-	var oob []byte
-	if len(files) > 0 {
-		fds := make([]int, len(files))
-		for i, f := range files {
-			fd, err := rawFD(f)
-			if err != nil {
-				return fmt.Errorf("sock: send: descriptor of %s: %w", f.Name(), err)
-			}
-			fds[i] = fd
-		}
-		oob = unix.UnixRights(fds...)
+	oob, err := rights(files)
+	if err != nil {
+		return err
 	}
 	c.mu.RLock()
 	defer c.mu.RUnlock()

@@ -179,27 +179,36 @@ func newConn(c *net.UnixConn) *Conn {
 	return &Conn{c: c, rc: rc, oob: make([]byte, unix.CmsgSpace(MaxFiles*4))}
 }
 
+// rights is the control message that passes files' descriptors (none for
+// no files). The caller keeps files alive until the message is sent.
+func rights(files []*os.File) ([]byte, error) {
+	if len(files) > MaxFiles {
+		return nil, fmt.Errorf("%w: %d > %d", ErrTooManyFiles, len(files), MaxFiles)
+	}
+	if len(files) == 0 {
+		return nil, nil
+	}
+	fds := make([]int, len(files))
+	for i, f := range files {
+		fd, err := rawFD(f)
+		if err != nil {
+			return nil, fmt.Errorf("sock: send: descriptor of %s: %w", f.Name(), err)
+		}
+		fds[i] = fd
+	}
+	return unix.UnixRights(fds...), nil
+}
+
 // Send sends b as one message, with files' descriptors attached when there
 // are any. The files stay open and owned by the caller; the peer receives
 // duplicates. A send blocks while the peer's receive queue is full, until
 // the write deadline.
 func (c *Conn) Send(b []byte, files []*os.File) error {
-	if len(files) > MaxFiles {
-		return fmt.Errorf("%w: %d > %d", ErrTooManyFiles, len(files), MaxFiles)
+	oob, err := rights(files)
+	if err != nil {
+		return err
 	}
-	var oob []byte
-	if len(files) > 0 {
-		fds := make([]int, len(files))
-		for i, f := range files {
-			fd, err := rawFD(f)
-			if err != nil {
-				return fmt.Errorf("sock: send: descriptor of %s: %w", f.Name(), err)
-			}
-			fds[i] = fd
-		}
-		oob = unix.UnixRights(fds...)
-	}
-	_, _, err := c.c.WriteMsgUnix(b, oob, nil)
+	_, _, err = c.c.WriteMsgUnix(b, oob, nil)
 	runtime.KeepAlive(files) // the raw descriptors are in use until here
 	if err != nil {
 		if errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET) {
