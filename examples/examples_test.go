@@ -18,7 +18,7 @@ import (
 
 	"github.com/mpmr/mpmr/examples/internal/job"
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // build compiles both examples, once per test binary, into a directory

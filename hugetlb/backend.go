@@ -7,7 +7,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
 )
 
 // Kind names a backend for shared files.

@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/testenv"
-	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 )
 
 // One 2 MiB page allocated (fallocate, map, descriptor, events) and freed

@@ -9,7 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // Backend directories are shared by every user and instance: RemoveFiles

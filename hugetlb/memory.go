@@ -13,9 +13,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mpmr/mpmr/internal/falloc"
-	"github.com/mpmr/mpmr/internal/ofd"
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 	"github.com/mpmr/mpmr/shm"
 )
 

@@ -8,8 +8,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/testenv"
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/vm"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 func TestSecondarySeesSameBytesAtSameAddresses(t *testing.T) {

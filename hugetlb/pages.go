@@ -13,8 +13,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mpmr/mpmr/internal/falloc"
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
 // Region is a range of data memory: whole pages of one list.

@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"sync/atomic"
 
-	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
 	"github.com/mpmr/mpmr/shm"
 )
 

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
 

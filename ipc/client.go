@@ -12,7 +12,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/sys/sock"
 )
 
 // maxPushQueue bounds the pushes a client holds while its handler is busy.

@@ -10,7 +10,7 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
-	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/sys/sock"
 )
 
 // MaxMessage is the largest frame, envelope included, that either side

@@ -5,7 +5,7 @@ import (
 	"os"
 	"strconv"
 
-	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/sys/sock"
 )
 
 // identity pins the process that made a connection. SO_PEERCRED's pid is

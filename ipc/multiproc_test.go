@@ -15,8 +15,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mpmr/mpmr/internal/testenv"
-	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
 

@@ -17,7 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/sys/sock"
 	"github.com/mpmr/mpmr/ipc"
 )
 

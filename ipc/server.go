@@ -15,7 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/sys/sock"
 )
 
 // DefaultMaxInflight is how many requests of one connection run at once

@@ -13,7 +13,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/sys/sock"
 )
 
 // SocketName is the file name of an instance's socket in its runtime

@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 )

@@ -4,7 +4,7 @@ import (
 	"runtime/debug"
 	"unsafe"
 
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
 // pointer turns a data-memory address into a pointer, for helpers that

@@ -15,7 +15,7 @@ import (
 	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
-	"github.com/mpmr/mpmr/internal/ofd"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"

@@ -8,7 +8,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
-	"github.com/mpmr/mpmr/internal/ofd"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 )

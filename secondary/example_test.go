@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
 	"github.com/mpmr/mpmr/verbs"

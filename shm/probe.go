@@ -7,7 +7,7 @@ import (
 
 	mmap "github.com/edsrzf/mmap-go"
 
-	"github.com/mpmr/mpmr/internal/falloc"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
 )
 
 // Info is what a segment's header says about it.

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"sync/atomic"
 
-	"github.com/mpmr/mpmr/internal/ofd"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 )
 
 // Role is what a process does in an instance.

@@ -6,7 +6,7 @@ import (
 	"os"
 	"sync/atomic"
 
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
 // OpenReadOnly maps the segment file at o.Path for looking only, the way an

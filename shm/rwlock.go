@@ -9,7 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/futex"
+	"github.com/mpmr/mpmr/internal/sys/futex"
 )
 
 // RWLock is a process-shared reader-writer lock that lives in a segment and

@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/testenv"
-	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 )
 
 // Compare with C measured in the same run: an rte_rwlock-style read lock

@@ -9,8 +9,8 @@ import (
 	"sync/atomic"
 	"unsafe"
 
-	"github.com/mpmr/mpmr/internal/falloc"
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
 // Defaults for Options.

@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"runtime/debug"
 
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
 // copyGuarded copies n bytes from src to dst, turning a memory fault

@@ -10,7 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 	"github.com/mpmr/mpmr/shm"
 )
 

@@ -14,8 +14,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/internal/instance"
-	"github.com/mpmr/mpmr/internal/ofd"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/ipc"
 )
 

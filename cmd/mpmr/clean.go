@@ -10,9 +10,9 @@ import (
 	"strings"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/falloc"
 	"github.com/mpmr/mpmr/internal/instance"
-	"github.com/mpmr/mpmr/internal/ofd"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 )

@@ -12,7 +12,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // files lists the instance's files: its runtime directory's and its

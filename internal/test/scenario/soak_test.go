@@ -9,8 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/harness"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/test/harness"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // The soak: two secondaries with four queues each copy payloads between
@@ -23,9 +23,9 @@ import (
 // started). It runs on hugetlbfs when that is usable, else on tmpfs, and
 // only when asked:
 //
-//	go test ./internal/scenario -run Soak -mpmr.long         # one minute
-//	go test ./internal/scenario -run Soak -mpmr.soak=10m     # ten
-//	MPMR_SOAK=10m go test ./internal/scenario -run Soak
+//	go test ./internal/test/scenario -run Soak -mpmr.long         # one minute
+//	go test ./internal/test/scenario -run Soak -mpmr.soak=10m     # ten
+//	MPMR_SOAK=10m go test ./internal/test/scenario -run Soak
 func TestSoak(t *testing.T) {
 	d := harness.SoakDuration()
 	if d == 0 {

@@ -20,10 +20,10 @@ import (
 
 	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/harness"
 	"github.com/mpmr/mpmr/internal/instance"
-	"github.com/mpmr/mpmr/internal/sock"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/sys/sock"
+	"github.com/mpmr/mpmr/internal/test/harness"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/shm"

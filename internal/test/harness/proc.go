@@ -16,7 +16,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 )
 
 // Lines a helper prints: a prefix word, a space and a JSON value.

@@ -1,7 +1,7 @@
 // Package harness runs an mpmr instance as real processes for the scenario
-// tests (internal/scenario): a primary, in the test process or as a helper
+// tests (internal/test/scenario): a primary, in the test process or as a helper
 // process, and secondaries, which are the test binary re-executed in a
-// role (the pattern of internal/testproc, whose helpers Main still runs;
+// role (the pattern of internal/test/testproc, whose helpers Main still runs;
 // unlike those, a harness helper is shut down cleanly when its test ends,
 // so that the final check sees what a clean shutdown leaves). It drives
 // them with command lines, kills any of them with SIGKILL at a moment the

@@ -10,8 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/harness"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/test/harness"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // A primary killed with SIGKILL: its secondaries notice at once (an idle

@@ -12,7 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/sock"
+	"github.com/mpmr/mpmr/internal/sys/sock"
 	"github.com/mpmr/mpmr/ipc"
 )
 

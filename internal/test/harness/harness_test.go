@@ -9,8 +9,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mpmr/mpmr/internal/testenv"
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/vm"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 func TestMain(m *testing.M) { Main(m) }

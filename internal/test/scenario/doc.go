@@ -4,5 +4,5 @@
 // ordinary test, short by default; -mpmr.long (or MPMR_LONG=1) makes them
 // longer and runs the soak, -mpmr.soak=DURATION (or MPMR_SOAK=DURATION)
 // runs the soak for that long. The benchmarks measure recovery times. See
-// internal/harness for how the processes are run and checked.
+// internal/test/harness for how the processes are run and checked.
 package scenario

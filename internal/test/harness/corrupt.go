@@ -5,8 +5,8 @@ import (
 	"os"
 	"sync/atomic"
 
-	"github.com/mpmr/mpmr/internal/falloc"
-	"github.com/mpmr/mpmr/internal/vm"
+	"github.com/mpmr/mpmr/internal/sys/falloc"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
 // HeaderField is a word of the control segment's header that an

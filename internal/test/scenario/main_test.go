@@ -3,7 +3,7 @@ package scenario
 import (
 	"testing"
 
-	"github.com/mpmr/mpmr/internal/harness"
+	"github.com/mpmr/mpmr/internal/test/harness"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }

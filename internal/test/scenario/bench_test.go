@@ -5,8 +5,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpmr/mpmr/internal/harness"
-	"github.com/mpmr/mpmr/internal/testenv"
+	"github.com/mpmr/mpmr/internal/test/harness"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/secondary"
 )
 

@@ -15,10 +15,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/harness"
 	"github.com/mpmr/mpmr/internal/instance"
-	"github.com/mpmr/mpmr/internal/testenv"
-	"github.com/mpmr/mpmr/internal/testproc"
+	"github.com/mpmr/mpmr/internal/test/harness"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
