@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"sync/atomic"
+	"syscall"
 
 	mmap "github.com/edsrzf/mmap-go"
 
@@ -42,12 +43,18 @@ func stateName(s uint32) string {
 // layoutTag), sizes against the file, then state. It returns the header's
 // Info together with the first failure; the Info is filled in for ErrNotReady
 // and ErrDead, so tools can still describe such a segment.
+//
+// It never follows a symbolic link and never waits: a FIFO or anything
+// else that is not a regular file is refused at once.
 func Probe(path string, layoutTag uint32) (Info, error) {
-	f, err := os.Open(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return Info{Path: path}, fmt.Errorf("shm: probe: %w", err)
 	}
 	defer f.Close()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return Info{Path: path}, fmt.Errorf("shm: probe %s: %w: not a regular file", path, ErrBadMagic)
+	}
 	info, err := probeFile(f, layoutTag)
 	if err != nil {
 		return info, fmt.Errorf("shm: probe %s: %w", path, err)

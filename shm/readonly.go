@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"sync/atomic"
+	"syscall"
 
 	"github.com/mpmr/mpmr/internal/sys/vm"
 )
@@ -28,7 +29,8 @@ import (
 // use a LockView's optimistic reads where several words must agree. Close
 // unmaps it.
 func OpenReadOnly(o Options) (*Segment, Info, error) {
-	f, err := os.Open(o.Path)
+	// Never waiting on a FIFO where a file should be.
+	f, err := os.OpenFile(o.Path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, Info{Path: o.Path}, fmt.Errorf("shm: open read-only: %w", err)
 	}
@@ -40,7 +42,7 @@ func OpenReadOnly(o Options) (*Segment, Info, error) {
 		f.Close()
 		return nil, info, fmt.Errorf("shm: open %s read-only: %w", o.Path, err)
 	}
-	lockf, err := os.Open(o.lockPath())
+	lockf, err := os.OpenFile(o.lockPath(), os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		f.Close()
 		return nil, info, fmt.Errorf("shm: open %s read-only: lock file: %w", o.Path, err)

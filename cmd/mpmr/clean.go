@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
@@ -205,11 +206,14 @@ func memoryFiles(dir, name string) []string {
 // segmentHeld reports whether a live process holds the lock a primary
 // holds on its segment file for its lifetime.
 func segmentHeld(path string) bool {
-	f, err := os.Open(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return false
 	}
 	defer f.Close()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return false
+	}
 	held, err := ofd.Held(f, 0)
 	return err == nil && held
 }

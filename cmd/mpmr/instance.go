@@ -225,7 +225,8 @@ func (t *target) open(e *env) (*shm.Segment, shm.Info, error) {
 		}
 		return nil, shm.Info{Path: path}, fmt.Errorf("control segment %s is gone", path)
 	}
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	// Never waiting: a FIFO planted at the name must not hang the tool.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, shm.Info{Path: path}, err
 	}
