@@ -153,7 +153,13 @@ func (p *Primary) start() error {
 		Role:      shm.RolePrimary,
 		Logger:    p.log,
 	}
-	if p.seg, err = shm.Create(p.segOpts); err != nil {
+	// The slots' lock file goes in the checked runtime directory, opened
+	// through it without following links.
+	create := p.segOpts
+	if create.LockFile, err = p.rundir.OpenFile(instance.SlotsLockFile, os.O_RDWR|os.O_CREATE, 0o600); err != nil {
+		return err
+	}
+	if p.seg, err = shm.Create(create); err != nil {
 		return err
 	}
 	if p.segLock, err = lockFile(p.segOpts.Path); err != nil {

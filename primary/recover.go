@@ -54,7 +54,7 @@ func (p *Primary) recoverLeftovers() error {
 			return fmt.Errorf("%w: %w (a primary of this instance whose runtime directory %s was removed?)",
 				ErrPrimaryRunning, err, p.dir)
 		case errors.Is(err, hugetlb.ErrNotOwned):
-			return fmt.Errorf("%w: %w: another user made a file where this instance's memory goes; "+
+			return fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
 				"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
 		case err != nil:
 			p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
@@ -83,7 +83,7 @@ func (p *Primary) removeDeadSegment(path string) error {
 			"whose runtime directory %s was removed or replaced while it ran: stop it first",
 			ErrPrimaryRunning, path, info.CreatorPID, p.dir)
 	case errors.Is(err, ofd.ErrNotOwned):
-		return fmt.Errorf("%w: %w: another user made a file where this instance's segment goes; "+
+		return fmt.Errorf("%w: %w: a file this instance did not make is where its segment goes; "+
 			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
 	case err != nil:
 		return err

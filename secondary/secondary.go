@@ -225,8 +225,17 @@ func (s *Secondary) attach(ctx context.Context) error {
 		return err
 	}
 	// The slots' lock file is the one in the directory just checked,
-	// whatever the description says.
-	s.seg, err = shm.Attach(shm.Options{Path: s.info.Segment, LockPath: filepath.Join(rundir.Path(), instance.SlotsLockFile),
+	// whatever the description says, opened through it without following
+	// a link: a trusted primary's user must not get this process to create
+	// or lock files elsewhere as itself.
+	lockf, err := rundir.OpenFile(instance.SlotsLockFile, os.O_RDWR, 0)
+	if err != nil {
+		if errors.Is(err, ErrPermission) {
+			return err
+		}
+		return fmt.Errorf("%w: the process table's lock file: %w", ErrNoPrimary, err)
+	}
+	s.seg, err = shm.Attach(shm.Options{Path: s.info.Segment, LockPath: lockf.Name(), LockFile: lockf,
 		LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: s.log})
 	if err != nil {
 		return err

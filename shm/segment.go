@@ -28,6 +28,12 @@ type Options struct {
 	// LockPath is the file whose bytes carry the process table's liveness
 	// locks. Default: Path + ".lock".
 	LockPath string
+	// LockFile, if set, is the lock file already open for reading and
+	// writing, used instead of opening LockPath: a caller that must not
+	// follow a link planted at the path opens it itself. Create and Attach
+	// take it over: it is closed with the segment, or before they return
+	// an error.
+	LockFile *os.File
 	// Size is the initial usable size (Create only), rounded up to the
 	// backing page size. Default DefaultSize.
 	Size uint64
@@ -51,6 +57,14 @@ func (o *Options) lockPath() string {
 		return o.LockPath
 	}
 	return o.Path + ".lock"
+}
+
+// dropLockFileOn closes the lock file the caller handed over if *err is
+// set (closing it twice is harmless).
+func (o *Options) dropLockFileOn(err *error) {
+	if *err != nil && o.LockFile != nil {
+		o.LockFile.Close()
+	}
 }
 
 func (o *Options) logger() *slog.Logger {
@@ -90,7 +104,8 @@ func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
 // a process-table slot for the caller, who becomes the owner. The segment
 // stays in the initializing state until MarkReady, so attachers refuse it
 // while the layers above build their state.
-func Create(o Options) (*Segment, error) {
+func Create(o Options) (_ *Segment, err error) {
+	defer o.dropLockFileOn(&err)
 	if o.Slots == 0 {
 		o.Slots = DefaultSlots
 	}
@@ -161,7 +176,8 @@ func create(f *os.File, o *Options) (*Segment, error) {
 
 // Attach opens and maps an existing segment after validating its header
 // (see Probe for the checks), then claims a process-table slot.
-func Attach(o Options) (*Segment, error) {
+func Attach(o Options) (_ *Segment, err error) {
+	defer o.dropLockFileOn(&err)
 	f, err := os.OpenFile(o.Path, os.O_RDWR, 0)
 	if err != nil {
 		return nil, fmt.Errorf("shm: attach: %w", err)
@@ -184,9 +200,12 @@ func Attach(o Options) (*Segment, error) {
 }
 
 func mapSegment(f *os.File, o *Options, maxSize uint64) (*Segment, error) {
-	lockf, err := os.OpenFile(o.lockPath(), os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("open lock file: %w", err)
+	lockf := o.LockFile
+	if lockf == nil {
+		var err error
+		if lockf, err = os.OpenFile(o.lockPath(), os.O_RDWR|os.O_CREATE, 0o600); err != nil {
+			return nil, fmt.Errorf("open lock file: %w", err)
+		}
 	}
 	base, err := vm.MapShared(int(f.Fd()), uintptr(maxSize), true)
 	if err != nil {

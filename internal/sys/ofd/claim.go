@@ -32,7 +32,14 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 		return nil, fmt.Errorf("%w: %s is a symbolic link", ErrNotOwned, path)
 	}
 	if err != nil {
-		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+		// What cannot be opened (a directory, another user's private
+		// file) is judged by what it is, not by why open failed.
+		var st unix.Stat_t
+		if errors.Is(err, unix.ENOENT) || unix.Lstat(path, &st) != nil ||
+			st.Mode&unix.S_IFMT == unix.S_IFREG && int(st.Uid) == uid {
+			return nil, &os.PathError{Op: "open", Path: path, Err: err}
+		}
+		return nil, notOwned(path, &st, uid)
 	}
 	f := os.NewFile(uintptr(fd), path)
 	var st unix.Stat_t
@@ -42,14 +49,31 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != uid {
 		f.Close()
-		return nil, fmt.Errorf("%w: %s has owner uid %d and mode %o; expected a regular file of uid %d",
-			ErrNotOwned, path, st.Uid, st.Mode, uid)
+		return nil, notOwned(path, &st, uid)
 	}
 	if err := TryLock(f, 0, true); err != nil {
 		f.Close()
 		return nil, err
 	}
 	return &Claim{f: f, path: path}, nil
+}
+
+func notOwned(path string, st *unix.Stat_t, uid int) error {
+	what := "a regular file"
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		what = "a directory"
+	case unix.S_IFIFO:
+		what = "a FIFO"
+	case unix.S_IFSOCK:
+		what = "a socket"
+	case unix.S_IFCHR, unix.S_IFBLK:
+		what = "a device"
+	case unix.S_IFLNK:
+		what = "a symbolic link"
+	}
+	return fmt.Errorf("%w: %s is %s with owner uid %d and mode %o; expected a regular file of uid %d",
+		ErrNotOwned, path, what, st.Uid, st.Mode&0o7777, uid)
 }
 
 // File returns the claimed file, open for reading and writing.
