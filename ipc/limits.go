@@ -154,6 +154,10 @@ type ServerStats struct {
 	// for the write timeout (they do not read their replies).
 	QueueOverflows uint64 `json:"queue_overflows"`
 	WriteTimeouts  uint64 `json:"write_timeouts"`
+	// Violations counts connections closed for breaking the protocol:
+	// a malformed, oversized (MaxMessage, or MaxUnadmittedMessage before
+	// the hello) or unexpected frame.
+	Violations uint64 `json:"violations"`
 }
 
 // tripEvery is how often each limit may log that it tripped: a flood
@@ -204,5 +208,6 @@ func (s *Server) Stats() ServerStats {
 	st.RefusedFilesInFlight = s.refusedFilesHeld.Load()
 	st.QueueOverflows = s.queueOverflows.Load()
 	st.WriteTimeouts = s.writeTimeouts.Load()
+	st.Violations = s.violations.Load()
 	return st
 }

@@ -125,6 +125,7 @@ type Server struct {
 	refusedFilesHeld atomic.Uint64
 	queueOverflows   atomic.Uint64
 	writeTimeouts    atomic.Uint64
+	violations       atomic.Uint64
 	trips            tripLog
 
 	closing   chan struct{}
@@ -377,7 +378,10 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	switch {
 	case errors.Is(err, ErrLimit), errors.Is(err, errSlowReader): // counted and logged by ending
 	case isViolation(err):
-		s.log.Warn("ipc: closed the connection of a peer that broke the protocol",
+		// Counted, and logged at most once a second: a flood of bad
+		// frames must not become a flood of log lines.
+		s.violations.Add(1)
+		s.trip("protocol", "ipc: closed the connection of a peer that broke the protocol",
 			"peer", p.id, "pid", cred.PID, "uid", cred.UID, "err", err)
 	default:
 		s.log.Debug("ipc: peer disconnected", "peer", p.id, "pid", cred.PID, "err", err)

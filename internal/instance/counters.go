@@ -47,6 +47,7 @@ const (
 	CIPCQueueOverflows       // peers dropped for too many queued requests
 	CIPCWriteTimeouts        // peers dropped for not reading their replies
 	CIPCThrottled            // requests of peers not attached refused for their budget
+	CIPCViolations           // connections closed for breaking the protocol
 	NumCounters
 )
 
@@ -58,7 +59,7 @@ var CounterNames = [NumCounters]string{
 	"selective_flushes", "full_flush_dropped", "selective_flush_dropped", "fenced", "quarantined_pages", "read_fences",
 	"ipc_conns", "ipc_refused_conns", "ipc_refused_conns_per_uid", "ipc_hello_timeouts",
 	"ipc_refused_files", "ipc_refused_files_in_flight", "ipc_queue_overflows", "ipc_write_timeouts",
-	"ipc_strangers_throttled",
+	"ipc_strangers_throttled", "ipc_violations",
 }
 
 // Map returns the counters by CounterNames.
@@ -88,13 +89,13 @@ func CountersFromMap(m map[string]uint64) Counters {
 //	  8   8  Role     shm.Role of the writer
 //	 16   8  Updated  unix nanoseconds of the last publication
 //	 24   8  Epoch    the slot's claim epoch when written
-//	 32 256  Values   NumCounters counters, room for 32
+//	 32 384  Values   NumCounters counters, room for 48
 type counterLine struct {
 	PID     uint64
 	Role    uint64
 	Updated int64
 	Epoch   uint64
-	Values  [32]uint64
+	Values  [48]uint64
 }
 
 func countersLayout() []string { return []string{shm.Describe(counterLine{})} }
@@ -154,6 +155,9 @@ type Counters struct {
 	// Stats requests of peers that have not attached, refused because
 	// they went over their budget, all together (primary).
 	IPCThrottled uint64 `json:"ipc_strangers_throttled"`
+	// Connections closed for breaking the protocol: malformed, oversized
+	// or unexpected frames (primary).
+	IPCViolations uint64 `json:"ipc_violations"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
@@ -162,7 +166,8 @@ func (c *Counters) vector() *[NumCounters]uint64 {
 		uint64(c.LatencyMax), c.Syncs, c.SyncDrops, uint64(c.Secondaries), c.ValidationErrors,
 		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences,
 		uint64(c.IPCConns), c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts,
-		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCThrottled}
+		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCThrottled,
+		c.IPCViolations}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
@@ -178,7 +183,7 @@ func fromVector(v *[NumCounters]uint64) Counters {
 		IPCConns:   int(v[CIPCConns]), IPCRefusedConns: v[CIPCRefusedConns], IPCRefusedConnsUID: v[CIPCRefusedConnsUID],
 		IPCHelloTimeouts: v[CIPCHelloTimeouts], IPCRefusedFiles: v[CIPCRefusedFiles],
 		IPCRefusedFilesInFlight: v[CIPCRefusedFilesInFlight], IPCQueueOverflows: v[CIPCQueueOverflows],
-		IPCWriteTimeouts: v[CIPCWriteTimeouts], IPCThrottled: v[CIPCThrottled],
+		IPCWriteTimeouts: v[CIPCWriteTimeouts], IPCThrottled: v[CIPCThrottled], IPCViolations: v[CIPCViolations],
 	}
 }
 
@@ -193,7 +198,7 @@ func (c *Counters) SetQueues(s cache.LocalStats, queues int) {
 func (c *Counters) SetIPC(st ipc.ServerStats) {
 	c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID = st.Conns, st.RefusedConns, st.RefusedConnsUID
 	c.IPCHelloTimeouts, c.IPCRefusedFiles, c.IPCRefusedFilesInFlight = st.HelloTimeouts, st.RefusedFiles, st.RefusedFilesInFlight
-	c.IPCQueueOverflows, c.IPCWriteTimeouts = st.QueueOverflows, st.WriteTimeouts
+	c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCViolations = st.QueueOverflows, st.WriteTimeouts, st.Violations
 }
 
 // SetLatency copies a histogram's quantiles in.
