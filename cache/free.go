@@ -16,7 +16,7 @@ import (
 // corrupt), it refuses the free, so that no memory is freed that a key is
 // still served for.
 func (g *Global) guardFree(ev hugetlb.Event) error {
-	if ev.Kind != hugetlb.EventFree || g.closed.Load() {
+	if ev.Kind != hugetlb.EventFree {
 		return nil
 	}
 	if err := g.invalidate(uint64(ev.Addr), ev.Len); err != nil {
@@ -32,6 +32,12 @@ func (g *Global) guardFree(ev hugetlb.Event) error {
 // both under the write lock: a lookup that sees the old generation may
 // still use what it cached, but one that starts after the bump flushes,
 // and finds the global table either locked or rebuilt.
+//
+// The device is told too (see trim). An MR the device cannot trim (a soft
+// device out of holes, say) is taken off the list whole, to be
+// deregistered before the pages go: its other pages lose their
+// registration and are registered again on demand, which is safe, where
+// keeping it would leave its key valid over freed memory.
 //
 // The MRs holding the pages are found before anything changes, so a lock
 // that cannot be had or a list that cannot be read leaves everything as it
@@ -59,7 +65,13 @@ func (g *Global) invalidate(addr, length uint64) error {
 		}
 		hits = append(hits, hit{m, uint32((page - atomic.LoadUint64(&m.rec.Start)) / atomic.LoadUint64(&m.rec.PageSize))})
 	}
-	if len(hits) == 0 {
+	// Also the MRs whose registered range covers the pages without their
+	// bitmap saying so (see trim): the device accepts their keys there.
+	over, err := g.overlapping(addr, length)
+	if err != nil {
+		return err
+	}
+	if len(hits) == 0 && len(over) == 0 {
 		return nil
 	}
 	// Logged and bumped before the rebuild, so no local cache can miss the
@@ -67,16 +79,23 @@ func (g *Global) invalidate(addr, length uint64) error {
 	g.bumpGen(addr, addr+length)
 	atomic.AddUint64(&g.root.Invalidations, 1)
 	var errs []error
+	dropped := map[uint64]bool{}
+	for _, m := range g.trim(over, addr, length) {
+		start := atomic.LoadUint64(&m.rec.Start)
+		g.bumpGen(start, start+atomic.LoadUint64(&m.rec.Len))
+		dropped[m.off] = true
+		errs = append(errs, g.moveToFree(m))
+	}
 	for _, h := range hits {
-		if !h.m.bit(h.bit) {
+		if dropped[h.m.off] || !h.m.bit(h.bit) {
 			continue
 		}
 		h.m.clearBit(h.bit)
 		if atomic.AddUint32(&h.m.rec.PagesSet, ^uint32(0)) == 0 {
+			dropped[h.m.off] = true
 			errs = append(errs, g.moveToFree(h.m))
 		}
 	}
-	errs = append(errs, g.trim(addr, length))
 	errs = append(errs, g.rebuild())
 	if err := errors.Join(errs...); err != nil {
 		g.bumpGen(everything.start, everything.end) // the list cannot be trusted: every cache flushes
@@ -89,27 +108,42 @@ func (g *Global) invalidate(addr, length uint64) error {
 	return nil
 }
 
-// trim tells the device that the MRs still on the list whose registered
-// range overlaps [addr, addr+length) no longer cover it: an MR that lost
-// some of its pages, or one registered over pages another MR held (the
-// create path registers a whole run and leaves such pages out of its
-// bitmap only). Without that, the device would keep accepting their keys
-// for freed memory. Devices that cannot trim (rdma-core) keep the pages
-// registered, as DPDK's drivers do. Call with the write lock held.
-func (g *Global) trim(addr, length uint64) error {
+// overlapping returns the MRs on the list, external memory's excepted,
+// whose registered range overlaps [addr, addr+length). Call with the
+// write lock held.
+func (g *Global) overlapping(addr, length uint64) ([]mr, error) {
+	var out []mr
+	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
+		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
+		if !m.external() && addr < s+n && s < addr+length {
+			out = append(out, m)
+		}
+		return true
+	})
+	return out, err
+}
+
+// trim tells the device that the MRs in over no longer cover [addr,
+// addr+length): an MR that lost some of its pages, or one registered over
+// pages another MR held (the create path registers a whole run and leaves
+// such pages out of its bitmap only). Without that, the device would keep
+// accepting their keys for freed memory. It returns the MRs the device
+// could not trim, which the caller must take off the list whole. Devices
+// that cannot trim at all (rdma-core) keep the pages registered, as DPDK's
+// drivers do. Call with the write lock held.
+func (g *Global) trim(over []mr, addr, length uint64) (failed []mr) {
 	t, ok := g.pd.(verbs.Trimmer)
 	if !ok {
 		return nil
 	}
-	var errs []error
-	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
-		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
-		if !m.external() && addr < s+n && s < addr+length {
-			errs = append(errs, t.TrimMR(m.verbsMR(), uintptr(addr), uintptr(length)))
+	for _, m := range over {
+		if err := t.TrimMR(m.verbsMR(), uintptr(addr), uintptr(length)); err != nil {
+			g.log.Warn("the device cannot trim an MR; deregistering it whole",
+				"lkey", atomic.LoadUint32(&m.rec.LKey), "addr", addr, "len", length, "err", err)
+			failed = append(failed, m)
 		}
-		return true
-	})
-	return errors.Join(append(errs, err)...)
+	}
+	return failed
 }
 
 // pageSize returns the page size of the memseg list holding addr (the
@@ -184,14 +218,30 @@ func (g *Global) Collect() (int, error) {
 	g.writeUnlock(cancel)
 	var n int
 	var errs []error
+	var kept []mr
 	err = g.eachMR(head, func(m mr) bool {
-		if err := g.pd.DeregMR(m.verbsMR()); err != nil {
+		if err := g.pd.DeregMR(m.verbsMR()); err != nil && !errors.Is(err, verbs.ErrStaleKey) {
+			// Its key may still be valid: keep the record, so that the
+			// next collection tries again and a free waiting on this
+			// one is refused instead of completing.
 			errs = append(errs, err)
+			kept = append(kept, m)
+			return true
 		}
 		errs = append(errs, g.seg.Free(m.off))
 		n++
 		return true
 	})
+	if len(kept) > 0 {
+		if cancel, lerr := g.writeLock(); lerr == nil {
+			for _, m := range kept {
+				g.push(&g.root.FreeList, &g.root.FreeCount, m)
+			}
+			g.writeUnlock(cancel)
+		} else {
+			errs = append(errs, lerr)
+		}
+	}
 	if err := errors.Join(append(errs, err)...); err != nil {
 		return n, fmt.Errorf("cache: collect freed MRs: %w", err)
 	}
@@ -210,7 +260,9 @@ func (g *Global) Close() error {
 	if g.closed.Swap(true) {
 		return nil
 	}
-	g.unsub()
+	// Frees stay guarded until the list is swept: one that came between
+	// would otherwise leave keys served for its pages.
+	defer g.unsub()
 	cancel, err := g.writeLock()
 	if err != nil {
 		return err
