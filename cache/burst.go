@@ -160,12 +160,15 @@ func (l *Local) burst(addrs []uintptr, keys []uint32, i int) (int, error) {
 		}
 		// Memory may have been freed while the slow path waited (for a
 		// create, say): catch up before the top half answers again. e
-		// itself was found after that.
+		// answers addrs[i], whose lookup overlapped the free, but the
+		// addresses after it are looked up afresh: catching up may just
+		// have dropped e.
+		keys[i] = e.LKey
+		start, size, key = e.Start, e.End-e.Start, e.LKey
 		if g := atomic.LoadUint32(l.devGen); g != l.gen {
 			l.catchUp(g)
+			size = 0
 		}
-		start, size, key = e.Start, e.End-e.Start, e.LKey
-		keys[i] = key
 	}
 	l.countRun(runs)
 	return len(addrs), nil

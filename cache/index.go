@@ -230,6 +230,12 @@ func (t *Table) reindex() {
 		if end := atomic.LoadUint64(&t.ents[b].End); end > lo+span {
 			span = end - 1 - lo // the last entry's bytes, in the last bucket
 		}
+		if w+1 < nw {
+			// But never into the next window: an address there belongs
+			// to the entries that start there, even if this window's
+			// last entry (overlapping them) reaches that far.
+			span = min(span, start(bounds[w+1])-1-lo)
+		}
 		buckets := int((start(b)-lo)>>shift) + 1
 		// Bucket j records the last entry whose bucket is below j.
 		j, k := 0, a-1
