@@ -74,8 +74,14 @@ type Client struct {
 	cred    Cred // the server's, read at the start
 	credErr error
 
-	reader  sync.WaitGroup
-	laneBuf []byte // the lane's receive buffer, used by the leader (see endpoint)
+	reader  sync.WaitGroup // the connection's reader, and the lane's drainer while it runs
+	laneBuf []byte         // the lane's receive buffer, used by the leader (see endpoint)
+
+	// The lane's answers still owed to calls that gave up after their
+	// request went, and the drainer: the reader of the lane while no
+	// caller is, until those answers are in (see drain). Under mu.
+	owed     int
+	draining *call
 
 	pmu        sync.Mutex
 	pushes     []message // received, not yet handled, in arrival order
@@ -359,7 +365,11 @@ func (c *Client) laneCall(ctx context.Context, deadline time.Time, l *sock.Block
 	} else {
 		c.follow(cl)
 	}
+	wakeDrainer := !lead && c.leader == c.draining
 	c.mu.Unlock()
+	if wakeDrainer {
+		l.Wake() // it hands the reading over
+	}
 	if !lead {
 		if err, done := c.await(ctx, deadline, cl); done {
 			return err
@@ -382,7 +392,7 @@ func (c *Client) await(ctx context.Context, deadline time.Time, cl *call) (err e
 	select {
 	case err := <-cl.ch:
 		c.mu.Lock()
-		c.resign(cl)
+		c.resignLane(cl)
 		c.mu.Unlock()
 		return err, true
 	case <-cl.lead:
@@ -396,11 +406,12 @@ func (c *Client) await(ctx context.Context, deadline time.Time, cl *call) (err e
 	if c.pending[cl.id] == cl {
 		delete(c.pending, cl.id)
 		c.unfollow(cl)
-		c.resign(cl)
+		c.owed++ // its answer will still come
+		c.resignLane(cl)
 		c.mu.Unlock()
 		return err, true
 	}
-	c.resign(cl)
+	c.resignLane(cl)
 	c.mu.Unlock()
 	return <-cl.ch, true // the answer came meanwhile
 }
@@ -420,7 +431,7 @@ func (c *Client) lead(ctx context.Context, deadline time.Time, l *sock.Blocking,
 		stop()
 	}
 	c.mu.Lock()
-	c.resign(cl)
+	c.resignLane(cl)
 	c.mu.Unlock()
 	if answered {
 		return err
@@ -459,22 +470,19 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			if c.take(cl.id) == nil {
 				return nil, false
 			}
+			c.mu.Lock()
+			c.owed++ // its answer will still come
+			c.mu.Unlock()
 			return cerr, true
 		}
-		f, err := ParseFrame(c.laneBuf[:n])
-		if err == nil && f.Files != len(files) {
-			err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
-		}
-		if err == nil && (f.Kind != KindReply && f.Kind != KindError || f.ID == 0) {
-			err = fmt.Errorf("%w: %s frame with id %d on the call lane", ErrUnknownKind, f.Kind, f.ID)
-		}
+		f, err := laneAnswer(c.laneBuf[:n], files)
 		if err != nil {
 			closeFiles(files)
 			c.fail(err)
 			return nil, false
 		}
 		if f.ID != cl.id {
-			c.deliver(f, files) // another caller's, or one nobody waits for
+			c.deliverLane(f, files) // another caller's, or one nobody waits for
 			delivered = true
 			continue
 		}
@@ -502,6 +510,99 @@ func (c *Client) laneEnded(err error) {
 		t.Stop()
 	}
 	c.fail(connErr(err))
+}
+
+// laneAnswer parses a frame read on the lane, which must be the answer
+// to a call.
+func laneAnswer(b []byte, files []*os.File) (Frame, error) {
+	f, err := ParseFrame(b)
+	if err == nil && f.Files != len(files) {
+		err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
+	}
+	if err == nil && (f.Kind != KindReply && f.Kind != KindError || f.ID == 0) {
+		err = fmt.Errorf("%w: %s frame with id %d on the call lane", ErrUnknownKind, f.Kind, f.ID)
+	}
+	return f, err
+}
+
+// deliverLane hands an answer read on the lane to its caller, or drops
+// it, settling what is owed, if its caller gave up.
+func (c *Client) deliverLane(f Frame, files []*os.File) {
+	if cl := c.take(f.ID); cl != nil {
+		cl.ch <- decodeAnswer(f, files, cl.reply)
+		return
+	}
+	closeFiles(files)
+	c.mu.Lock()
+	if c.owed > 0 {
+		c.owed--
+	}
+	c.mu.Unlock()
+	c.log.Debug("ipc: dropped an answer nobody waits for", "id", f.ID, "kind", f.Kind)
+}
+
+// resignLane is resign for the lane: if nobody takes the reading over
+// while answers are still owed to calls that gave up, a drainer does, so
+// that those answers do not fill the lane while no call is made (the
+// server would take the client for one that does not read its replies).
+// Call it with mu held.
+func (c *Client) resignLane(cl *call) {
+	if c.leader != cl {
+		return
+	}
+	c.resign(cl)
+	l := c.lane.Load()
+	if c.leader != nil || c.owed == 0 || c.err != nil || l == nil {
+		return
+	}
+	d := &call{}
+	c.leader, c.draining = d, d
+	c.reader.Add(1) // the connection's reader holds it above zero
+	go c.drain(l, d)
+}
+
+// drain reads the lane for the drainer d while no caller does, dropping
+// the answers owed to calls that gave up, until none is owed or a caller
+// comes (it wakes the lane: see laneCall), who then takes the reading
+// over.
+func (c *Client) drain(l *sock.Blocking, d *call) {
+	defer c.reader.Done()
+	for {
+		if c.drained(d) {
+			return
+		}
+		n, files, err := l.Recv(c.laneBuf, time.Time{})
+		if errors.Is(err, sock.ErrWoken) {
+			continue
+		}
+		if err != nil {
+			c.laneEnded(err)
+			return
+		}
+		f, err := laneAnswer(c.laneBuf[:n], files)
+		if err != nil {
+			closeFiles(files)
+			c.fail(err)
+			return
+		}
+		c.deliverLane(f, files)
+	}
+}
+
+// drained reports whether the drainer d is done, handing the reading to
+// the first caller waiting if there is one.
+func (c *Client) drained(d *call) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.leader != d {
+		return true // the connection ended
+	}
+	if c.firstF == nil && c.owed > 0 && c.err == nil {
+		return false
+	}
+	c.draining = nil
+	c.resign(d)
+	return true
 }
 
 // follow queues cl for the reading. Call it with mu held.
