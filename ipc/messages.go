@@ -9,7 +9,7 @@ import (
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 2
+const ABI uint32 = 3
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
@@ -93,14 +93,17 @@ type Channel struct{}
 
 // Hello is the attach handshake a secondary sends first. The server
 // compares ABI with its own; Start is the process start time (see
-// shm.ProcessStart), which tells a reused pid from the original. A plain
-// value.
+// shm.ProcessStart), which tells a reused pid from the original; Slot and
+// Epoch name the process-table slot the secondary claimed, so that a
+// process attached twice is told from itself. A plain value.
 type Hello struct {
 	ABI   uint32 `msgpack:"abi"`
 	PID   int    `msgpack:"pid"`
 	UID   int    `msgpack:"uid"`
 	Start uint64 `msgpack:"start"` // process start time, to tell a reused pid
 	Role  string `msgpack:"role"`
+	Slot  int    `msgpack:"slot"`
+	Epoch uint32 `msgpack:"epoch"`
 }
 
 // Validate checks the fields a receiver must be able to trust.
@@ -112,6 +115,8 @@ func (m *Hello) Validate() error {
 		return fieldErr("hello uid %d", m.UID)
 	case m.Role == "" || len(m.Role) > maxName:
 		return fieldErr("hello role of %d bytes", len(m.Role))
+	case m.Slot < 0:
+		return fieldErr("hello slot %d", m.Slot)
 	}
 	return nil
 }

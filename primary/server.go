@@ -202,15 +202,20 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	if m.PID != peer.PID() {
 		return nil, fmt.Errorf("primary: hello claims pid %d, connection is from pid %d", m.PID, peer.PID())
 	}
+	// The slot the hello names, claimed by this very attachment (its
+	// epoch): a process attached twice holds two slots, and one
+	// attachment's connection must never speak for the other's slot.
 	slot := -1
 	var epoch uint32
 	for _, proc := range p.seg.Procs() {
-		if proc.PID == m.PID && proc.Alive && proc.Start == m.Start && proc.Role == shm.RoleSecondary && !proc.Fenced {
+		if proc.Slot == m.Slot && proc.Epoch == m.Epoch && proc.PID == m.PID && proc.Alive && proc.Start == m.Start &&
+			proc.Role == shm.RoleSecondary && !proc.Fenced {
 			slot, epoch = proc.Slot, proc.Epoch
 		}
 	}
 	if slot < 0 {
-		return nil, fmt.Errorf("%w: pid %d holds no slot in the process table", instance.ErrNotAttached, m.PID)
+		return nil, fmt.Errorf("%w: pid %d holds no slot %d (epoch %d) in the process table",
+			instance.ErrNotAttached, m.PID, m.Slot, m.Epoch)
 	}
 	// After the slot is found: while the process that made the connection
 	// lives, its pid is its own, so the slot found is its slot. Once it

@@ -244,7 +244,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 	var hello ipc.HelloReply
 	withFiles := &ipc.WithFiles{Body: &hello}
 	if err := s.client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
-		Start: start, Role: "secondary"}, withFiles); err != nil {
+		Start: start, Role: "secondary", Slot: s.seg.Slot(), Epoch: s.seg.Epoch()}, withFiles); err != nil {
 		err = s.requestError(request{what: "hello"}, err)
 		transient := errors.Is(err, ipc.ErrLimit) && !errors.Is(err, ipc.ErrConnsInUse)
 		if transient || errors.Is(err, ipc.ErrPeerGone) && !errors.Is(err, ipc.ErrLimit) && !errors.Is(err, ipc.ErrRefused) {
@@ -509,6 +509,14 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 	if err != nil {
 		s.reqErrs.Add(1)
 		return s.requestError(what, err)
+	}
+	// An answer read after the primary fenced this process (stopped while
+	// the answer was on its way, say) may name memory freed since: the
+	// primary went on without this process. Stop instead of using it.
+	if s.seg.Fenced() {
+		s.reqErrs.Add(1)
+		s.drop("the primary fenced this process")
+		return fmt.Errorf("%w: %s", ErrDropped, what)
 	}
 	return nil
 }

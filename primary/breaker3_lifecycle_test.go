@@ -1,0 +1,227 @@
+package primary_test
+
+import (
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// b3-multi is a helper process that may hold several attachments at once.
+// Commands, one per line:
+//
+//	attach             -> "> attached I slot=N" or "> attach-failed ERR"
+//	lookup I ADDR      -> "> key K" or "> err TEXT" (attachment I's queue)
+//	dropped I          -> "> dropped=BOOL"
+//	close I            -> "> closed" or "> err TEXT"
+func init() {
+	testproc.Register("b3-multi", func(args []string) int {
+		var ss []*secondary.Secondary
+		var qs []*secondary.Queue
+		testproc.Say("ready")
+		in := testproc.Commands()
+		for in.Scan() {
+			f := strings.Fields(in.Text())
+			if len(f) == 0 {
+				continue
+			}
+			num := func(i int) uint64 {
+				n, _ := strconv.ParseUint(f[i], 0, 64)
+				return n
+			}
+			switch f[0] {
+			case "attach":
+				s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+				if err != nil {
+					testproc.Say("> attach-failed %v", err)
+					break
+				}
+				ss, qs = append(ss, s), append(qs, s.NewQueue())
+				testproc.Say("> attached %d slot=%d", len(ss)-1, s.Slot())
+			case "lookup":
+				k, err := qs[num(1)].Lookup(uintptr(num(2)))
+				if err != nil {
+					testproc.Say("> err %v", err)
+				} else {
+					testproc.Say("> key %d", k)
+				}
+			case "dropped":
+				testproc.Say("> dropped=%t", ss[num(1)].Dropped())
+			case "close":
+				if err := ss[num(1)].Close(); err != nil {
+					testproc.Say("> err %v", err)
+				} else {
+					testproc.Say("> closed")
+				}
+			default:
+				testproc.Say("> err unknown command %q", f[0])
+			}
+		}
+		return 0
+	})
+}
+
+func b3Slot(t *testing.T, answer string) int {
+	t.Helper()
+	i := strings.Index(answer, "slot=")
+	require.GreaterOrEqual(t, i, 0, "answer %q", answer)
+	n, err := strconv.Atoi(answer[i+len("slot="):])
+	require.NoError(t, err, "answer %q", answer)
+	return n
+}
+
+// The primary tells which process-table slot a connection speaks for by
+// the pid and start time in its hello, taking the last slot that matches.
+// A process holding two slots — one healthy attachment, and a second
+// attach under way in a lower slot — gets the healthy one's slot named in
+// the answer to the second hello. That attach fails (the answer names
+// another slot), which is fine; but the primary has filed the failed
+// connection under the healthy attachment's slot and epoch, and when the
+// connection ends it fences that slot: a secondary that did nothing wrong
+// is dropped, and a failed attach did not leave everything where it was.
+func TestBreaker3FailedSecondAttachInOneProcessFencesTheFirst(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	ps := p.Backend().PageSize
+	r, err := p.Alloc(ps)
+	require.NoError(t, err)
+
+	// Another process takes the lowest free slot, so that ours gets a
+	// higher one; then it leaves, freeing the lower slot again.
+	other := testproc.Start(t, "b3-multi", []string{cfg.Prefix, cfg.RuntimeDir})
+	other.Expect("ready", 0)
+	low := b3Slot(t, ask(t, other, "attach"))
+
+	h := testproc.Start(t, "b3-multi", []string{cfg.Prefix, cfg.RuntimeDir})
+	h.Expect("ready", 0)
+	high := b3Slot(t, ask(t, h, "attach"))
+	require.Greater(t, high, low)
+	require.Contains(t, ask(t, h, "lookup 0 %d", r.Addr), "key", "the first attachment works")
+
+	require.Equal(t, "closed", ask(t, other, "close 0"))
+	require.Eventually(t, func() bool {
+		return !p.Segment().Proc(low).Live && p.Stats().Counters.Secondaries == 1
+	}, 5*time.Second, time.Millisecond, "the other process has left its slot and the primary")
+	fencedBefore := p.Stats().Counters.Fenced
+
+	// A second attachment in the same process: it claims the lower slot.
+	second := ask(t, h, "attach")
+	t.Logf("second attach: %s", second)
+	// However it went, its connection is gone or known once the primary
+	// is back to one secondary.
+	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 1 }, 5*time.Second, time.Millisecond)
+
+	assert.Equal(t, fencedBefore, p.Stats().Counters.Fenced, "the primary fenced nobody")
+	assert.False(t, p.Segment().Proc(high).Fenced, "the first attachment's slot is not fenced")
+	// The second attach cannot map the data memory a second time in one
+	// process; it must not be blamed on incompatible builds either.
+	assert.NotContains(t, second, "incompatible builds", "the second attach fails for what it is")
+}
+
+// b3Waiting reports whether some goroutine of this process is in every
+// one of frames: the primary runs in the test process, so its goroutines'
+// stacks say where a request it serves waits.
+func b3Waiting(frames ...string) bool {
+	buf := make([]byte, 4<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		all := true
+		for _, f := range frames {
+			all = all && strings.Contains(g, f)
+		}
+		if all {
+			return true
+		}
+	}
+	return false
+}
+
+// A secondary stopped while its lookup waits for the primary's answer to
+// a create: the create completes, the memory is freed, the secondary does
+// not follow the free and is dropped and fenced; Free returns nil. When it
+// resumes, the lookup it was in may return the key of the freed memory —
+// the answer that was waiting in its socket — instead of learning that it
+// was dropped: Queue.Lookup (and CreateMR) look at the drop only before
+// they start, so whether the resumed process serves the stale key depends
+// on whether its watcher goroutine (which notices the fence every 10 ms)
+// or the thread holding the answer runs first. Here about one resume in
+// two serves it; the scenario runs a few times and fails on the first
+// stale key. A secondary that resumes must stop instead of serving a key
+// for memory that is gone (the device refuses it).
+func TestBreaker3SecondaryResumedMidCreateServesFreedKey(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SyncTimeout = 300 * time.Millisecond })
+	ps := p.Backend().PageSize
+	for round := range 8 {
+		ans, key, r := b3ResumeMidCreate(t, p, cfg, ps)
+		t.Logf("round %d: the resumed lookup answered %q", round, ans)
+		if key == nil {
+			continue
+		}
+		assert.Error(t, p.Device().Validate(verbs.SGE{Addr: r.Addr, Len: 1, Key: *key}, verbs.AccessLocalWrite),
+			"the key is one the device refuses: its memory was freed")
+		assert.Fail(t, "a secondary that resumes after it was dropped served a key for memory freed meanwhile",
+			"round %d: %s", round, ans)
+		return
+	}
+}
+
+// b3ResumeMidCreate runs one round of the scenario above with fresh
+// secondaries and returns the resumed lookup's answer, its key if it gave
+// one, and the region freed under it.
+func b3ResumeMidCreate(t *testing.T, p *primary.Primary, cfg primary.Config, ps uint64) (string, *uint32, hugetlb.Region) {
+	t.Helper()
+	other, err := p.Alloc(ps)
+	require.NoError(t, err)
+	r, err := p.Alloc(ps)
+	require.NoError(t, err)
+	s1 := startSecondary(t, cfg)
+	s2 := startSecondary(t, cfg)
+	defer s2.Kill()
+	defer s1.Kill()
+	require.Equal(t, "wrote", ask(t, s1, "poke %d 1", r.Addr), "r is mapped in the secondary")
+
+	// A free that waits for the stopped s2 holds the memory lock for a
+	// while: creates wait behind it.
+	s2.Stop()
+	syncs := p.Stats().Counters.Syncs
+	freed := make(chan error, 1)
+	go func() { freed <- p.Free(other) }()
+	require.Eventually(t, func() bool { return p.Stats().Counters.Syncs > syncs }, 5*time.Second, time.Millisecond,
+		"s1 followed the first free")
+
+	s1.Send("lookup %d", r.Addr)
+	require.Eventually(t, func() bool { return b3Waiting("(*Global).createIn", "RLock") }, 5*time.Second, time.Millisecond,
+		"s1's create waits in the primary")
+	s1.Stop()
+	require.NoError(t, <-freed)
+	require.Eventually(t, func() bool {
+		_, found, err := p.Global().Lookup(uint64(r.Addr))
+		return err == nil && found
+	}, 5*time.Second, time.Millisecond, "the create went ahead once the first free was done")
+
+	require.NoError(t, p.Free(r), "Free completes without the stopped s1")
+	fenced := false
+	for _, pr := range p.Segment().Procs() {
+		fenced = fenced || pr.PID == s1.PID() && pr.Fenced
+	}
+	require.True(t, fenced, "s1 was dropped and fenced")
+
+	s1.Continue()
+	ans := strings.TrimPrefix(s1.Expect("> ", 0), "> ")
+	if !strings.HasPrefix(ans, "key") {
+		require.Contains(t, ans, "dropped this secondary")
+		return ans, nil, r
+	}
+	k := parseKey(t, ans)
+	return ans, &k, r
+}
