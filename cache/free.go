@@ -205,47 +205,48 @@ func (g *Global) Collect() (int, error) {
 	}
 	g.gcMu.Lock()
 	defer g.gcMu.Unlock()
-	if atomic.LoadUint32(&g.root.FreeCount) == 0 {
-		return 0, nil
-	}
-	cancel, err := g.writeLock()
-	if err != nil {
-		return 0, fmt.Errorf("cache: collect freed MRs: %w", err)
-	}
-	head := atomic.LoadUint64(&g.root.FreeList)
-	atomic.StoreUint64(&g.root.FreeList, 0)
-	atomic.StoreUint32(&g.root.FreeCount, 0)
-	g.writeUnlock(cancel)
+	// First the MRs an earlier collection could not deregister.
 	var n int
 	var errs []error
-	var kept []mr
-	err = g.eachMR(head, func(m mr) bool {
-		if err := g.pd.DeregMR(m.verbsMR()); err != nil && !errors.Is(err, verbs.ErrStaleKey) {
-			// Its key may still be valid: keep the record, so that the
-			// next collection tries again and a free waiting on this
-			// one is refused instead of completing.
+	undone := g.undone
+	g.undone = nil
+	for _, m := range undone {
+		n += g.release(m, &errs)
+	}
+	if atomic.LoadUint32(&g.root.FreeCount) != 0 {
+		cancel, err := g.writeLock()
+		if err != nil {
 			errs = append(errs, err)
-			kept = append(kept, m)
-			return true
-		}
-		errs = append(errs, g.seg.Free(m.off))
-		n++
-		return true
-	})
-	if len(kept) > 0 {
-		if cancel, lerr := g.writeLock(); lerr == nil {
-			for _, m := range kept {
-				g.push(&g.root.FreeList, &g.root.FreeCount, m)
-			}
-			g.writeUnlock(cancel)
 		} else {
-			errs = append(errs, lerr)
+			head := atomic.LoadUint64(&g.root.FreeList)
+			atomic.StoreUint64(&g.root.FreeList, 0)
+			atomic.StoreUint32(&g.root.FreeCount, 0)
+			g.writeUnlock(cancel)
+			errs = append(errs, g.eachMR(head, func(m mr) bool {
+				n += g.release(m, &errs)
+				return true
+			}))
 		}
 	}
-	if err := errors.Join(append(errs, err)...); err != nil {
+	if err := errors.Join(errs...); err != nil {
 		return n, fmt.Errorf("cache: collect freed MRs: %w", err)
 	}
 	return n, nil
+}
+
+// release deregisters m and frees its record, and reports 1; or, if the
+// device refuses, keeps the record for the next collection (its key may
+// still be valid: a free waiting on this collection must be refused, and
+// its retry too, until the device lets go), appends why to errs and
+// reports 0. Call with gcMu held.
+func (g *Global) release(m mr, errs *[]error) int {
+	if err := g.pd.DeregMR(m.verbsMR()); err != nil && !errors.Is(err, verbs.ErrStaleKey) {
+		*errs = append(*errs, err)
+		g.undone = append(g.undone, m)
+		return 0
+	}
+	*errs = append(*errs, g.seg.Free(m.off))
+	return 1
 }
 
 // Close releases every MR (deregistering them) and the global table, and
@@ -283,8 +284,8 @@ func (g *Global) Close() error {
 		t.Clear()
 	}
 	g.writeUnlock(cancel)
-	g.GC()
-	return errors.Join(errs...)
+	_, err = g.Collect()
+	return errors.Join(append(errs, err)...)
 }
 
 // RegisterExternal registers [addr, addr+length), memory outside every

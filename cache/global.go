@@ -124,6 +124,7 @@ type Global struct {
 	noExpand  bool
 	fullFlush bool
 	gcMu      sync.Mutex // one collection at a time (see Collect)
+	undone    []mr       // MRs the device would not deregister yet, under gcMu
 	closeMu   sync.Mutex
 	closed    atomic.Bool
 }
