@@ -97,6 +97,11 @@ type Secondary struct {
 	bg     sync.WaitGroup
 	stop   context.CancelFunc
 
+	// Drops started by a request that found the fence, which Close waits
+	// for; dropMu orders their start with Close's.
+	dropMu   sync.Mutex
+	dropping sync.WaitGroup
+
 	primarySlot  int
 	primaryEpoch uint32
 	dropped      atomic.Bool
@@ -409,15 +414,28 @@ func (s *Secondary) connectionEnded(ctx context.Context) {
 	}
 }
 
-// drop stops this secondary after the primary dropped it: requests fail
-// with ErrDropped, the data memory is unmapped (a touch faults instead of
-// reaching pages the primary may have freed), and the process table says
-// so, which lets the primary release what it kept in quarantine for it.
+// dropGrace bounds how long a dropped secondary waits for its queues to
+// close before it unmaps the data memory: a datapath learns of the drop at
+// its next lookup (ErrDropped) and stops; until its queue is closed it may
+// still be writing a buffer, which must not fault.
+const dropGrace = 500 * time.Millisecond
+
+// drop stops this secondary after the primary dropped it: lookups and
+// requests fail with ErrDropped from now on; once the queues are closed
+// (or dropGrace has passed) the data memory is unmapped (a touch then
+// faults instead of reaching pages the primary may have freed), and the
+// process table says so, which lets the primary release what it kept in
+// quarantine for it. Until then nothing this process writes reaches
+// anyone: what the primary freed meanwhile waits in quarantine.
 func (s *Secondary) drop(why string) {
+	s.dropped.Store(true) // at once, whoever does the rest
 	s.goneMu.Do(func() {
-		s.dropped.Store(true)
-		s.log.Error("dropped by the primary: stopping; the data memory is unmapped and requests fail", "why", why)
+		s.log.Error("dropped by the primary: stopping; requests and lookups fail, and the data memory is unmapped "+
+			"once the queues are closed", "why", why)
 		s.client.Close()
+		if !s.queues.WaitEmpty(dropGrace) {
+			s.log.Warn("queues still open after a drop; unmapping the data memory under them", "grace", dropGrace)
+		}
 		if err := s.mem.Close(); err != nil {
 			s.log.Error("unmapping the data memory", "err", err)
 		} else {
@@ -426,6 +444,22 @@ func (s *Secondary) drop(why string) {
 		// Last: whoever waits on PrimaryGone finds the memory gone.
 		close(s.gone)
 	})
+}
+
+// startDrop drops this secondary on another goroutine, for a caller that
+// may hold a queue open itself (drop waits for the queues).
+func (s *Secondary) startDrop(why string) {
+	s.dropped.Store(true)
+	s.dropMu.Lock()
+	defer s.dropMu.Unlock()
+	if s.closed.Load() {
+		return // Close unmaps and tears down by itself
+	}
+	s.dropping.Add(1)
+	go func() {
+		defer s.dropping.Done()
+		s.drop(why)
+	}()
 }
 
 // Dropped reports whether the primary dropped this secondary (see
@@ -496,8 +530,11 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 	if s.closed.Load() {
 		return ErrClosed
 	}
+	if s.dropped.Load() {
+		return fmt.Errorf("%w: %s", ErrDropped, what)
+	}
 	if s.isGone() {
-		if s.dropped.Load() || s.seg.Fenced() {
+		if s.seg.Fenced() {
 			return fmt.Errorf("%w: %s", ErrDropped, what)
 		}
 		return fmt.Errorf("%w: %s", ErrPrimaryGone, what)
@@ -515,7 +552,7 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 	// primary went on without this process. Stop instead of using it.
 	if s.seg.Fenced() {
 		s.reqErrs.Add(1)
-		s.drop("the primary fenced this process")
+		s.startDrop("the primary fenced this process")
 		return fmt.Errorf("%w: %s", ErrDropped, what)
 	}
 	return nil
@@ -682,6 +719,9 @@ func (s *Secondary) Close() error {
 	if s.closed.Swap(true) {
 		return nil
 	}
+	s.dropMu.Lock() // no drop starts after this
+	s.dropMu.Unlock()
+	s.dropping.Wait()
 	var errs []error
 	if s.client != nil && !s.isGone() {
 		// Unmapped first: from the moment the primary stops sending this
@@ -753,6 +793,11 @@ func (p *pushes) HandlePush(ctx context.Context, kind ipc.Kind, body *ipc.Decode
 		err = s.mem.Resync()
 	default:
 		err = fmt.Errorf("secondary: unknown sync op %d", m.Op)
+	}
+	if errors.Is(err, hugetlb.ErrClosed) && s.closed.Load() {
+		// Closing: the data memory is unmapped already, which is all a
+		// sync asks for while this process detaches.
+		err = nil
 	}
 	if err != nil {
 		s.log.Error("memory sync failed", "op", m.Op, "list", m.List, "first", m.First, "count", m.Count, "err", err)

@@ -2,6 +2,7 @@ package instance
 
 import (
 	"sync"
+	"time"
 
 	"github.com/mpmr/mpmr/cache"
 )
@@ -13,6 +14,7 @@ type Queues struct {
 	mu      sync.Mutex
 	live    map[*cache.Local]struct{}
 	retired cache.LocalStats
+	empty   chan struct{} // closed when the last live queue is removed
 }
 
 // Add starts tracking l.
@@ -21,6 +23,9 @@ func (q *Queues) Add(l *cache.Local) {
 	defer q.mu.Unlock()
 	if q.live == nil {
 		q.live = map[*cache.Local]struct{}{}
+	}
+	if len(q.live) == 0 {
+		q.empty = make(chan struct{})
 	}
 	q.live[l] = struct{}{}
 }
@@ -33,6 +38,29 @@ func (q *Queues) Remove(l *cache.Local) {
 	if _, ok := q.live[l]; ok {
 		delete(q.live, l)
 		q.retired = q.retired.Add(l.Published())
+		if len(q.live) == 0 {
+			close(q.empty)
+		}
+	}
+}
+
+// WaitEmpty waits until no queue is live, at most d, and reports whether
+// none is.
+func (q *Queues) WaitEmpty(d time.Duration) bool {
+	q.mu.Lock()
+	if len(q.live) == 0 {
+		q.mu.Unlock()
+		return true
+	}
+	empty := q.empty
+	q.mu.Unlock()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-empty:
+		return true
+	case <-t.C:
+		return false
 	}
 }
 
