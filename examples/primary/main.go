@@ -18,12 +18,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -126,6 +124,11 @@ func run(ctx context.Context, c config) error {
 		}
 		sums, failed = launch(ctx, bin, c)
 		cleanup()
+		if ctx.Err() != nil {
+			// Interrupted: the secondaries were told to stop too, and
+			// those that did not finish have no summary to give.
+			failed = []error{errors.New("interrupted")}
+		}
 	}
 	stopChurn()
 	stopChurn = func() {}
@@ -204,7 +207,12 @@ func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) 
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			sums[i], errs[i] = runSecondary(ctx, exec.CommandContext(ctx, bin, c.Args()...), i)
+			cmd := exec.CommandContext(ctx, bin, c.Args()...)
+			// Interrupted, a secondary is asked to stop (it detaches
+			// cleanly), and killed only if it does not.
+			cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+			cmd.WaitDelay = 5 * time.Second
+			sums[i], errs[i] = runSecondary(ctx, cmd, i)
 		}()
 	}
 	wg.Wait()
@@ -226,7 +234,10 @@ func runSecondary(ctx context.Context, cmd *exec.Cmd, n int) (job.Summary, error
 	if err != nil {
 		return sum, err
 	}
-	cmd.Stderr = &prefixed{w: os.Stderr, prefix: fmt.Sprintf("[secondary %d] ", n)}
+	// Its standard error is this process's, not a pipe through it: if
+	// this process dies, the secondary can still say what it did about it.
+	// Its lines name its pid.
+	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		return sum, err
 	}
@@ -275,26 +286,4 @@ func secondaryProgram(flagged string) (bin string, cleanup func(), err error) {
 		return "", nil, fmt.Errorf("building examples/secondary (run from inside the module, or give -secondary-bin): %w", err)
 	}
 	return bin, cleanup, nil
-}
-
-// prefixed writes each line with a prefix.
-type prefixed struct {
-	mu     sync.Mutex
-	w      io.Writer
-	prefix string
-	rest   []byte
-}
-
-func (p *prefixed) Write(b []byte) (int, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.rest = append(p.rest, b...)
-	for {
-		i := strings.IndexByte(string(p.rest), '\n')
-		if i < 0 {
-			return len(b), nil
-		}
-		fmt.Fprintf(p.w, "%s%s\n", p.prefix, p.rest[:i])
-		p.rest = p.rest[i+1:]
-	}
 }

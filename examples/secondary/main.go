@@ -37,6 +37,10 @@ func main() {
 	var f job.Flags
 	f.Register(flag.CommandLine)
 	flag.Parse()
+	// Standard output may be a pipe to the primary that launched this
+	// process: if that primary dies, a write must fail, not kill the
+	// process before it has stopped its queues and said so.
+	signal.Ignore(syscall.SIGPIPE)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, f)
 	stop()
@@ -66,7 +70,7 @@ func run(ctx context.Context, f job.Flags) int {
 	// primary's addresses. It fails with secondary.ErrNoPrimary when
 	// nothing listens, and with a permission error when the instance
 	// belongs to someone else.
-	s, err := secondary.Attach(secondary.Config{Prefix: f.Prefix, RuntimeDir: f.RuntimeDir, Logger: f.Logger()})
+	s, err := secondary.Attach(secondary.Config{Prefix: f.Prefix, RuntimeDir: f.RuntimeDir, Logger: f.Logger().With("secondary_pid", os.Getpid())})
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "secondary: %v\n", err)
 		if errors.Is(err, secondary.ErrNoPrimary) {
@@ -121,25 +125,33 @@ func run(ctx context.Context, f job.Flags) int {
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	var last uint64
+	// stopped says how the primary ended this process's work, if it did:
+	// it died, or it dropped this process because it did not follow a
+	// memory change in time (stopped, say). Keys already cached would keep
+	// resolving after a death, but nothing new can be registered, and
+	// after a drop the data memory goes: stop the queues and say so.
+	stopped := func() int {
+		stopWork()
+		<-done
+		why := "the primary has gone"
+		if s.Dropped() {
+			why = "the primary dropped this process (it did not follow a memory change in time)"
+		}
+		fmt.Fprintf(os.Stderr, "secondary pid %d: %s: stopped %d queues after %d copies; exiting\n",
+			os.Getpid(), why, len(queues), c.copies.Load())
+		return 2
+	}
 	for running := true; running; {
 		select {
 		case <-done:
 			running = false
-		case <-s.PrimaryGone():
-			// The primary died, or dropped this process because it did
-			// not follow a memory change in time. Keys already cached
-			// would keep resolving after a death, but nothing new can be
-			// registered, and after a drop the data memory is gone: stop
-			// the queues and say so.
-			stopWork()
-			<-done
-			why := "the primary has gone"
-			if s.Dropped() {
-				why = "the primary dropped this process (it did not follow a memory change in time)"
+			// The queues stop by themselves when a lookup says the
+			// primary dropped this process or died.
+			if s.Dropped() || primaryGone(s) {
+				return stopped()
 			}
-			fmt.Fprintf(os.Stderr, "secondary pid %d: %s: stopped %d queues after %d copies; exiting\n",
-				os.Getpid(), why, len(queues), c.copies.Load())
-			return 2
+		case <-s.PrimaryGone():
+			return stopped()
 		case <-tick.C:
 			st := s.Stats().Counters
 			fmt.Printf("secondary pid %d: %d lookups/s, %d copies, %d flushes, %d validation failures\n",
@@ -157,13 +169,23 @@ func run(ctx context.Context, f job.Flags) int {
 		Lookups: st.Lookups, TopHits: st.TopHits, BottomHits: st.BottomHits, GlobalHits: st.GlobalHits,
 		Created: st.Created, Copies: c.copies.Load(), ChurnChecks: c.checks.Load(),
 		FullFlushes: st.Flushes - st.SelectiveFlushes, SelectiveFlushes: st.SelectiveFlushes,
-		FlushedEntries: st.FullDropped + st.SelectiveDropped, CreateP50: st.LatencyP50, CreateP99: st.LatencyP99,
+		FullDropped: st.FullDropped, SelectiveDropped: st.SelectiveDropped, CreateP50: st.LatencyP50, CreateP99: st.LatencyP99,
 		ValidationErrors: c.failures.Load(), Errors: c.errs}
 	fmt.Println(sum.Line())
 	if sum.Failed() {
 		return 1
 	}
 	return 0
+}
+
+// primaryGone reports whether s's primary has gone (or dropped it).
+func primaryGone(s *secondary.Secondary) bool {
+	select {
+	case <-s.PrimaryGone():
+		return true
+	default:
+		return false
+	}
 }
 
 // datapath is one queue's loop: take two buffers, write a payload into one,
@@ -177,7 +199,7 @@ func datapath(ctx context.Context, s *secondary.Secondary, q *secondary.Queue, d
 	for i := 0; ctx.Err() == nil; i++ {
 		err := move(q, dev, pool, uint32(size), seed+byte(i))
 		switch {
-		case errors.Is(err, secondary.ErrPrimaryGone), errors.Is(err, secondary.ErrDropped):
+		case ended(err):
 			return
 		case err != nil:
 			c.fail(err, isValidation(err))
@@ -185,9 +207,13 @@ func datapath(ctx context.Context, s *secondary.Secondary, q *secondary.Queue, d
 		}
 		c.copies.Add(1)
 		if scratch != nil && i%64 == 0 {
-			if checked, err := checkScratch(q, dev, scratch); err != nil {
+			checked, err := checkScratch(q, dev, scratch)
+			switch {
+			case ended(err):
+				return
+			case err != nil:
 				c.fail(err, true)
-			} else if checked {
+			case checked:
 				c.checks.Add(1)
 			}
 		}
@@ -198,6 +224,12 @@ func datapath(ctx context.Context, s *secondary.Secondary, q *secondary.Queue, d
 			runtime.Gosched()
 		}
 	}
+}
+
+// ended reports whether err says the primary died or dropped this
+// process: the queue must stop.
+func ended(err error) bool {
+	return errors.Is(err, secondary.ErrPrimaryGone) || errors.Is(err, secondary.ErrDropped)
 }
 
 // move makes one copy between two buffers of the pool.

@@ -76,7 +76,8 @@ type Summary struct {
 	ChurnChecks      uint64        `json:"churn_checks"`
 	FullFlushes      uint64        `json:"full_flushes"`
 	SelectiveFlushes uint64        `json:"selective_flushes"`
-	FlushedEntries   uint64        `json:"flushed_entries"`
+	FullDropped      uint64        `json:"full_flush_dropped"`      // entries the full flushes dropped
+	SelectiveDropped uint64        `json:"selective_flush_dropped"` // and the selective ones`
 	CreateP50        time.Duration `json:"create_p50_ns"`
 	CreateP99        time.Duration `json:"create_p99_ns"`
 	ValidationErrors uint64        `json:"validation_errors"`
@@ -107,9 +108,9 @@ func (s Summary) String() string {
 	if s.Seconds > 0 {
 		rate = float64(s.Lookups) / s.Seconds
 	}
-	return fmt.Sprintf("%-9s pid %-7d %d queues %10.0f lookups/s  hits top %d bottom %d global %d created %d  copies %d  churn checks %d  flushes %d full %d selective (%d entries)  create p50 %v p99 %v  validation failures %d",
+	return fmt.Sprintf("%-9s pid %-7d %d queues %10.0f lookups/s  hits top %d bottom %d global %d created %d  copies %d  churn checks %d  flushes %d full (%d entries) %d selective (%d entries)  create p50 %v p99 %v  validation failures %d",
 		s.Role, s.PID, s.Queues, rate, s.TopHits, s.BottomHits, s.GlobalHits, s.Created, s.Copies, s.ChurnChecks,
-		s.FullFlushes, s.SelectiveFlushes, s.FlushedEntries, s.CreateP50.Round(time.Microsecond),
+		s.FullFlushes, s.FullDropped, s.SelectiveFlushes, s.SelectiveDropped, s.CreateP50.Round(time.Microsecond),
 		s.CreateP99.Round(time.Microsecond), s.ValidationErrors)
 }
 
