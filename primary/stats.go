@@ -81,6 +81,12 @@ func (p *Primary) Dump() (Dump, error) {
 	if p.dev != nil {
 		d.Device = p.dev.MRs()
 	}
+	if d.Device == nil {
+		d.Device = []verbs.MR{} // empty, not null, in JSON
+	}
+	if d.Pools == nil {
+		d.Pools = []cache.PoolInfo{}
+	}
 	var err error
 	d.Cache, err = p.global.Dump()
 	return d, err

@@ -2,10 +2,12 @@ package shm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 	"runtime"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -495,6 +497,45 @@ type LockState struct {
 	Seq            uint32      `json:"seq"`
 	Fences         uint64      `json:"fences"`  // read holds fenced since the lock was made
 	Readers        map[int]int `json:"readers"` // slot -> read holds, for slots holding any
+}
+
+// readHold is one slot's read holds, as LockState's JSON lists them.
+type readHold struct {
+	Slot  int `json:"slot"`
+	Holds int `json:"holds"`
+}
+
+// MarshalJSON writes the state with its readers as a list of {"slot",
+// "holds"} ordered by slot, not as an object keyed by slot numbers.
+func (s LockState) MarshalJSON() ([]byte, error) {
+	type plain LockState
+	rs := make([]readHold, 0, len(s.Readers))
+	for slot, n := range s.Readers {
+		rs = append(rs, readHold{slot, n})
+	}
+	slices.SortFunc(rs, func(a, b readHold) int { return a.Slot - b.Slot })
+	return json.Marshal(struct {
+		plain
+		Readers []readHold `json:"readers"`
+	}{plain(s), rs})
+}
+
+// UnmarshalJSON reads what MarshalJSON wrote.
+func (s *LockState) UnmarshalJSON(b []byte) error {
+	type plain LockState
+	var v struct {
+		plain
+		Readers []readHold `json:"readers"`
+	}
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	*s = LockState(v.plain)
+	s.Readers = make(map[int]int, len(v.Readers))
+	for _, h := range v.Readers {
+		s.Readers[h.Slot] = h.Holds
+	}
+	return nil
 }
 
 // State returns a snapshot of the lock.

@@ -124,7 +124,17 @@ func collectDump(e *env, t *target) (*dumpOut, error) {
 	}
 	d.Pools = cache.Pools(seg)
 	d.Arena = seg.ArenaStats()
+	// Empty lists print as [], never null.
+	d.Processes, d.Memory, d.Device, d.Pools = orEmpty(d.Processes), orEmpty(d.Memory), orEmpty(d.Device), orEmpty(d.Pools)
 	return d, nil
+}
+
+// orEmpty returns s, or an empty slice for nil.
+func orEmpty[T any](s []T) []T {
+	if s == nil {
+		return []T{}
+	}
+	return s
 }
 
 func (d *dumpOut) print(out io.Writer) error {

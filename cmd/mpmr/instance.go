@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -73,7 +74,8 @@ func (e *env) targets() (string, []*target, error) {
 		if !ent.IsDir() || ipc.ValidatePrefix(ent.Name()) != nil {
 			continue
 		}
-		if dir := filepath.Join(root, ent.Name()); isInstanceDir(dir) {
+		// One this user may not look into is listed too, with why.
+		if dir := filepath.Join(root, ent.Name()); isInstanceDir(dir) || noAccess(dir) != nil {
 			out = append(out, look(ent.Name(), dir))
 		}
 	}
@@ -87,10 +89,34 @@ func (e *env) target(prefix string) (*target, error) {
 	if err != nil {
 		return nil, err
 	}
-	if st, err := os.Stat(dir); err != nil || !st.IsDir() || !isInstanceDir(dir) {
+	st, err := os.Stat(dir)
+	if errors.Is(err, fs.ErrPermission) {
+		return nil, noAccess(filepath.Dir(dir))
+	}
+	if err == nil && st.IsDir() && !isInstanceDir(dir) {
+		if err := noAccess(dir); err != nil {
+			return nil, err
+		}
+	}
+	if err != nil || !st.IsDir() || !isInstanceDir(dir) {
 		return nil, fmt.Errorf("no instance %q: %s is not an instance's runtime directory (wrong -rundir?)", prefix, dir)
 	}
 	return look(prefix, dir), nil
+}
+
+// noAccess says, as an ipc.ErrPermission, why this user may not look
+// into dir (its owner and mode, and who we are), or returns nil if it may.
+func noAccess(dir string) error {
+	err := syscall.Access(dir, 0o1) // search permission
+	if !errors.Is(err, syscall.EACCES) && !errors.Is(err, syscall.EPERM) {
+		return nil
+	}
+	var st syscall.Stat_t
+	if syscall.Stat(dir, &st) != nil {
+		return fmt.Errorf("%w: %s is not accessible to uid %d", ipc.ErrPermission, dir, os.Geteuid())
+	}
+	return fmt.Errorf("%w: %s is not accessible to uid %d: owner uid %d, mode %04o (run as its owner or root)",
+		ipc.ErrPermission, dir, os.Geteuid(), st.Uid, st.Mode&0o7777)
 }
 
 func look(prefix, dir string) *target {

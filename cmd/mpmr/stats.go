@@ -87,6 +87,7 @@ func runStats(e *env, args []string) error {
 		}
 		seg.Close()
 	}
+	out.Processes = orEmpty(out.Processes)
 	if e.json {
 		err = e.printJSON(out)
 	} else {

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+)
+
+// breaker5ToolUID is the other local user that runs the tool.
+const breaker5ToolUID = 44205
+
+func init() {
+	// breaker5-tool [UID ARGS...]: mpmr ARGS run as user UID.
+	testproc.Register("breaker5-tool", func(args []string) int {
+		uid, err := strconv.Atoi(args[0])
+		if err == nil {
+			err = testenv.BecomeUser(uid)
+		}
+		if err != nil {
+			os.Stderr.WriteString(err.Error() + "\n")
+			return 99
+		}
+		return run(args[1:], os.Stdout, os.Stderr)
+	})
+}
+
+// Issue 15, Deliver 4: "no empty placeholders" (it names "raw": null).
+// mpmr stats -json of a dead instance prints "processes": null.
+func TestBreaker5StatsJSONOfADeadInstanceHasNoNull(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	h, prefix := startDeadable(t, b, rundir)
+	h.Kill()
+	require.Error(t, h.Wait(0))
+
+	for _, cmd := range []string{"stats", "dump"} {
+		out, stderr, status := tool(t, "-json", "-rundir", rundir, cmd, prefix)
+		require.Zero(t, status, stderr)
+		var v any
+		require.NoError(t, json.Unmarshal([]byte(out), &v))
+		walkJSON("", v, func(path, k string) {}, func(path string, x any) {
+			assert.NotNil(t, x, "mpmr %s -json of a dead instance: %s is null\n%s", cmd, path, out)
+		})
+	}
+}
+
+// Issue 15, Deliver 3: "Name permission problems as such (which path,
+// which owner, which uid we are) with their own sentinel; keep
+// ErrNoPrimary for nothing is listening." The secondary does now; the
+// operator's tool, run by a user who may not enter a live instance's
+// directory, still says there is no instance ("wrong -rundir?"), and ls
+// lists nothing at all.
+func TestBreaker5ToolNamesPermissionProblemsOfAnotherUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("running the tool as another user needs root")
+	}
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	require.NoError(t, os.Chmod(rundir, 0o755)) // like the README's /tmp/mrt
+	_, cfg := startPrimary(t, b, rundir)
+	instDir := filepath.Join(rundir, cfg.Prefix)
+
+	asUser := func(args ...string) (string, int) {
+		cmd := testproc.Command(context.Background(), "breaker5-tool",
+			append([]string{strconv.Itoa(breaker5ToolUID)}, args...)...)
+		out, err := cmd.CombinedOutput()
+		code := cmd.ProcessState.ExitCode()
+		require.NotEqual(t, 99, code, "becoming uid %d: %v\n%s", breaker5ToolUID, err, out)
+		return string(out), code
+	}
+	for _, c := range []string{"dump", "stats", "clean"} {
+		t.Run(c, func(t *testing.T) {
+			out, code := asUser("-rundir", rundir, c, cfg.Prefix)
+			assert.NotZero(t, code, out)
+			assert.Contains(t, out, "permission", "a permission problem is named as such:\n%s", out)
+			assert.Contains(t, out, instDir, "with the path")
+			assert.Contains(t, out, "uid "+strconv.Itoa(breaker5ToolUID), "and the uid the tool runs as")
+			assert.NotContains(t, out, "no instance", "the instance is there, and live")
+		})
+	}
+	t.Run("ls", func(t *testing.T) {
+		out, _ := asUser("-rundir", rundir, "ls")
+		assert.False(t, strings.HasPrefix(out, "no instances"),
+			"a live instance this user may not enter is not 'no instances':\n%s", out)
+	})
+}
+
+// The same on a live instance that has registered nothing yet (a primary
+// just started, before its first pool): its dump must not carry nulls
+// either.
+func TestBreaker5DumpJSONOfAFreshLiveInstanceHasNoNull(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	_, cfg := startPrimary(t, b, rundir)
+	for _, cmd := range []string{"dump", "stats"} {
+		out, stderr, status := tool(t, "-json", "-rundir", rundir, cmd, cfg.Prefix)
+		require.Zero(t, status, stderr)
+		var v any
+		require.NoError(t, json.Unmarshal([]byte(out), &v))
+		walkJSON("", v, func(path, k string) {}, func(path string, x any) {
+			assert.NotNil(t, x, "mpmr %s -json of a fresh live instance: %s is null", cmd, path)
+		})
+	}
+}
