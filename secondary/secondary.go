@@ -29,7 +29,7 @@ var (
 	// caches keep resolving.
 	ErrPrimaryGone = instance.ErrPrimaryGone
 	// ErrNoPrimary means no primary serves the prefix: nothing listens
-	// there, or this user may not reach it.
+	// there. A primary this user may not reach is ErrPermission.
 	ErrNoPrimary = instance.ErrNoPrimary
 	// ErrDropped means the primary dropped this secondary because it did
 	// not follow a memory change in time (it was stopped, or too slow), or
@@ -315,7 +315,8 @@ func deniedErr(dir string, err error) error {
 		var st syscall.Stat_t
 		if syscall.Stat(p, &st) == nil {
 			return fmt.Errorf("%w: %v: %s belongs to uid %d (mode %04o) and this process runs as uid %d: "+
-				"run it as uid %d, or have that user's primary let uid %d in (primary.Config.AllowUIDs)",
+				"run it as uid %d, or have that user's primary let uid %d in (primary.Config.AllowUIDs, "+
+				"with the runtime directory and socket opened to it)",
 				ErrPermission, err, p, st.Uid, st.Mode&0o7777, os.Geteuid(), st.Uid, os.Geteuid())
 		}
 		if p == filepath.Dir(p) {
