@@ -419,3 +419,14 @@ func (l *logBuffer) String() string {
 	defer l.mu.Unlock()
 	return string(l.b)
 }
+
+// Program returns a command that runs the program at path with args as a
+// process of the scenario: tagged like its helpers, so that the final
+// check finds it and its children if they outlive the test, and killed
+// with the test process. The caller starts and waits for it.
+func (s *Scenario) Program(path string, args ...string) *exec.Cmd {
+	cmd := exec.Command(path, args...)
+	cmd.Env = append(os.Environ(), envScenario+"="+s.id)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	return cmd
+}
