@@ -717,11 +717,12 @@ func (s *Secondary) Slot() int { return s.seg.Slot() }
 func (s *Secondary) Close() error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
-	if s.closed.Swap(true) {
+	s.dropMu.Lock() // ordered with startDrop: no drop starts once closed is set
+	already := s.closed.Swap(true)
+	s.dropMu.Unlock()
+	if already {
 		return nil
 	}
-	s.dropMu.Lock() // no drop starts after this
-	s.dropMu.Unlock()
 	s.dropping.Wait()
 	var errs []error
 	if s.client != nil && !s.isGone() {
