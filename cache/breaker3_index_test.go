@@ -358,7 +358,11 @@ func TestBreaker3OptimisticReadersNeverPassATornAnswer(t *testing.T) {
 		}()
 	}
 
-	for range 1200 {
+	rounds := 1200
+	if raceEnabled {
+		rounds = 150
+	}
+	for range rounds {
 		k := rng.IntN(len(sets))
 		es := sets[k]
 		require.NoError(t, p.g.Exclusive(func() {
