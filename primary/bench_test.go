@@ -25,9 +25,14 @@ func init() {
 
 // helperCreateLoop attaches and, for each "round ADDR PAGES PAGESIZE"
 // command, asks the primary for the MR of each page in turn, printing the
-// round-trip times in nanoseconds.
+// round-trip times in nanoseconds. With args[3], it idles that long before
+// each request (a datapath that misses now and then, not in a loop).
 func helperCreateLoop(args []string) int {
 	spin, _ := time.ParseDuration(args[2])
+	var idle time.Duration
+	if len(args) > 3 {
+		idle, _ = time.ParseDuration(args[3])
+	}
 	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Spin: spin, Logger: quiet})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -44,6 +49,9 @@ func helperCreateLoop(args []string) int {
 		var sb strings.Builder
 		sb.WriteString("times")
 		for i := range pages {
+			if idle > 0 {
+				time.Sleep(idle) // the workload's idleness, not a synchronisation
+			}
 			start := time.Now()
 			if _, err := s.CreateMR(addr + i*ps + 8); err != nil {
 				fmt.Fprintln(os.Stderr, err)
@@ -60,13 +68,16 @@ func helperCreateLoop(args []string) int {
 // the primary: "new" registers a fresh page each time (single-page mode),
 // "existing" finds an MR already there (the IPC round trip plus a global
 // lookup); "spin" has the primary poll for requests for 200 µs and the
-// secondary for answers for 50 µs before sleeping (Config.Spin). Target,
+// secondary for answers for 50 µs before sleeping (Config.Spin); "idle"
+// has the secondary wait 20 ms before each request, as the main job's
+// secondaries do between the misses its churn causes: both processes'
+// threads and CPUs are then asleep and their caches cold. Target,
 // without polling: "new" p50 <= 0.7x and p99 <= 1x DPDK's
 // rte_mp_request_sync echo measured in the same run
 // (../shared/anchors/run dpdk-mp).
 func BenchmarkCreateMRRoundTrip(b *testing.B) {
 	for _, kind := range []string{"tmpfs", "hugetlbfs"} {
-		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin"} {
+		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin", "new/idle"} {
 			b.Run(kind+"/"+mode, func(b *testing.B) {
 				bk := testenv.Tmpfs(b)
 				if kind == "hugetlbfs" {
@@ -76,15 +87,20 @@ func BenchmarkCreateMRRoundTrip(b *testing.B) {
 				if strings.HasSuffix(mode, "/spin") {
 					spin = [2]time.Duration{200 * time.Microsecond, 50 * time.Microsecond}
 				}
-				benchCreate(b, bk, strings.HasPrefix(mode, "new"), spin)
+				var idle time.Duration
+				if strings.HasSuffix(mode, "/idle") {
+					idle = 20 * time.Millisecond
+				}
+				benchCreate(b, bk, strings.HasPrefix(mode, "new"), spin, idle)
 			})
 		}
 	}
 }
 
 // benchCreate runs the create loop; spin is the primary's and the
-// secondary's Config.Spin.
-func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration) {
+// secondary's Config.Spin, idle how long the secondary waits before each
+// request.
+func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration, idle time.Duration) {
 	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage = true; c.Spin = spin[0] })
 	ps := p.Backend().PageSize
 	const pages = 8
@@ -92,7 +108,7 @@ func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Dura
 	if err != nil {
 		b.Fatal(err)
 	}
-	h := testproc.Start(b, "create-loop", []string{cfg.Prefix, cfg.RuntimeDir, spin[1].String()})
+	h := testproc.Start(b, "create-loop", []string{cfg.Prefix, cfg.RuntimeDir, spin[1].String(), idle.String()})
 	h.Expect("ready", 0)
 	if !fresh { // register once; every request then finds the MRs
 		h.Send("round %d %d %d", r.Addr, pages, ps)
