@@ -227,7 +227,9 @@ func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 		}
 		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d (%s): %w", FormatSize(r.Len), l.index, l.path, err)
 	}
-	if err := vm.MapFile(r.Addr, uintptr(r.Len), l.fd(), off); err != nil {
+	// Populated: the primary registers what it allocates, and pinning
+	// would fault every page in anyway (512 a hugepage on tmpfs).
+	if err := vm.MapFilePopulated(r.Addr, uintptr(r.Len), l.fd(), off); err != nil {
 		_ = vm.Release(r.Addr, uintptr(r.Len))
 		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
 		m.endChange()
