@@ -21,54 +21,6 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
-// breaker5Primary runs the primary example alone (-secondaries 0, churning
-// on tmpfs) and returns it with a channel of its standard error lines. It
-// is stopped with SIGTERM at cleanup (killed if it does not end).
-func breaker5Primary(t *testing.T, prim, prefix, rundir string) (*exec.Cmd, <-chan string) {
-	t.Helper()
-	cmd := exec.Command(prim, "-prefix", prefix, "-rundir", rundir, "-backend", "tmpfs",
-		"-secondaries", "0", "-duration", "2m")
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	stderr, err := cmd.StderrPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	errLines := make(chan string, 1024)
-	go func() {
-		sc := bufio.NewScanner(stderr)
-		for sc.Scan() {
-			select {
-			case errLines <- sc.Text():
-			default:
-			}
-		}
-		close(errLines)
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-	})
-	sc := bufio.NewScanner(stdout)
-	for sc.Scan() {
-		if strings.Contains(sc.Text(), "serving for") {
-			go func() {
-				for sc.Scan() {
-				}
-			}()
-			return cmd, errLines
-		}
-	}
-	t.Fatalf("the primary ended before serving")
-	return nil, nil
-}
-
 // waitLine waits for a line containing want on lines, up to timeout.
 func waitLine(t *testing.T, lines <-chan string, want string, timeout time.Duration) string {
 	t.Helper()
@@ -111,7 +63,7 @@ func TestBreaker5DroppedSecondaryExitsWithStatus2(t *testing.T) {
 
 func breaker5Drop(t *testing.T, prim, sec string) {
 	prefix, rundir := testenv.Prefix(t), runDir(t)
-	_, primErr := breaker5Primary(t, prim, prefix, rundir)
+	_, primErr := startPrimary(t, prim, prefix, rundir)
 
 	s := exec.Command(sec, "-prefix", prefix, "-rundir", rundir, "-duration", "2m")
 	stdout, err := s.StdoutPipe()
@@ -263,7 +215,7 @@ func TestBreaker5MainJobSecondariesOutliveTheirKilledPrimaryCleanly(t *testing.T
 func TestBreaker5MainJobSummaryCountsEntriesPerFlushKind(t *testing.T) {
 	prim, sec := programs(t)
 	prefix, rundir := testenv.Prefix(t), runDir(t)
-	breaker5Primary(t, prim, prefix, rundir)
+	startPrimary(t, prim, prefix, rundir)
 	out, err := exec.Command(sec, "-prefix", prefix, "-rundir", rundir, "-duration", "500ms").Output()
 	require.NoError(t, err, "output:\n%s", out)
 	var line string

@@ -90,19 +90,31 @@ func TestMainJob(t *testing.T) {
 	})
 }
 
-// startPrimary runs the primary example alone, serving secondaries started
-// by hand, and waits until it serves.
-func startPrimary(t *testing.T, prim, prefix, rundir string) *exec.Cmd {
+// startPrimary runs the primary example alone (-secondaries 0, churning
+// on tmpfs), waits until it serves, and returns it with a channel of its
+// standard error lines. It is stopped with SIGTERM at cleanup (killed if
+// it does not end): the primary closes cleanly and removes its files.
+func startPrimary(t *testing.T, prim, prefix, rundir string) (*exec.Cmd, <-chan string) {
 	t.Helper()
-	// Not t.Context(): it ends before cleanups run, and the cleanup below
-	// stops the primary cleanly.
 	cmd := exec.Command(prim, "-prefix", prefix, "-rundir", rundir, "-backend", "tmpfs",
-		"-secondaries", "0", "-duration", "1m")
+		"-secondaries", "0", "-duration", "2m")
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
+	stderr, err := cmd.StderrPipe()
+	require.NoError(t, err)
 	require.NoError(t, cmd.Start())
+	errLines := make(chan string, 1024)
+	go func() {
+		sc := bufio.NewScanner(stderr)
+		for sc.Scan() {
+			select {
+			case errLines <- sc.Text():
+			default:
+			}
+		}
+		close(errLines)
+	}()
 	t.Cleanup(func() {
-		// SIGTERM: the primary closes cleanly and removes its files.
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		done := make(chan struct{})
 		go func() { _ = cmd.Wait(); close(done) }()
@@ -116,15 +128,15 @@ func startPrimary(t *testing.T, prim, prefix, rundir string) *exec.Cmd {
 	sc := bufio.NewScanner(stdout)
 	for sc.Scan() {
 		if strings.Contains(sc.Text(), "serving for") {
-			go func() { // keep the pipe drained
+			go func() {
 				for sc.Scan() {
 				}
 			}()
-			return cmd
+			return cmd, errLines
 		}
 	}
 	t.Fatalf("the primary ended before serving")
-	return nil
+	return nil, nil
 }
 
 // A secondary whose primary dies stops its queues, says so in one line and
@@ -132,7 +144,7 @@ func startPrimary(t *testing.T, prim, prefix, rundir string) *exec.Cmd {
 func TestSecondaryStopsWhenPrimaryDies(t *testing.T) {
 	prim, sec := programs(t)
 	prefix, rundir := testenv.Prefix(t), runDir(t)
-	p := startPrimary(t, prim, prefix, rundir)
+	p, _ := startPrimary(t, prim, prefix, rundir)
 
 	s := exec.CommandContext(t.Context(), sec, "-prefix", prefix, "-rundir", rundir, "-duration", "1m")
 	stdout, err := s.StdoutPipe()

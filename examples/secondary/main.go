@@ -50,6 +50,7 @@ func main() {
 // counts are what the queues did, shared by all of them.
 type counts struct {
 	copies, checks, failures atomic.Uint64
+	ended                    atomic.Bool // a queue stopped: the primary died or dropped this process
 	mu                       sync.Mutex
 	errs                     []string
 }
@@ -145,9 +146,10 @@ func run(ctx context.Context, f job.Flags) int {
 		select {
 		case <-done:
 			running = false
-			// The queues stop by themselves when a lookup says the
-			// primary dropped this process or died.
-			if s.Dropped() || primaryGone(s) {
+			// The queues stop by themselves when a lookup or a request
+			// says the primary dropped this process or died, which may be
+			// before PrimaryGone says so.
+			if c.ended.Load() || s.Dropped() || primaryGone(s) {
 				return stopped()
 			}
 		case <-s.PrimaryGone():
@@ -200,6 +202,7 @@ func datapath(ctx context.Context, s *secondary.Secondary, q *secondary.Queue, d
 		err := move(q, dev, pool, uint32(size), seed+byte(i))
 		switch {
 		case ended(err):
+			c.ended.Store(true)
 			return
 		case err != nil:
 			c.fail(err, isValidation(err))
@@ -210,6 +213,7 @@ func datapath(ctx context.Context, s *secondary.Secondary, q *secondary.Queue, d
 			checked, err := checkScratch(q, dev, scratch)
 			switch {
 			case ended(err):
+				c.ended.Store(true)
 				return
 			case err != nil:
 				c.fail(err, true)
