@@ -188,13 +188,20 @@ func (m *Memory) Alloc(size uint64) (Region, error) {
 			best.bytes, best.pages, best.list, best.pageSize = b, longest, l.index, l.pageSize
 		}
 	}
-	held := ""
-	if q := m.qpages.Load(); q > 0 {
-		held = fmt.Sprintf("; %d freed pages wait in quarantine for processes that stopped following memory changes (%s)",
-			q, m.holderNames())
-	}
 	return Region{}, fmt.Errorf("hugetlb: alloc %s (%d bytes): %w: the largest free run is %s (%d pages of %s in list %d)%s",
-		FormatSize(size), size, ErrNoFreeRun, FormatSize(best.bytes), best.pages, FormatSize(best.pageSize), best.list, held)
+		FormatSize(size), size, ErrNoFreeRun, FormatSize(best.bytes), best.pages, FormatSize(best.pageSize), best.list,
+		m.quarantineNote())
+}
+
+// quarantineNote says, for an allocation that failed, what the quarantine
+// holds and for whom (nothing if it is empty). Called with m.mu held.
+func (m *Memory) quarantineNote() string {
+	q := m.qpages.Load()
+	if q == 0 {
+		return ""
+	}
+	return fmt.Sprintf("; %d freed pages wait in quarantine, keeping their memory, for processes that stopped following memory changes (%s)",
+		q, m.holderNames())
 }
 
 // holderNames names the processes quarantined pages wait for.
@@ -222,8 +229,8 @@ func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
 		m.endChange()
 		if errors.Is(err, falloc.ErrNoSpace) && l.kind == Hugetlbfs {
-			return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w: asked %d pages of %s, %d free",
-				FormatSize(r.Len), l.index, ErrNoHugepages, n, FormatSize(l.pageSize), freeHugepages(l))
+			return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w: asked %d pages of %s, %d free%s",
+				FormatSize(r.Len), l.index, ErrNoHugepages, n, FormatSize(l.pageSize), freeHugepages(l), m.quarantineNote())
 		}
 		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d (%s): %w", FormatSize(r.Len), l.index, l.path, err)
 	}

@@ -101,6 +101,11 @@ type Secondary struct {
 	// for; dropMu orders their start with Close's.
 	dropMu   sync.Mutex
 	dropping sync.WaitGroup
+	// useMu is held for reading by whatever reads the segment on a
+	// caller's goroutine (requests, Stats) and for writing by Close while
+	// it unmaps it: a request that Close makes fail must not look at the
+	// process table after it is gone.
+	useMu sync.RWMutex
 
 	primarySlot  int
 	primaryEpoch uint32
@@ -528,6 +533,8 @@ func (s *Secondary) requestError(what fmt.Stringer, err error) error {
 // call makes one request to the primary, bounded by RequestTimeout and
 // failing at once if the primary is gone.
 func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
+	s.useMu.RLock()
+	defer s.useMu.RUnlock()
 	if s.closed.Load() {
 		return ErrClosed
 	}
@@ -750,8 +757,10 @@ func (s *Secondary) teardown() error {
 		s.bg.Wait()
 	}
 	if s.client != nil {
-		s.client.Close()
+		s.client.Close() // requests in flight fail now...
 	}
+	s.useMu.Lock() // ...and are done with the segment once this returns
+	defer s.useMu.Unlock()
 	if s.dev != nil {
 		errs = append(errs, s.dev.Close())
 	}

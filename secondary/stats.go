@@ -20,6 +20,11 @@ type Stats struct {
 
 // Stats publishes this process's counters and returns a snapshot.
 func (s *Secondary) Stats() Stats {
+	s.useMu.RLock()
+	defer s.useMu.RUnlock()
+	if s.closed.Load() {
+		return Stats{} // the segment is gone, and with it what it counted
+	}
 	st := Stats{Counters: s.publish(), Global: s.global.Stats()}
 	if s.dev != nil {
 		st.Device = s.dev.Stats()
