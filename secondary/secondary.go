@@ -616,6 +616,9 @@ func (q *Queue) Lookup(addr uintptr) (uint32, error) {
 	if q.s.dropped.Load() {
 		return cache.InvalidKey, ErrDropped
 	}
+	if q.s.closed.Load() {
+		return cache.InvalidKey, ErrClosed
+	}
 	k, err := q.Local.Lookup(addr)
 	return k, q.s.lockError(err)
 }
@@ -628,6 +631,9 @@ func (q *Queue) LookupBurst(addrs []uintptr, keys []uint32) (int, error) {
 	if q.s.dropped.Load() {
 		return 0, ErrDropped
 	}
+	if q.s.closed.Load() {
+		return 0, ErrClosed
+	}
 	n, err := q.Local.LookupBurst(addrs, keys)
 	return n, q.s.lockError(err)
 }
@@ -637,6 +643,9 @@ func (q *Queue) LookupBurst(addrs []uintptr, keys []uint32) (int, error) {
 func (q *Queue) LookupRange(addr uintptr, n uint64) (uint32, error) {
 	if q.s.dropped.Load() {
 		return cache.InvalidKey, ErrDropped
+	}
+	if q.s.closed.Load() {
+		return cache.InvalidKey, ErrClosed
 	}
 	k, err := q.Local.LookupRange(addr, n)
 	return k, q.s.lockError(err)
@@ -720,7 +729,11 @@ func (s *Secondary) Segment() *shm.Segment { return s.seg }
 func (s *Secondary) Slot() int { return s.seg.Slot() }
 
 // Close unmaps the data memory, tells the primary this secondary leaves,
-// and releases everything else, its slot last. Idempotent.
+// and releases everything else, its slot last. Idempotent. Stop the queues
+// first: their lookups read the shared memory Close unmaps (a lookup
+// after Close fails with ErrClosed; one racing it may fault). Requests and
+// Stats racing Close are safe: they fail with ErrClosed, or report
+// nothing.
 func (s *Secondary) Close() error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
