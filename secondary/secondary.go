@@ -431,8 +431,9 @@ const dropGrace = 500 * time.Millisecond
 // (or dropGrace has passed) the data memory is unmapped (a touch then
 // faults instead of reaching pages the primary may have freed), and the
 // process table says so, which lets the primary release what it kept in
-// quarantine for it. Until then nothing this process writes reaches
-// anyone: what the primary freed meanwhile waits in quarantine.
+// quarantine for it. Until then what this process writes reaches no page
+// that was freed and handed out again: what the primary freed meanwhile
+// waits in quarantine.
 func (s *Secondary) drop(why string) {
 	s.dropped.Store(true) // at once, whoever does the rest
 	s.goneMu.Do(func() {
