@@ -136,6 +136,10 @@ type endpoint struct {
 	// and their answers travel there, pushes and theirs on conn. Set once,
 	// under mu, and only while the connection is open; fail closes it.
 	lane atomic.Pointer[sock.Blocking]
+	// laneWait is where frames wait their turn for room on the lane (see
+	// writeLane); laneFrames counts the frames sent there.
+	laneWait   chan struct{}
+	laneFrames atomic.Uint64
 
 	mu      sync.Mutex
 	nextID  uint64
@@ -158,6 +162,7 @@ func (e *endpoint) init(conn *Conn, log *slog.Logger, writeTimeout time.Duration
 	}
 	e.conn, e.log, e.writeTimeout = conn, log, writeTimeout
 	e.wsem = make(chan struct{}, 1)
+	e.laneWait = make(chan struct{}, 1)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	e.pending = map[uint64]*call{}
 	e.done = make(chan struct{})
@@ -391,51 +396,91 @@ const laneWriteSlice = 10 * time.Millisecond
 // cannot be encoded, is too large, or when ctx ends or callDeadline (zero:
 // none) passes before the frame could go; any other failure ends the
 // connection.
+//
+// A frame goes at once if the peer's queue has room. Otherwise it waits
+// in laneWait, one at a time: a frame waiting for room blocks its thread
+// in the kernel, and a peer that does not read must not cost a thread
+// per answer it leaves waiting (a Go program dies at its thread limit).
 func (e *endpoint) writeLane(ctx context.Context, callDeadline time.Time, l *sock.Blocking, id uint64, kind Kind, body any) error {
 	b, files, release, err := encodeFrame(id, kind, body)
 	defer release()
 	if err != nil {
 		return err
 	}
-	// A send waits only when the peer's queue is full, until the
-	// context's deadline or the write timeout, whichever comes first,
-	// looking at the context every laneWriteSlice.
+	if err := l.TrySend(b, files); !errors.Is(err, sock.ErrWouldBlock) {
+		return e.laneSent(err)
+	}
+	return e.waitLane(ctx, callDeadline, l, b, files)
+}
+
+// waitLane is writeLane's wait for room, in turn with the other frames
+// that wait. The wait ends at the context's deadline or callDeadline, or
+// once the peer has taken no frame for the write timeout: frames that
+// went meanwhile (at once, or those that waited before) show the peer
+// reads, however long this one waited for its turn.
+func (e *endpoint) waitLane(ctx context.Context, callDeadline time.Time, l *sock.Blocking, b []byte, files []*os.File) error {
+	end := callDeadline // the earlier of callDeadline and ctx's; zero: none
+	if d, ok := ctx.Deadline(); ok && (end.IsZero() || d.Before(end)) {
+		end = d
+	}
+	var expired <-chan time.Time
+	if !end.IsZero() {
+		t := time.NewTimer(time.Until(end))
+		defer t.Stop()
+		expired = t.C
+	}
+	select {
+	case e.laneWait <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-expired:
+		return context.DeadlineExceeded
+	case <-e.done:
+		return e.Err()
+	}
+	defer func() { <-e.laneWait }()
 	deadline := time.Now().Add(e.writeTimeout)
-	byCtx := !callDeadline.IsZero() && callDeadline.Before(deadline)
-	if byCtx {
-		deadline = callDeadline
-	}
-	if ctxDeadline, ok := ctx.Deadline(); ok && ctxDeadline.Before(deadline) {
-		deadline, byCtx = ctxDeadline, true
-	}
+	sent := e.laneFrames.Load()
 	for {
 		slice := deadline
-		if next := time.Now().Add(laneWriteSlice); ctx.Done() != nil && next.Before(deadline) {
+		if !end.IsZero() && end.Before(slice) {
+			slice = end
+		}
+		if next := time.Now().Add(laneWriteSlice); ctx.Done() != nil && next.Before(slice) {
 			slice = next
 		}
-		err = l.Send(b, files, slice)
+		err := l.Send(b, files, slice)
 		if !errors.Is(err, os.ErrDeadlineExceeded) {
-			break
+			return e.laneSent(err)
 		}
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if !time.Now().Before(deadline) {
-			if byCtx {
-				return context.DeadlineExceeded // the timer may not have marked ctx yet
-			}
-			err = fmt.Errorf("%w: peer took no message for %v", errSlowReader, e.writeTimeout)
-			break
+		now := time.Now()
+		switch {
+		case !end.IsZero() && !now.Before(end):
+			return context.DeadlineExceeded // the timer may not have marked ctx yet
+		case now.Before(deadline):
+		case e.laneFrames.Load() != sent:
+			sent, deadline = e.laneFrames.Load(), now.Add(e.writeTimeout)
+		default:
+			return e.laneSent(fmt.Errorf("%w: peer took no message for %v", errSlowReader, e.writeTimeout))
 		}
 	}
-	if err != nil {
-		if !errors.Is(err, errSlowReader) {
-			err = connErr(err)
-		}
-		e.fail(err)
-		return e.Err()
+}
+
+// laneSent settles a frame's send on the lane: counted if it went, else
+// the end of the connection.
+func (e *endpoint) laneSent(err error) error {
+	if err == nil {
+		e.laneFrames.Add(1)
+		return nil
 	}
-	return nil
+	if !errors.Is(err, errSlowReader) {
+		err = connErr(err)
+	}
+	e.fail(err)
+	return e.Err()
 }
 
 // readLoop receives frames until the connection ends and returns why:

@@ -373,3 +373,32 @@ func TestCallTimeout(t *testing.T) {
 		context.DeadlineExceeded, "before the lane too")
 	release <- struct{}{}
 }
+
+// rawLane dials s, says hello on a bare connection and returns it with
+// the call lane the server hands over, both closed with the test.
+func rawLane(t *testing.T, s *testServer) (*sock.Conn, *sock.Blocking) {
+	t.Helper()
+	c, err := sock.Dial(ctxBound(t), s.path)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	b, err := ipc.AppendFrame(nil, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"})
+	require.NoError(t, err)
+	require.NoError(t, c.Send(b, nil))
+	buf := make([]byte, ipc.MaxMessage)
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
+	n, files, err := c.Recv(buf)
+	require.NoError(t, err)
+	f, err := ipc.ParseFrame(buf[:n])
+	require.NoError(t, err)
+	require.Equal(t, ipc.KindChannel, f.Kind, "the lane comes before the hello's answer")
+	require.Len(t, files, 1)
+	lane, err := sock.NewBlocking(files[0], false)
+	require.NoError(t, err)
+	t.Cleanup(func() { lane.Close() })
+	n, _, err = c.Recv(buf)
+	require.NoError(t, err)
+	f, err = ipc.ParseFrame(buf[:n])
+	require.NoError(t, err)
+	require.Equal(t, ipc.KindReply, f.Kind, "the hello's answer")
+	return c, lane
+}

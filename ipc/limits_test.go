@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -14,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/sys/sock"
 	"github.com/mpmr/mpmr/internal/test/testenv"
@@ -507,4 +510,62 @@ func TestSlowReaderIsDropped(t *testing.T) {
 	require.True(t, eventually(func() bool { st := s.Stats(); return st.WriteTimeouts == 1 && st.Conns == 0 }),
 		"the connection is dropped: %+v", s.Stats())
 	assert.Contains(t, s.log.String(), "not reading")
+}
+
+// threadsInPoll counts this process's threads blocked in ppoll, where a
+// frame waits for room on a call lane.
+func threadsInPoll() int {
+	tasks, _ := os.ReadDir("/proc/self/task")
+	n := 0
+	for _, task := range tasks {
+		b, err := os.ReadFile(filepath.Join("/proc/self/task", task.Name(), "syscall"))
+		if err == nil && strings.HasPrefix(string(b), strconv.Itoa(unix.SYS_PPOLL)+" ") {
+			n++
+		}
+	}
+	return n
+}
+
+// A peer that asks on its call lane and never reads the answers keeps
+// the server's handlers waiting for room until the write timeout, but
+// not a thread each: frames that wait for room on one lane wait their
+// turn parked, and one thread at a time waits in the kernel (the limit
+// on threads of a Go program is fatal, and a peer can have
+// MaxInflightPerConn answers waiting on each of its connections).
+// The one that waits is still dropped after WriteTimeout.
+func TestLaneWritesThatWaitHoldNoThreadEach(t *testing.T) {
+	const inflight = 64
+	var answered atomic.Int32
+	h := newHandler()
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind != ipc.KindStats {
+			return nil, nil, false
+		}
+		answered.Add(1)
+		return bigStats(), nil, true
+	}
+	s := startServer(t, quietHandler{h}, withHello, func(c *ipc.ServerConfig) {
+		c.WriteTimeout = 2 * time.Second
+		c.MaxInflightPerConn = inflight
+	})
+	_, lane := rawLane(t, s)
+	base := threadsInPoll()
+	b, err := ipc.AppendFrame(nil, 1, ipc.KindStats, 0, &ipc.StatsRequest{})
+	require.NoError(t, err)
+	for range inflight {
+		require.NoError(t, lane.Send(b, nil, time.Now().Add(bound)))
+	}
+	require.True(t, eventually(func() bool { return answered.Load() == inflight }), "every request is handled")
+	most := 0
+	for s.Stats().WriteTimeouts == 0 && answered.Load() == inflight {
+		most = max(most, threadsInPoll())
+		if most > base+inflight/2 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Logf("threads in ppoll: %d before, at most %d while %d answers waited", base, most, inflight)
+	assert.LessOrEqual(t, most, base+2, "threads blocked for answers that wait for room")
+	require.True(t, eventually(func() bool { st := s.Stats(); return st.WriteTimeouts == 1 && st.Conns == 0 }),
+		"the peer that does not read is dropped: %+v", s.Stats())
 }

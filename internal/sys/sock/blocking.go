@@ -16,6 +16,9 @@ import (
 // ErrWoken means a wait of a Blocking connection was ended by Wake.
 var ErrWoken = errors.New("sock: woken")
 
+// ErrWouldBlock means TrySend found no room in the peer's queue.
+var ErrWouldBlock = errors.New("sock: no room in the peer's queue")
+
 // ErrNotSeqpacket means NewBlocking was given a file that is not a unix
 // SOCK_SEQPACKET socket.
 var ErrNotSeqpacket = errors.New("sock: not a unix SOCK_SEQPACKET socket")
@@ -125,6 +128,16 @@ func newBlocking(fd, wake int) *Blocking {
 // (zero: none), failing with os.ErrDeadlineExceeded then, and nothing was
 // sent. Wake does not end it: Wake is for the one receiver.
 func (c *Blocking) Send(b []byte, files []*os.File, deadline time.Time) error {
+	return c.send(b, files, deadline, false)
+}
+
+// TrySend sends b as Send does if the peer's queue has room for it now,
+// and fails with ErrWouldBlock otherwise (nothing was sent).
+func (c *Blocking) TrySend(b []byte, files []*os.File) error {
+	return c.send(b, files, time.Time{}, true)
+}
+
+func (c *Blocking) send(b []byte, files []*os.File, deadline time.Time, try bool) error {
 	oob, err := rights(files)
 	if err != nil {
 		return err
@@ -141,6 +154,8 @@ func (c *Blocking) Send(b []byte, files []*os.File, deadline time.Time) error {
 		case err == nil:
 			return nil
 		case err == unix.EINTR:
+		case err == unix.EAGAIN && try:
+			return ErrWouldBlock
 		case err == unix.EAGAIN:
 			if err := c.wait(unix.POLLOUT, deadline, false); err != nil {
 				return err
