@@ -27,6 +27,7 @@ const (
 	topSize          = 8 // entries in the top half (a power of two)
 	defaultLocalSize = 256
 	publishEvery     = 1 << 12 // hits between publications of the counters
+	publishSlowEvery = 1 << 8  // slower lookups between publications
 )
 
 // LocalStats counts what a local cache did.
@@ -148,7 +149,7 @@ func (l *Local) lookupMiss(a uint64) (uint32, error) {
 			l.st.Lookups++
 			l.st.BottomHits++
 			l.promote(e)
-			if l.st.Lookups&63 == 0 {
+			if l.st.Lookups&(publishSlowEvery-1) == 0 {
 				l.publish()
 			}
 			return e.LKey, nil
@@ -163,7 +164,7 @@ func (l *Local) lookupMiss(a uint64) (uint32, error) {
 func (l *Local) lookupSlow(a uint64) (Entry, error) {
 	l.st.Lookups++
 	defer func() {
-		if l.st.Lookups&63 == 0 {
+		if l.st.Lookups&(publishSlowEvery-1) == 0 {
 			l.publish()
 		}
 	}()
@@ -309,22 +310,30 @@ func (l *Local) Stats() LocalStats {
 }
 
 // Publish makes the current counters visible to Published. Lookup
-// publishes every few thousand hits and every 64 slower lookups on its own.
+// publishes every few thousand hits and every 256 slower lookups on its own.
 func (l *Local) Publish() { l.publish() }
 
+// publish stores the counters that changed since the last time: a store
+// is a locked instruction here, a load is not, and between two
+// publications most counters stay as they were.
 func (l *Local) publish() {
 	s := l.Stats()
 	p := &l.pub
-	p.lookups.Store(s.Lookups)
-	p.top.Store(s.TopHits)
-	p.bottom.Store(s.BottomHits)
-	p.global.Store(s.GlobalHits)
-	p.created.Store(s.Created)
-	p.failed.Store(s.Failed)
-	p.flushes.Store(s.Flushes)
-	p.selective.Store(s.SelectiveFlushes)
-	p.fullDropped.Store(s.FullDropped)
-	p.selectiveDropped.Store(s.SelectiveDropped)
+	set := func(c *atomic.Uint64, v uint64) {
+		if c.Load() != v {
+			c.Store(v)
+		}
+	}
+	set(&p.lookups, s.Lookups)
+	set(&p.top, s.TopHits)
+	set(&p.bottom, s.BottomHits)
+	set(&p.global, s.GlobalHits)
+	set(&p.created, s.Created)
+	set(&p.failed, s.Failed)
+	set(&p.flushes, s.Flushes)
+	set(&p.selective, s.SelectiveFlushes)
+	set(&p.fullDropped, s.FullDropped)
+	set(&p.selectiveDropped, s.SelectiveDropped)
 }
 
 // Published returns the counters as last published. Safe from any
