@@ -442,6 +442,9 @@ func (c *Client) lead(ctx context.Context, deadline time.Time, l *sock.Blocking,
 // readLane is lead's loop. It reports answered=false when someone else
 // took cl from pending (the end of the connection, which answers it).
 func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Blocking, cl *call) (err error, answered bool) {
+	// A call that cannot be cancelled and has no deadline waits for its
+	// answer or the end of the connection: nobody wakes it.
+	unwoken := ctx.Done() == nil && deadline.IsZero()
 	delivered := false
 	for {
 		if delivered {
@@ -454,7 +457,13 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		if c.spin > 0 {
 			l.SpinReadable(c.spin)
 		}
-		n, files, err := l.Recv(c.laneBuf, deadline)
+		var n int
+		var files []*os.File
+		if unwoken {
+			n, files, err = l.RecvUnwoken(c.laneBuf)
+		} else {
+			n, files, err = l.Recv(c.laneBuf, deadline)
+		}
 		if err != nil {
 			if !errors.Is(err, sock.ErrWoken) && !errors.Is(err, os.ErrDeadlineExceeded) {
 				c.laneEnded(err)

@@ -176,13 +176,25 @@ func (c *Blocking) send(b []byte, files []*os.File, deadline time.Time, try bool
 // and with ErrWoken when Wake is called meanwhile. Without a deadline on
 // a connection that is not wakeable, it is a single blocking recvmsg.
 func (c *Blocking) Recv(b []byte, deadline time.Time) (int, []*os.File, error) {
+	return c.recv(b, deadline, true)
+}
+
+// RecvUnwoken receives one message as Recv does without a deadline, in a
+// single blocking recvmsg that Wake does not end (Close does). It is for
+// a receiver that nobody will need to wake: one fewer system call than a
+// wait that watches the wake-up too.
+func (c *Blocking) RecvUnwoken(b []byte) (int, []*os.File, error) {
+	return c.recv(b, time.Time{}, false)
+}
+
+func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	if c.closed.Load() {
 		return 0, nil, errBlockingClosed
 	}
 	flags := unix.MSG_CMSG_CLOEXEC
-	if !deadline.IsZero() || c.wake >= 0 {
+	if !deadline.IsZero() || wakeable && c.wake >= 0 {
 		flags |= unix.MSG_DONTWAIT
 		if err := c.wait(unix.POLLIN, deadline, true); err != nil {
 			return 0, nil, err

@@ -269,3 +269,56 @@ func TestBlockingSpinReadable(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "x", string(buf[:n]), "spinning consumed nothing")
 }
+
+// TrySend sends while there is room and otherwise fails at once with
+// ErrWouldBlock, having sent nothing.
+func TestBlockingTrySend(t *testing.T) {
+	a, b := blockingPair(t)
+	big := make([]byte, 60<<10)
+	queued := 0
+	for ; ; queued++ {
+		require.Less(t, queued, 1000, "the socket never filled up")
+		err := b.TrySend(big, nil)
+		if errors.Is(err, ErrWouldBlock) {
+			break
+		}
+		require.NoError(t, err)
+	}
+	require.NotZero(t, queued)
+	buf := make([]byte, 64<<10)
+	for range queued {
+		n, _, err := a.Recv(buf, time.Now().Add(time.Second))
+		require.NoError(t, err)
+		require.Equal(t, len(big), n)
+	}
+	_, _, err := a.Recv(buf, time.Now().Add(5*time.Millisecond))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded, "the refused message was not sent")
+	require.NoError(t, b.TrySend([]byte("room again"), nil))
+	n, _, err := a.Recv(buf, time.Now().Add(time.Second))
+	require.NoError(t, err)
+	assert.Equal(t, "room again", string(buf[:n]))
+	require.NoError(t, a.Close())
+	assert.ErrorIs(t, b.TrySend([]byte("x"), nil), ErrPeerClosed)
+}
+
+// RecvUnwoken on a wakeable end receives, leaves a Wake to the next
+// Recv, and ends when the connection is closed.
+func TestBlockingRecvUnwoken(t *testing.T) {
+	a, b := blockingPair(t)
+	b.Wake()
+	require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
+	buf := make([]byte, 8)
+	n, _, err := b.RecvUnwoken(buf)
+	require.NoError(t, err, "a Wake does not end it")
+	assert.Equal(t, "one", string(buf[:n]))
+	_, _, err = b.Recv(buf, time.Time{})
+	assert.ErrorIs(t, err, ErrWoken, "the wake-up waits for a Recv that watches for it")
+
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := b.RecvUnwoken(buf)
+		done <- err
+	}()
+	require.NoError(t, b.Close())
+	assert.True(t, IsClosed(waitErr(t, done, "RecvUnwoken after Close")))
+}
