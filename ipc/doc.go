@@ -57,7 +57,9 @@
 //     its thread. When several wait, the first reads for all of them and
 //     hands each answer to its caller; when its own comes it hands the
 //     reading to the next (leader and followers). A caller's cancellation
-//     reaches the reader through an eventfd it polls beside the socket.
+//     reaches the reader through an eventfd it polls beside the socket
+//     (a call that cannot be cancelled and has no deadline skips the
+//     poll and waits in recvmsg alone).
 //   - the server reads each peer's lane on a goroutine blocked in recvmsg,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.
@@ -71,10 +73,16 @@
 // Strangers never get a lane nor any descriptor.
 //
 // A round trip on the lane makes one sendmsg and one recvmsg per side,
-// plus one ppoll on the client (the eventfd), and no other system call or
-// wake-up: the C floor's shape. The price is a thread per goroutine
-// blocked on a lane: one per admitted peer in the server, one per
-// waiting caller's reader in the client.
+// plus one ppoll on the client (the eventfd) when the call has a deadline
+// or can be cancelled, and no other system call or wake-up: the C floor's
+// shape. The price is a thread per goroutine blocked on a lane: one per
+// admitted peer in the server, one per waiting caller's reader in the
+// client. A frame that finds no room in the peer's queue does not cost a
+// thread: the frames that wait for room on one lane wait their turn
+// parked, and only the first waits in the kernel, so a peer that stops
+// reading holds at most one of the server's threads however many answers
+// it leaves waiting. It is dropped once it has taken no frame for
+// ServerConfig.WriteTimeout.
 //
 // # Limits
 //

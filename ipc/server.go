@@ -67,10 +67,12 @@ type ServerConfig struct {
 	// at once; later ones wait in a bounded backlog. Default
 	// DefaultMaxInflight.
 	MaxInflightPerConn int
-	// WriteTimeout bounds how long a reply waits for room in the peer's
+	// WriteTimeout bounds how long replies wait for room in the peer's
 	// receive queue: a peer that takes no message for that long is not
 	// reading its replies, and is dropped, which frees the handlers
-	// waiting to answer it. Default DefaultWriteTimeout.
+	// waiting to answer it. It counts from the last reply the peer took,
+	// so a peer that reads is not dropped for the many replies queued
+	// behind one another. Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
 	// Spin is how long each connection's readers poll for the next
 	// request before they block (see ClientConfig.Spin). 0 never polls.
