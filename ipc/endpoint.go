@@ -387,8 +387,9 @@ func (e *endpoint) installLane(l *sock.Blocking) error {
 }
 
 // laneWriteSlice bounds each wait of a frame for room on the lane, so
-// that the waiter can notice its context's end in between (the lane's
-// one wake-up is its reader's).
+// that the waiter tries again (see waitLane) and notices its context's end
+// in between (the lane's one wake-up is its reader's). A peer that reads
+// is dropped as one that does not at most this long after WriteTimeout.
 const laneWriteSlice = 10 * time.Millisecond
 
 // writeLane sends one frame on the call lane l, as write does on the
@@ -442,12 +443,15 @@ func (e *endpoint) waitLane(ctx context.Context, callDeadline time.Time, l *sock
 	deadline := time.Now().Add(e.writeTimeout)
 	sent := e.laneFrames.Load()
 	for {
-		slice := deadline
+		// Every slice starts with a sendmsg: a unix socket tells poll there
+		// is room only once the peer has read three quarters of what waits,
+		// while a frame fits as soon as the peer has read enough for it.
+		slice := time.Now().Add(laneWriteSlice)
+		if deadline.Before(slice) {
+			slice = deadline
+		}
 		if !end.IsZero() && end.Before(slice) {
 			slice = end
-		}
-		if next := time.Now().Add(laneWriteSlice); ctx.Done() != nil && next.Before(slice) {
-			slice = next
 		}
 		err := l.Send(b, files, slice)
 		if !errors.Is(err, os.ErrDeadlineExceeded) {
@@ -457,13 +461,14 @@ func (e *endpoint) waitLane(ctx context.Context, callDeadline time.Time, l *sock
 			return err
 		}
 		now := time.Now()
-		switch {
-		case !end.IsZero() && !now.Before(end):
+		if !end.IsZero() && !now.Before(end) {
 			return context.DeadlineExceeded // the timer may not have marked ctx yet
-		case now.Before(deadline):
-		case e.laneFrames.Load() != sent:
-			sent, deadline = e.laneFrames.Load(), now.Add(e.writeTimeout)
-		default:
+		}
+		if n := e.laneFrames.Load(); n != sent {
+			// A frame went during the slice (one that did not wait, or
+			// one that waited before this one): the peer reads.
+			sent, deadline = n, now.Add(e.writeTimeout)
+		} else if !now.Before(deadline) {
 			return e.laneSent(fmt.Errorf("%w: peer took no message for %v", errSlowReader, e.writeTimeout))
 		}
 	}

@@ -569,3 +569,46 @@ func TestLaneWritesThatWaitHoldNoThreadEach(t *testing.T) {
 	require.True(t, eventually(func() bool { st := s.Stats(); return st.WriteTimeouts == 1 && st.Conns == 0 }),
 		"the peer that does not read is dropped: %+v", s.Stats())
 }
+
+// A peer that reads its lane slowly but steadily, one answer every third
+// of the write timeout while the rest wait for room, is a peer that
+// reads: it is not dropped. (A unix socket reports room to poll only once
+// three quarters of what waits has been read, while a frame fits as soon
+// as one has: the waiting answer must try again rather than trust poll.)
+// The pauses between reads are the slowness under test.
+func TestSteadySlowReaderIsNotDropped(t *testing.T) {
+	const n = 12
+	const wt = 600 * time.Millisecond
+	var answered atomic.Int32
+	h := newHandler()
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind != ipc.KindStats {
+			return nil, nil, false
+		}
+		answered.Add(1)
+		return bigStats(), nil, true
+	}
+	s := startServer(t, quietHandler{h}, withHello, func(c *ipc.ServerConfig) {
+		c.WriteTimeout = wt
+		c.MaxInflightPerConn = n
+	})
+	_, lane := rawLane(t, s)
+	b, err := ipc.AppendFrame(nil, 1, ipc.KindStats, 0, &ipc.StatsRequest{})
+	require.NoError(t, err)
+	for range n {
+		require.NoError(t, lane.Send(b, nil, time.Now().Add(bound)))
+	}
+	require.True(t, eventually(func() bool { return answered.Load() == n }), "every request is handled")
+	buf := make([]byte, ipc.MaxMessage)
+	got := 0
+	for got < n {
+		time.Sleep(wt / 3)
+		if _, _, err := lane.Recv(buf, time.Now().Add(wt)); err != nil {
+			t.Logf("after %d answers: %v; stats %+v", got, err, s.Stats())
+			break
+		}
+		got++
+	}
+	assert.Equal(t, n, got, "answers taken by a peer reading one every %v", wt/3)
+	assert.Zero(t, s.Stats().WriteTimeouts, "dropped as a slow reader while it read")
+}
