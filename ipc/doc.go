@@ -35,15 +35,16 @@
 //
 // A round trip between two processes that block in the kernel costs two
 // thread wake-ups, one per side, and on small virtual machines a wake-up
-// costs as much as all the rest (a C ping-pong over such a socket takes
-// 15–25 µs here, nearly all of it waking up). A Go program that reads its
+// costs as much as all the rest, or far more when it crosses to another
+// virtual CPU (a C ping-pong over such a socket is nearly all waking up;
+// the README gives the figures). A Go program that reads its
 // socket through the runtime's network poller pays more: the poller's
 // thread wakes, finds the goroutine waiting and hands it to a thread that
 // can run it, waking another one; a reader goroutine that receives an
 // answer hands it to the goroutine that waits for it; a server's reader
 // hands each request to a handler goroutine. Each hand-off is a wake-up
-// on the critical path, and measured here they made a round trip 5–7
-// times the C floor, whether or not the reader polled first.
+// on the critical path: measured, they made a round trip several times
+// the C floor, whether or not the reader polled first.
 //
 // So once a peer is admitted (its hello succeeded, or at once without
 // ServerConfig.HelloKind), the server makes a socket pair, the call lane,
