@@ -570,7 +570,7 @@ func TestLaneWritesThatWaitHoldNoThreadEach(t *testing.T) {
 		"the peer that does not read is dropped: %+v", s.Stats())
 }
 
-// A peer that reads its lane slowly but steadily, one answer every third
+// A peer that reads its lane slowly but steadily, one answer every quarter
 // of the write timeout while the rest wait for room, is a peer that
 // reads: it is not dropped. (A unix socket reports room to poll only once
 // three quarters of what waits has been read, while a frame fits as soon
@@ -578,7 +578,7 @@ func TestLaneWritesThatWaitHoldNoThreadEach(t *testing.T) {
 // The pauses between reads are the slowness under test.
 func TestSteadySlowReaderIsNotDropped(t *testing.T) {
 	const n = 12
-	const wt = 600 * time.Millisecond
+	const wt = time.Second
 	var answered atomic.Int32
 	h := newHandler()
 	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
@@ -602,13 +602,13 @@ func TestSteadySlowReaderIsNotDropped(t *testing.T) {
 	buf := make([]byte, ipc.MaxMessage)
 	got := 0
 	for got < n {
-		time.Sleep(wt / 3)
+		time.Sleep(wt / 4)
 		if _, _, err := lane.Recv(buf, time.Now().Add(wt)); err != nil {
 			t.Logf("after %d answers: %v; stats %+v", got, err, s.Stats())
 			break
 		}
 		got++
 	}
-	assert.Equal(t, n, got, "answers taken by a peer reading one every %v", wt/3)
+	assert.Equal(t, n, got, "answers taken by a peer reading one every %v", wt/4)
 	assert.Zero(t, s.Stats().WriteTimeouts, "dropped as a slow reader while it read")
 }
