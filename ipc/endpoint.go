@@ -226,33 +226,44 @@ func (e *endpoint) farewell(why error) {
 
 var frameBufs = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
 
-// encodeFrame makes the frame of body, in a pooled buffer, checked
-// against the limits on descriptors and size. Call release when done with
-// it: it gives the buffer back and closes the descriptors a WithFiles asked
-// to close once sent.
-func encodeFrame(id uint64, kind Kind, body any) (b []byte, files []*os.File, release func(), err error) {
+// frame is an encoded frame ready to send: b, in a pooled buffer, with
+// the descriptors that go with it.
+type frame struct {
+	b          []byte
+	files      []*os.File
+	closeAfter bool    // close files once done (a WithFiles asked so)
+	buf        *[]byte // the pool's buffer b came from
+}
+
+// encodeFrame makes the frame of body, checked against the limits on
+// descriptors and size. Call release when done with it, whatever the error.
+func encodeFrame(id uint64, kind Kind, body any) (frame, error) {
 	payload, files, closeAfter := splitFiles(body)
-	bp := frameBufs.Get().(*[]byte)
-	release = func() {
-		if closeAfter {
-			closeFiles(files)
-		}
-		if b != nil && cap(b) <= 2*MaxMessage {
-			*bp = b[:0]
-			frameBufs.Put(bp)
-		}
-	}
+	f := frame{files: files, closeAfter: closeAfter, buf: frameBufs.Get().(*[]byte)}
 	if len(files) > MaxFiles {
-		return nil, files, release, fmt.Errorf("ipc: %s with %d files, at most %d", kind, len(files), MaxFiles)
+		return f, fmt.Errorf("ipc: %s with %d files, at most %d", kind, len(files), MaxFiles)
 	}
-	b, err = AppendFrame((*bp)[:0], id, kind, len(files), payload)
+	var err error
+	f.b, err = AppendFrame((*f.buf)[:0], id, kind, len(files), payload)
 	if err != nil {
-		return b, files, release, err
+		return f, err
 	}
-	if len(b) > MaxMessage {
-		return b, files, release, fmt.Errorf("%w: %s frame of %d bytes", ErrTooLarge, kind, len(b))
+	if len(f.b) > MaxMessage {
+		return f, fmt.Errorf("%w: %s frame of %d bytes", ErrTooLarge, kind, len(f.b))
 	}
-	return b, files, release, nil
+	return f, nil
+}
+
+// release gives the buffer back and closes the descriptors a WithFiles
+// asked to close once sent.
+func (f *frame) release() {
+	if f.closeAfter {
+		closeFiles(f.files)
+	}
+	if f.b != nil && cap(f.b) <= 2*MaxMessage {
+		*f.buf = f.b[:0]
+		frameBufs.Put(f.buf)
+	}
 }
 
 // write sends one frame. It fails without harm to the connection when the
@@ -260,11 +271,12 @@ func encodeFrame(id uint64, kind Kind, body any) (b []byte, files []*os.File, re
 // frame could go (a datagram goes whole or not at all). Any other failure
 // ends the connection.
 func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) error {
-	b, files, release, err := encodeFrame(id, kind, body)
-	defer release()
+	f, err := encodeFrame(id, kind, body)
+	defer f.release()
 	if err != nil {
 		return err
 	}
+	b, files := f.b, f.files
 
 	select {
 	case e.wsem <- struct{}{}:
@@ -403,11 +415,12 @@ const laneWriteSlice = 10 * time.Millisecond
 // in the kernel, and a peer that does not read must not cost a thread
 // per answer it leaves waiting (a Go program dies at its thread limit).
 func (e *endpoint) writeLane(ctx context.Context, callDeadline time.Time, l *sock.Blocking, id uint64, kind Kind, body any) error {
-	b, files, release, err := encodeFrame(id, kind, body)
-	defer release()
+	f, err := encodeFrame(id, kind, body)
+	defer f.release()
 	if err != nil {
 		return err
 	}
+	b, files := f.b, f.files
 	if err := l.TrySend(b, files); !errors.Is(err, sock.ErrWouldBlock) {
 		return e.laneSent(err)
 	}
