@@ -535,29 +535,10 @@ func threadsInPoll() int {
 // The one that waits is still dropped after WriteTimeout.
 func TestLaneWritesThatWaitHoldNoThreadEach(t *testing.T) {
 	const inflight = 64
-	var answered atomic.Int32
-	h := newHandler()
-	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
-		if kind != ipc.KindStats {
-			return nil, nil, false
-		}
-		answered.Add(1)
-		return bigStats(), nil, true
-	}
-	s := startServer(t, quietHandler{h}, withHello, func(c *ipc.ServerConfig) {
-		c.WriteTimeout = 2 * time.Second
-		c.MaxInflightPerConn = inflight
-	})
-	_, lane := rawLane(t, s)
 	base := threadsInPoll()
-	b, err := ipc.AppendFrame(nil, 1, ipc.KindStats, 0, &ipc.StatsRequest{})
-	require.NoError(t, err)
-	for range inflight {
-		require.NoError(t, lane.Send(b, nil, time.Now().Add(bound)))
-	}
-	require.True(t, eventually(func() bool { return answered.Load() == inflight }), "every request is handled")
+	s, _ := bigAnswersOnALane(t, inflight, 2*time.Second)
 	most := 0
-	for s.Stats().WriteTimeouts == 0 && answered.Load() == inflight {
+	for s.Stats().WriteTimeouts == 0 {
 		most = max(most, threadsInPoll())
 		if most > base+inflight/2 {
 			break
@@ -579,6 +560,27 @@ func TestLaneWritesThatWaitHoldNoThreadEach(t *testing.T) {
 func TestSteadySlowReaderIsNotDropped(t *testing.T) {
 	const n = 12
 	const wt = time.Second
+	s, lane := bigAnswersOnALane(t, n, wt)
+	buf := make([]byte, ipc.MaxMessage)
+	got := 0
+	for got < n {
+		time.Sleep(wt / 4)
+		if _, _, err := lane.Recv(buf, time.Now().Add(wt)); err != nil {
+			t.Logf("after %d answers: %v; stats %+v", got, err, s.Stats())
+			break
+		}
+		got++
+	}
+	assert.Equal(t, n, got, "answers taken by a peer reading one every %v", wt/4)
+	assert.Zero(t, s.Stats().WriteTimeouts, "dropped as a slow reader while it read")
+}
+
+// bigAnswersOnALane starts a server whose stats answers are 60 KiB (a
+// few fill a lane) and that runs n requests of a peer at once, with the
+// write timeout wt; it asks n stats of it on a bare lane, reads nothing,
+// and returns once every request has been handled.
+func bigAnswersOnALane(t *testing.T, n int, wt time.Duration) (*testServer, *sock.Blocking) {
+	t.Helper()
 	var answered atomic.Int32
 	h := newHandler()
 	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
@@ -598,17 +600,6 @@ func TestSteadySlowReaderIsNotDropped(t *testing.T) {
 	for range n {
 		require.NoError(t, lane.Send(b, nil, time.Now().Add(bound)))
 	}
-	require.True(t, eventually(func() bool { return answered.Load() == n }), "every request is handled")
-	buf := make([]byte, ipc.MaxMessage)
-	got := 0
-	for got < n {
-		time.Sleep(wt / 4)
-		if _, _, err := lane.Recv(buf, time.Now().Add(wt)); err != nil {
-			t.Logf("after %d answers: %v; stats %+v", got, err, s.Stats())
-			break
-		}
-		got++
-	}
-	assert.Equal(t, n, got, "answers taken by a peer reading one every %v", wt/4)
-	assert.Zero(t, s.Stats().WriteTimeouts, "dropped as a slow reader while it read")
+	require.True(t, eventually(func() bool { return answered.Load() == int32(n) }), "every request is handled")
+	return s, lane
 }
