@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/mpmr/mpmr/internal/test/testproc"
 	"math/rand/v2"
 	"path/filepath"
 	"runtime"
@@ -16,6 +15,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
 
@@ -120,7 +121,7 @@ func TestBreaker3LaneIdleClientWithLateAnswersIsNotDropped(t *testing.T) {
 // answer, its context's error, or the end of the connection; nothing is
 // left behind: goroutines and descriptors come back to where they were.
 func TestBreaker3LaneCallsRaceTheEndOfTheConnection(t *testing.T) {
-	fds, goroutines := openFDs(), runtime.NumGoroutine()
+	fds, goroutines := testenv.OpenFDs(), runtime.NumGoroutine()
 	for round := range 24 {
 		func() {
 			h := newHandler()
@@ -210,7 +211,7 @@ func TestBreaker3LaneCallsRaceTheEndOfTheConnection(t *testing.T) {
 	}
 	assert.True(t, eventually(func() bool { return runtime.NumGoroutine() <= goroutines+2 }),
 		"goroutines: %d before, %d after", goroutines, runtime.NumGoroutine())
-	assert.True(t, eventually(func() bool { return openFDs() <= fds }), "descriptors: %d before, %d after", fds, openFDs())
+	assert.True(t, eventually(func() bool { return testenv.OpenFDs() <= fds }), "descriptors: %d before, %d after", fds, testenv.OpenFDs())
 }
 
 // A server process that is stopped (SIGSTOP) holds every call on the

@@ -381,32 +381,6 @@ func TestDescriptorLimits(t *testing.T) {
 	assert.EqualValues(t, 1, st.RefusedFilesInFlight)
 }
 
-// openFDs counts this process's open descriptors.
-func openFDs() int {
-	ents, _ := os.ReadDir("/proc/self/fd")
-	return len(ents) - 1
-}
-
-// peakFDs samples this process's open descriptors until stop is closed
-// and returns the most it saw.
-func peakFDs(stop <-chan struct{}) <-chan int {
-	out := make(chan int, 1)
-	go func() {
-		peak := 0
-		for {
-			peak = max(peak, openFDs())
-			select {
-			case <-stop:
-				out <- peak
-				return
-			default:
-				runtime.Gosched()
-			}
-		}
-	}()
-	return out
-}
-
 // A process that sends requests with descriptors as fast as it can and
 // never reads its replies cannot make the server hold more than its
 // limits allow: before its hello none at all, after it MaxFilesPerPeer.
@@ -422,13 +396,13 @@ func TestDescriptorFloodIsBounded(t *testing.T) {
 			s := startServer(t, quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
 				c.WriteTimeout = 200 * time.Millisecond
 			})
-			base := openFDs()
+			base := testenv.OpenFDs()
 			h := testproc.Start(t, "flood", []string{s.path, strconv.Itoa(os.Geteuid()), tc.mode, "5000"})
 			h.Expect("ready", 0)
 			require.True(t, eventually(func() bool { return s.Stats().Conns == 1 }), "the server has the connection")
-			before := openFDs()
+			before := testenv.OpenFDs()
 			stop := make(chan struct{})
-			peak := peakFDs(stop)
+			peak := testenv.PeakFDs(stop)
 			h.Send("go")
 			line := h.Expect("sent ", 0)
 			close(stop)
@@ -445,7 +419,7 @@ func TestDescriptorFloodIsBounded(t *testing.T) {
 			st := s.Stats()
 			t.Logf("%+v", st)
 			assert.NotZero(t, st.RefusedFiles+st.RefusedFilesInFlight)
-			assert.True(t, eventually(func() bool { return openFDs() <= before }), "descriptors: %d before, %d after", before, openFDs())
+			assert.True(t, eventually(func() bool { return testenv.OpenFDs() <= before }), "descriptors: %d before, %d after", before, testenv.OpenFDs())
 		})
 	}
 }

@@ -134,7 +134,7 @@ func TestAbuse(t *testing.T) {
 		assert.Equal(t, answered, out, "a stray reply")
 	})
 	t.Run("descriptors", func(t *testing.T) {
-		before := openFDs()
+		before := testenv.OpenFDs()
 		// send talks with n descriptors of /dev/null, closed here at once.
 		send := func(n int, f []byte, followUp bool) (string, error) {
 			var fs []*os.File
@@ -169,8 +169,8 @@ func TestAbuse(t *testing.T) {
 		}
 		// The primary lives in this process: every descriptor it received
 		// is closed again.
-		assert.Eventually(t, func() bool { return openFDs() <= before }, hangBound, time.Millisecond,
-			"descriptors of this process: %d before, %d after", before, openFDs())
+		assert.Eventually(t, func() bool { return testenv.OpenFDs() <= before }, hangBound, time.Millisecond,
+			"descriptors of this process: %d before, %d after", before, testenv.OpenFDs())
 	})
 	t.Run("idle connection flood", func(t *testing.T) {
 		n := harness.Pick(2000, 10000)
@@ -224,9 +224,9 @@ func TestAbuse(t *testing.T) {
 		start := p.Stats().Counters
 		h := s.In(t).Start(harness.RoleSocketFlood, harness.SocketFloodArgs{Socket: sockPath, Mode: harness.FloodFiles,
 			N: harness.Pick(5000, 50000), Files: sock.MaxFiles})
-		before := openFDs()
+		before := testenv.OpenFDs()
 		stop := make(chan struct{})
-		peak := peakFDs(stop)
+		peak := testenv.PeakFDs(stop)
 		var r harness.FilesFloodResult
 		require.NoError(t, h.Call("flood", nil, &r))
 		close(stop)
@@ -242,8 +242,8 @@ func TestAbuse(t *testing.T) {
 		}, hangBound, time.Millisecond, "the primary drops a peer that does not read")
 		after := p.Stats().Counters
 		assert.Greater(t, after.IPCRefusedFiles, start.IPCRefusedFiles)
-		assert.Eventually(t, func() bool { return openFDs() < before }, hangBound, time.Millisecond,
-			"descriptors of this process: %d before, %d after", before, openFDs())
+		assert.Eventually(t, func() bool { return testenv.OpenFDs() < before }, hangBound, time.Millisecond,
+			"descriptors of this process: %d before, %d after", before, testenv.OpenFDs())
 	})
 	t.Run("create flood outside any memory", func(t *testing.T) {
 		lists := p.Memory().Lists()
@@ -501,32 +501,6 @@ func liveHeap() uint64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
-}
-
-// peakFDs samples this process's open descriptors until stop is closed
-// and then sends the most it saw.
-func peakFDs(stop <-chan struct{}) <-chan int {
-	out := make(chan int, 1)
-	go func() {
-		peak := 0
-		for {
-			peak = max(peak, openFDs())
-			select {
-			case <-stop:
-				out <- peak
-				return
-			default:
-				runtime.Gosched()
-			}
-		}
-	}()
-	return out
-}
-
-// openFDs counts this process's open descriptors.
-func openFDs() int {
-	ents, _ := os.ReadDir("/proc/self/fd")
-	return len(ents)
 }
 
 func decodeData(r harness.Ready, v any) error {
