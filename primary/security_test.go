@@ -15,6 +15,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/test/harness"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
@@ -103,7 +104,7 @@ func helperUserPrimary(args []string) int {
 	p, err := primary.Start(primary.Config{Prefix: args[1], RuntimeDir: args[2], Backend: hugetlb.Tmpfs,
 		MemoryPages: 16, AllowUIDs: allow, Logger: quiet})
 	if err == nil && args[4] == "open" {
-		err = openUp(p)
+		err = harness.OpenToAll(p)
 	}
 	testproc.Say("result %v", err)
 	if err != nil {
@@ -131,27 +132,6 @@ func helperUserPrimary(args []string) int {
 		}
 	}
 	return 0
-}
-
-// openUp gives everyone access to p's instance: its runtime directory,
-// socket, description and lock, and its segment and memory files.
-func openUp(p *primary.Primary) error {
-	modes := map[string]os.FileMode{
-		p.RuntimeDir(): 0o711,
-		filepath.Join(p.RuntimeDir(), ipc.SocketName):         0o666,
-		filepath.Join(p.RuntimeDir(), instance.InfoFile):      0o644,
-		filepath.Join(p.RuntimeDir(), instance.SlotsLockFile): 0o666,
-		p.Segment().Path(): 0o666,
-	}
-	for _, l := range p.Memory().Lists() {
-		modes[l.File] = 0o666
-	}
-	for path, mode := range modes {
-		if err := os.Chmod(path, mode); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // helperUserSecondary becomes uid args[0] and attaches to prefix args[1]

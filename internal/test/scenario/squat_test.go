@@ -19,7 +19,6 @@ import (
 	"github.com/mpmr/mpmr/internal/test/harness"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
-	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
 )
@@ -83,7 +82,7 @@ func runSquatter(args []string) int {
 			trap, err = primary.Start(primary.Config{Prefix: f[2], RuntimeDir: f[1], Backend: hugetlb.Tmpfs,
 				MemoryPages: 4, AllowUIDs: []int{allow}, Logger: slog.New(slog.DiscardHandler)})
 			if err == nil {
-				err = openToAll(trap)
+				err = harness.OpenToAll(trap)
 			}
 		case len(f) == 1 && f[0] == "secondaries" && trap != nil:
 			testproc.Say("> secondaries %d", trap.Stats().Counters.Secondaries)
@@ -94,27 +93,6 @@ func runSquatter(args []string) int {
 		testproc.Say("> %v", err)
 	}
 	return 0
-}
-
-// openToAll opens p's directory, socket, description and files to every
-// user, as a primary that lets other users in must.
-func openToAll(p *primary.Primary) error {
-	paths := map[string]os.FileMode{
-		p.RuntimeDir(): 0o711,
-		filepath.Join(p.RuntimeDir(), ipc.SocketName):         0o666,
-		filepath.Join(p.RuntimeDir(), instance.InfoFile):      0o644,
-		filepath.Join(p.RuntimeDir(), instance.SlotsLockFile): 0o666,
-		p.Segment().Path(): 0o666,
-	}
-	for _, l := range p.Memory().Lists() {
-		paths[l.File] = 0o666
-	}
-	for path, mode := range paths {
-		if err := os.Chmod(path, mode); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // squatter is the squatter's process.
