@@ -112,3 +112,33 @@ func TestBreaker5DumpJSONOfAFreshLiveInstanceHasNoNull(t *testing.T) {
 		})
 	}
 }
+
+// A name in a shared runtime directory that links into a directory the
+// tool's user may not search (anyone can plant one in /tmp) is a
+// permission problem, said as such, for every command that opens an
+// instance: not a crash, not "no instance".
+func TestToolNamesALinkIntoAPrivateDirectory(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("running the tool as another user needs root")
+	}
+	rundir := testenv.RunDir(t)
+	require.NoError(t, os.Chmod(rundir, 0o755))
+	secret := t.TempDir()
+	require.NoError(t, os.Chmod(secret, 0o700))
+	require.NoError(t, os.Mkdir(filepath.Join(secret, "x"), 0o755))
+	link := filepath.Join(rundir, "planted")
+	require.NoError(t, os.Symlink(filepath.Join(secret, "x"), link))
+	for _, c := range []string{"dump", "stats", "clean"} {
+		t.Run(c, func(t *testing.T) {
+			cmd := testproc.Command(context.Background(), "breaker5-tool",
+				strconv.Itoa(breaker5ToolUID), "-rundir", rundir, c, "planted")
+			out, _ := cmd.CombinedOutput()
+			code := cmd.ProcessState.ExitCode()
+			require.NotEqual(t, 99, code, "becoming uid %d:\n%s", breaker5ToolUID, out)
+			assert.NotContains(t, string(out), "panic", "%s", out)
+			assert.NotZero(t, code, "%s", out)
+			assert.Contains(t, string(out), "permission", "a permission problem is named as such:\n%s", out)
+			assert.Contains(t, string(out), link, "with the path")
+		})
+	}
+}

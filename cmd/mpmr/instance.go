@@ -91,7 +91,12 @@ func (e *env) target(prefix string) (*target, error) {
 	}
 	st, err := os.Stat(dir)
 	if errors.Is(err, fs.ErrPermission) {
-		return nil, noAccess(filepath.Dir(dir))
+		if err := noAccess(filepath.Dir(dir)); err != nil {
+			return nil, err
+		}
+		// The parent is searchable, so what is not lies further on: a
+		// link to a directory this user may not search, say.
+		return nil, fmt.Errorf("%w: %s is not accessible to uid %d: %v", ipc.ErrPermission, dir, os.Geteuid(), err)
 	}
 	if err == nil && st.IsDir() && !isInstanceDir(dir) {
 		if err := noAccess(dir); err != nil {
