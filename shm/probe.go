@@ -52,6 +52,13 @@ func Probe(path string, layoutTag uint32) (Info, error) {
 		return Info{Path: path}, fmt.Errorf("shm: probe: %w", err)
 	}
 	defer f.Close()
+	return ProbeFile(f, layoutTag)
+}
+
+// ProbeFile is Probe of an open file (a claimed one, say, that its name
+// may no longer designate).
+func ProbeFile(f *os.File, layoutTag uint32) (Info, error) {
+	path := f.Name()
 	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
 		return Info{Path: path}, fmt.Errorf("shm: probe %s: %w: not a regular file", path, ErrBadMagic)
 	}
@@ -144,12 +151,23 @@ func allZero(b []byte) bool {
 // this to a predecessor's segment before removing it, for the sake of
 // secondaries of the dead instance that still look at it. It refuses files
 // without the segment magic.
+//
+// Like Probe, it never follows a symbolic link and never waits on a FIFO.
 func MarkDeadFile(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return fmt.Errorf("shm: mark dead: %w", err)
 	}
 	defer f.Close()
+	return MarkDead(f)
+}
+
+// MarkDead is MarkDeadFile of an open file (open for writing).
+func MarkDead(f *os.File) error {
+	path := f.Name()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return fmt.Errorf("shm: mark dead %s: %w: not a regular file", path, ErrBadMagic)
+	}
 	page, _, err := falloc.BlockSize(int(f.Fd()))
 	if err != nil {
 		return err

@@ -7,11 +7,13 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 )
@@ -141,4 +143,29 @@ func TestToolNamesALinkIntoAPrivateDirectory(t *testing.T) {
 			assert.Contains(t, string(out), link, "with the path")
 		})
 	}
+}
+
+// segmentHeld says "not held" only for what is no primary's segment (no
+// file, a link, a FIFO); a path it cannot look at is an error, which
+// makes clean refuse instead of removing a live primary's files.
+func TestSegmentHeldRefusesToGuess(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "seg")
+	require.NoError(t, os.WriteFile(file, []byte("x"), 0o600))
+	require.NoError(t, os.Symlink(file, filepath.Join(dir, "link")))
+	require.NoError(t, syscall.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
+	for _, name := range []string{"missing", "link", "fifo", "seg"} {
+		held, err := segmentHeld(filepath.Join(dir, name))
+		assert.NoError(t, err, name)
+		assert.False(t, held, name)
+	}
+	f, err := os.Open(file)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, ofd.TryLock(f, 0, false))
+	held, err := segmentHeld(file)
+	require.NoError(t, err)
+	assert.True(t, held, "a file whose lock a live description holds")
+	_, err = segmentHeld(filepath.Join(dir, strings.Repeat("n", 300)))
+	assert.Error(t, err, "a name it cannot look at is not 'not held'")
 }

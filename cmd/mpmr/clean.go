@@ -123,7 +123,13 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	for _, dir := range t.backendDirs() {
 		segPath := instance.SegmentPath(dir, t.Name)
 		info, _ := shm.Probe(segPath, instance.LayoutTag)
-		held := segmentHeld(segPath)
+		held, err := segmentHeld(segPath)
+		if err != nil {
+			if created {
+				_ = rd.Remove(instance.PrimaryLockFile)
+			}
+			return nil, fmt.Errorf("refusing to clean %q: cannot tell whether a primary holds %s: %w", t.Prefix, segPath, err)
+		}
 		if held || t.Info != nil && info.CreatorPID == t.Info.PID && running(info.CreatorPID, info.CreatorStart) {
 			if created {
 				_ = rd.Remove(instance.PrimaryLockFile)
@@ -204,18 +210,26 @@ func memoryFiles(dir, name string) []string {
 }
 
 // segmentHeld reports whether a live process holds the lock a primary
-// holds on its segment file for its lifetime.
-func segmentHeld(path string) bool {
+// holds on its segment file for its lifetime. A path that names nothing,
+// a link or no regular file is no primary's segment; any other failure to
+// look is an error, so that the caller refuses rather than guesses.
+func segmentHeld(path string) (bool, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
+		return false, nil
+	}
 	if err != nil {
-		return false
+		return false, err
 	}
 	defer f.Close()
-	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
-		return false
+	st, err := f.Stat()
+	if err != nil {
+		return false, err
 	}
-	held, err := ofd.Held(f, 0)
-	return err == nil && held
+	if !st.Mode().IsRegular() {
+		return false, nil
+	}
+	return ofd.Held(f, 0)
 }
 
 // cleanBackend removes the instance's segment and memory files in dir:
@@ -242,8 +256,11 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut,
 	}
 	segPath := instance.SegmentPath(dir, t.Name)
 	if c := claim(segPath); c != nil {
-		_, perr := shm.Probe(segPath, instance.LayoutTag)
-		o := shm.Options{LayoutTag: instance.LayoutTag, Path: segPath, Logger: e.log,
+		// The claimed file, not its name: the instance's user could swap
+		// a link in under the name meanwhile.
+		held := fmt.Sprintf("/proc/self/fd/%d", c.File().Fd())
+		_, perr := shm.ProbeFile(c.File(), instance.LayoutTag)
+		o := shm.Options{LayoutTag: instance.LayoutTag, Path: held, Logger: e.log,
 			LockPath: filepath.Join(rd.Path(), instance.SlotsLockFile)}
 		if lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDONLY, 0); err == nil {
 			defer lockf.Close()
@@ -258,7 +275,7 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut,
 			seg.Close()
 		}
 		if perr == nil || errors.Is(perr, shm.ErrNotReady) {
-			if err := shm.MarkDeadFile(segPath); err != nil {
+			if err := shm.MarkDead(c.File()); err != nil {
 				out.Warnings = append(out.Warnings, err.Error())
 			} else {
 				out.MarkedDead = append(out.MarkedDead, segPath)
