@@ -7,6 +7,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -216,4 +218,41 @@ func TestSummaryLine(t *testing.T) {
 	assert.True(t, out.Failed())
 	_, ok = job.ParseLine("secondary pid 7: 3 lookups/s")
 	assert.False(t, ok)
+}
+
+// A secondary that is alive but never ends (stopped here) does not keep
+// the main job waiting: past its duration and the grace, the primary
+// stops it as an interrupted one (SIGTERM, then SIGKILL, which ends a
+// stopped process too), says so and fails.
+func TestMainJobStopsASecondaryThatDoesNotEnd(t *testing.T) {
+	prim, sec := programs(t)
+	cmd := exec.CommandContext(t.Context(), prim, "-prefix", testenv.Prefix(t), "-rundir", runDir(t),
+		"-backend", "tmpfs", "-secondaries", "1", "-duration", "3s", "-grace", "1s", "-buffers", "1024",
+		"-secondary-bin", sec)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	progress := regexp.MustCompile(`^\[secondary 0\] secondary pid (\d+): `)
+	sc := bufio.NewScanner(stdout)
+	pid := 0
+	var out strings.Builder
+	for pid == 0 && sc.Scan() {
+		out.WriteString(sc.Text() + "\n")
+		if m := progress.FindStringSubmatch(sc.Text()); m != nil {
+			pid, _ = strconv.Atoi(m[1])
+		}
+	}
+	require.NotZero(t, pid, "a progress line from the secondary:\n%s", out.String())
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) }) // if the primary did not
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	for sc.Scan() {
+		out.WriteString(sc.Text() + "\n")
+	}
+	err = cmd.Wait()
+	text := out.String() + stderr.String()
+	require.Error(t, err, "the main job fails:\n%s", text)
+	assert.NoError(t, t.Context().Err(), "the main job ended by itself")
+	assert.Contains(t, text, "still running 1s after its 3s of work: stopped", "and says why")
 }

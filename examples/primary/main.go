@@ -40,6 +40,7 @@ type config struct {
 	buffers      int
 	churn        bool
 	secondaryBin string
+	grace        time.Duration
 }
 
 func main() {
@@ -51,6 +52,7 @@ func main() {
 	flag.IntVar(&c.buffers, "buffers", 8192, "buffers in the pool")
 	flag.BoolVar(&c.churn, "churn", true, "free and reallocate memory while the secondaries work")
 	flag.StringVar(&c.secondaryBin, "secondary-bin", "", "the examples/secondary program to launch (default: built from this module)")
+	flag.DurationVar(&c.grace, "grace", 20*time.Second, "how long past -duration a secondary may take to attach and detach before it is stopped")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, c)
@@ -127,7 +129,7 @@ func run(ctx context.Context, c config) error {
 		if ctx.Err() != nil {
 			// Interrupted: the secondaries were told to stop too, and
 			// those that did not finish have no summary to give.
-			failed = []error{errors.New("interrupted")}
+			failed = append(failed, errors.New("interrupted"))
 		}
 	}
 	stopChurn()
@@ -207,12 +209,22 @@ func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) 
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			cmd := exec.CommandContext(ctx, bin, c.Args()...)
+			// A secondary that is alive but does not end (stopped, hung)
+			// must not keep the main job waiting: past its duration and
+			// the grace for attaching and detaching, it is stopped as an
+			// interrupted one is.
+			sctx, cancel := context.WithTimeout(ctx, c.Duration+c.grace)
+			defer cancel()
+			cmd := exec.CommandContext(sctx, bin, c.Args()...)
 			// Interrupted, a secondary is asked to stop (it detaches
-			// cleanly), and killed only if it does not.
+			// cleanly), and killed only if it does not (SIGKILL ends a
+			// stopped process too).
 			cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 			cmd.WaitDelay = 5 * time.Second
-			sums[i], errs[i] = runSecondary(ctx, cmd, i)
+			sums[i], errs[i] = runSecondary(sctx, cmd, i)
+			if ctx.Err() == nil && errors.Is(sctx.Err(), context.DeadlineExceeded) {
+				errs[i] = fmt.Errorf("still running %v after its %v of work: stopped (%w)", c.grace, c.Duration, errs[i])
+			}
 		}()
 	}
 	wg.Wait()

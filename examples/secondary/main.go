@@ -73,26 +73,26 @@ func run(ctx context.Context, f job.Flags) int {
 	// belongs to someone else.
 	s, err := secondary.Attach(secondary.Config{Prefix: f.Prefix, RuntimeDir: f.RuntimeDir, Logger: f.Logger().With("secondary_pid", os.Getpid())})
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "secondary: %v\n", err)
+		say("%v", err)
 		if errors.Is(err, secondary.ErrNoPrimary) {
-			fmt.Fprintln(os.Stderr, "secondary: start a primary first: go run ./examples/primary -secondaries 0")
+			say("start a primary first: go run ./examples/primary -secondaries 0")
 		}
 		return 1
 	}
 	defer s.Close()
 	dev := s.Device()
 	if dev == nil {
-		fmt.Fprintf(os.Stderr, "secondary: this job validates through the soft device; the primary uses %s\n", s.DeviceName())
+		say("this job validates through the soft device; the primary uses %s", s.DeviceName())
 		return 1
 	}
 	pool, err := s.Pool(job.PoolName)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "secondary: %v\n", err)
+		say("%v", err)
 		return 1
 	}
 	scratch, err := job.OpenScratch(s.Segment())
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "secondary: %v\n", err)
+		say("%v", err)
 		return 1
 	}
 
@@ -110,7 +110,16 @@ func run(ctx context.Context, f job.Flags) int {
 		// way when a queue starts).
 		q := s.NewQueue()
 		if err := s.RegisterMempool(q, pool); err != nil {
-			fmt.Fprintf(os.Stderr, "secondary: queue %d: %v\n", i, err)
+			// Stop the queues already working before Close unmaps the
+			// memory they use.
+			q.Close()
+			stopWork()
+			wg.Wait()
+			if ended(err) {
+				say("queue %d: %v: stopped %d queues; exiting", i, err, i)
+				return 2
+			}
+			say("queue %d: %v", i, err)
 			return 1
 		}
 		queues[i] = q
@@ -138,8 +147,7 @@ func run(ctx context.Context, f job.Flags) int {
 		if s.Dropped() {
 			why = "the primary dropped this process (it did not follow a memory change in time)"
 		}
-		fmt.Fprintf(os.Stderr, "secondary pid %d: %s: stopped %d queues after %d copies; exiting\n",
-			os.Getpid(), why, len(queues), c.copies.Load())
+		say("%s: stopped %d queues after %d copies; exiting", why, len(queues), c.copies.Load())
 		return 2
 	}
 	for running := true; running; {
@@ -232,6 +240,12 @@ func datapath(ctx context.Context, s *secondary.Secondary, q *secondary.Queue, d
 
 // ended reports whether err says the primary died or dropped this
 // process: the queue must stop.
+// say writes a diagnostic line, naming this process: the primary that
+// launched it passes its standard error through.
+func say(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "secondary pid %d: "+format+"\n", append([]any{os.Getpid()}, args...)...)
+}
+
 func ended(err error) bool {
 	return errors.Is(err, secondary.ErrPrimaryGone) || errors.Is(err, secondary.ErrDropped)
 }
