@@ -26,6 +26,34 @@ func (g *Global) guardFree(ev hugetlb.Event) error {
 	return nil
 }
 
+// CollectFor is Collect for a free of [addr, addr+length), as a free guard
+// after the cache's (the primary's): it fails only if an MR of that range
+// may still be registered — one the device kept, or any when the free list
+// could not be taken — so that the free is refused. An MR of other memory
+// the device keeps from an earlier free refuses that memory's free, not
+// this one; it is logged.
+func (g *Global) CollectFor(addr, length uint64) error {
+	_, err := g.Collect()
+	if err == nil {
+		return nil
+	}
+	if atomic.LoadUint32(&g.root.FreeCount) != 0 {
+		return err // not even detached: this free's MRs may be among them
+	}
+	g.gcMu.Lock()
+	ours := false
+	for _, m := range g.undone {
+		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
+		ours = ours || addr < s+n && s < addr+length
+	}
+	g.gcMu.Unlock()
+	if ours {
+		return err
+	}
+	g.logCollect(err)
+	return nil
+}
+
 // invalidate clears the pages of [addr, addr+length) from every MR. An MR
 // left with no pages moves to the free list, to be deregistered by the next
 // GC. If anything changed, DevGen is bumped and then the table rebuilt,
@@ -190,9 +218,23 @@ func (g *Global) moveToFree(m mr) error {
 func (g *Global) GC() int {
 	n, err := g.Collect()
 	if err != nil {
-		g.log.Error("MR garbage collection", "err", err)
+		g.logCollect(err)
 	}
 	return n
+}
+
+// logCollect logs a collection's failure, once while it stays the same:
+// an MR the device keeps is retried at every collection, and every
+// creation collects.
+func (g *Global) logCollect(err error) {
+	msg := err.Error()
+	g.gcMu.Lock()
+	same := msg == g.lastGCErr
+	g.lastGCErr = msg
+	g.gcMu.Unlock()
+	if !same {
+		g.log.Error("MR garbage collection", "err", err)
+	}
 }
 
 // Collect is GC reporting what failed. Collections run one at a time: when
@@ -231,6 +273,7 @@ func (g *Global) Collect() (int, error) {
 	if err := errors.Join(errs...); err != nil {
 		return n, fmt.Errorf("cache: collect freed MRs: %w", err)
 	}
+	g.lastGCErr = ""
 	return n, nil
 }
 

@@ -125,6 +125,7 @@ type Global struct {
 	fullFlush bool
 	gcMu      sync.Mutex // one collection at a time (see Collect)
 	undone    []mr       // MRs the device would not deregister yet, under gcMu
+	lastGCErr string     // the collection failure last logged, under gcMu
 	closeMu   sync.Mutex
 	closed    atomic.Bool
 }

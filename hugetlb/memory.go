@@ -79,8 +79,10 @@ var (
 	ErrBadDescriptor = errors.New("hugetlb: bad memseg list descriptor")
 	// ErrClosed means the Memory, or the primary's memory, was closed.
 	ErrClosed = errors.New("hugetlb: memory closed")
-	// ErrNotFreed means a guard (see GuardFree) refused a free: nothing
-	// was changed, the memory is still allocated and mapped.
+	// ErrNotFreed means a guard (see GuardFree) refused a free: the
+	// memory is still allocated and mapped everywhere. A guard may have
+	// let go of what it kept about the memory first (the MR cache drops
+	// its registrations of it, which are made again on demand).
 	ErrNotFreed = errors.New("hugetlb: memory not freed")
 	// ErrInUse means a backing file belongs to a live Memory: its creator
 	// holds a lock on it (see RemoveFiles).

@@ -87,3 +87,45 @@ func TestFreeRefusedWhileTheDeviceKeepsTheKey(t *testing.T) {
 	_, err = q.Lookup(r.Addr)
 	assert.ErrorIs(t, err, cache.ErrNoMemory, "and nothing serves a key for it")
 }
+
+// An MR the device keeps refuses the free of its own memory, and only
+// that one: other memory is freed meanwhile, and so is it once the device
+// lets go.
+func TestAnMRTheDeviceKeepsRefusesOnlyItsOwnFree(t *testing.T) {
+	var dev *failingDeregDevice
+	p, _ := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.SinglePage = true
+		primary.WithDeviceOpener(c, func(seg *shm.Segment, log *slog.Logger) (verbs.Device, error) {
+			soft, err := verbs.CreateSoft(seg, verbs.SoftOptions{Logger: log})
+			dev = &failingDeregDevice{Soft: soft}
+			return dev, err
+		})
+	})
+	ps := p.Backend().PageSize
+	stuck, err := p.Alloc(ps)
+	require.NoError(t, err)
+	other, err := p.Alloc(ps)
+	require.NoError(t, err)
+	q := p.NewQueue()
+	key, err := q.Lookup(stuck.Addr)
+	require.NoError(t, err)
+	otherKey, err := q.Lookup(other.Addr)
+	require.NoError(t, err)
+	dev.key.Store(key)
+	dev.fail.Store(true)
+
+	require.ErrorIs(t, p.Free(stuck), hugetlb.ErrNotFreed, "the device keeps the key: its free is refused")
+	require.NoError(t, p.Free(other), "a free of other memory is not refused for it")
+	assert.Error(t, dev.Soft.Validate(verbs.SGE{Addr: other.Addr, Len: 1, Key: otherKey}, verbs.AccessLocalWrite),
+		"the other memory's key is gone with it")
+	require.NoError(t, dev.Soft.Validate(verbs.SGE{Addr: stuck.Addr, Len: 1, Key: key}, verbs.AccessLocalWrite),
+		"the kept memory is still there, and so is its key")
+	again, err := p.Alloc(ps)
+	require.NoError(t, err)
+	_, err = q.Lookup(again.Addr)
+	require.NoError(t, err, "memory allocated meanwhile is registered")
+	require.NoError(t, p.Free(again), "and freed")
+
+	dev.fail.Store(false)
+	require.NoError(t, p.Free(stuck), "the device lets go: the free completes")
+}

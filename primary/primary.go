@@ -413,12 +413,12 @@ func (p *Primary) Free(r hugetlb.Region) error {
 
 // collectFreed is the primary's free guard, after the cache's: the MRs the
 // invalidation emptied are deregistered before the pages go (a device stops
-// using memory before it is released), not at the next creation. If that
-// fails, the free is refused: the memory stays, without the registrations
-// the invalidation already removed.
-func (p *Primary) collectFreed(hugetlb.Event) error {
-	_, err := p.global.Collect()
-	return err
+// using memory before it is released), not at the next creation. If the
+// device keeps one of this free's MRs, the free is refused: the memory
+// stays, without the registrations the invalidation already removed. One
+// it keeps from another free does not refuse this one.
+func (p *Primary) collectFreed(ev hugetlb.Event) error {
+	return p.global.CollectFor(uint64(ev.Addr), ev.Len)
 }
 
 // Queue is a per-queue MR cache of the primary: use it from one goroutine
