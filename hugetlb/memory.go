@@ -145,8 +145,9 @@ type Memory struct {
 	table   *tableHeader
 	lists   []*list // fixed after Create/Attach
 
-	mu     sync.RWMutex // the memory lock; see RLock
-	closed atomic.Bool
+	mu       sync.RWMutex // the memory lock; see RLock
+	closed   atomic.Bool
+	closeErr error // what Close reported, under mu
 
 	subMu  sync.Mutex
 	subs   atomic.Pointer[[]*subscriber]
@@ -652,19 +653,21 @@ func (m *Memory) RUnlock() { m.mu.RUnlock() }
 // descriptors closed, so later attaches fail, and removes the backing files,
 // so the hugepages go back to the kernel once no process maps them any
 // more. No events are delivered. Close the Memory before its segment. Close
-// is idempotent; other methods fail with ErrClosed afterwards and the
-// queries report nothing.
+// is idempotent (a later call reports what the first one did: a mapping it
+// could not undo stays an error); other methods fail with ErrClosed
+// afterwards and the queries report nothing.
 func (m *Memory) Close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed.Load() {
-		return nil
+		return m.closeErr // a mapping that could not be undone stays an error
 	}
 	m.closed.Store(true)
 	if m.primary {
 		atomic.StoreUint32(&m.table.State, tableClosed)
 	}
-	return m.release(m.primary)
+	m.closeErr = m.release(m.primary)
+	return m.closeErr
 }
 
 // release unmaps and closes whatever the lists hold, removing the files if

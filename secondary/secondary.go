@@ -754,8 +754,11 @@ func (s *Secondary) Close() error {
 			s.bg.Wait()
 		}
 		if s.mem != nil {
-			errs = append(errs, s.mem.Close())
-			s.seg.MarkUnmapped()
+			err := s.mem.Close()
+			if err == nil {
+				s.seg.MarkUnmapped() // only then may the primary reuse what it quarantined
+			}
+			errs = append(errs, err)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
 		_ = s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
