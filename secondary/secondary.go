@@ -33,9 +33,10 @@ var (
 	ErrNoPrimary = instance.ErrNoPrimary
 	// ErrDropped means the primary dropped this secondary because it did
 	// not follow a memory change in time (it was stopped, or too slow), or
-	// its connection ended while the primary lives. The secondary has
-	// unmapped its data memory and fails every request; Queue.Lookup fails
-	// too. Close it and attach again to carry on.
+	// its connection ended while the primary lives. The secondary fails
+	// every request and Queue.Lookup fails too; it unmaps its data memory
+	// once its queues are closed (or after a short grace). Close it and
+	// attach again to carry on.
 	ErrDropped = instance.ErrDropped
 	// ErrPermission means Attach refused what it found: a runtime
 	// directory (or a file in it) that another user could have made or
