@@ -304,13 +304,16 @@ func (g *Global) Close() error {
 	if g.closed.Swap(true) {
 		return nil
 	}
+	cancel, err := g.writeLock()
+	if err != nil {
+		// Nothing changed: still open and guarding frees, and a later
+		// Close tries again.
+		g.closed.Store(false)
+		return err
+	}
 	// Frees stay guarded until the list is swept: one that came between
 	// would otherwise leave keys served for its pages.
 	defer g.unsub()
-	cancel, err := g.writeLock()
-	if err != nil {
-		return err
-	}
 	var errs []error
 	for off := atomic.LoadUint64(&g.root.MRList); off != 0; off = atomic.LoadUint64(&g.root.MRList) {
 		m, err := g.mrAt(off)

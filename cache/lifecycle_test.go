@@ -196,3 +196,34 @@ func TestDeadWriterTakeoverMovesGeneration(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1), q.Stats().Flushes, "the local cache flushed")
 }
+
+// A Close that cannot have the global lock changes nothing: frees are
+// still guarded, the MRs still registered, and a later Close does the
+// work instead of reporting success.
+func TestCloseThatCannotLockChangesNothing(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{lockTimeout: 100 * time.Millisecond})
+	r := p.alloc(t, 1)
+	e, err := p.g.Create(uint64(r.Addr))
+	require.NoError(t, err)
+
+	held, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- p.g.Exclusive(func() {
+			close(held)
+			<-release
+		})
+	}()
+	<-held
+	closeErr := p.g.Close()
+	close(release)
+	require.NoError(t, <-done)
+	require.Error(t, closeErr, "Close could not lock")
+
+	assert.NoError(t, p.validates(r.Addr, e.LKey), "the MR is still registered")
+	require.NoError(t, p.mem.Free(r), "a free is still guarded: it invalidates")
+	_, err = p.g.Collect()
+	require.NoError(t, err)
+	assert.Error(t, p.validates(r.Addr, e.LKey), "and the key went with the memory")
+	require.NoError(t, p.g.Close(), "a later Close does the work")
+}
