@@ -59,9 +59,6 @@ func Probe(path string, layoutTag uint32) (Info, error) {
 // may no longer designate).
 func ProbeFile(f *os.File, layoutTag uint32) (Info, error) {
 	path := f.Name()
-	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
-		return Info{Path: path}, fmt.Errorf("shm: probe %s: %w: not a regular file", path, ErrBadMagic)
-	}
 	info, err := probeFile(f, layoutTag)
 	if err != nil {
 		return info, fmt.Errorf("shm: probe %s: %w", path, err)
@@ -76,6 +73,9 @@ func probeFile(f *os.File, layoutTag uint32) (Info, error) {
 	st, err := f.Stat()
 	if err != nil {
 		return info, err
+	}
+	if !st.Mode().IsRegular() {
+		return info, fmt.Errorf("%w: not a regular file (%v)", ErrBadMagic, st.Mode().Type())
 	}
 	page, huge, err := falloc.BlockSize(int(f.Fd()))
 	if err != nil {

@@ -2,7 +2,9 @@ package shm_test
 
 import (
 	"os"
+	"path/filepath"
 	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -152,4 +154,22 @@ func TestLockViewDescribesWithoutTakingPart(t *testing.T) {
 	f.lock.Unlock() // without MarkConsistent
 	assert.True(t, v.Abandoned(), "a lock that can never be taken again")
 	assert.True(t, v.State().NotRecoverable)
+}
+
+// What is not a regular file where a segment should be (a FIFO another
+// process could hold open, a directory) is refused at once by every way
+// of opening one without taking part: not waited on, not mapped.
+func TestOpenersRefuseWhatIsNoRegularFile(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	require.NoError(t, syscall.Mkfifo(fifo, 0o600))
+	sub := filepath.Join(dir, "dir")
+	require.NoError(t, os.Mkdir(sub, 0o700))
+	for _, path := range []string{fifo, sub} {
+		_, _, err := shm.OpenReadOnly(shm.Options{Path: path})
+		assert.ErrorIs(t, err, shm.ErrBadMagic, "OpenReadOnly %s", path)
+		_, err = shm.Probe(path, 0)
+		assert.ErrorIs(t, err, shm.ErrBadMagic, "Probe %s", path)
+	}
+	assert.Error(t, shm.MarkDeadFile(fifo), "MarkDeadFile of a FIFO")
 }
