@@ -207,8 +207,11 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	// attachment's connection must never speak for the other's slot.
 	slot := -1
 	var epoch uint32
-	for _, proc := range p.seg.Procs() {
-		if proc.Slot == m.Slot && proc.Epoch == m.Epoch && proc.PID == m.PID && proc.Alive && proc.Start == m.Start &&
+	if m.Slot >= 0 && m.Slot < p.seg.Slots() {
+		// Only the slot it names: a hello costs one slot's look, however
+		// many the table holds.
+		proc := p.seg.Proc(m.Slot)
+		if proc.Epoch == m.Epoch && proc.PID == m.PID && proc.Alive && proc.Start == m.Start &&
 			proc.Role == shm.RoleSecondary && !proc.Fenced {
 			slot, epoch = proc.Slot, proc.Epoch
 		}
