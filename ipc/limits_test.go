@@ -230,6 +230,10 @@ func TestIdleConnectionFloodIsBounded(t *testing.T) {
 		return closed == flood
 	}), "the server closed %d of the %d idle connections", closed, flood)
 	assert.Equal(t, flood, limited, "every idle connection was told why it was closed")
+	// The flood sees each connection end once the server closed it; the
+	// server counts it gone once its goroutines are done with it.
+	require.True(t, eventually(func() bool { st := s.Stats(); return st.Conns == 1 && st.Unadmitted == 0 }),
+		"the server let go of the closed connections: %+v", s.Stats())
 	st = s.Stats()
 	t.Logf("refused at connect %d, closed for an overdue hello %d", st.RefusedConnsUID, st.HelloTimeouts)
 	assert.EqualValues(t, flood, st.RefusedConnsUID+st.HelloTimeouts)
