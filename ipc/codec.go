@@ -109,6 +109,14 @@ func Marshal(v any) ([]byte, error) { return appendBody(nil, v) }
 // does not have, and a value that has a Validate() error method must pass
 // it. Every failure wraps ErrMalformed.
 func Unmarshal(b []byte, v any) error {
+	if f, ok := v.(flatBody); ok && f.parseFlat(b) {
+		return validate(v)
+	}
+	return unmarshalReflect(b, v)
+}
+
+// unmarshalReflect is Unmarshal through the reflective decoder.
+func unmarshalReflect(b []byte, v any) error {
 	after, err := skipValue(b, 0)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrMalformed, err)
@@ -126,6 +134,11 @@ func Unmarshal(b []byte, v any) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrMalformed, err)
 	}
+	return validate(v)
+}
+
+// validate runs v's Validate method, if it has one.
+func validate(v any) error {
 	if val, ok := v.(interface{ Validate() error }); ok {
 		if err := val.Validate(); err != nil {
 			return fmt.Errorf("%w: %w", ErrMalformed, err)
@@ -155,6 +168,16 @@ func (w *appendWriter) Write(p []byte) (int, error) { w.b = append(w.b, p...); r
 func (w *appendWriter) WriteByte(c byte) error      { w.b = append(w.b, c); return nil }
 
 func appendBody(dst []byte, v any) ([]byte, error) {
+	if f, ok := v.(flatBody); ok {
+		if b, ok := f.appendFlat(dst); ok {
+			return b, nil
+		}
+	}
+	return appendReflect(dst, v)
+}
+
+// appendReflect is appendBody through the reflective encoder.
+func appendReflect(dst []byte, v any) ([]byte, error) {
 	e := encoders.Get().(*encoder)
 	e.w.b = dst
 	e.enc.Reset(&e.w)

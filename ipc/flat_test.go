@@ -1,0 +1,145 @@
+package ipc
+
+import (
+	"bytes"
+	"fmt"
+	"math"
+	"reflect"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The hand-written codec of the hot messages must be indistinguishable
+// from the reflective one: the same bytes out, and for any bytes in the
+// same value or the same refusal.
+
+// flatEdges are integers at every boundary between msgpack's forms.
+var flatEdges = []uint64{0, 1, 0x7f, 0x80, 0xff, 0x100, 0xffff, 0x1_0000, math.MaxUint32, math.MaxUint32 + 1,
+	math.MaxInt64, math.MaxInt64 + 1, math.MaxUint64}
+
+// flatSamples returns values of every hot message built from the edges.
+func flatSamples() []any {
+	out := []any{&SyncAck{}}
+	for _, a := range flatEdges {
+		out = append(out, &CreateMR{Addr: a})
+		for _, b := range flatEdges {
+			out = append(out, &CreateMRReply{Start: a, End: b, LKey: uint32(b)})
+			n := int(min(b, math.MaxInt64))
+			out = append(out, &Sync{Op: SyncOp(a), List: n, First: int(min(a, math.MaxInt64)), Count: n})
+		}
+	}
+	return append(out, &Sync{Op: SyncMap, List: -1, First: -300, Count: math.MinInt64})
+}
+
+func TestFlatEncodesAsReflective(t *testing.T) {
+	for _, v := range flatSamples() {
+		want, err := appendReflect([]byte{0xaa}, v)
+		require.NoError(t, err)
+		got, err := appendBody([]byte{0xaa}, v)
+		require.NoError(t, err)
+		require.Equal(t, want, got, "%T %+v", v, v)
+	}
+	var nilMR *CreateMR
+	want, err := appendReflect(nil, nilMR)
+	require.NoError(t, err)
+	got, err := appendBody(nil, nilMR)
+	require.NoError(t, err)
+	assert.Equal(t, want, got, "nil message")
+}
+
+// newFlat returns one of each hot message, holding values the inputs
+// below never carry, so that a field a decoder leaves alone shows.
+func newFlat() []any {
+	return []any{&CreateMR{Addr: 0xdead}, &CreateMRReply{Start: 1, End: 2, LKey: 3}, &Sync{Op: 9, List: 9, First: 9, Count: 9}, &SyncAck{}}
+}
+
+// sameAsReflective decodes b into each hot message both ways and fails t
+// on any difference in result or error.
+func sameAsReflective(t *testing.T, b []byte) {
+	t.Helper()
+	a, r := newFlat(), newFlat()
+	for i := range a {
+		errA, errR := Unmarshal(b, a[i]), unmarshalReflect(b, r[i])
+		if (errA == nil) != (errR == nil) || errA != nil && errA.Error() != errR.Error() {
+			t.Fatalf("% x into %T: %v, reflective %v", b, a[i], errA, errR)
+		}
+		if !reflect.DeepEqual(a[i], r[i]) {
+			t.Fatalf("% x into %T: %+v, reflective %+v", b, a[i], a[i], r[i])
+		}
+	}
+}
+
+// flatInputs are canonical bodies and near misses: keys reordered, missing
+// or added, integers too large or negative or of another type, bytes cut
+// short or left over.
+func flatInputs(t testing.TB) [][]byte {
+	var out [][]byte
+	for _, v := range flatSamples() {
+		b, err := appendReflect(nil, v)
+		require.NoError(t, err)
+		out = append(out, b, b[:len(b)-1], append(bytes.Clone(b), 0))
+	}
+	raw := func(m map[string]any) []byte {
+		b, err := appendReflect(nil, m)
+		require.NoError(t, err)
+		return b
+	}
+	return append(out,
+		nil, []byte{0xc0}, []byte{0x80}, []byte{0x81},
+		raw(map[string]any{"addr": -1}),
+		raw(map[string]any{"addr": int8(5)}),
+		raw(map[string]any{"addr": 1.5}),
+		raw(map[string]any{"addr": "x"}),
+		raw(map[string]any{"address": 1}),
+		raw(map[string]any{"lkey": uint64(1) << 33, "start": 1, "end": 2}),
+		raw(map[string]any{"start": 1, "end": 2}),
+		raw(map[string]any{"op": 300, "list": 0, "first": 0, "count": 1}),
+		raw(map[string]any{"op": 1, "list": uint64(math.MaxUint64), "first": 0, "count": 1}),
+		[]byte{0x81, 0xa4, 'a', 'd', 'd', 'r', 0xd0, 0x05}, // int8 5
+		[]byte{0x81, 0xa4, 'a', 'd', 'd', 'r', 0xcc, 0x05}, // uint8 5, not the shortest
+		[]byte{0x81, 0xd9, 4, 'a', 'd', 'd', 'r', 0x05},    // key as str8
+		[]byte{0x83, 0xa3, 'e', 'n', 'd', 2, 0xa5, 's', 't', 'a', 'r', 't', 1, 0xa4, 'l', 'k', 'e', 'y', 3},
+		[]byte{0x82, 0xa4, 'a', 'd', 'd', 'r', 1, 0xa4, 'a', 'd', 'd', 'r', 2}, // a key twice
+	)
+}
+
+func TestFlatDecodesAsReflective(t *testing.T) {
+	for i, b := range flatInputs(t) {
+		t.Run(fmt.Sprint(i), func(t *testing.T) { sameAsReflective(t, b) })
+	}
+}
+
+func TestFlatNilMessage(t *testing.T) {
+	b := []byte{0x81, 0xa4, 'a', 'd', 'd', 'r', 1}
+	var m *CreateMR
+	errA, errR := Unmarshal(b, m), unmarshalReflect(b, m)
+	require.Error(t, errR)
+	assert.EqualError(t, errA, errR.Error())
+}
+
+func FuzzFlatMatchesReflective(f *testing.F) {
+	for _, b := range flatInputs(f) {
+		f.Add(b)
+	}
+	f.Fuzz(sameAsReflective)
+}
+
+// The hot messages take the hand-written path: no allocation at all.
+func TestFlatAllocatesNothing(t *testing.T) {
+	buf := make([]byte, 0, 64)
+	reply := &CreateMRReply{Start: 0x7f00_0000_0000, End: 0x7f00_0020_0000, LKey: 0x1234}
+	var got CreateMRReply
+	allocs := testing.AllocsPerRun(100, func() {
+		b, err := appendBody(buf[:0], reply)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := Unmarshal(b, &got); err != nil {
+			t.Fatal(err)
+		}
+	})
+	assert.Zero(t, allocs)
+	assert.Equal(t, *reply, got)
+}
