@@ -201,7 +201,7 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 		}
 	}
 	for {
-		n, oobn, rflags, _, err := unix.Recvmsg(c.fd, b, c.oob, flags)
+		n, oobn, rflags, err := recvmsg(c.fd, b, c.oob, flags)
 		switch {
 		case err == unix.EINTR:
 			continue
