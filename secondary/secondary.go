@@ -127,7 +127,10 @@ type Secondary struct {
 
 // Attach connects to the primary of cfg.Prefix, attaches to its control
 // segment (claiming a process-table slot), says hello, and maps the data
-// memory at the same addresses as the primary.
+// memory at the same addresses as the primary. A process that finds, once
+// attached, that the primary has dropped it meanwhile (it was stopped
+// through a memory change) starts again on a new slot, within
+// AttachTimeout; a drop after Attach returns is what ErrDropped reports.
 func Attach(cfg Config) (*Secondary, error) {
 	if cfg.Prefix == "" {
 		cfg.Prefix = "mpmr"
@@ -296,6 +299,15 @@ func (s *Secondary) attach(ctx context.Context) error {
 	}
 	if s.ctrs, err = instance.OpenCounters(s.seg); err != nil {
 		return err
+	}
+	// A process stopped after its hello may find itself dropped already:
+	// fenced by a memory change it could not follow, its connection
+	// closed. It would start out useless; start again on a new slot.
+	switch {
+	case s.seg.Fenced():
+		return &retryAttach{fmt.Errorf("%w while attaching", ErrDropped)}
+	case isClosed(s.client.Done()):
+		return &retryAttach{fmt.Errorf("secondary: the connection ended while attaching: %w", s.client.Err())}
 	}
 	bg, stop := context.WithCancel(context.Background())
 	s.stop = stop
@@ -486,9 +498,12 @@ func (s *Secondary) primaryGone(why string) {
 // dropped this secondary (see Dropped).
 func (s *Secondary) PrimaryGone() <-chan struct{} { return s.gone }
 
-func (s *Secondary) isGone() bool {
+func (s *Secondary) isGone() bool { return isClosed(s.gone) }
+
+// isClosed reports whether ch is closed.
+func isClosed(ch <-chan struct{}) bool {
 	select {
-	case <-s.gone:
+	case <-ch:
 		return true
 	default:
 		return false
