@@ -17,6 +17,8 @@ import (
 
 	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/internal/sys/sock"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
@@ -333,4 +335,37 @@ func removeInstanceFiles(t *testing.T, prefix string) {
 			}
 		}
 	}
+}
+
+// A dead primary's lock held by someone else (an `mpmr clean` at work, or
+// stopped) makes Start fail, but not by naming the dead primary as the
+// one running.
+func TestStartNamesNoDeadPrimaryAsRunning(t *testing.T) {
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: testenv.Tmpfs(t).Kind,
+		MemoryPages: 16, Logger: quiet}
+	h, _, _ := startPrimaryProcess(t, cfg)
+	dead := h.PID()
+	h.Kill()
+	_ = h.Wait(0)
+
+	dir, err := instance.Dir(cfg.Prefix, cfg.RuntimeDir)
+	require.NoError(t, err)
+	f, err := os.OpenFile(filepath.Join(dir, instance.PrimaryLockFile), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, ofd.TryLock(f, 0, true), "the lock, as mpmr clean takes it")
+
+	p, err := primary.Start(cfg)
+	if err == nil {
+		p.Close()
+	}
+	require.ErrorIs(t, err, primary.ErrPrimaryRunning)
+	assert.NotContains(t, err.Error(), fmt.Sprintf("(pid %d)", dead), "the dead primary is not running")
+	assert.Contains(t, err.Error(), fmt.Sprintf("pid %d", dead), "it says whose lock it was")
+	assert.Contains(t, err.Error(), "exited")
+
+	require.NoError(t, ofd.Unlock(f, 0))
+	p, err = primary.Start(cfg)
+	require.NoError(t, err, "once the lock is let go, a new primary recovers the instance")
+	p.Close()
 }

@@ -250,10 +250,17 @@ func (p *Primary) lockPrimary() error {
 			if !errors.Is(err, ofd.ErrLocked) {
 				return err
 			}
-			if info, ierr := instance.ReadInfoIn(p.rundir); ierr == nil {
+			info, ierr := instance.ReadInfoIn(p.rundir)
+			if ierr != nil {
+				return ErrPrimaryRunning
+			}
+			if start, err := shm.ProcessStart(info.PID); err == nil && start == info.Start {
 				return fmt.Errorf("%w (pid %d)", ErrPrimaryRunning, info.PID)
 			}
-			return ErrPrimaryRunning
+			// The lock outlives no process: someone else holds it.
+			return fmt.Errorf("%w: its lock is held, but pid %d, the primary %s names, has exited: "+
+				"another process holds the lock (an mpmr clean at work, or a primary starting)",
+				ErrPrimaryRunning, info.PID, instance.InfoFile)
 		}
 		if sameFile(f, p.rundir, name) {
 			p.lockf = f
