@@ -442,9 +442,10 @@ func (c *Client) lead(ctx context.Context, deadline time.Time, l *sock.Blocking,
 // readLane is lead's loop. It reports answered=false when someone else
 // took cl from pending (the end of the connection, which answers it).
 func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Blocking, cl *call) (err error, answered bool) {
-	// A call that cannot be cancelled and has no deadline waits for its
-	// answer or the end of the connection: nobody wakes it.
-	unwoken := ctx.Done() == nil && deadline.IsZero()
+	// A call that cannot be cancelled waits for its answer, its deadline
+	// or the end of the connection in one blocking receive: nobody needs
+	// to wake it.
+	unwoken := ctx.Done() == nil
 	delivered := false
 	for {
 		if delivered {
@@ -460,7 +461,7 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		var n int
 		var files []*os.File
 		if unwoken {
-			n, files, err = l.RecvUnwoken(c.laneBuf)
+			n, files, err = l.RecvBy(c.laneBuf, deadline)
 		} else {
 			n, files, err = l.Recv(c.laneBuf, deadline)
 		}

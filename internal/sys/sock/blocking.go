@@ -58,6 +58,9 @@ type Blocking struct {
 	oob  []byte // Recv's control buffer
 	once sync.Once
 	err  error // of Close
+	// rcvtimeo is fd's receive timeout (SO_RCVTIMEO) as RecvBy last set
+	// it; 0: none. Like oob, it belongs to the one receiver.
+	rcvtimeo time.Duration
 }
 
 // BlockingPair returns a connected pair of SOCK_SEQPACKET sockets: the
@@ -179,46 +182,108 @@ func (c *Blocking) Recv(b []byte, deadline time.Time) (int, []*os.File, error) {
 	return c.recv(b, deadline, true)
 }
 
-// RecvUnwoken receives one message as Recv does without a deadline, in a
-// single blocking recvmsg that Wake does not end (Close does). It is for
-// a receiver that nobody will need to wake: one fewer system call than a
-// wait that watches the wake-up too.
-func (c *Blocking) RecvUnwoken(b []byte) (int, []*os.File, error) {
-	return c.recv(b, time.Time{}, false)
+// RecvBy receives one message as Recv does, until deadline (zero: none),
+// in a single blocking recvmsg that Wake does not end (Close does). It is
+// for a receiver that nobody will need to wake: one fewer system call
+// than a wait that watches the wake-up too. A deadline is kept by a
+// receive timeout (SO_RCVTIMEO) that changes only when the one set cannot
+// serve it, at the kernel timer's granularity: the wait may end a few
+// milliseconds after deadline.
+func (c *Blocking) RecvBy(b []byte, deadline time.Time) (int, []*os.File, error) {
+	return c.recvBlocking(b, deadline)
 }
 
 func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os.File, error) {
+	if deadline.IsZero() && !(wakeable && c.wake >= 0) {
+		return c.recvBlocking(b, deadline)
+	}
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	if c.closed.Load() {
 		return 0, nil, errBlockingClosed
 	}
-	flags := unix.MSG_CMSG_CLOEXEC
-	if !deadline.IsZero() || wakeable && c.wake >= 0 {
-		flags |= unix.MSG_DONTWAIT
-		if err := c.wait(unix.POLLIN, deadline, true); err != nil {
-			return 0, nil, err
-		}
+	flags := unix.MSG_CMSG_CLOEXEC | unix.MSG_DONTWAIT
+	if err := c.wait(unix.POLLIN, deadline, true); err != nil {
+		return 0, nil, err
 	}
 	for {
 		n, oobn, rflags, err := recvmsg(c.fd, b, c.oob, flags)
 		switch {
 		case err == unix.EINTR:
 			continue
-		case err == unix.EAGAIN && flags&unix.MSG_DONTWAIT != 0:
+		case err == unix.EAGAIN:
 			// Readiness that went away; wait again.
 			if err := c.wait(unix.POLLIN, deadline, true); err != nil {
 				return 0, nil, err
 			}
 			continue
 		}
-		n, files, err := received(n, len(b), c.oob[:max(oobn, 0)], rflags, err)
-		if c.closed.Load() && (err != nil || n == 0 && len(files) == 0) {
-			closeAll(files)
-			return 0, nil, errBlockingClosed // Close shut the socket down: not the peer's end
-		}
-		return n, files, err
+		return c.received(n, len(b), oobn, rflags, err)
 	}
+}
+
+// recvBlocking receives one message in blocking recvmsg calls, until
+// deadline (zero: none).
+func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, error) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for {
+		if c.closed.Load() {
+			return 0, nil, errBlockingClosed
+		}
+		if err := c.setTimeout(deadline); err != nil {
+			return 0, nil, err
+		}
+		n, oobn, rflags, err := recvmsg(c.fd, b, c.oob, unix.MSG_CMSG_CLOEXEC)
+		if err == unix.EINTR || err == unix.EAGAIN {
+			continue // a signal, or the receive timeout: look at the deadline again
+		}
+		return c.received(n, len(b), oobn, rflags, err)
+	}
+}
+
+// minTimeout is the shortest receive timeout set: below it the kernel's
+// timer granularity decides anyway.
+const minTimeout = time.Millisecond
+
+// setTimeout makes fd's receive timeout fit deadline (zero: none): it
+// keeps the one set while that ends a wait between a quarter of the time
+// left and all of it, and otherwise sets half the time left. So calls
+// with like deadlines set it once, and a deadline reached costs a few
+// more system calls.
+func (c *Blocking) setTimeout(deadline time.Time) error {
+	var want time.Duration
+	if !deadline.IsZero() {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return os.ErrDeadlineExceeded
+		}
+		if cur := c.rcvtimeo; cur != 0 && cur <= left && cur >= left/4 {
+			return nil
+		}
+		want = max(left/2, min(left, minTimeout))
+	} else if c.rcvtimeo == 0 {
+		return nil
+	}
+	tv := unix.NsecToTimeval(int64(want))
+	if want > 0 && tv.Sec == 0 && tv.Usec == 0 {
+		tv.Usec = 1 // a zero timeval means none
+	}
+	if err := unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+		return fmt.Errorf("sock: receive timeout: %w", err)
+	}
+	c.rcvtimeo = want
+	return nil
+}
+
+// received finishes a receive: Recv's results from what recvmsg returned.
+func (c *Blocking) received(n, size, oobn, rflags int, err error) (int, []*os.File, error) {
+	n, files, err := received(n, size, c.oob[:max(oobn, 0)], rflags, err)
+	if c.closed.Load() && (err != nil || n == 0 && len(files) == 0) {
+		closeAll(files)
+		return 0, nil, errBlockingClosed // Close shut the socket down: not the peer's end
+	}
+	return n, files, err
 }
 
 // wait blocks until fd has events, the deadline passes, or, with wake

@@ -301,14 +301,14 @@ func TestBlockingTrySend(t *testing.T) {
 	assert.ErrorIs(t, b.TrySend([]byte("x"), nil), ErrPeerClosed)
 }
 
-// RecvUnwoken on a wakeable end receives, leaves a Wake to the next
+// RecvBy on a wakeable end receives, leaves a Wake to the next
 // Recv, and ends when the connection is closed.
-func TestBlockingRecvUnwoken(t *testing.T) {
+func TestBlockingRecvBy(t *testing.T) {
 	a, b := blockingPair(t)
 	b.Wake()
 	require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
 	buf := make([]byte, 8)
-	n, _, err := b.RecvUnwoken(buf)
+	n, _, err := b.RecvBy(buf, time.Time{})
 	require.NoError(t, err, "a Wake does not end it")
 	assert.Equal(t, "one", string(buf[:n]))
 	_, _, err = b.Recv(buf, time.Time{})
@@ -316,11 +316,11 @@ func TestBlockingRecvUnwoken(t *testing.T) {
 
 	done := make(chan error, 1)
 	go func() {
-		_, _, err := b.RecvUnwoken(buf)
+		_, _, err := b.RecvBy(buf, time.Time{})
 		done <- err
 	}()
 	require.NoError(t, b.Close())
-	assert.True(t, IsClosed(waitErr(t, done, "RecvUnwoken after Close")))
+	assert.True(t, IsClosed(waitErr(t, done, "RecvBy after Close")))
 }
 
 // A message without descriptors costs no allocation either way: the call
@@ -332,10 +332,58 @@ func TestBlockingMessageAllocatesNothing(t *testing.T) {
 		if err := a.Send(out, nil, time.Time{}); err != nil {
 			t.Fatal(err)
 		}
-		n, files, err := b.RecvUnwoken(in)
+		n, files, err := b.RecvBy(in, time.Time{})
 		if err != nil || n != len(out) || files != nil {
 			t.Fatalf("received %d bytes, %d files: %v", n, len(files), err)
 		}
 	})
 	assert.Zero(t, allocs)
+}
+
+// RecvBy keeps a deadline with the socket's receive timeout: it takes what
+// came in time, gives up only once the deadline has passed, and sets the
+// timeout once for calls with like deadlines.
+func TestBlockingRecvByDeadline(t *testing.T) {
+	a, b := blockingPair(t)
+	timeout := func() time.Duration {
+		tv, err := unix.GetsockoptTimeval(b.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO)
+		require.NoError(t, err)
+		return time.Duration(tv.Nano())
+	}
+	buf := make([]byte, 8)
+	var first time.Duration
+	for i := range 3 {
+		require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
+		n, _, err := b.RecvBy(buf, time.Now().Add(2*time.Second))
+		require.NoError(t, err)
+		assert.Equal(t, "one", string(buf[:n]))
+		if i == 0 {
+			first = b.rcvtimeo
+		}
+	}
+	assert.Equal(t, first, b.rcvtimeo, "set once, by the first call")
+	set := timeout()
+	assert.True(t, set > 500*time.Millisecond && set <= time.Second, "half the time left: %v", set)
+
+	b.Wake()
+	deadline := time.Now().Add(30 * time.Millisecond)
+	_, _, err := b.RecvBy(buf, deadline)
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded, "neither a Wake nor the timeout ends it early")
+	assert.False(t, time.Now().Before(deadline), "not before the deadline")
+	_, _, err = b.RecvBy(buf, time.Now().Add(-time.Second))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded, "a deadline already past")
+
+	require.NoError(t, a.Send([]byte("two"), nil, time.Time{}))
+	n, _, err := b.RecvBy(buf, time.Time{})
+	require.NoError(t, err)
+	assert.Equal(t, "two", string(buf[:n]))
+	assert.Zero(t, timeout(), "no deadline, no timeout left behind")
+
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := b.RecvBy(buf, time.Now().Add(time.Minute))
+		done <- err
+	}()
+	require.NoError(t, b.Close())
+	assert.True(t, IsClosed(waitErr(t, done, "RecvBy with a deadline after Close")))
 }
