@@ -86,6 +86,10 @@ type Primary struct {
 
 	closeMu sync.Mutex
 	closed  atomic.Bool
+	// useMu is held for reading by what reads the segment outside the
+	// server's handlers (Stats, Dump), and for writing by Close while it
+	// unmaps: after that they find closed set.
+	useMu sync.RWMutex
 }
 
 // secondary is what the primary knows of an attached secondary.
@@ -504,6 +508,10 @@ func (p *Primary) teardown() error {
 	if p.unsub != nil {
 		p.unsub()
 	}
+	// The handlers are done; whoever else reads the segment (Stats, Dump)
+	// finishes first, or finds it closed.
+	p.useMu.Lock()
+	defer p.useMu.Unlock()
 	if p.global != nil {
 		add(p.global.Close())
 	}

@@ -28,8 +28,15 @@ type Stats struct {
 	Processes []ProcCounters
 }
 
-// Stats publishes this process's counters and returns a snapshot.
+// Stats publishes this process's counters and returns a snapshot. After
+// Close (and while it runs) the snapshot is empty: the segment that held
+// the instance is gone.
 func (p *Primary) Stats() Stats {
+	p.useMu.RLock()
+	defer p.useMu.RUnlock()
+	if p.closed.Load() {
+		return Stats{}
+	}
 	st := Stats{Counters: p.counters()}
 	p.ctrs.Publish(shm.RolePrimary, st.Counters)
 	st.Global = p.global.Stats()
@@ -74,8 +81,13 @@ type Dump struct {
 
 // Dump returns the process table, the global lock's state, the memseg
 // lists, the MR list with its chunks and keys, the global table, the
-// device's MRs and the mempools.
+// device's MRs and the mempools. After Close it fails with ErrClosed.
 func (p *Primary) Dump() (Dump, error) {
+	p.useMu.RLock()
+	defer p.useMu.RUnlock()
+	if p.closed.Load() {
+		return Dump{}, ErrClosed
+	}
 	d := Dump{Processes: p.seg.Procs(), Lock: p.global.LockState(), Memory: p.mem.Lists(),
 		Pools: cache.Pools(p.seg)}
 	if p.dev != nil {
