@@ -45,16 +45,18 @@ func (g *Global) writeUnlock(cancel context.CancelFunc) {
 // MR covers it yet. Primary only. It follows DPDK's mlx5 create path:
 //
 //  1. release MRs on the free list (deregistering outside the lock);
-//  2. find the run of allocated, contiguous pages around addr — or just its
+//  2. return the entry of an MR that covers addr already, if an optimistic
+//     read of the table finds one;
+//  3. find the run of allocated, contiguous pages around addr — or just its
 //     page, in single-page mode;
-//  3. allocate the record and its bitmap;
-//  4. under the memory read lock, check the run is unchanged (else retry
+//  4. allocate the record and its bitmap;
+//  5. under the memory read lock, check the run is unchanged (else retry
 //     with one page);
-//  5. under the write lock, return the existing entry if another goroutine
+//  6. under the write lock, return the existing entry if another goroutine
 //     or process created one meanwhile;
-//  6. mark the pages of the run not yet registered by other MRs (the bitmap
+//  7. mark the pages of the run not yet registered by other MRs (the bitmap
 //     may come out fragmented) and trim the range to them;
-//  7. register that range, insert the MR in the list and its chunks in the
+//  8. register that range, insert the MR in the list and its chunks in the
 //     table, and return the entry for addr.
 func (g *Global) Create(addr uint64) (Entry, error) {
 	if !g.owner {
@@ -64,6 +66,14 @@ func (g *Global) Create(addr uint64) (Entry, error) {
 		return Entry{}, ErrClosed
 	}
 	g.GC()
+	// Many creates find the MR another request made meanwhile (misses of
+	// the same memory from several queues at once, say): an optimistic
+	// read says so without a lock or a record. The entry is as good as
+	// the one the write section below would find: a free that trims it
+	// later moves the generation, as it would for that one.
+	if e, found, err := g.Lookup(addr); err == nil && found {
+		return e, nil
+	}
 	run, ok := g.runAround(addr, g.single)
 	if !ok {
 		return Entry{}, fmt.Errorf("%w: 0x%x", ErrNoMemory, addr)
@@ -95,7 +105,7 @@ func (g *Global) runAround(addr uint64, onePage bool) (hugetlb.Run, bool) {
 	return run, true
 }
 
-// createIn does steps 3 to 7 for one candidate run; retry reports that the
+// createIn does steps 4 to 8 for one candidate run; retry reports that the
 // run changed before the lock was taken.
 func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, err error) {
 	n := uint32(run.Pages)

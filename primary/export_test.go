@@ -1,6 +1,7 @@
 package primary
 
 import (
+	"context"
 	"log/slog"
 
 	"github.com/mpmr/mpmr/ipc"
@@ -14,7 +15,7 @@ func WithDeviceOpener(c *Config, f func(seg *shm.Segment, log *slog.Logger) (ver
 }
 
 // HandleRegisterMempool runs the handler of a secondary's register-mempool
-// request, as the server would after decoding it.
-func HandleRegisterMempool(p *Primary, m *ipc.RegisterMempool) (any, error) {
-	return (*handler)(p).registerMempool(m)
+// request, as the server would after decoding it, with the request's ctx.
+func HandleRegisterMempool(ctx context.Context, p *Primary, m *ipc.RegisterMempool) (any, error) {
+	return (*handler)(p).registerMempool(ctx, m)
 }

@@ -1,6 +1,7 @@
 package primary_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -135,7 +136,7 @@ func TestRegisterMempoolRefusesBadChunks(t *testing.T) {
 		{Addr: ^uint64(0) - 4095, Len: 4096},
 	}
 	for _, c := range bad {
-		reply, err := primary.HandleRegisterMempool(p, &ipc.RegisterMempool{Name: "pkts",
+		reply, err := primary.HandleRegisterMempool(t.Context(), p, &ipc.RegisterMempool{Name: "pkts",
 			Chunks: []ipc.Chunk{{Addr: uint64(r.Addr), Len: 64}, c}})
 		assert.ErrorIs(t, err, cache.ErrBadChunk, "chunk %+v: reply %+v", c, reply)
 		assert.Nil(t, reply, "no key for chunk %+v", c)
@@ -150,4 +151,47 @@ func TestRegisterMempoolRefusesBadChunks(t *testing.T) {
 	assert.Equal(t, "ok", ask(t, h, "regpool %d %d", r.Addr, ps), "the secondary is still attached")
 	k := parseKey(t, ask(t, h, "lookup %d", r.Addr))
 	assert.Equal(t, "ok", ask(t, h, "validate %d %d", r.Addr, k))
+}
+
+// A mempool request whose chunks all name memory registered already takes
+// no write section, however many chunks it has: a peer cannot turn one
+// frame into thousands of write-locked creates.
+func TestRegisterMempoolOfRegisteredMemoryTakesNoWriteLock(t *testing.T) {
+	p, _ := startPrimary(t, testenv.Tmpfs(t))
+	ps := p.Backend().PageSize
+	r, err := p.Alloc(2 * ps)
+	require.NoError(t, err)
+	_, err = p.Global().Create(uint64(r.Addr))
+	require.NoError(t, err)
+	chunks := make([]ipc.Chunk, ipc.MaxChunks)
+	for i := range chunks {
+		chunks[i] = ipc.Chunk{Addr: uint64(r.Addr) + uint64(i%64)*64, Len: 64}
+	}
+	before := p.Global().LockState().Seq
+	reply, err := primary.HandleRegisterMempool(t.Context(), p, &ipc.RegisterMempool{Name: "same", Chunks: chunks})
+	require.NoError(t, err)
+	keys := reply.(*ipc.RegisterMempoolReply).Keys
+	require.Len(t, keys, len(chunks))
+	want, found, err := p.Global().Lookup(uint64(r.Addr))
+	require.NoError(t, err)
+	require.True(t, found)
+	for _, k := range keys {
+		require.Equal(t, want.LKey, k)
+	}
+	assert.Equal(t, before, p.Global().LockState().Seq, "no writer took the global lock")
+}
+
+// The work of a mempool request stops when its context ends (the peer
+// went, or the primary closes): nothing more is registered for it.
+func TestRegisterMempoolStopsWhenItsPeerGoes(t *testing.T) {
+	p, _ := startPrimary(t, testenv.Tmpfs(t))
+	ps := p.Backend().PageSize
+	r, err := p.Alloc(4 * ps)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	_, err = primary.HandleRegisterMempool(ctx, p, &ipc.RegisterMempool{Name: "gone",
+		Chunks: []ipc.Chunk{{Addr: uint64(r.Addr), Len: 4 * ps}}})
+	assert.ErrorIs(t, err, context.Canceled)
+	assert.Zero(t, p.Global().Stats().MRs, "nothing registered for a peer that is gone")
 }

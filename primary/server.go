@@ -147,7 +147,7 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		if err := body.Decode(&m); err != nil {
 			return nil, err
 		}
-		return h.registerMempool(&m)
+		return h.registerMempool(ctx, &m)
 	case ipc.KindStats:
 		var m ipc.StatsRequest
 		if err := body.Decode(&m); err != nil {
@@ -259,8 +259,11 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 // registerMempool registers each chunk of a secondary's mempool. Chunks
 // outside data memory are the secondary's own external memory, which this
 // process cannot register (DPDK's rule). A chunk that is no range fails
-// the request before anything is registered.
-func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
+// the request before anything is registered. The work stops when ctx
+// ends (the peer went, or the primary closes): nobody waits for it. A
+// chunk, or the part of one, that the last MR found covers costs nothing
+// more, however many chunks name it.
+func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (any, error) {
 	p := h.p()
 	for i, c := range m.Chunks {
 		if err := (cache.Chunk{Addr: uintptr(c.Addr), Len: c.Len}).Check(); err != nil {
@@ -268,6 +271,7 @@ func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
 		}
 	}
 	reply := &ipc.RegisterMempoolReply{Keys: make([]uint32, 0, len(m.Chunks))}
+	var last cache.Entry // the MR that answered last
 	for _, c := range m.Chunks {
 		if _, in := p.mem.InList(uintptr(c.Addr)); !in {
 			e, found, err := p.global.Lookup(c.Addr)
@@ -282,15 +286,22 @@ func (h *handler) registerMempool(m *ipc.RegisterMempool) (any, error) {
 		}
 		var key uint32
 		for a := c.Addr; a < c.Addr+c.Len; {
-			e, err := p.global.Create(a)
-			if err != nil {
-				return nil, fmt.Errorf("mempool %s chunk [0x%x, 0x%x): %w", m.Name, c.Addr, c.Addr+c.Len, err)
+			if err := ctx.Err(); err != nil {
+				return nil, fmt.Errorf("mempool %s: %w", m.Name, err)
+			}
+			e := last
+			if a < e.Start || a >= e.End {
+				var err error
+				if e, err = p.global.Create(a); err != nil {
+					return nil, fmt.Errorf("mempool %s chunk [0x%x, 0x%x): %w", m.Name, c.Addr, c.Addr+c.Len, err)
+				}
+				if e.End <= a {
+					return nil, fmt.Errorf("%w: entry %v for 0x%x does not cover it", cache.ErrCorrupt, e, a)
+				}
+				last = e
 			}
 			if a == c.Addr {
 				key = e.LKey
-			}
-			if e.End <= a {
-				return nil, fmt.Errorf("%w: entry %v for 0x%x does not cover it", cache.ErrCorrupt, e, a)
 			}
 			a = e.End
 		}

@@ -1,0 +1,170 @@
+package primary_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func init() {
+	testproc.Register("b7-mempool-flood", b7MempoolFlood)
+	testproc.Register("b7-stats-after-close", b7StatsAfterClose)
+}
+
+// b7MempoolFlood is a careless secondary of the primary's own user. It
+// attaches to instance args[0] (runtime directory args[1]), opens args[2]
+// connections to the socket args[6] that say hello for its own slot, and
+// from as many goroutines on each as a connection may have requests in
+// flight asks, over and over, for the registration of a mempool of args[5]
+// chunks, all [args[3], +args[4]) (one frame, well under MaxMessage). It
+// says "flooding conns=N", then answers each input line with
+// "> ok=N failed=N".
+func b7MempoolFlood(args []string) int {
+	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+	if err != nil {
+		testproc.Say("attach-failed %v", err)
+		return 3
+	}
+	conns, _ := strconv.Atoi(args[2])
+	addr, _ := strconv.ParseUint(args[3], 0, 64)
+	length, _ := strconv.ParseUint(args[4], 0, 64)
+	nchunks, _ := strconv.Atoi(args[5])
+	start, _ := shm.ProcessStart(os.Getpid())
+	hello := &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Start: start, Role: "secondary",
+		Slot: s.Slot(), Epoch: s.Segment().Epoch()}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ack := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) { return &ipc.SyncAck{}, nil })
+	var clients []*ipc.Client
+	for range conns {
+		c, err := ipc.DialClient(ctx, args[6], ipc.ClientConfig{Logger: quiet, PushHandler: ack})
+		if err != nil {
+			testproc.Say("dial-failed %v", err)
+			return 3
+		}
+		if err := c.Call(ctx, ipc.KindHello, hello, &ipc.WithFiles{Body: &ipc.HelloReply{}}); err != nil {
+			testproc.Say("hello-failed %v", err)
+			return 3
+		}
+		clients = append(clients, c)
+	}
+	chunks := make([]ipc.Chunk, nchunks)
+	for i := range chunks {
+		chunks[i] = ipc.Chunk{Addr: addr, Len: length}
+	}
+	req := &ipc.RegisterMempool{Name: "flood", Chunks: chunks}
+	var ok, failed atomic.Int64
+	var wg sync.WaitGroup
+	for _, c := range clients {
+		for range ipc.DefaultMaxInflight {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for ctx.Err() == nil && c.Err() == nil {
+					if c.Call(ctx, ipc.KindRegisterMempool, req, &ipc.RegisterMempoolReply{}) != nil {
+						failed.Add(1)
+					} else {
+						ok.Add(1)
+					}
+				}
+			}()
+		}
+	}
+	testproc.Say("flooding conns=%d", len(clients))
+	for in := testproc.Commands(); in.Scan(); {
+		testproc.Say("> ok=%d failed=%d", ok.Load(), failed.Load())
+	}
+	cancel()
+	wg.Wait()
+	return 0
+}
+
+// A careless secondary (the primary's own user; any user in AllowUIDs can
+// do the same) keeps the 64 requests a connection may have in flight busy
+// with mempool registrations of 1,500 chunks that all name the same page,
+// then is killed. Each such frame used to cost the primary 1,500
+// write-locked creates, and its handlers looked neither at their context
+// (which ends when the peer goes) nor at Close: the primary went on
+// registering for the dead peer, and Close waited for all of it (9.4 s
+// with two connections; with 32, over 8 minutes, while attached
+// secondaries' creates took over a second). "A dead or stalled process
+// blocks nobody for long": Close now takes milliseconds.
+func TestBreaker7KilledPeersMempoolRegistrationsOutliveIt(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	region, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	legit := startSecondary(t, cfg)
+	parseKey(t, ask(t, legit, "create %d", region.Addr))
+
+	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, "2",
+		strconv.FormatUint(uint64(region.Addr), 10), "64", "1500", filepath.Join(p.RuntimeDir(), ipc.SocketName)})
+	line := flood.Expect("", 0)
+	require.True(t, strings.HasPrefix(line, "flooding"), line)
+	for {
+		// Once one registration came back, the others are in flight.
+		flood.Send("count")
+		line := flood.Expect("> ", 0)
+		if !strings.HasPrefix(line, "> ok=0 ") {
+			t.Logf("flood: %s", line)
+			break
+		}
+	}
+	start := time.Now()
+	ans := ask(t, legit, "create %d", region.Addr+64)
+	t.Logf("an attached secondary's create during the flood: %s after %v", ans, time.Since(start))
+
+	flood.Kill()
+	require.Error(t, flood.Wait(0))
+	start = time.Now()
+	require.NoError(t, p.Close())
+	took := time.Since(start)
+	t.Logf("Close took %v after the flooding secondary was killed", took)
+	assert.Less(t, took, 3*time.Second, "the primary works on for requests of a peer that is gone")
+}
+
+// b7StatsAfterClose starts a primary (prefix args[0], runtime directory
+// args[1]), closes it and asks for its stats, as a monitoring goroutine
+// racing an application's shutdown does. It says "survived" if it did.
+func b7StatsAfterClose(args []string) int {
+	p, err := primary.Start(primary.Config{Prefix: args[0], RuntimeDir: args[1], Backend: hugetlb.Tmpfs,
+		MemoryPages: 16, Logger: quiet})
+	if err != nil {
+		testproc.Say("start-failed %v", err)
+		return 3
+	}
+	p.Close()
+	st := p.Stats()
+	_, err = p.Dump()
+	testproc.Say("survived mrs=%d dump=%v", st.Global.MRs, errors.Is(err, primary.ErrClosed))
+	return 0
+}
+
+// Primary is safe for concurrent use, and Close is idempotent: Stats after
+// (or during) Close must not read the unmapped control segment, which
+// kills the process with SIGSEGV ("fatal error: fault", no panic to
+// recover), as a metrics goroutine that outlives the primary would. Stats
+// is empty then, and Dump fails with ErrClosed.
+func TestBreaker7StatsAfterCloseDoesNotCrash(t *testing.T) {
+	h := testproc.Start(t, "b7-stats-after-close", []string{testenv.Prefix(t), testenv.RunDir(t)})
+	line, err := h.Next("", 0)
+	err2 := h.Wait(0)
+	assert.Equal(t, "survived mrs=0 dump=true", line, "next line %v; exit %v; stderr:\n%.600s", err, err2, h.Stderr())
+}
