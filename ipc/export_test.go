@@ -2,3 +2,6 @@ package ipc
 
 // HasLane reports whether c has its call lane.
 func HasLane(c *Client) bool { return c.lane.Load() != nil }
+
+// SetAfterCheckHook has RemoveDir call f between its check and the removal.
+func SetAfterCheckHook(f func()) { afterCheckHook = f }

@@ -333,6 +333,41 @@ func (d *RunDir) Remove(name string) error {
 	return nil
 }
 
+// afterCheckHook, when set (by tests), runs in RemoveDir between the check
+// of the path and the removal: where a racing swap of the path would act.
+var afterCheckHook func()
+
+// RemoveDir removes the directory itself if it is empty and its path
+// still names it. The removal goes through the parent the directory has
+// now (its "..") and only if the parent's entry is still this directory:
+// a component of the path swapped after the check (for a link into some
+// other tree, by whoever owns a parent) makes it remove nothing else.
+func (d *RunDir) RemoveDir() error {
+	if err := d.Check(); err != nil {
+		return err
+	}
+	if afterCheckHook != nil {
+		afterCheckHook()
+	}
+	parent, err := unix.Openat(int(d.f.Fd()), "..", unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return &fs.PathError{Op: "open", Path: filepath.Join(d.path, ".."), Err: err}
+	}
+	defer unix.Close(parent)
+	name := filepath.Base(d.path)
+	var held, entry unix.Stat_t
+	if err := unix.Fstat(int(d.f.Fd()), &held); err != nil {
+		return &fs.PathError{Op: "stat", Path: d.path, Err: err}
+	}
+	if err := unix.Fstatat(parent, name, &entry, unix.AT_SYMLINK_NOFOLLOW); err != nil || entry.Dev != held.Dev || entry.Ino != held.Ino {
+		return fmt.Errorf("%w: runtime directory %s was moved or replaced since it was opened", ErrPermission, d.path)
+	}
+	if err := unix.Unlinkat(parent, name, unix.AT_REMOVEDIR); err != nil {
+		return &fs.PathError{Op: "remove", Path: d.path, Err: err}
+	}
+	return nil
+}
+
 // Rename renames the file from to to inside the directory, replacing to.
 func (d *RunDir) Rename(from, to string) error {
 	if err := unix.Renameat(int(d.f.Fd()), from, int(d.f.Fd()), to); err != nil {

@@ -284,3 +284,33 @@ func TestRunDirFiles(t *testing.T) {
 	require.NoError(t, os.Chmod(d.Path(), 0o777))
 	assert.ErrorIs(t, d.Check(), ipc.ErrPermission, "opened to everyone since")
 }
+
+// RemoveDir removes the runtime directory itself when it is empty, and
+// nothing else: a parent swapped for a link between the check of the path
+// and the removal (the race a parent's owner can run against root cleaning
+// the instance) must not have it remove what the link leads to.
+func TestRunDirRemoveDir(t *testing.T) {
+	requireRoot(t)
+	base := t.TempDir()
+	parent := filepath.Join(base, "parent")
+	d, err := ipc.OpenRunDir(filepath.Join(parent, "inst"), ipc.RunDirOptions{Create: true})
+	require.NoError(t, err)
+	defer d.Close()
+	f, err := d.OpenFile("a", os.O_RDWR|os.O_CREATE, 0o600)
+	require.NoError(t, err)
+	f.Close()
+	assert.Error(t, d.RemoveDir(), "not empty")
+	assert.DirExists(t, d.Path())
+	require.NoError(t, d.Remove("a"))
+
+	decoy := filepath.Join(base, "elsewhere", "inst")
+	require.NoError(t, os.MkdirAll(decoy, 0o700))
+	ipc.SetAfterCheckHook(func() {
+		require.NoError(t, os.Rename(parent, parent+".real"))
+		require.NoError(t, os.Symlink(filepath.Join(base, "elsewhere"), parent))
+	})
+	t.Cleanup(func() { ipc.SetAfterCheckHook(nil) })
+	err = d.RemoveDir()
+	assert.DirExists(t, decoy, "what the swapped path leads to is left alone (%v)", err)
+	assert.NoDirExists(t, filepath.Join(parent+".real", "inst"), "the runtime directory itself goes, wherever it is")
+}

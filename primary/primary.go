@@ -540,9 +540,7 @@ func (p *Primary) teardown() error {
 			add(p.rundir.Remove(instance.PrimaryLockFile))
 		}
 		add(p.lockf.Close())
-		if p.rundir.Check() == nil { // still ours: not removed and made anew meanwhile
-			os.Remove(p.rundir.Path()) // only if empty
-		}
+		_ = p.rundir.RemoveDir() // only if empty and still ours: not removed and made anew meanwhile
 	}
 	if p.rundir != nil {
 		p.rundir.Close()

@@ -178,9 +178,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	// starting now retries on the new file.
 	removeIn(instance.PrimaryLockFile)
 	// The directory goes only if its path still names the one checked.
-	if err := rd.Check(); err != nil {
-		out.Warnings = append(out.Warnings, fmt.Sprintf("runtime directory %s kept: %v", t.Dir, err))
-	} else if err := os.Remove(rd.Path()); err == nil {
+	if err := rd.RemoveDir(); err == nil {
 		out.Removed = append(out.Removed, rd.Path())
 	} else {
 		out.Warnings = append(out.Warnings, fmt.Sprintf("runtime directory %s kept: %v", t.Dir, err))
