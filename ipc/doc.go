@@ -18,7 +18,10 @@
 // not have, or a field out of range (see each message's Validate) are all
 // errors, and a server closes the connection that sent them while it goes
 // on serving everyone else. Containers are bounded (MaxItems) before
-// anything is allocated for them.
+// anything is allocated for them. The messages of the miss and sync
+// paths (CreateMR, CreateMRReply, Sync, SyncAck) encode and decode their
+// canonical form by hand, byte for byte what the reflective codec writes;
+// any other form of them goes to the reflective decoder.
 //
 // # Calls and pushes
 //
@@ -59,8 +62,8 @@
 //     hands each answer to its caller; when its own comes it hands the
 //     reading to the next (leader and followers). A caller's cancellation
 //     reaches the reader through an eventfd it polls beside the socket
-//     (a call that cannot be cancelled and has no deadline skips the
-//     poll and waits in recvmsg alone).
+//     (a call that cannot be cancelled skips the poll and waits in
+//     recvmsg alone, its deadline kept by the socket's receive timeout).
 //   - the server reads each peer's lane on a goroutine blocked in recvmsg,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.
@@ -74,9 +77,8 @@
 // Strangers never get a lane nor any descriptor.
 //
 // A round trip on the lane makes one sendmsg and one recvmsg per side,
-// plus one ppoll on the client (the eventfd) when the call has a deadline
-// or can be cancelled, and no other system call or wake-up: the C floor's
-// shape. The price is a thread per goroutine blocked on a lane: one per
+// plus one ppoll on the client (the eventfd) when the call can be
+// cancelled, and no other system call or wake-up: the C floor's shape. The price is a thread per goroutine blocked on a lane: one per
 // admitted peer in the server, one per waiting caller's reader in the
 // client. A frame that finds no room in the peer's queue does not cost a
 // thread: the frames that wait for room on one lane wait their turn
