@@ -60,6 +60,24 @@ var layouts = []struct {
 		}
 		return keyed(es)
 	}},
+	{"pages every 12 KiB", func(*rand.Rand) []Entry {
+		es := make([]Entry, 300)
+		for i := range es {
+			s := uint64(1)<<40 + uint64(i)*3*4096
+			es[i] = Entry{Start: s, End: s + 4096}
+		}
+		return keyed(es)
+	}},
+	{"pages with a hole", func(*rand.Rand) []Entry {
+		var es []Entry
+		for i := range 400 {
+			if i != 250 {
+				s := uint64(1)<<40 + uint64(i)*mb2
+				es = append(es, Entry{Start: s, End: s + mb2})
+			}
+		}
+		return keyed(es)
+	}},
 	{"two lists and external memory", func(rng *rand.Rand) []Entry {
 		var es []Entry
 		for i := range 500 {
@@ -462,4 +480,44 @@ func TestGlobalLookupDuringIndexRebuilds(t *testing.T) {
 	st := p.g.Stats()
 	assert.Positive(t, st.Expansions, "the table was replaced under the readers")
 	assert.Positive(t, st.Rebuilds)
+}
+
+// A window of evenly spaced starts (a power of two apart, as single-page
+// mode registers pages) is marked affine, and lookups skip its directory;
+// the directory still gives the same answers to a reader that ignores the
+// mark. Other spacings keep the directory.
+func TestTableIndexAffineWindows(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{})
+	for _, c := range []struct {
+		name   string
+		affine bool
+	}{
+		{"two", true}, {"spaced 1000", true}, {"pages back to back", true}, {"top of the address space", true},
+		{"pages every 12 KiB", false}, {"pages with a hole", false}, {"uneven gaps and sizes", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(3, uint64(len(c.name))))
+			es := layout(c.name, rng)
+			local := NewTable(len(es) + 1)
+			require.True(t, local.Fill(es))
+			local.reindex()
+			hdrOff, err := p.seg.Alloc(64, 64)
+			require.NoError(t, err)
+			seg, err := newSegmentTable(p.seg, hdrOff, len(es)+1)
+			require.NoError(t, err)
+			require.True(t, seg.Fill(es))
+			for _, tb := range []*Table{local, seg} {
+				marked := false
+				for w := range tb.ix.Windows {
+					marked = marked || tb.ix.W[w].Shift&affine != 0
+				}
+				assert.Equal(t, c.affine, marked)
+				checkTable(t, tb, es, rng)
+				for w := range tb.ix.Windows {
+					tb.ix.W[w].Shift &^= affine // a reader that ignores the mark
+				}
+				checkTable(t, tb, es, rng)
+			}
+		})
+	}
 }

@@ -63,7 +63,17 @@ func (t *Table) probe(addr uint64, n int) (e Entry, idx int, ok bool) {
 		if off > atomic.LoadUint64(&win.Span) {
 			continue // below (off wrapped) or above the window
 		}
-		j := uint64(atomic.LoadUint32(&win.Dir)) + min(off>>(atomic.LoadUint32(&win.Shift)&63), uint64(atomic.LoadUint32(&win.Last)))
+		sh := atomic.LoadUint32(&win.Shift)
+		b := min(off>>(sh&63), uint64(atomic.LoadUint32(&win.Last)))
+		if sh&affine != 0 {
+			k := uint64(atomic.LoadUint32(&win.First)) + b
+			if k >= uint64(n) {
+				return Entry{}, 0, false // torn
+			}
+			in := (*Entry)(unsafe.Add(unsafe.Pointer(unsafe.SliceData(t.ents)), uintptr(k)*unsafe.Sizeof(Entry{})))
+			return Entry{Start: atomic.LoadUint64(&in.Start), End: atomic.LoadUint64(&in.End), LKey: atomic.LoadUint32(&in.LKey)}, int(k), true
+		}
+		j := uint64(atomic.LoadUint32(&win.Dir)) + b
 		if j+1 >= uint64(len(t.dir)) {
 			return Entry{}, 0, false
 		}
@@ -98,7 +108,15 @@ func (t *Table) probeLocal(addr uint64) (e Entry, idx int, ok bool) {
 		if off > win.Span {
 			continue // below (off wrapped) or above the window
 		}
-		j := uint64(win.Dir) + min(off>>(win.Shift&63), uint64(win.Last))
+		b := min(off>>(win.Shift&63), uint64(win.Last))
+		if win.Shift&affine != 0 {
+			k := uint64(win.First) + b
+			if k >= uint64(n) {
+				return Entry{}, 0, false
+			}
+			return *(*Entry)(unsafe.Add(unsafe.Pointer(unsafe.SliceData(t.ents)), uintptr(k)*unsafe.Sizeof(Entry{}))), int(k), true
+		}
+		j := uint64(win.Dir) + b
 		if j+1 >= uint64(len(t.dir)) {
 			return Entry{}, 0, false
 		}
