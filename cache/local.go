@@ -141,11 +141,13 @@ func (l *Local) Hit(addr uintptr) (uint32, bool) {
 	return InvalidKey, false
 }
 
-// lookupMiss is Lookup past the top half. A bottom-half hit is answered
-// here, without the rest of the slow path's bookkeeping.
+// lookupMiss is Lookup past the top half. A bottom-half hit that the
+// table's index answers at once is answered here, without the rest of the
+// slow path's bookkeeping; anything else (a search, a miss, a generation
+// that moved) goes to lookupSlow.
 func (l *Local) lookupMiss(a uint64) (uint32, error) {
-	if atomic.LoadUint32(l.devGen) == l.gen {
-		if e, _, hit := l.bh.find(a); hit {
+	if atomic.LoadUint32(l.devGen) == l.gen && l.bh.reindexIn == 0 {
+		if e, _, ok := l.bh.probeLocal(a); ok && a < e.End {
 			l.st.Lookups++
 			l.st.BottomHits++
 			l.promote(e)
