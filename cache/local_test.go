@@ -279,3 +279,30 @@ func (noCreate) CreateMR(addr uint64) (Entry, error) { return Entry{}, ErrNoMemo
 func (noCreate) RegisterExternal(addr, length uint64) (Entry, error) {
 	return Entry{}, ErrExternalMemory
 }
+
+// Lookup tests the top half two entries at a time, Hit one at a time:
+// from every most-recently-used entry, for an address in each entry (or
+// in none, or in a free slot's range), both answer alike and leave the
+// same entry most recently used.
+func TestLocalLookupAnswersAsHit(t *testing.T) {
+	es := spaced(7) // a free slot too
+	for mru := range uint32(topSize) {
+		for target := -1; target < len(es); target++ {
+			a := uintptr(es[0].Start) - 1 // in none
+			if target >= 0 {
+				a = uintptr(es[target].Start + uint64(target)*64)
+			}
+			hit, look := topOnly(es), topOnly(es)
+			hit.mru, look.mru = mru, mru
+			k, ok := hit.Hit(a)
+			if !ok {
+				continue // a miss goes on to the bottom half: nothing to compare
+			}
+			got, err := look.Lookup(a)
+			require.NoError(t, err)
+			assert.Equal(t, k, got, "mru %d, address in entry %d", mru, target)
+			assert.Equal(t, hit.mru, look.mru, "mru %d, address in entry %d", mru, target)
+			assert.Equal(t, hit.mruHit+hit.topHit, look.mruHit+look.topHit)
+		}
+	}
+}
