@@ -251,11 +251,16 @@ type topEntry struct {
 
 func (e *topEntry) entry() Entry { return Entry{Start: e.start, End: e.start + e.size, LKey: e.key} }
 
-// findTop returns the top-half entry holding a.
+// findTop returns the top-half entry holding a, testing two entries at a
+// time as Lookup does.
 func (l *Local) findTop(a uint64) (uint32, bool) {
-	for i := range l.top {
-		if e := &l.top[i]; a-e.start < e.size {
-			return uint32(i), true
+	for i := uint32(0); i < topSize; i += 2 {
+		e, f := &l.top[i], &l.top[i+1]
+		if a-e.start < e.size || a-f.start < f.size {
+			if a-e.start >= e.size {
+				i++
+			}
+			return i, true
 		}
 	}
 	return 0, false
