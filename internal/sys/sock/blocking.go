@@ -112,6 +112,12 @@ func NewBlocking(f *os.File, wakeable bool) (*Blocking, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("sock: take over %s: %w", f.Name(), err)
 	}
+	// RecvBy keeps its own receive timeout: none set by whoever made the
+	// socket must linger (a wait without a deadline would wake at it).
+	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{}); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("sock: take over %s: %w", f.Name(), err)
+	}
 	wake := -1
 	if wakeable {
 		if wake, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {

@@ -387,3 +387,19 @@ func TestBlockingRecvByDeadline(t *testing.T) {
 	require.NoError(t, b.Close())
 	assert.True(t, IsClosed(waitErr(t, done, "RecvBy with a deadline after Close")))
 }
+
+// A socket handed over with a receive timeout set (by its maker) loses it:
+// RecvBy keeps its own, and a wait without a deadline must not wake at it.
+func TestNewBlockingClearsAReceiveTimeout(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(fds[1])
+	tv := unix.NsecToTimeval(int64(4 * time.Millisecond))
+	require.NoError(t, unix.SetsockoptTimeval(fds[0], unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv))
+	b, err := NewBlocking(os.NewFile(uintptr(fds[0]), "timed"), false)
+	require.NoError(t, err)
+	defer b.Close()
+	got, err := unix.GetsockoptTimeval(b.fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO)
+	require.NoError(t, err)
+	assert.Zero(t, got.Nano(), "the maker's timeout is gone")
+}
