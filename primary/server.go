@@ -260,9 +260,10 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 // outside data memory are the secondary's own external memory, which this
 // process cannot register (DPDK's rule). A chunk that is no range fails
 // the request before anything is registered. The work stops when ctx
-// ends (the peer went, or the primary closes): nobody waits for it. A
-// chunk, or the part of one, that the last MR found covers costs nothing
-// more, however many chunks name it.
+// ends (the peer went, or the primary closes): nobody waits for it. Each
+// chunk's first address is asked of Create (an optimistic lookup when an
+// MR covers it already), so that no key in the reply is older than its
+// chunk; the rest of a chunk that the MR found covers costs nothing more.
 func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (any, error) {
 	p := h.p()
 	for i, c := range m.Chunks {
@@ -271,7 +272,6 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (
 		}
 	}
 	reply := &ipc.RegisterMempoolReply{Keys: make([]uint32, 0, len(m.Chunks))}
-	var last cache.Entry // the MR that answered last
 	for _, c := range m.Chunks {
 		if _, in := p.mem.InList(uintptr(c.Addr)); !in {
 			e, found, err := p.global.Lookup(c.Addr)
@@ -285,6 +285,7 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (
 			continue
 		}
 		var key uint32
+		var last cache.Entry // the MR that answered last, in this chunk
 		for a := c.Addr; a < c.Addr+c.Len; {
 			if err := ctx.Err(); err != nil {
 				return nil, fmt.Errorf("mempool %s: %w", m.Name, err)
