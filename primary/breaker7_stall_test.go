@@ -18,18 +18,18 @@ import (
 )
 
 // b7Bounded runs fn on a goroutine and fails the test if it has not
-// returned within limit; it returns fn's error and how long it took.
-func b7Bounded(t *testing.T, what string, limit time.Duration, fn func() error) (error, time.Duration) {
+// returned within limit; it returns how long fn took and its error.
+func b7Bounded(t *testing.T, what string, limit time.Duration, fn func() error) (time.Duration, error) {
 	t.Helper()
 	done := make(chan error, 1)
 	start := time.Now()
 	go func() { done <- fn() }()
 	select {
 	case err := <-done:
-		return err, time.Since(start)
+		return time.Since(start), err
 	case <-time.After(limit):
 		t.Fatalf("%s did not return within %v", what, limit)
-		return nil, 0
+		return 0, nil
 	}
 }
 
@@ -51,20 +51,20 @@ func TestBreaker7StoppedPrimaryBoundsSecondaryCalls(t *testing.T) {
 	h.Stop()
 	t.Cleanup(h.Continue)
 
-	err, took := b7Bounded(t, "CreateMR", 5*time.Second, func() error {
+	took, err := b7Bounded(t, "CreateMR", 5*time.Second, func() error {
 		_, err := s.CreateMR(uint64(addr) + length/2)
 		return err
 	})
 	t.Logf("CreateMR against a stopped primary: %v after %v", err, took)
 	assert.Error(t, err)
 
-	err, took = b7Bounded(t, "Lookup of new memory", 5*time.Second, func() error {
+	took, err = b7Bounded(t, "Lookup of new memory", 5*time.Second, func() error {
 		_, err := q.Lookup(addr + uintptr(length) - 1)
 		return err
 	})
 	t.Logf("Lookup: %v after %v", err, took)
 
-	err, took = b7Bounded(t, "Attach", 10*time.Second, func() error {
+	took, err = b7Bounded(t, "Attach", 10*time.Second, func() error {
 		s2, err := secondary.Attach(scfg)
 		if err == nil {
 			s2.Close()
@@ -74,7 +74,7 @@ func TestBreaker7StoppedPrimaryBoundsSecondaryCalls(t *testing.T) {
 	t.Logf("Attach against a stopped primary: %v after %v", err, took)
 	assert.Error(t, err)
 
-	err, took = b7Bounded(t, "Close", 5*time.Second, s.Close)
+	took, err = b7Bounded(t, "Close", 5*time.Second, s.Close)
 	t.Logf("Close with a stopped primary: %v after %v", err, took)
 	assert.Less(t, took, 3*time.Second)
 }
@@ -96,13 +96,13 @@ func TestBreaker7StoppedPrimaryHoldingTheLockBoundsLookups(t *testing.T) {
 	t.Cleanup(h.Continue)
 
 	q := s.NewQueue()
-	err, took := b7Bounded(t, "Lookup", 5*time.Second, func() error {
+	took, err := b7Bounded(t, "Lookup", 5*time.Second, func() error {
 		_, err := q.Lookup(addr)
 		return err
 	})
 	t.Logf("Lookup under a stopped writer: %v after %v", err, took)
 	assert.Error(t, err)
-	err, took = b7Bounded(t, "Close", 5*time.Second, s.Close)
+	took, err = b7Bounded(t, "Close", 5*time.Second, s.Close)
 	t.Logf("Close: %v after %v", err, took)
 }
 
@@ -240,11 +240,11 @@ func TestBreaker7SecondaryStoppedInReadSectionBlocksNobody(t *testing.T) {
 	s.Stop()
 	t.Cleanup(s.Continue)
 
-	err, took := b7Bounded(t, "Free", 5*time.Second, func() error { return p.Free(r) })
+	took, err := b7Bounded(t, "Free", 5*time.Second, func() error { return p.Free(r) })
 	require.NoError(t, err)
 	t.Logf("Free with a reader stopped in its read section: %v", took)
 	assert.Error(t, p.Device().Validate(verbs.SGE{Addr: r.Addr, Len: 1, Key: k}, verbs.AccessLocalWrite))
-	err, took = b7Bounded(t, "Alloc", 5*time.Second, func() error {
+	took, err = b7Bounded(t, "Alloc", 5*time.Second, func() error {
 		var err error
 		r, err = p.Alloc(ps)
 		return err
@@ -262,7 +262,7 @@ func TestBreaker7SecondaryStoppedInReadSectionBlocksNobody(t *testing.T) {
 	got = ask(t, s, "peek %d", r.Addr)
 	t.Logf("peek of the new region in the dropped secondary: %s", got)
 
-	err, took = b7Bounded(t, "Close", 5*time.Second, p.Close)
+	took, err = b7Bounded(t, "Close", 5*time.Second, p.Close)
 	t.Logf("Close: %v after %v", err, took)
 	assert.NoError(t, err)
 }
@@ -282,7 +282,7 @@ func TestBreaker7PrimaryCloseWithAStoppedSecondary(t *testing.T) {
 			}
 			s.Stop()
 			t.Cleanup(s.Continue)
-			err, took := b7Bounded(t, "Close", 5*time.Second, p.Close)
+			took, err := b7Bounded(t, "Close", 5*time.Second, p.Close)
 			t.Logf("Close: %v after %v", err, took)
 			assert.NoError(t, err)
 			s.Continue()
