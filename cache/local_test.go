@@ -263,9 +263,15 @@ func testLinearizable(t *testing.T, cfg fixtureConfig) {
 	for _, st := range perQ {
 		sum = sum.Add(st)
 	}
-	if cfg.fullFlush {
+	switch {
+	case cfg.fullFlush:
 		assert.Zero(t, sum.SelectiveFlushes, "full-flush mode never flushes selectively")
-	} else {
+	case cfg.logSize == 1:
+		// Each round frees twice: a queue flushes selectively only if it
+		// catches up between the two, which a busy machine may never let
+		// it do. What the overwritten log must cause is full flushes.
+		assert.Positive(t, sum.FullFlushes(), "a queue behind an overwritten log flushes everything")
+	default:
 		assert.Positive(t, sum.SelectiveFlushes)
 	}
 	t.Logf("%d lookups over %d alloc/free rounds; flushes: %d full, %d selective (dropped %d and %d entries)",
