@@ -30,17 +30,8 @@ func init() {
 		var ss []*secondary.Secondary
 		var qs []*secondary.Queue
 		testproc.Say("ready")
-		in := testproc.Commands()
-		for in.Scan() {
-			f := strings.Fields(in.Text())
-			if len(f) == 0 {
-				continue
-			}
-			num := func(i int) uint64 {
-				n, _ := strconv.ParseUint(f[i], 0, 64)
-				return n
-			}
-			switch f[0] {
+		testproc.EachCommand(func(c testproc.Line) {
+			switch c.Name {
 			case "attach":
 				s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
 				if err != nil {
@@ -50,24 +41,24 @@ func init() {
 				ss, qs = append(ss, s), append(qs, s.NewQueue())
 				testproc.Say("> attached %d slot=%d", len(ss)-1, s.Slot())
 			case "lookup":
-				k, err := qs[num(1)].Lookup(uintptr(num(2)))
+				k, err := qs[c.Num(0)].Lookup(uintptr(c.Num(1)))
 				if err != nil {
 					testproc.Say("> err %v", err)
 				} else {
 					testproc.Say("> key %d", k)
 				}
 			case "dropped":
-				testproc.Say("> dropped=%t", ss[num(1)].Dropped())
+				testproc.Say("> dropped=%t", ss[c.Num(0)].Dropped())
 			case "close":
-				if err := ss[num(1)].Close(); err != nil {
+				if err := ss[c.Num(0)].Close(); err != nil {
 					testproc.Say("> err %v", err)
 				} else {
 					testproc.Say("> closed")
 				}
 			default:
-				testproc.Say("> err unknown command %q", f[0])
+				testproc.Say("> err unknown command %q", c.Name)
 			}
-		}
+		})
 		return 0
 	})
 }

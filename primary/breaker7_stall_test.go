@@ -2,7 +2,6 @@ package primary_test
 
 import (
 	"fmt"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -119,17 +118,8 @@ func init() {
 		var s *secondary.Secondary
 		var q *secondary.Queue
 		testproc.Say("ready")
-		in := testproc.Commands()
-		for in.Scan() {
-			f := strings.Fields(in.Text())
-			if len(f) == 0 {
-				continue
-			}
-			num := func(i int) uint64 {
-				n, _ := strconv.ParseUint(f[i], 0, 64)
-				return n
-			}
-			switch f[0] {
+		testproc.EachCommand(func(c testproc.Line) {
+			switch c.Name {
 			case "attach":
 				var err error
 				s, err = secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet,
@@ -141,14 +131,14 @@ func init() {
 				q = s.NewQueue()
 				testproc.Say("> attached slot=%d dropped=%t", s.Slot(), s.Dropped())
 			case "lookup":
-				k, err := q.Lookup(uintptr(num(1)))
+				k, err := q.Lookup(uintptr(c.Num(0)))
 				if err != nil {
 					testproc.Say("> err %v", err)
 				} else {
 					testproc.Say("> key %d", k)
 				}
 			case "peek":
-				if b, ok := peek(uintptr(num(1))); ok {
+				if b, ok := peek(uintptr(c.Num(0))); ok {
 					testproc.Say("> byte %d", b)
 				} else {
 					testproc.Say("> fault")
@@ -165,7 +155,7 @@ func init() {
 				q.Close()
 				testproc.Say("> closed %v", s.Close())
 			}
-		}
+		})
 		return 0
 	})
 }

@@ -48,25 +48,16 @@ func init() {
 		q := s.NewQueue()
 		testproc.Say("ready slot=%d", s.Slot())
 		var release chan struct{}
-		in := testproc.Commands()
-		for in.Scan() {
-			f := strings.Fields(in.Text())
-			if len(f) == 0 {
-				continue
-			}
-			num := func(i int) uint64 {
-				n, _ := strconv.ParseUint(f[i], 0, 64)
-				return n
-			}
-			switch f[0] {
+		testproc.EachCommand(func(c testproc.Line) {
+			switch c.Name {
 			case "poke":
-				if poke(uintptr(num(1)), byte(num(2))) {
+				if poke(uintptr(c.Num(0)), byte(c.Num(1))) {
 					testproc.Say("> wrote")
 				} else {
 					testproc.Say("> fault")
 				}
 			case "lookup":
-				k, err := q.Lookup(uintptr(num(1)))
+				k, err := q.Lookup(uintptr(c.Num(0)))
 				if err != nil {
 					testproc.Say("> err %v", err)
 				} else {
@@ -102,9 +93,9 @@ func init() {
 				close(release)
 				testproc.Say("> released")
 			default:
-				testproc.Say("> err unknown command %q", f[0])
+				testproc.Say("> err unknown command %q", c.Name)
 			}
-		}
+		})
 		return 0
 	})
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -93,43 +92,34 @@ func helperSecondary(args []string) int {
 	testproc.Say("ready slot=%d", s.Slot())
 	var leave chan struct{}
 	var left chan error
-	in := testproc.Commands()
-	for in.Scan() {
-		f := strings.Fields(in.Text())
-		if len(f) == 0 {
-			continue
-		}
-		num := func(i int) uint64 {
-			n, _ := strconv.ParseUint(f[i], 0, 64)
-			return n
-		}
-		switch f[0] {
+	testproc.EachCommand(func(c testproc.Line) {
+		switch c.Name {
 		case "lookup":
-			k, err := q.Lookup(uintptr(num(1)))
+			k, err := q.Lookup(uintptr(c.Num(0)))
 			if err != nil {
 				testproc.Say("> err %v", err)
 			} else {
 				testproc.Say("> key %d", k)
 			}
 		case "create":
-			e, err := s.CreateMR(num(1))
+			e, err := s.CreateMR(c.Num(0))
 			if err != nil {
 				testproc.Say("> err %v", err)
 			} else {
 				testproc.Say("> key %d", e.LKey)
 			}
 		case "validate":
-			err := s.Device().Validate(verbs.SGE{Addr: uintptr(num(1)), Len: 1, Key: uint32(num(2))}, verbs.AccessLocalWrite)
+			err := s.Device().Validate(verbs.SGE{Addr: uintptr(c.Num(0)), Len: 1, Key: uint32(c.Num(1))}, verbs.AccessLocalWrite)
 			if err != nil {
 				testproc.Say("> err %v", err)
 			} else {
 				testproc.Say("> ok")
 			}
 		case "read":
-			b := *(*byte)(pointer(uintptr(num(1))))
+			b := *(*byte)(pointer(uintptr(c.Num(0))))
 			testproc.Say("> byte %d", b)
 		case "hammer":
-			lookups, failures := hammer(s, int(num(1)), int(num(2)), uintptr(num(3)), num(4))
+			lookups, failures := hammer(s, int(c.Num(0)), int(c.Num(1)), uintptr(c.Num(2)), c.Num(3))
 			testproc.Say("> done %d %d", lookups, failures)
 		case "devfile":
 			f, pd := s.DeviceFile()
@@ -141,7 +131,7 @@ func helperSecondary(args []string) int {
 			testproc.Say("> devfile %s pd=%d soft=%t read=%q err=%v", s.DeviceName(), pd, s.Device() != nil,
 				strings.TrimSpace(line), err)
 		case "regpool":
-			err := s.RegisterMempool(q, chunkPool{{Addr: uintptr(num(1)), Len: num(2)}})
+			err := s.RegisterMempool(q, chunkPool{{Addr: uintptr(c.Num(0)), Len: c.Num(1)}})
 			if err != nil {
 				testproc.Say("> err %v", err)
 			} else {
@@ -162,13 +152,13 @@ func helperSecondary(args []string) int {
 			close(leave)
 			testproc.Say("> left %v", <-left)
 		case "poke":
-			if poke(uintptr(num(1)), byte(num(2))) {
+			if poke(uintptr(c.Num(0)), byte(c.Num(1))) {
 				testproc.Say("> wrote")
 			} else {
 				testproc.Say("> fault")
 			}
 		case "peek":
-			if b, ok := peek(uintptr(num(1))); ok {
+			if b, ok := peek(uintptr(c.Num(0))); ok {
 				testproc.Say("> byte %d", b)
 			} else {
 				testproc.Say("> fault")
@@ -186,9 +176,9 @@ func helperSecondary(args []string) int {
 				testproc.Say("> closed")
 			}
 		default:
-			testproc.Say("> err unknown command %q", f[0])
+			testproc.Say("> err unknown command %q", c.Name)
 		}
-	}
+	})
 	return 0
 }
 

@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -135,26 +134,17 @@ func helperPrimary(args []string) int {
 	defer p.Close()
 	q := p.NewQueue()
 	testproc.Say("ready pid=%d", os.Getpid())
-	in := testproc.Commands()
-	for in.Scan() {
-		f := strings.Fields(in.Text())
-		if len(f) == 0 {
-			continue
-		}
-		num := func(i int) uint64 {
-			n, _ := strconv.ParseUint(f[i], 0, 64)
-			return n
-		}
-		switch f[0] {
+	testproc.EachCommand(func(c testproc.Line) {
+		switch c.Name {
 		case "alloc":
-			r, err := p.Alloc(num(1) * p.Backend().PageSize)
+			r, err := p.Alloc(c.Num(0) * p.Backend().PageSize)
 			if err != nil {
 				testproc.Say("> err %v", err)
 			} else {
 				testproc.Say("> region %d", r.Addr)
 			}
 		case "mr":
-			k, err := q.Lookup(uintptr(num(1)))
+			k, err := q.Lookup(uintptr(c.Num(0)))
 			if err != nil {
 				testproc.Say("> err %v", err)
 			} else {
@@ -167,9 +157,9 @@ func helperPrimary(args []string) int {
 			})
 			testproc.Say("> err %v", err)
 		default:
-			testproc.Say("> err unknown command %q", f[0])
+			testproc.Say("> err unknown command %q", c.Name)
 		}
-	}
+	})
 	return 0
 }
 
@@ -189,16 +179,10 @@ func helperSecondary(args []string) int {
 	defer s.Close()
 	q := s.NewQueue()
 	testproc.Say("ready slot=%d", s.Slot())
-	in := testproc.Commands()
-	for in.Scan() {
-		f := strings.Fields(in.Text())
-		if len(f) == 0 {
-			continue
-		}
-		switch f[0] {
+	testproc.EachCommand(func(c testproc.Line) {
+		switch c.Name {
 		case "lookup":
-			addr, _ := strconv.ParseUint(f[1], 0, 64)
-			k, err := q.Lookup(uintptr(addr))
+			k, err := q.Lookup(uintptr(c.Num(0)))
 			if err != nil {
 				testproc.Say("> err %v", err)
 			} else {
@@ -210,9 +194,9 @@ func helperSecondary(args []string) int {
 		case "ready":
 			testproc.Say("> ready %v", s.Segment().Ready())
 		default:
-			testproc.Say("> err unknown command %q", f[0])
+			testproc.Say("> err unknown command %q", c.Name)
 		}
-	}
+	})
 	return 0
 }
 

@@ -17,6 +17,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -311,6 +312,35 @@ func (p *Proc) Stderr() string { return p.stderr.String() }
 // Commands returns a scanner over the helper's standard input, for use in
 // the helper process.
 func Commands() *bufio.Scanner { return bufio.NewScanner(os.Stdin) }
+
+// Line is one line of a helper's input, split into words: Name and its
+// arguments.
+type Line struct {
+	Name string
+	Args []string
+}
+
+// Num returns argument i as an unsigned number (any base strconv accepts
+// with base 0), or 0 when it is missing or is no number.
+func (c Line) Num(i int) uint64 {
+	if i < 0 || i >= len(c.Args) {
+		return 0
+	}
+	n, _ := strconv.ParseUint(c.Args[i], 0, 64)
+	return n
+}
+
+// EachCommand runs do for every non-empty line of the helper's input,
+// until the input ends (the test closed it, or ended), for use in the
+// helper process.
+func EachCommand(do func(Line)) {
+	in := Commands()
+	for in.Scan() {
+		if f := strings.Fields(in.Text()); len(f) > 0 {
+			do(Line{Name: f[0], Args: f[1:]})
+		}
+	}
+}
 
 // Say prints one line to the test, for use in the helper process.
 func Say(format string, args ...any) {
