@@ -3,6 +3,7 @@ package cache
 import (
 	"log/slog"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -83,6 +84,26 @@ func newPrimary(t testing.TB, c fixtureConfig) *primary {
 	require.NoError(t, err)
 	require.NoError(t, seg.MarkReady())
 	return p
+}
+
+// holdLock takes the global write lock on another goroutine and keeps it
+// until release is called; release returns what Exclusive returned.
+func (p *primary) holdLock(t testing.TB) (release func() error) {
+	t.Helper()
+	held, let := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		done <- p.g.Exclusive(func() {
+			close(held)
+			<-let
+		})
+	}()
+	<-held
+	var once sync.Once
+	return func() error {
+		once.Do(func() { close(let) })
+		return <-done
+	}
 }
 
 // close releases everything, going on past failures so that no file is

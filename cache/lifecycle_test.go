@@ -66,18 +66,9 @@ func TestFreeRefusedWhenInvalidationCannotRun(t *testing.T) {
 	e, err := p.g.Create(uint64(r.Addr))
 	require.NoError(t, err)
 
-	held, release := make(chan struct{}), make(chan struct{})
-	done := make(chan error, 1)
-	go func() {
-		done <- p.g.Exclusive(func() {
-			close(held)
-			<-release
-		})
-	}()
-	<-held
+	release := p.holdLock(t)
 	err = p.mem.Free(r)
-	close(release)
-	require.NoError(t, <-done)
+	require.NoError(t, release())
 	require.ErrorIs(t, err, hugetlb.ErrNotFreed)
 
 	assert.NotPanics(t, func() { r.Bytes()[0] = 1 }, "the memory is still mapped")
@@ -139,17 +130,9 @@ func TestCreateQueuedBehindCloseRegistersNothing(t *testing.T) {
 		t.Run(fmt.Sprint(i), func(t *testing.T) {
 			p := newPrimary(t, fixtureConfig{})
 			r := p.alloc(t, 1)
-			held, release := make(chan struct{}), make(chan struct{})
+			release := p.holdLock(t)
 			var wg sync.WaitGroup
-			wg.Add(3)
-			go func() {
-				defer wg.Done()
-				_ = p.g.Exclusive(func() {
-					close(held)
-					<-release
-				})
-			}()
-			<-held
+			wg.Add(2)
 			waiters := func(n int) func() bool { return func() bool { return p.g.LockState().Waiters >= n } }
 			var createErr, closeErr error
 			go func() {
@@ -162,7 +145,7 @@ func TestCreateQueuedBehindCloseRegistersNothing(t *testing.T) {
 				closeErr = p.g.Close()
 			}()
 			require.Eventually(t, waiters(2), 5*time.Second, time.Millisecond, "so does Close")
-			close(release)
+			require.NoError(t, release())
 			wg.Wait()
 			require.NoError(t, closeErr)
 			if createErr == nil {
@@ -206,18 +189,9 @@ func TestCloseThatCannotLockChangesNothing(t *testing.T) {
 	e, err := p.g.Create(uint64(r.Addr))
 	require.NoError(t, err)
 
-	held, release := make(chan struct{}), make(chan struct{})
-	done := make(chan error, 1)
-	go func() {
-		done <- p.g.Exclusive(func() {
-			close(held)
-			<-release
-		})
-	}()
-	<-held
+	release := p.holdLock(t)
 	closeErr := p.g.Close()
-	close(release)
-	require.NoError(t, <-done)
+	require.NoError(t, release())
 	require.Error(t, closeErr, "Close could not lock")
 
 	assert.NoError(t, p.validates(r.Addr, e.LKey), "the MR is still registered")

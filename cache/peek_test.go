@@ -90,15 +90,8 @@ func TestPeekGlobalWithAWriterIn(t *testing.T) {
 	ro := p.readOnly(t)
 
 	t.Run("live writer", func(t *testing.T) {
-		held, release := make(chan struct{}), make(chan struct{})
-		go func() {
-			_ = p.g.Exclusive(func() {
-				close(held)
-				<-release
-			})
-		}()
-		<-held
-		defer close(release)
+		release := p.holdLock(t)
+		defer release()
 		got, err := PeekGlobal(ro, 20*time.Millisecond)
 		require.NoError(t, err)
 		assert.False(t, got.Consistent, "the writer stayed in longer than the patience")
