@@ -48,12 +48,10 @@ func (p failingDeregPD) DeregMR(mr verbs.MR) error {
 	return p.PD.DeregMR(mr)
 }
 
-// A free whose MR the device will not deregister is refused, and asked
-// again it is refused again for as long as the device refuses: the MR's
-// record is kept until its key is gone, so no retry can complete while
-// the device still accepts the key for the pages. Once the device lets
-// go, the retry completes.
-func TestFreeRefusedWhileTheDeviceKeepsTheKey(t *testing.T) {
+// startFailingDeregPrimary starts a single-page primary whose device is a
+// failingDeregDevice.
+func startFailingDeregPrimary(t *testing.T) (*primary.Primary, *failingDeregDevice) {
+	t.Helper()
 	var dev *failingDeregDevice
 	p, _ := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
 		c.SinglePage = true
@@ -63,6 +61,16 @@ func TestFreeRefusedWhileTheDeviceKeepsTheKey(t *testing.T) {
 			return dev, err
 		})
 	})
+	return p, dev
+}
+
+// A free whose MR the device will not deregister is refused, and asked
+// again it is refused again for as long as the device refuses: the MR's
+// record is kept until its key is gone, so no retry can complete while
+// the device still accepts the key for the pages. Once the device lets
+// go, the retry completes.
+func TestFreeRefusedWhileTheDeviceKeepsTheKey(t *testing.T) {
+	p, dev := startFailingDeregPrimary(t)
 	r, err := p.Alloc(p.Backend().PageSize)
 	require.NoError(t, err)
 	q := p.NewQueue()
@@ -92,15 +100,7 @@ func TestFreeRefusedWhileTheDeviceKeepsTheKey(t *testing.T) {
 // that one: other memory is freed meanwhile, and so is it once the device
 // lets go.
 func TestAnMRTheDeviceKeepsRefusesOnlyItsOwnFree(t *testing.T) {
-	var dev *failingDeregDevice
-	p, _ := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
-		c.SinglePage = true
-		primary.WithDeviceOpener(c, func(seg *shm.Segment, log *slog.Logger) (verbs.Device, error) {
-			soft, err := verbs.CreateSoft(seg, verbs.SoftOptions{Logger: log})
-			dev = &failingDeregDevice{Soft: soft}
-			return dev, err
-		})
-	})
+	p, dev := startFailingDeregPrimary(t)
 	ps := p.Backend().PageSize
 	stuck, err := p.Alloc(ps)
 	require.NoError(t, err)
