@@ -41,12 +41,7 @@ func init() {
 				ss, qs = append(ss, s), append(qs, s.NewQueue())
 				testproc.Say("> attached %d slot=%d", len(ss)-1, s.Slot())
 			case "lookup":
-				k, err := qs[c.Num(0)].Lookup(uintptr(c.Num(1)))
-				if err != nil {
-					testproc.Say("> err %v", err)
-				} else {
-					testproc.Say("> key %d", k)
-				}
+				testproc.SayKey(qs[c.Num(0)].Lookup(uintptr(c.Num(1))))
 			case "dropped":
 				testproc.Say("> dropped=%t", ss[c.Num(0)].Dropped())
 			case "close":

@@ -131,12 +131,7 @@ func init() {
 				q = s.NewQueue()
 				testproc.Say("> attached slot=%d dropped=%t", s.Slot(), s.Dropped())
 			case "lookup":
-				k, err := q.Lookup(uintptr(c.Num(0)))
-				if err != nil {
-					testproc.Say("> err %v", err)
-				} else {
-					testproc.Say("> key %d", k)
-				}
+				testproc.SayKey(q.Lookup(uintptr(c.Num(0))))
 			case "peek":
 				if b, ok := peek(uintptr(c.Num(0))); ok {
 					testproc.Say("> byte %d", b)

@@ -57,12 +57,7 @@ func init() {
 					testproc.Say("> fault")
 				}
 			case "lookup":
-				k, err := q.Lookup(uintptr(c.Num(0)))
-				if err != nil {
-					testproc.Say("> err %v", err)
-				} else {
-					testproc.Say("> key %d", k)
-				}
+				testproc.SayKey(q.Lookup(uintptr(c.Num(0))))
 			case "hangup":
 				testproc.Say("> hung up %d", shutdownSockets())
 			case "exclusive":

@@ -95,19 +95,10 @@ func helperSecondary(args []string) int {
 	testproc.EachCommand(func(c testproc.Line) {
 		switch c.Name {
 		case "lookup":
-			k, err := q.Lookup(uintptr(c.Num(0)))
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> key %d", k)
-			}
+			testproc.SayKey(q.Lookup(uintptr(c.Num(0))))
 		case "create":
 			e, err := s.CreateMR(c.Num(0))
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> key %d", e.LKey)
-			}
+			testproc.SayKey(e.LKey, err)
 		case "validate":
 			err := s.Device().Validate(verbs.SGE{Addr: uintptr(c.Num(0)), Len: 1, Key: uint32(c.Num(1))}, verbs.AccessLocalWrite)
 			if err != nil {

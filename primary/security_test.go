@@ -174,12 +174,7 @@ func helperUserSecondary(args []string) int {
 			testproc.Say("> wrote")
 		case len(f) == 2 && f[0] == "lookup":
 			a, _ := strconv.ParseUint(f[1], 0, 64)
-			k, err := q.Lookup(uintptr(a))
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> key %d", k)
-			}
+			testproc.SayKey(q.Lookup(uintptr(a)))
 		default:
 			testproc.Say("> err unknown command %q", in.Text())
 		}

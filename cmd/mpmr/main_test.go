@@ -144,12 +144,7 @@ func helperPrimary(args []string) int {
 				testproc.Say("> region %d", r.Addr)
 			}
 		case "mr":
-			k, err := q.Lookup(uintptr(c.Num(0)))
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> key %d", k)
-			}
+			testproc.SayKey(q.Lookup(uintptr(c.Num(0))))
 		case "hold":
 			err := p.Global().Exclusive(func() {
 				testproc.Say("> held")
@@ -182,12 +177,7 @@ func helperSecondary(args []string) int {
 	testproc.EachCommand(func(c testproc.Line) {
 		switch c.Name {
 		case "lookup":
-			k, err := q.Lookup(uintptr(c.Num(0)))
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> key %d", k)
-			}
+			testproc.SayKey(q.Lookup(uintptr(c.Num(0))))
 		case "publish":
 			q.Publish()
 			testproc.Say("> published lookups=%d", s.Stats().Counters.Lookups)

@@ -342,6 +342,16 @@ func EachCommand(do func(Line)) {
 	}
 }
 
+// SayKey answers a lookup to the test: "> key K", or "> err ERR" when err
+// is not nil, for use in the helper process.
+func SayKey(k uint32, err error) {
+	if err != nil {
+		Say("> err %v", err)
+		return
+	}
+	Say("> key %d", k)
+}
+
 // Say prints one line to the test, for use in the helper process.
 func Say(format string, args ...any) {
 	fmt.Fprintf(os.Stdout, format+"\n", args...)
