@@ -261,3 +261,10 @@ func headerIn(m []byte) *header {
 	_ = m[headerSize-1]
 	return (*header)(unsafe.Pointer(&m[0]))
 }
+
+// procTable views the n process-table slots that follow the header of the
+// mapping at base. The caller has checked n against MaxSlots and the
+// header's layout, which puts the table inside the first page.
+func procTable(base unsafe.Pointer, n int) []procSlot {
+	return unsafe.Slice((*procSlot)(unsafe.Add(base, headerSize)), n)
+}

@@ -21,25 +21,11 @@ type LockView struct {
 // checks the lock's words against the segment instead of trusting them,
 // since the segment may belong to an instance that died mid-update.
 func (s *Segment) ViewLock(off uint64) (*LockView, error) {
-	registered := false
-	for i := range s.hdr.Locks {
-		registered = registered || atomic.LoadUint64(&s.hdr.Locks[i]) == off
-	}
-	if off == 0 || !registered {
-		return nil, fmt.Errorf("%w: no lock at 0x%x", ErrBadOffset, off)
-	}
-	if err := s.CheckRange(off, lineSize); err != nil {
+	head, lines, err := s.lockAt(off)
+	if err != nil {
 		return nil, fmt.Errorf("shm: view lock: %w", err)
 	}
-	head := At[lockHead](s, off)
-	n := atomic.LoadUint32(&head.Lines)
-	if n < 1 || n > MaxSlots {
-		return nil, fmt.Errorf("%w: lock at 0x%x has %d reader lines", ErrCorrupt, off, n)
-	}
-	if err := s.CheckRange(off+lineSize, uint64(n)*lineSize); err != nil {
-		return nil, fmt.Errorf("shm: view lock: reader lines: %w", err)
-	}
-	return &LockView{seg: s, off: off, head: head, lines: Slice[readerLine](s, off+lineSize, int(n))}, nil
+	return &LockView{seg: s, off: off, head: head, lines: lines}, nil
 }
 
 // Optimistic starts an optimistic read, as RWLock.Optimistic does: it

@@ -111,9 +111,7 @@ func ProcessStart(pid int) (uint64, error) {
 	return strconv.ParseUint(string(fields[startField]), 10, 64)
 }
 
-func (s *Segment) slots() []procSlot {
-	return Slice[procSlot](s, atomic.LoadUint64(&s.hdr.ProcsOff), int(atomic.LoadUint32(&s.hdr.Slots)))
-}
+func (s *Segment) slots() []procSlot { return s.procs }
 
 // claimSlot takes the first slot whose lock byte nobody holds: a free slot,
 // or one whose process died. Holding the byte's lock from here on is what
@@ -159,7 +157,7 @@ func (s *Segment) releaseSlot() {
 }
 
 // Slots returns the length of the process table.
-func (s *Segment) Slots() int { return int(atomic.LoadUint32(&s.hdr.Slots)) }
+func (s *Segment) Slots() int { return len(s.procs) }
 
 // Slot returns this process's process-table slot.
 func (s *Segment) Slot() int { return s.slot }
@@ -212,7 +210,7 @@ func (s *Segment) Procs() []Proc {
 
 // Proc describes slot i.
 func (s *Segment) Proc(i int) Proc {
-	p := &s.slots()[i]
+	p := &s.procs[i]
 	epoch := atomic.LoadUint32(&p.Epoch)
 	return Proc{
 		Slot:     i,

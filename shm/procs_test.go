@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"encoding/binary"
 	"fmt"
 	"os"
 	"strings"
@@ -110,4 +111,65 @@ func TestProcessStart(t *testing.T) {
 	parent, err := shm.ProcessStart(os.Getppid())
 	require.NoError(t, err)
 	assert.LessOrEqual(t, parent, st, "a parent starts before its child")
+}
+
+// Any process that maps a segment can write its header. The process table's
+// length and place are fixed when the segment is created: a slot count or
+// lock registration changed afterwards must not turn an index into a panic
+// in the processes already attached.
+func TestProcessTableIgnoresHeaderRewrites(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 4 })
+	_, err := owner.NewRWLock()
+	require.NoError(t, err)
+	other := attach(t, o)
+	put := func(at int64, b []byte) {
+		t.Helper()
+		f, err := os.OpenFile(o.Path, os.O_RDWR, 0)
+		require.NoError(t, err)
+		defer f.Close()
+		_, err = f.WriteAt(b, at)
+		require.NoError(t, err)
+	}
+	le32 := func(v uint32) []byte { return binary.LittleEndian.AppendUint32(nil, v) }
+	le64 := func(v uint64) []byte { return binary.LittleEndian.AppendUint64(nil, v) }
+	for _, c := range []struct {
+		name string
+		at   int64
+		b    []byte
+	}{
+		{"slot count raised", offSlots, le32(1 << 30)},
+		{"slot count zeroed", offSlots, le32(0)},
+		{"table moved", offProcs, le64(1 << 40)},
+		{"lock moved past the mapping", offLocks, le64(1 << 40)},
+		{"lock moved into the header", offLocks, le64(8)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			orig := make([]byte, len(c.b))
+			f, err := os.Open(o.Path)
+			require.NoError(t, err)
+			_, err = f.ReadAt(orig, c.at)
+			f.Close()
+			require.NoError(t, err)
+			put(c.at, c.b)
+			defer put(c.at, orig)
+
+			for _, s := range []*shm.Segment{owner, other} {
+				require.NotPanics(t, func() {
+					assert.Equal(t, 4, s.Slots())
+					assert.Len(t, s.Procs(), 2)
+					assert.Equal(t, os.Getpid(), s.Proc(other.Slot()).PID)
+					assert.False(t, s.Fenced())
+					assert.False(t, s.AliveAs(1<<20, 1))
+				})
+			}
+			require.NotPanics(t, func() {
+				assert.False(t, owner.Fence(1<<20, 1))
+				// A new claim in this process resets reader lines in
+				// every registered lock.
+				if third, err := shm.Attach(o); err == nil {
+					third.Close()
+				}
+			})
+		})
+	}
 }

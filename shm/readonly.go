@@ -65,6 +65,7 @@ func OpenReadOnly(o Options) (*Segment, Info, error) {
 		base:     base,
 		mapLen:   uintptr(info.MaxSize),
 		hdr:      (*header)(vm.Pointer(base)),
+		procs:    procTable(vm.Pointer(base), info.Slots),
 		slot:     -1,
 		log:      o.logger(),
 		readOnly: true,

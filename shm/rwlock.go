@@ -10,6 +10,7 @@ import (
 	"slices"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/mpmr/mpmr/internal/sys/futex"
 )
@@ -102,7 +103,7 @@ func (s *Segment) NewRWLock() (uint64, error) {
 	if !s.owner {
 		return 0, ErrNotOwner
 	}
-	n := atomic.LoadUint32(&s.hdr.Slots)
+	n := uint32(len(s.procs))
 	off, err := s.Alloc(lineSize*(1+uint64(n)), lineSize)
 	if err != nil {
 		return 0, fmt.Errorf("shm: new lock: %w", err)
@@ -127,7 +128,11 @@ func (s *Segment) resetReaderLines(i int) {
 		if off == 0 {
 			continue
 		}
-		lines := Slice[readerLine](s, off+lineSize, int(atomic.LoadUint32(&At[lockHead](s, off).Lines)))
+		_, lines, err := s.lockAt(off)
+		if err != nil {
+			s.log.Warn("skipping a registered lock that does not fit the segment", "err", err)
+			continue
+		}
 		if i < len(lines) {
 			c := &lines[i].Count
 			for v := atomic.LoadUint64(c); !atomic.CompareAndSwapUint64(c, v, nextGen(v)); v = atomic.LoadUint64(c) {
@@ -136,28 +141,40 @@ func (s *Segment) resetReaderLines(i int) {
 	}
 }
 
+// lockAt finds the registered lock at off and its reader lines. Every word
+// it reads can have been rewritten by any process mapping the segment, so
+// each is checked against one reading of the segment's bounds, and a lock
+// that does not fit is an error, never a fault.
+func (s *Segment) lockAt(off uint64) (*lockHead, []readerLine, error) {
+	registered := false
+	for i := range s.hdr.Locks {
+		registered = registered || atomic.LoadUint64(&s.hdr.Locks[i]) == off
+	}
+	if off == 0 || !registered {
+		return nil, nil, fmt.Errorf("%w: no lock at 0x%x", ErrBadOffset, off)
+	}
+	arena, end := max(atomic.LoadUint64(&s.hdr.ArenaOff), headerSize), s.limit()
+	if off%lineSize != 0 || off < arena || off > end || end-off < lineSize {
+		return nil, nil, fmt.Errorf("%w: lock at 0x%x in %s", ErrBadOffset, off, s.path)
+	}
+	head := (*lockHead)(s.pointer(off))
+	n := uint64(atomic.LoadUint32(&head.Lines))
+	if n < 1 || n > MaxSlots || (end-off)/lineSize-1 < n {
+		return nil, nil, fmt.Errorf("%w: lock at 0x%x has %d reader lines", ErrCorrupt, off, n)
+	}
+	return head, unsafe.Slice((*readerLine)(s.pointer(off+lineSize)), n), nil
+}
+
 // nextGen is a reader line's word with its holds discarded.
 func nextGen(v uint64) uint64 { return (v>>32 + 1) << 32 }
 
 // RWLock returns this process's handle on the lock at off, which must be an
 // offset NewRWLock returned.
 func (s *Segment) RWLock(off uint64) (*RWLock, error) {
-	registered := false
-	for i := range s.hdr.Locks {
-		registered = registered || atomic.LoadUint64(&s.hdr.Locks[i]) == off
+	head, lines, err := s.lockAt(off)
+	if err != nil {
+		return nil, err
 	}
-	if off == 0 || !registered {
-		return nil, fmt.Errorf("%w: no lock at 0x%x", ErrBadOffset, off)
-	}
-	if err := s.CheckRange(off, lineSize); err != nil {
-		return nil, fmt.Errorf("shm: lock at 0x%x: %w", off, err)
-	}
-	head := At[lockHead](s, off)
-	n := uint64(atomic.LoadUint32(&head.Lines))
-	if n < 1 || n > MaxSlots || s.CheckRange(off+lineSize, n*lineSize) != nil {
-		return nil, fmt.Errorf("%w: lock at 0x%x has %d reader lines", ErrCorrupt, off, n)
-	}
-	lines := Slice[readerLine](s, off+lineSize, int(n))
 	if s.slot < 0 || s.slot >= len(lines) {
 		return nil, fmt.Errorf("shm: lock at 0x%x: this process has no slot", off)
 	}

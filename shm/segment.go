@@ -79,13 +79,17 @@ func (o *Options) logger() *slog.Logger {
 // segment or changes its state; any process may read and may take locks.
 // Segment's methods are safe for concurrent use.
 type Segment struct {
-	path    string
-	f       *os.File
-	lockf   *os.File
-	base    uintptr
-	mapLen  uintptr
-	backed  atomic.Uint64 // bytes of the file known to exist, at most mapLen
-	hdr     *header
+	path   string
+	f      *os.File
+	lockf  *os.File
+	base   uintptr
+	mapLen uintptr
+	backed atomic.Uint64 // bytes of the file known to exist, at most mapLen
+	hdr    *header
+	// procs is the process table, placed and sized once when the
+	// segment is created or its header validated: the header's own
+	// words for it can be rewritten by any process that maps it.
+	procs   []procSlot
 	owner   bool
 	slot    int
 	epoch   uint32
@@ -146,7 +150,7 @@ func create(f *os.File, o *Options) (*Segment, error) {
 	if err := falloc.Allocate(int(f.Fd()), 0, int64(size)); err != nil {
 		return nil, err
 	}
-	s, err := mapSegment(f, o, maxSize)
+	s, err := mapSegment(f, o, maxSize, o.Slots)
 	if err != nil {
 		return nil, err
 	}
@@ -187,7 +191,7 @@ func Attach(o Options) (_ *Segment, err error) {
 		f.Close()
 		return nil, fmt.Errorf("shm: attach %s: %w", o.Path, err)
 	}
-	s, err := mapSegment(f, &o, info.MaxSize)
+	s, err := mapSegment(f, &o, info.MaxSize, info.Slots)
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("shm: attach %s: %w", o.Path, err)
@@ -199,7 +203,7 @@ func Attach(o Options) (_ *Segment, err error) {
 	return s, nil
 }
 
-func mapSegment(f *os.File, o *Options, maxSize uint64) (*Segment, error) {
+func mapSegment(f *os.File, o *Options, maxSize uint64, slots int) (*Segment, error) {
 	lockf := o.LockFile
 	if lockf == nil {
 		var err error
@@ -219,6 +223,7 @@ func mapSegment(f *os.File, o *Options, maxSize uint64) (*Segment, error) {
 		base:   base,
 		mapLen: uintptr(maxSize),
 		hdr:    (*header)(vm.Pointer(base)),
+		procs:  procTable(vm.Pointer(base), slots),
 		slot:   -1,
 		log:    o.logger(),
 	}, nil
@@ -233,6 +238,9 @@ func (s *Segment) unmap() {
 }
 
 func (s *Segment) basePtr() unsafe.Pointer { return vm.Pointer(s.base) }
+
+// pointer is the address of offset off, unchecked.
+func (s *Segment) pointer(off uint64) unsafe.Pointer { return unsafe.Add(s.basePtr(), off) }
 
 func (s *Segment) mustRange(off, size, align uint64) {
 	if end := s.limit(); off%align != 0 || off+size < off || off+size > end {

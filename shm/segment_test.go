@@ -106,7 +106,9 @@ const (
 	offSlots   = 20
 	offSize    = 40
 	offMaxSize = 48
+	offProcs   = 64
 	offArena   = 72
+	offLocks   = 104
 )
 
 func TestAttachValidatesHeader(t *testing.T) {
