@@ -2,7 +2,6 @@ package harness
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -67,7 +66,7 @@ type Proc struct {
 
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
-	stderr lockedBuffer
+	stderr testproc.LockedBuffer
 	done   chan struct{} // closed once the process has ended and been reaped
 	err    error         // cmd.Wait's result, once done
 
@@ -325,23 +324,6 @@ func (p *Proc) Killed() bool {
 }
 
 func (p *Proc) label() string { return "pid " + strconv.Itoa(p.PID()) }
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(b []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(b)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // running reports whether pid exists and is not a zombie.
 func running(pid int) bool {

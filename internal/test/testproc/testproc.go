@@ -70,7 +70,7 @@ type Proc struct {
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
 	lines  chan string
-	stderr *lockedBuffer
+	stderr *LockedBuffer
 	done   chan struct{}
 	err    error // Wait's result, after done
 }
@@ -100,7 +100,7 @@ func Start(tb testing.TB, name string, args []string, env ...string) *Proc {
 	cmd.Env = append(cmd.Env, env...)
 	cmd.Cancel = func() error { return cmd.Process.Kill() }
 	p := &Proc{tb: tb, name: name, cmd: cmd, lines: make(chan string, 1024),
-		stderr: &lockedBuffer{}, done: make(chan struct{})}
+		stderr: &LockedBuffer{}, done: make(chan struct{})}
 	cmd.Stderr = p.stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -357,24 +357,26 @@ func Say(format string, args ...any) {
 	fmt.Fprintf(os.Stdout, format+"\n", args...)
 }
 
-type lockedBuffer struct {
+// LockedBuffer is a bytes.Buffer that a process's output can be written
+// to while tests read it.
+type LockedBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (l *lockedBuffer) Write(p []byte) (int, error) {
+func (l *LockedBuffer) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.Write(p)
 }
 
-func (l *lockedBuffer) String() string {
+func (l *LockedBuffer) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()
 }
 
-func (l *lockedBuffer) Len() int {
+func (l *LockedBuffer) Len() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.Len()
