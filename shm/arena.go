@@ -2,14 +2,21 @@ package shm
 
 import (
 	"fmt"
+	"slices"
 	"sync/atomic"
 )
 
 // The arena hands out blocks of the segment to the layers above. Only the
 // owner allocates and frees, under Segment.mu; other processes only follow
-// offsets the owner published. Blocks start with a 16-byte header; free
-// blocks form a singly linked list sorted by offset, and a freed block is
-// merged with free neighbours, so the list never holds two adjacent blocks.
+// offsets the owner published.
+//
+// Any process mapping the segment can write it, so the owner keeps the
+// arena's bookkeeping in its own memory (ownArena) and never reads it back
+// from the segment: a rewritten word there cannot make the owner hand out
+// a block in use, walk a cycle or fault. What the segment holds is a
+// mirror for the processes that only look (ArenaStats, the tool): blocks
+// start with a 16-byte header, and free blocks form a singly linked list
+// sorted by offset, never two adjacent blocks.
 
 const (
 	blockUsed = 0x44455355414d504d // "MPMAUSED"
@@ -20,32 +27,49 @@ const (
 	minAlignment = 16
 )
 
+// ownArena is the owner's own record of the arena and the segment's
+// bounds. Guarded by Segment.mu, except size, which limit reads.
+type ownArena struct {
+	start, maxSize, page uint64
+	size                 atomic.Uint64
+	free                 []span            // sorted by offset, never adjacent
+	used                 map[uint64]uint64 // block start → block size
+	usedBytes            uint64
+}
+
+type span struct{ off, size uint64 }
+
 func (s *Segment) block(off uint64) *blockHeader { return At[blockHeader](s, off) }
 
 func (s *Segment) nextFree(off uint64) uint64 {
 	return atomic.LoadUint64(At[uint64](s, off+blockHdr))
 }
 
-func (s *Segment) setNextFree(off, next uint64) {
-	atomic.StoreUint64(At[uint64](s, off+blockHdr), next)
+func (s *Segment) arenaInit(start, end, maxSize, page uint64) {
+	a := &s.arena
+	a.start, a.maxSize, a.page = start, maxSize, page
+	a.size.Store(end)
+	a.free = []span{{start, end - start}}
+	a.used = map[uint64]uint64{}
+	s.mirrorFree()
 }
 
-func (s *Segment) makeFree(off, size, next uint64) {
-	b := s.block(off)
-	atomic.StoreUint64(&b.Size, size)
-	atomic.StoreUint64(&b.Tag, blockFree)
-	s.setNextFree(off, next)
-}
-
-func (s *Segment) arenaInit(start, end uint64) {
-	s.makeFree(start, end-start, 0)
-	atomic.StoreUint64(&s.hdr.ArenaFree, start)
-}
-
-// arenaExtend adds [old, size) to the arena, merging it with a free block
-// that ends at old. Called with s.mu held.
-func (s *Segment) arenaExtend(old, size uint64) {
-	s.freeRange(old, size-old)
+// mirrorFree writes the free list into the segment for the processes that
+// only look, and the totals into the header. Called with s.mu held.
+func (s *Segment) mirrorFree() {
+	a := &s.arena
+	next := uint64(0)
+	for i := len(a.free) - 1; i >= 0; i-- {
+		f := a.free[i]
+		b := s.block(f.off)
+		atomic.StoreUint64(&b.Size, f.size)
+		atomic.StoreUint64(&b.Tag, blockFree)
+		atomic.StoreUint64(At[uint64](s, f.off+blockHdr), next)
+		next = f.off
+	}
+	atomic.StoreUint64(&s.hdr.ArenaFree, next)
+	atomic.StoreUint64(&s.hdr.ArenaUsed, a.usedBytes)
+	atomic.StoreUint64(&s.hdr.ArenaBlocks, uint64(len(a.used)))
 }
 
 // Alloc returns the offset of a zeroed block of at least n bytes, aligned to
@@ -77,13 +101,12 @@ func (s *Segment) Alloc(n, align uint64) (uint64, error) {
 
 // allocLocked carves a block out of the first free block that fits.
 func (s *Segment) allocLocked(n, align uint64) (uint64, bool) {
-	var prev uint64
-	for cur := atomic.LoadUint64(&s.hdr.ArenaFree); cur != 0; prev, cur = cur, s.nextFree(cur) {
-		size := atomic.LoadUint64(&s.block(cur).Size)
-		end := cur + size
-		payload := roundUp(cur+blockHdr, align)
+	a := &s.arena
+	for i, f := range a.free {
+		end := f.off + f.size
+		payload := roundUp(f.off+blockHdr, align)
 		// A leading remainder must be big enough to stay a free block.
-		for payload-blockHdr != cur && payload-blockHdr-cur < minBlock {
+		for payload-blockHdr != f.off && payload-blockHdr-f.off < minBlock {
 			payload += align
 		}
 		start := payload - blockHdr
@@ -94,35 +117,24 @@ func (s *Segment) allocLocked(n, align uint64) (uint64, bool) {
 		if end-blockEnd < minBlock {
 			blockEnd = end // too small to keep: it goes with the block
 		}
-		next := s.nextFree(cur)
-		// Rebuild the list around the carved block: [cur, start) stays
-		// free, [blockEnd, end) becomes free.
+		// [f.off, start) stays free, [blockEnd, end) becomes free.
+		var rest []span
+		if start > f.off {
+			rest = append(rest, span{f.off, start - f.off})
+		}
 		if end > blockEnd {
-			s.makeFree(blockEnd, end-blockEnd, next)
-			next = blockEnd
+			rest = append(rest, span{blockEnd, end - blockEnd})
 		}
-		if start > cur {
-			s.makeFree(cur, start-cur, next)
-			next = cur
-		}
-		s.linkAfter(prev, next)
+		a.free = slices.Replace(a.free, i, i+1, rest...)
+		a.used[start] = blockEnd - start
+		a.usedBytes += blockEnd - start
 		b := s.block(start)
 		atomic.StoreUint64(&b.Size, blockEnd-start)
 		atomic.StoreUint64(&b.Tag, blockUsed)
-		atomic.AddUint64(&s.hdr.ArenaUsed, blockEnd-start)
-		atomic.AddUint64(&s.hdr.ArenaBlocks, 1)
+		s.mirrorFree()
 		return payload, true
 	}
 	return 0, false
-}
-
-// linkAfter makes next follow prev in the free list (prev 0: the head).
-func (s *Segment) linkAfter(prev, next uint64) {
-	if prev == 0 {
-		atomic.StoreUint64(&s.hdr.ArenaFree, next)
-	} else {
-		s.setNextFree(prev, next)
-	}
 }
 
 // Free returns the block at off (an offset Alloc returned) to the arena.
@@ -134,24 +146,27 @@ func (s *Segment) Free(off uint64) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	arena := atomic.LoadUint64(&s.hdr.ArenaOff)
-	if off < arena+blockHdr || off%minAlignment != 0 || off >= s.limit() {
-		return fmt.Errorf("%w: offset 0x%x", ErrBadBlock, off)
-	}
-	start := off - blockHdr
-	b := s.block(start)
-	size := atomic.LoadUint64(&b.Size)
-	if atomic.LoadUint64(&b.Tag) != blockUsed || size < minBlock || start+size < start || start+size > s.limit() {
+	size, ok := s.arena.used[off-blockHdr]
+	if off < blockHdr || !ok {
 		return fmt.Errorf("%w: offset 0x%x (double free or not a block start)", ErrBadBlock, off)
 	}
-	atomic.AddUint64(&s.hdr.ArenaUsed, -size)
-	atomic.AddUint64(&s.hdr.ArenaBlocks, ^uint64(0))
-	s.freeRange(start, size)
+	delete(s.arena.used, off-blockHdr)
+	s.arena.usedBytes -= size
+	s.freeRange(off-blockHdr, size)
 	return nil
 }
 
 // BlockSize returns the usable size of the allocated block at off.
 func (s *Segment) BlockSize(off uint64) (uint64, error) {
+	if s.owner {
+		s.mu.Lock()
+		size, ok := s.arena.used[off-blockHdr]
+		s.mu.Unlock()
+		if off < blockHdr || !ok {
+			return 0, fmt.Errorf("%w: offset 0x%x", ErrBadBlock, off)
+		}
+		return size - blockHdr, nil
+	}
 	if err := s.CheckRange(off-blockHdr, blockHdr); err != nil || off < blockHdr {
 		return 0, fmt.Errorf("%w: offset 0x%x", ErrBadBlock, off)
 	}
@@ -163,25 +178,30 @@ func (s *Segment) BlockSize(off uint64) (uint64, error) {
 }
 
 // freeRange inserts [start, start+size) into the sorted free list, merging
-// it with the free blocks right before and after it.
+// it with the free blocks right before and after it. Called with s.mu held.
 func (s *Segment) freeRange(start, size uint64) {
-	var prev uint64
-	cur := atomic.LoadUint64(&s.hdr.ArenaFree)
-	for cur != 0 && cur < start {
-		prev, cur = cur, s.nextFree(cur)
+	a := &s.arena
+	i, _ := slices.BinarySearchFunc(a.free, start, func(f span, off uint64) int { return cmpU64(f.off, off) })
+	if i < len(a.free) && start+size == a.free[i].off {
+		size += a.free[i].size
+		a.free = slices.Delete(a.free, i, i+1)
 	}
-	next := cur
-	if next != 0 && start+size == next {
-		size += atomic.LoadUint64(&s.block(next).Size)
-		next = s.nextFree(next)
+	if i > 0 && a.free[i-1].off+a.free[i-1].size == start {
+		a.free[i-1].size += size
+	} else {
+		a.free = slices.Insert(a.free, i, span{start, size})
 	}
-	if prev != 0 && prev+atomic.LoadUint64(&s.block(prev).Size) == start {
-		atomic.StoreUint64(&s.block(prev).Size, atomic.LoadUint64(&s.block(prev).Size)+size)
-		s.setNextFree(prev, next)
-		return
+	s.mirrorFree()
+}
+
+func cmpU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
 	}
-	s.makeFree(start, size, next)
-	s.linkAfter(prev, start)
+	return 0
 }
 
 // ArenaStats describes the arena's use.
@@ -195,12 +215,21 @@ type ArenaStats struct {
 	LargestFree uint64 `json:"largest_free"`
 }
 
-// ArenaStats walks the free list. Without the owner's lock (other
-// processes) the figures are a best-effort snapshot.
+// ArenaStats describes the arena. The owner answers from its own records;
+// other processes walk the segment's mirror of them, a best-effort
+// snapshot.
 func (s *Segment) ArenaStats() ArenaStats {
 	if s.owner {
 		s.mu.Lock()
 		defer s.mu.Unlock()
+		a := &s.arena
+		st := ArenaStats{Start: a.start, End: a.size.Load(), UsedBytes: a.usedBytes, Blocks: uint64(len(a.used))}
+		for _, f := range a.free {
+			st.FreeBytes += f.size
+			st.FreeBlocks++
+			st.LargestFree = max(st.LargestFree, f.size)
+		}
+		return st
 	}
 	st := ArenaStats{
 		Start:     atomic.LoadUint64(&s.hdr.ArenaOff),

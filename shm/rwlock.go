@@ -153,7 +153,7 @@ func (s *Segment) lockAt(off uint64) (*lockHead, []readerLine, error) {
 	if off == 0 || !registered {
 		return nil, nil, fmt.Errorf("%w: no lock at 0x%x", ErrBadOffset, off)
 	}
-	arena, end := max(atomic.LoadUint64(&s.hdr.ArenaOff), headerSize), s.limit()
+	arena, end := s.arenaStart(), s.limit(off+lineSize*(1+MaxSlots))
 	if off%lineSize != 0 || off < arena || off > end || end-off < lineSize {
 		return nil, nil, fmt.Errorf("%w: lock at 0x%x in %s", ErrBadOffset, off, s.path)
 	}

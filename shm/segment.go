@@ -89,12 +89,16 @@ type Segment struct {
 	// procs is the process table, placed and sized once when the
 	// segment is created or its header validated: the header's own
 	// words for it can be rewritten by any process that maps it.
-	procs   []procSlot
-	owner   bool
-	slot    int
-	epoch   uint32
-	log     *slog.Logger
-	mu      sync.Mutex // owner: serializes arena and growth
+	procs []procSlot
+	owner bool
+	slot  int
+	epoch uint32
+	log   *slog.Logger
+	mu    sync.Mutex // owner: serializes arena and growth
+	arena ownArena   // owner only
+	// fences: the owner's record of the claims it fenced (see Fence).
+	fenceMu sync.Mutex
+	fences  []Proc
 	closeMu sync.Mutex
 	closed  atomic.Bool
 	// readOnly: mapped by OpenReadOnly, with no slot; lockf may be nil.
@@ -168,7 +172,7 @@ func create(f *os.File, o *Options) (*Segment, error) {
 	atomic.StoreUint64(&h.PageSize, page)
 	atomic.StoreUint64(&h.ProcsOff, procsOff)
 	atomic.StoreUint64(&h.ArenaOff, arenaOff)
-	s.arenaInit(arenaOff, size)
+	s.arenaInit(arenaOff, size, maxSize, page)
 	// The magic goes in last: a reader that sees it sees a complete header.
 	atomic.StoreUint64(&h.Magic, Magic)
 	if err := s.claimSlot(o.Role); err != nil {
@@ -243,30 +247,34 @@ func (s *Segment) basePtr() unsafe.Pointer { return vm.Pointer(s.base) }
 func (s *Segment) pointer(off uint64) unsafe.Pointer { return unsafe.Add(s.basePtr(), off) }
 
 func (s *Segment) mustRange(off, size, align uint64) {
-	if end := s.limit(); off%align != 0 || off+size < off || off+size > end {
+	if end := s.limit(off + size); off%align != 0 || off+size < off || off+size > end {
 		panic(fmt.Sprintf("shm: [0x%x, +0x%x) outside segment %s (size 0x%x) or misaligned",
 			off, size, s.path, end))
 	}
 }
 
-// limit returns the end of what this process may touch: the header's
-// Size, but never past what this process mapped (mapLen) or what the file
-// was last seen to hold. Any process mapping the segment can write the
-// header, so its Size alone would let a corrupt word turn an access into
-// a SIGSEGV (past the mapping) or a SIGBUS (past the file's end).
-func (s *Segment) limit() uint64 {
-	size := atomic.LoadUint64(&s.hdr.Size)
-	if size <= s.backed.Load() {
-		return size
+// limit returns the end of what this process may touch when it wants to
+// reach end. For the owner that is the size it gave the segment. Any other
+// process goes by what the file holds, never past what it mapped, and not
+// by the header's Size: any process mapping the segment can write that,
+// and a Size raised would turn an access into a SIGSEGV (past the mapping)
+// or a SIGBUS (past the file's end), while a Size lowered between a check
+// and an access would turn the access into a panic. The file is asked
+// again only when end lies past what it was last seen to hold: the owner
+// grew it since.
+func (s *Segment) limit(end uint64) uint64 {
+	if s.owner {
+		return s.arena.size.Load()
 	}
-	// The owner grew the segment since we last looked, or the header
-	// lies: ask the file.
 	backed := s.backed.Load()
+	if end <= backed {
+		return backed
+	}
 	if fi, err := s.f.Stat(); err == nil && fi.Size() > 0 {
 		backed = min(uint64(fi.Size()), uint64(s.mapLen))
 		s.backed.Store(backed)
 	}
-	return min(size, backed)
+	return backed
 }
 
 // CheckRange reports whether [off, off+size) lies inside the segment's
@@ -275,11 +283,19 @@ func (s *Segment) limit() uint64 {
 // The bounds are what this process mapped and the file holds, whatever
 // the header says.
 func (s *Segment) CheckRange(off, size uint64) error {
-	arena := max(atomic.LoadUint64(&s.hdr.ArenaOff), headerSize)
-	if off%8 != 0 || off < arena || off+size < off || off+size > s.limit() {
+	if off%8 != 0 || off < s.arenaStart() || off+size < off || off+size > s.limit(off+size) {
 		return fmt.Errorf("%w: [0x%x, +0x%x) in %s", ErrBadOffset, off, size, s.path)
 	}
 	return nil
+}
+
+// arenaStart is where the arena begins: for the owner where it put it,
+// for others where the header says, never inside the header.
+func (s *Segment) arenaStart() uint64 {
+	if s.owner {
+		return s.arena.start
+	}
+	return max(atomic.LoadUint64(&s.hdr.ArenaOff), headerSize)
 }
 
 // Path returns the segment file's path.
@@ -289,13 +305,28 @@ func (s *Segment) Path() string { return s.path }
 func (s *Segment) Owner() bool { return s.owner }
 
 // Size returns the usable size of the segment in bytes.
-func (s *Segment) Size() uint64 { return atomic.LoadUint64(&s.hdr.Size) }
+func (s *Segment) Size() uint64 {
+	if s.owner {
+		return s.arena.size.Load()
+	}
+	return atomic.LoadUint64(&s.hdr.Size)
+}
 
 // MaxSize returns the size the segment may grow to.
-func (s *Segment) MaxSize() uint64 { return atomic.LoadUint64(&s.hdr.MaxSize) }
+func (s *Segment) MaxSize() uint64 {
+	if s.owner {
+		return s.arena.maxSize
+	}
+	return atomic.LoadUint64(&s.hdr.MaxSize)
+}
 
 // PageSize returns the backing page size.
-func (s *Segment) PageSize() uint64 { return atomic.LoadUint64(&s.hdr.PageSize) }
+func (s *Segment) PageSize() uint64 {
+	if s.owner {
+		return s.arena.page
+	}
+	return atomic.LoadUint64(&s.hdr.PageSize)
+}
 
 // MarkReady moves the segment from initializing to ready; attachers accept
 // it from then on. Owner only.
@@ -358,10 +389,9 @@ func (s *Segment) Grow(need uint64) error {
 }
 
 func (s *Segment) growLocked(need uint64) error {
-	old := atomic.LoadUint64(&s.hdr.Size)
-	page := atomic.LoadUint64(&s.hdr.PageSize)
+	old, page := s.arena.size.Load(), s.arena.page
 	size := roundUp(old+max(need, old/2), page)
-	if limit := atomic.LoadUint64(&s.hdr.MaxSize); size > limit {
+	if limit := s.arena.maxSize; size > limit {
 		size = roundUp(old+need, page)
 		if size > limit {
 			return fmt.Errorf("%w: need 0x%x more bytes, size 0x%x, max 0x%x", ErrArenaFull, need, old, limit)
@@ -370,8 +400,9 @@ func (s *Segment) growLocked(need uint64) error {
 	if err := falloc.Allocate(int(s.f.Fd()), int64(old), int64(size-old)); err != nil {
 		return fmt.Errorf("shm: grow %s to 0x%x: %w", s.path, size, err)
 	}
+	s.arena.size.Store(size)
 	atomic.StoreUint64(&s.hdr.Size, size)
-	s.arenaExtend(old, size)
+	s.freeRange(old, size-old)
 	s.log.Debug("segment grew", "path", s.path, "from", old, "to", size)
 	return nil
 }
