@@ -17,8 +17,10 @@ import (
 // signal, a debugger, a slow tool) cannot be made to. The process that keeps
 // secondaries in step then fences it in the process table (shm.Segment.Fence)
 // instead of waiting for ever. From then on, until the fenced process is dead
-// or has declared that it maps no data memory (shm.Segment.MarkUnmapped),
-// every page the primary frees is quarantined: unmapped in the primary,
+// or, by the kernel's word, neither maps nor holds open a backing file (see
+// reach.go; its own declaration, shm.Segment.MarkUnmapped, counts only
+// where the kernel will not say), every page the primary frees is
+// quarantined: unmapped in the primary,
 // marked free in the shared descriptors (so no process maps it anew), but
 // neither punched out of its backing file nor handed to Alloc. The fenced
 // process might still map it; whatever it writes there stays there, and
@@ -52,7 +54,15 @@ func (m *Memory) GuardFree(fn func(Event) error) (cancel func()) {
 }
 
 // holdersLocked returns the processes pages freed now must wait for.
-func (m *Memory) holdersLocked() []shm.Proc { return m.seg.Holders() }
+func (m *Memory) holdersLocked() []shm.Proc {
+	var out []shm.Proc
+	for _, h := range m.seg.Holders() {
+		if m.mayReach(h) {
+			out = append(out, h)
+		}
+	}
+	return out
+}
 
 // quarantineLocked keeps pages [first, first+n) of l away from the
 // allocator and the kernel until every holder has gone. Called with m.mu
@@ -114,13 +124,15 @@ func (m *Memory) releaseQuarantineLocked() int {
 	return released
 }
 
-// stillHeld reports whether any of holders is alive, still fenced and has
-// not unmapped its memory.
+// stillHeld reports whether any of holders is alive, still fenced and may
+// still map data memory (see mayReach).
 func (m *Memory) stillHeld(holders []shm.Proc) bool {
+	now := m.seg.Holders()
 	for _, h := range holders {
-		p := m.seg.Proc(h.Slot)
-		if p.Epoch == h.Epoch && p.Live && !p.Unmapped && m.seg.AliveAs(h.Slot, h.Epoch) {
-			return true
+		for _, c := range now {
+			if c.PID == h.PID && c.Start == h.Start && m.mayReach(c) {
+				return true
+			}
 		}
 	}
 	return false

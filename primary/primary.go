@@ -97,6 +97,15 @@ type secondary struct {
 	peer  *ipc.Peer
 	slot  int
 	epoch uint32 // of its claim of the slot
+	start uint64 // its process's start time (shm.ProcessStart), read at hello
+}
+
+// alive reports whether s's claim lives, by the kernel's word: its process
+// runs and someone holds its slot's lock (the process table's other words
+// can be rewritten by any process mapping it). A process attached twice
+// lives on when one attachment has let its slot go; that one is dead.
+func (s *secondary) alive(seg *shm.Segment) bool {
+	return shm.SameProcess(s.peer.PID(), s.start) && seg.Alive(s.slot)
 }
 
 // Start starts the primary of cfg.Prefix: it takes the instance's primary

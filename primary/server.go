@@ -83,7 +83,7 @@ const deathGrace = 100 * time.Millisecond
 
 // aliveAfter reports whether s is still alive after up to grace.
 func (p *Primary) aliveAfter(s *secondary, grace time.Duration) bool {
-	for deadline := time.Now().Add(grace); p.seg.AliveAs(s.slot, s.epoch); {
+	for deadline := time.Now().Add(grace); s.alive(p.seg); {
 		if time.Now().After(deadline) {
 			return true
 		}
@@ -95,10 +95,11 @@ func (p *Primary) aliveAfter(s *secondary, grace time.Duration) bool {
 // fenceIfAlive fences s if its claim of its slot is still alive and it may
 // still map data memory: it no longer follows memory changes.
 func (p *Primary) fenceIfAlive(s *secondary, why string) {
-	if pr := p.seg.Proc(s.slot); pr.Epoch == s.epoch && pr.Unmapped {
+	pr := p.seg.Proc(s.slot)
+	if !p.mem.MayReach(s.peer.PID(), pr.Epoch == s.epoch && pr.Unmapped) {
 		return
 	}
-	if p.seg.Fence(s.slot, s.epoch) {
+	if p.seg.Fence(s.slot, s.epoch, s.peer.PID()) {
 		p.fenced.Add(1)
 		p.log.Warn("fenced a secondary that no longer follows memory changes; memory freed from now on "+
 			"waits in quarantine until it ends or unmaps its memory", "pid", s.peer.PID(), "slot", s.slot, "why", why)
@@ -224,7 +225,8 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	// lives, its pid is its own, so the slot found is its slot. Once it
 	// has exited, the pid may be another process's, and whoever kept the
 	// connection must not speak in that process's name.
-	if !peer.ProcessAlive() {
+	start, err := shm.ProcessStart(m.PID)
+	if !peer.ProcessAlive() || err != nil {
 		return nil, fmt.Errorf("%w: the process that made this connection (pid %d) has exited; pid %d may now be another's",
 			ipc.ErrRefused, m.PID, m.PID)
 	}
@@ -246,7 +248,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	}
 	p.mem.RLock()
 	h.syncMu.Lock()
-	h.peers[peer] = &secondary{peer: peer, slot: slot, epoch: epoch}
+	h.peers[peer] = &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
 	h.syncMu.Unlock()
 	p.mem.RUnlock()
 	h.log.Info("secondary attached", "pid", m.PID, "slot", slot)
@@ -350,7 +352,7 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 				p.syncs.Add(1)
 				return
 			}
-			if p.seg.AliveAs(s.slot, s.epoch) {
+			if s.alive(p.seg) {
 				p.drops.Add(1)
 				p.log.Warn("dropping secondary that did not follow a memory change",
 					"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)

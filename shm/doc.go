@@ -49,7 +49,14 @@
 //     secondary that stopped following memory changes. The process learns
 //     it from Fenced when it resumes, and says when it has let go of the
 //     data memory (MarkUnmapped); the data-memory layer keeps what the
-//     primary frees meanwhile in quarantine (see hugetlb).
+//     primary frees meanwhile in quarantine (see hugetlb). The owner keeps
+//     its own record of what it fenced (Holders), naming each process by
+//     pid and start time, so that no word of the table can end a fence.
+//   - Any process mapping the segment can write it. The owner keeps the
+//     arena's bounds and free list in its own memory and writes the
+//     segment's copy only for those who look; the process table is placed
+//     once; everyone else bounds its accesses by the file, not by the
+//     header's Size.
 //
 // Owners are named for good: every claim of a slot bumps its epoch, lock
 // owner words carry it, and AliveAs checks it, so a later claimant of a slot

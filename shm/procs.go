@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -233,19 +234,44 @@ func (s *Segment) AliveAs(i int, epoch uint32) bool { return s.aliveAs(i, epoch)
 // Epoch returns the epoch of this process's claim of its slot.
 func (s *Segment) Epoch() uint32 { return s.epoch }
 
-// Fence marks the claim of slot i with the given epoch as no longer
-// following memory changes: the primary dropped it while it may still map
-// data memory. The claimant finds out with Fenced and should unmap its data
-// memory and say so with MarkUnmapped; until it does or dies, the pages the
-// primary frees are quarantined (see hugetlb). Fence reports false if the
-// slot is no longer held by that claim. Owner only.
-func (s *Segment) Fence(i int, epoch uint32) bool {
+// Fence marks the claim of slot i with the given epoch, made by process
+// pid, as no longer following memory changes: the primary dropped it while
+// it may still map data memory. The claimant finds out with Fenced and
+// should unmap its data memory and say so with MarkUnmapped; until it has
+// unmapped it or died, the pages the primary frees are quarantined (see
+// hugetlb and Holders). Fence reports false if process pid is gone. Owner
+// only.
+//
+// The owner keeps its own record of what it fenced, naming the process by
+// its pid and start time: every word of the process table can be rewritten
+// by any process mapping the segment, and none of them may end a fence.
+func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 	slots := s.slots()
-	if !s.owner || i < 0 || i >= len(slots) || i == s.slot || atomic.LoadUint32(&slots[i].Epoch) != epoch {
+	if !s.owner || i < 0 || i >= len(slots) || i == s.slot {
+		return false
+	}
+	start, err := ProcessStart(pid)
+	if err != nil {
 		return false
 	}
 	atomic.StoreUint32(&slots[i].Fenced, epoch)
-	return s.aliveAs(i, epoch)
+	s.fenceMu.Lock()
+	defer s.fenceMu.Unlock()
+	for _, f := range s.fences {
+		if f.PID == pid && f.Start == start {
+			return true
+		}
+	}
+	s.fences = append(s.fences, Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true})
+	return true
+}
+
+// SameProcess reports whether process pid is still the one that started
+// at start (see ProcessStart): it has not exited, and its pid was not
+// handed to another. A zombie still counts; it maps nothing.
+func SameProcess(pid int, start uint64) bool {
+	now, err := ProcessStart(pid)
+	return err == nil && now == start
 }
 
 // Fenced reports whether the primary fenced this process's claim.
@@ -264,20 +290,29 @@ func (s *Segment) MarkUnmapped() {
 	}
 }
 
-// Holders returns the processes that may map data memory without following
-// the primary's changes: fenced, still alive, and not unmapped.
+// Holders returns the processes the owner fenced that are still alive:
+// those that may map data memory without following the owner's changes.
+// Whether one still maps it, only the kernel can say (see hugetlb); what
+// it declared in the process table (Proc.Unmapped) is in Proc for callers
+// that cannot ask the kernel. Owner only: others get nil.
 func (s *Segment) Holders() []Proc {
-	var out []Proc
+	if !s.owner {
+		return nil
+	}
+	s.fenceMu.Lock()
+	defer s.fenceMu.Unlock()
+	live := s.fences[:0]
+	for _, f := range s.fences {
+		if SameProcess(f.PID, f.Start) {
+			live = append(live, f)
+		}
+	}
+	clear(s.fences[len(live):])
+	s.fences = live
+	out := slices.Clone(live)
 	slots := s.slots()
-	for i := range slots {
-		// The cheap words first: liveness costs a system call.
-		e := atomic.LoadUint32(&slots[i].Epoch)
-		if e == 0 || atomic.LoadUint32(&slots[i].Fenced) != e || atomic.LoadUint32(&slots[i].Unmapped) == e {
-			continue
-		}
-		if p := s.Proc(i); p.Live && p.Epoch == e && s.aliveAs(i, e) {
-			out = append(out, p)
-		}
+	for i := range out {
+		out[i].Unmapped = atomic.LoadUint32(&slots[out[i].Slot].Unmapped) == out[i].Epoch
 	}
 	return out
 }

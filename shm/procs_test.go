@@ -163,7 +163,7 @@ func TestProcessTableIgnoresHeaderRewrites(t *testing.T) {
 				})
 			}
 			require.NotPanics(t, func() {
-				assert.False(t, owner.Fence(1<<20, 1))
+				assert.False(t, owner.Fence(1<<20, 1, os.Getpid()))
 				// A new claim in this process resets reader lines in
 				// every registered lock.
 				if third, err := shm.Attach(o); err == nil {
