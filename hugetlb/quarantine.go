@@ -18,9 +18,8 @@ import (
 // secondaries in step then fences it in the process table (shm.Segment.Fence)
 // instead of waiting for ever. From then on, until the fenced process is dead
 // or, by the kernel's word, neither maps nor holds open a backing file (see
-// reach.go; its own declaration, shm.Segment.MarkUnmapped, counts only
-// where the kernel will not say), every page the primary frees is
-// quarantined: unmapped in the primary,
+// reach.go; where the kernel will not say, until it dies or attaches
+// again), every page the primary frees is quarantined: unmapped in the primary,
 // marked free in the shared descriptors (so no process maps it anew), but
 // neither punched out of its backing file nor handed to Alloc. The fenced
 // process might still map it; whatever it writes there stays there, and
@@ -53,16 +52,10 @@ func (m *Memory) GuardFree(fn func(Event) error) (cancel func()) {
 	return m.subscribe(&m.guards, func(Event) {}, fn)
 }
 
-// holdersLocked returns the processes pages freed now must wait for.
-func (m *Memory) holdersLocked() []shm.Proc {
-	var out []shm.Proc
-	for _, h := range m.seg.Holders() {
-		if m.mayReach(h) {
-			out = append(out, h)
-		}
-	}
-	return out
-}
+// holdersLocked returns the processes pages freed now must wait for: those
+// fenced and alive. Whether they still reach data memory is asked later,
+// outside the lock (see ReleaseQuarantine).
+func (m *Memory) holdersLocked() []shm.Proc { return m.seg.Holders() }
 
 // quarantineLocked keeps pages [first, first+n) of l away from the
 // allocator and the kernel until every holder has gone. Called with m.mu
@@ -83,11 +76,19 @@ func (m *Memory) quarantineLocked(l *list, first, n int, holders []shm.Proc) {
 // Quarantined returns how many freed pages wait in quarantine.
 func (m *Memory) Quarantined() int { return int(m.qpages.Load()) }
 
-// ReleaseQuarantine returns to the allocator (punching them out of their
-// backing files) the quarantined pages whose holders are all dead or have
-// unmapped their data memory, and reports how many it released. Primary
-// only; the primary's runtime calls it periodically while pages wait.
+// ReleaseQuarantine asks the kernel whether each fenced process still
+// reaches data memory, ends the fences of those that do not, then returns
+// to the allocator (punching them out of their backing files) the
+// quarantined pages whose holders are all gone, and reports how many it
+// released. Primary only; the primary's runtime calls it periodically. The
+// questions to the kernel are asked without the memory lock: a process
+// that is slow to describe blocks only this call.
 func (m *Memory) ReleaseQuarantine() int {
+	for _, h := range m.seg.Holders() {
+		if !m.mayReach(h) {
+			m.seg.Forget(h)
+		}
+	}
 	if m.qpages.Load() == 0 {
 		return 0
 	}
@@ -102,9 +103,10 @@ func (m *Memory) releaseQuarantineLocked() int {
 		return 0
 	}
 	released := 0
+	now := m.seg.Holders()
 	keep := m.quarantine[:0]
 	for _, b := range m.quarantine {
-		if m.stillHeld(b.holders) {
+		if stillHeld(b.holders, now) {
 			keep = append(keep, b)
 			continue
 		}
@@ -124,13 +126,12 @@ func (m *Memory) releaseQuarantineLocked() int {
 	return released
 }
 
-// stillHeld reports whether any of holders is alive, still fenced and may
-// still map data memory (see mayReach).
-func (m *Memory) stillHeld(holders []shm.Proc) bool {
-	now := m.seg.Holders()
+// stillHeld reports whether any of holders is still fenced: alive, and not
+// yet found to reach nothing.
+func stillHeld(holders, now []shm.Proc) bool {
 	for _, h := range holders {
 		for _, c := range now {
-			if c.PID == h.PID && c.Start == h.Start && m.mayReach(c) {
+			if c.PID == h.PID && c.Start == h.Start && c.Slot == h.Slot && c.Epoch == h.Epoch {
 				return true
 			}
 		}

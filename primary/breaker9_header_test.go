@@ -93,6 +93,7 @@ const (
 //	stats             -> "> stats mrs=N secondaries=N"
 //	dump              -> "> dump procs=N mrs=N err=E"
 //	pool NAME SZ N    -> CreatePool: "> ok" or "> err TEXT"
+//	release           -> "> released PAGES" (a housekeeping pass of the quarantine)
 //	quarantined       -> "> quarantined PAGES fenced N"
 //	close             -> "> closed ERR"
 //
@@ -141,6 +142,9 @@ func b9Primary(args []string) int {
 				return
 			}
 			testproc.Say("> ok")
+		case "release":
+			// One housekeeping pass of the quarantine, now.
+			testproc.Say("> released %d", p.Memory().ReleaseQuarantine())
 		case "quarantined":
 			testproc.Say("> quarantined %d fenced %d", p.Memory().Quarantined(), p.Stats().Counters.Fenced)
 		case "close":
@@ -691,7 +695,9 @@ func TestBreaker9SlotWordsDoNotReleaseQuarantine(t *testing.T) {
 				require.Equal(t, 1, q, "the freed page waits for the stopped secondary")
 				t.Logf("peer wrote %s", c.attack(b, slot))
 			}
-			// Alloc first returns what quarantine no longer holds.
+			// A housekeeping pass, then Alloc (which returns what
+			// quarantine no longer holds first).
+			b.must("release")
 			again, _ := b.alloc(1)
 			stillMaps := b.maps(victim.PID(), a)
 			assert.False(t, again == a && stillMaps,
@@ -941,7 +947,7 @@ func TestBreaker9FencedPrimarySlotQuarantinesNothing(t *testing.T) {
 	at := int64(b9Table + b9SlotSize*primarySlot)
 	b.put32(at+b9SlotFenced, b.u32(at+b9SlotEpoch))
 	require.Equal(t, "ok", b.must("free %d %d", a, alen))
-	// Alloc first releases what may go.
+	b.must("release")
 	b.alloc(1)
 	q, _ := b.quarantined()
 	assert.Zero(t, q, "pages quarantined for the primary itself, after a peer set Fenced in slot %d", primarySlot)

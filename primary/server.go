@@ -92,13 +92,10 @@ func (p *Primary) aliveAfter(s *secondary, grace time.Duration) bool {
 	return false
 }
 
-// fenceIfAlive fences s if its claim of its slot is still alive and it may
-// still map data memory: it no longer follows memory changes.
+// fenceIfAlive fences s, if its process lives: it no longer follows memory
+// changes. Whether it still reaches data memory, and so how long what the
+// primary frees waits for it, the kernel says later (see hugetlb).
 func (p *Primary) fenceIfAlive(s *secondary, why string) {
-	pr := p.seg.Proc(s.slot)
-	if !p.mem.MayReach(s.peer.PID(), pr.Epoch == s.epoch && pr.Unmapped) {
-		return
-	}
 	if p.seg.Fence(s.slot, s.epoch, s.peer.PID()) {
 		p.fenced.Add(1)
 		p.log.Warn("fenced a secondary that no longer follows memory changes; memory freed from now on "+
@@ -230,6 +227,10 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 		return nil, fmt.Errorf("%w: the process that made this connection (pid %d) has exited; pid %d may now be another's",
 			ipc.ErrRefused, m.PID, m.PID)
 	}
+	// A process attaching again after it was fenced: its old attachment
+	// has let go of the data memory if the kernel shows it reaching none
+	// now, before the new one maps it; then nothing need wait for it.
+	p.mem.ForgetHolder(m.PID)
 	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
 		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
 		PrimaryPID: os.Getpid(), Device: p.vdev.Name()}

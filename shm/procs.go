@@ -239,7 +239,8 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // it may still map data memory. The claimant finds out with Fenced and
 // should unmap its data memory and say so with MarkUnmapped; until it has
 // unmapped it or died, the pages the primary frees are quarantined (see
-// hugetlb and Holders). Fence reports false if process pid is gone. Owner
+// hugetlb and Holders). Fence reports whether it fenced the claim now:
+// false if process pid is gone, or the claim was fenced already. Owner
 // only.
 //
 // The owner keeps its own record of what it fenced, naming the process by
@@ -258,12 +259,24 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
 	for _, f := range s.fences {
-		if f.PID == pid && f.Start == start {
-			return true
+		if f.PID == pid && f.Start == start && f.Slot == i && f.Epoch == epoch {
+			return false // fenced already
 		}
 	}
 	s.fences = append(s.fences, Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true})
 	return true
+}
+
+// Forget ends the fence of holder h (one of Holders): its process has let
+// go of the data memory, by the kernel's word, and whatever it maps later
+// it maps through a new attachment that follows the owner's changes.
+// Owner only.
+func (s *Segment) Forget(h Proc) {
+	s.fenceMu.Lock()
+	defer s.fenceMu.Unlock()
+	s.fences = slices.DeleteFunc(s.fences, func(f Proc) bool {
+		return f.PID == h.PID && f.Start == h.Start && f.Slot == h.Slot && f.Epoch == h.Epoch
+	})
 }
 
 // SameProcess reports whether process pid is still the one that started
@@ -293,8 +306,9 @@ func (s *Segment) MarkUnmapped() {
 // Holders returns the processes the owner fenced that are still alive:
 // those that may map data memory without following the owner's changes.
 // Whether one still maps it, only the kernel can say (see hugetlb); what
-// it declared in the process table (Proc.Unmapped) is in Proc for callers
-// that cannot ask the kernel. Owner only: others get nil.
+// it declared in the process table (Proc.Unmapped) is in Proc, for
+// display only: any process mapping the segment can write it. Owner only:
+// others get nil.
 func (s *Segment) Holders() []Proc {
 	if !s.owner {
 		return nil
