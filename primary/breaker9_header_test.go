@@ -356,6 +356,28 @@ type b9Word struct {
 	val   uint64
 }
 
+// b9Scene is two regions with a gap between them, so that the MR made for
+// a (the run of allocated pages around it) does not cover other, and a
+// secondary that holds a key for a.
+type b9Scene struct {
+	a, alen, other uint64
+	sec            *testproc.Proc
+	slot           int
+	key            uint32
+}
+
+func b9Two(t *testing.T, b *b9Inst) b9Scene {
+	t.Helper()
+	var sc b9Scene
+	sc.a, sc.alen = b.alloc(1)
+	gap, glen := b.alloc(1)
+	sc.other, _ = b.alloc(1)
+	require.Equal(t, "ok", b.must("free %d %d", gap, glen))
+	sc.sec, sc.slot = b9Secondary(t, b.cfg)
+	sc.key = parseKey(t, ask(t, sc.sec, "create %d", sc.a))
+	return sc
+}
+
 // b9Drive runs an instance's normal operations after the attack words were
 // written, stopping at the first sign that the primary died or hung; it
 // asserts that the primary survives all of it and that no secondary
@@ -363,14 +385,8 @@ type b9Word struct {
 func b9Drive(t *testing.T, attack func(b *b9Inst, secSlot int) string) {
 	t0 := time.Now()
 	b := b9Start(t)
-	a, alen := b.alloc(1)
-	// A gap between a and bAddr, so that the MR made for a (the run of
-	// allocated pages around it) does not cover bAddr.
-	gap, glen := b.alloc(1)
-	bAddr, _ := b.alloc(1)
-	require.Equal(t, "ok", b.must("free %d %d", gap, glen))
-	sec, slot := b9Secondary(t, b.cfg)
-	keyA := parseKey(t, ask(t, sec, "create %d", a))
+	sc := b9Two(t, b)
+	a, alen, bAddr, sec, slot, keyA := sc.a, sc.alen, sc.other, sc.sec, sc.slot, sc.key
 	what := attack(b, slot)
 	t.Logf("peer wrote: %s", what)
 
@@ -846,12 +862,8 @@ func TestBreaker9ToolSurvivesRacingSizeWrites(t *testing.T) {
 // attach away).
 func TestBreaker9ArenaFreeInHeaderLeavesHeaderAlone(t *testing.T) {
 	b := b9Start(t)
-	a, _ := b.alloc(1)
-	gap, glen := b.alloc(1)
-	other, _ := b.alloc(1)
-	require.Equal(t, "ok", b.must("free %d %d", gap, glen))
-	sec, _ := b9Secondary(t, b.cfg)
-	parseKey(t, ask(t, sec, "create %d", a))
+	sc := b9Two(t, b)
+	sec, other := sc.sec, sc.other
 	before := b.read(0, 512)
 	b.put64(b9ArenaFree, 8)
 	ans, err := secAsk(sec, "create %d", other)
@@ -889,12 +901,8 @@ func TestBreaker9ArenaFreeCycleDoesNotHangClose(t *testing.T) {
 // answered, and the primary's next free of data memory completes.
 func TestBreaker9ArenaFreeCycleDoesNotHangFree(t *testing.T) {
 	b := b9Start(t)
-	a, alen := b.alloc(1)
-	gap, glen := b.alloc(1)
-	other, _ := b.alloc(1)
-	require.Equal(t, "ok", b.must("free %d %d", gap, glen))
-	sec, _ := b9Secondary(t, b.cfg)
-	parseKey(t, ask(t, sec, "create %d", a))
+	sc := b9Two(t, b)
+	a, alen, sec, other := sc.a, sc.alen, sc.sec, sc.other
 	b9Put(b9Word{b9Roots + 8*8, 8, 0}, b9Word{b9Roots + 10*8, 8, b9Roots + 8*8}, b9Word{b9ArenaFree, 8, b9Roots + 8*8})(b, 0)
 	ans, err := secAsk(sec, "create %d", other)
 	require.NoError(t, err)
@@ -910,12 +918,8 @@ func TestBreaker9ArenaFreeCycleDoesNotHangFree(t *testing.T) {
 // of freed memory (on real hardware, the NIC would go on writing there).
 func TestBreaker9ArenaFreeAtGlobalRootRevokesFreedKey(t *testing.T) {
 	b := b9Start(t)
-	a, alen := b.alloc(1)
-	gap, glen := b.alloc(1)
-	other, _ := b.alloc(1)
-	require.Equal(t, "ok", b.must("free %d %d", gap, glen))
-	sec, _ := b9Secondary(t, b.cfg)
-	key := parseKey(t, ask(t, sec, "create %d", a))
+	sc := b9Two(t, b)
+	a, alen, sec, other, key := sc.a, sc.alen, sc.sec, sc.other, sc.key
 	t.Logf("peer wrote %s", b9FreeAtRoot(1)(b, 0))
 	ans, err := secAsk(sec, "create %d", other)
 	require.NoError(t, err)
