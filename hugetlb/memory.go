@@ -155,7 +155,11 @@ type Memory struct {
 
 	// Primary only, under mu: freed pages a fenced process may still map.
 	quarantine []batch
-	qpages     atomic.Int64
+	// Primary only: when the holders that still reached data memory
+	// are asked again (see Housekeep).
+	askMu  sync.Mutex
+	asked  map[holderKey]askState
+	qpages atomic.Int64
 }
 
 // list is one memseg list as this process sees it.

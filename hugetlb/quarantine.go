@@ -3,6 +3,7 @@ package hugetlb
 import (
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/mpmr/mpmr/internal/sys/falloc"
 	"github.com/mpmr/mpmr/shm"
@@ -80,15 +81,61 @@ func (m *Memory) Quarantined() int { return int(m.qpages.Load()) }
 // reaches data memory, ends the fences of those that do not, then returns
 // to the allocator (punching them out of their backing files) the
 // quarantined pages whose holders are all gone, and reports how many it
-// released. Primary only; the primary's runtime calls it periodically. The
-// questions to the kernel are asked without the memory lock: a process
-// that is slow to describe blocks only this call.
-func (m *Memory) ReleaseQuarantine() int {
-	for _, h := range m.seg.Holders() {
+// released. Primary only. The questions to the kernel are asked without
+// the memory lock: a process that is slow to describe blocks only this
+// call.
+func (m *Memory) ReleaseQuarantine() int { return m.releaseHolders(time.Time{}) }
+
+// Housekeep is ReleaseQuarantine for a caller that runs it often (the
+// primary's runtime, every few milliseconds): the pages of a holder that
+// died go back at once, but a holder that still reaches data memory is
+// asked about again only after a while, doubling from askFirst to askMost,
+// since reading a large process's maps costs milliseconds and a process
+// stopped in a debugger may stay stopped for hours.
+func (m *Memory) Housekeep(now time.Time) int { return m.releaseHolders(now) }
+
+const (
+	askFirst = 20 * time.Millisecond
+	askMost  = time.Second
+)
+
+// holderKey names a fence.
+type holderKey struct {
+	pid   int
+	start uint64
+	slot  int
+	epoch uint32
+}
+
+// askState is when a holder that still reached data memory is asked again.
+type askState struct {
+	next  time.Time
+	every time.Duration
+}
+
+// releaseHolders is ReleaseQuarantine (now zero: ask every holder) and
+// Housekeep.
+func (m *Memory) releaseHolders(now time.Time) int {
+	holders := m.seg.Holders()
+	m.askMu.Lock()
+	live := make(map[holderKey]askState, len(holders))
+	for _, h := range holders {
+		k := holderKey{h.PID, h.Start, h.Slot, h.Epoch}
+		st, seen := m.asked[k]
+		if seen && !now.IsZero() && now.Before(st.next) {
+			live[k] = st
+			continue
+		}
 		if !m.mayReach(h) {
 			m.seg.Forget(h)
+			continue
 		}
+		st.every = min(max(2*st.every, askFirst), askMost)
+		st.next = now.Add(st.every)
+		live[k] = st
 	}
+	m.asked = live
+	m.askMu.Unlock()
 	if m.qpages.Load() == 0 {
 		return 0
 	}

@@ -335,7 +335,7 @@ func (p *Primary) housekeeping(ctx context.Context) {
 		case <-t.C:
 		}
 		p.reapDisconnected()
-		p.mem.ReleaseQuarantine()
+		p.mem.Housekeep(time.Now())
 		// A process that died holding the global write lock leaves every
 		// lookup failing until a writer comes: be that writer.
 		if repaired, err := p.global.Repair(); err != nil {
