@@ -157,9 +157,14 @@ type Memory struct {
 	quarantine []batch
 	// Primary only: when the holders that still reached data memory
 	// are asked again (see Housekeep).
-	askMu  sync.Mutex
-	asked  map[holderKey]askState
-	qpages atomic.Int64
+	askMu   sync.Mutex
+	asked   map[holderKey]askState
+	asking  atomic.Bool    // a round of Housekeep's questions runs
+	askWG   sync.WaitGroup // that round, which Close waits for (a while)
+	idsOnce sync.Once
+	mapIDs  map[mapID]bool
+	fdIDs   map[fdID]bool
+	qpages  atomic.Int64
 }
 
 // list is one memseg list as this process sees it.
@@ -669,6 +674,7 @@ func (m *Memory) Close() error {
 	m.closed.Store(true)
 	if m.primary {
 		atomic.StoreUint32(&m.table.State, tableClosed)
+		m.waitAsking(askWait)
 	}
 	m.closeErr = m.release(m.primary)
 	return m.closeErr

@@ -84,15 +84,48 @@ func (m *Memory) Quarantined() int { return int(m.qpages.Load()) }
 // released. Primary only. The questions to the kernel are asked without
 // the memory lock: a process that is slow to describe blocks only this
 // call.
-func (m *Memory) ReleaseQuarantine() int { return m.releaseHolders(time.Time{}) }
+func (m *Memory) ReleaseQuarantine() int {
+	m.ask(m.seg.Holders(), time.Time{})
+	return m.releaseGone()
+}
 
 // Housekeep is ReleaseQuarantine for a caller that runs it often (the
-// primary's runtime, every few milliseconds): the pages of a holder that
-// died go back at once, but a holder that still reaches data memory is
-// asked about again only after a while, doubling from askFirst to askMost,
-// since reading a large process's maps costs milliseconds and a process
-// stopped in a debugger may stay stopped for hours.
-func (m *Memory) Housekeep(now time.Time) int { return m.releaseHolders(now) }
+// primary's runtime, every few milliseconds), and must not wait on the
+// kernel: the pages of a holder that died go back at once, while the
+// questions about live holders run on a goroutine of their own, one round
+// at a time (a process the kernel is slow to describe holds up only the
+// next round), and a holder that still reaches data memory is asked again
+// only after a while, doubling from askFirst to askMost, since reading a
+// large process's maps costs milliseconds and a process stopped in a
+// debugger may stay stopped for hours.
+func (m *Memory) Housekeep(now time.Time) int {
+	if holders := m.seg.Holders(); len(holders) > 0 && m.asking.CompareAndSwap(false, true) {
+		m.fileIDs() // while the files are open
+		m.askWG.Add(1)
+		go func() {
+			defer m.askWG.Done()
+			defer m.asking.Store(false)
+			m.ask(holders, now)
+		}()
+	}
+	return m.releaseGone()
+}
+
+// askWait bounds how long Close waits for a round of Housekeep's questions:
+// one the kernel cannot answer (a process stuck in the kernel holding its
+// memory map) must not keep the primary from closing.
+const askWait = 2 * time.Second
+
+// waitAsking waits up to d for a round of Housekeep's questions to end.
+func (m *Memory) waitAsking(d time.Duration) {
+	done := make(chan struct{})
+	go func() { m.askWG.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(d):
+		m.log.Warn("closing while the kernel has not answered a question about a fenced process", "waited", d)
+	}
+}
 
 const (
 	askFirst = 20 * time.Millisecond
@@ -113,29 +146,54 @@ type askState struct {
 	every time.Duration
 }
 
-// releaseHolders is ReleaseQuarantine (now zero: ask every holder) and
-// Housekeep.
-func (m *Memory) releaseHolders(now time.Time) int {
-	holders := m.seg.Holders()
+// ask ends the fences of holders that reach no data memory any more: all
+// of them (now zero), or those due by now. It touches no shared memory:
+// Housekeep runs it on a goroutine that may outlive the segment's mapping.
+func (m *Memory) ask(holders []shm.Proc, now time.Time) {
 	m.askMu.Lock()
-	live := make(map[holderKey]askState, len(holders))
+	due := holders[:0:0]
 	for _, h := range holders {
-		k := holderKey{h.PID, h.Start, h.Slot, h.Epoch}
-		st, seen := m.asked[k]
-		if seen && !now.IsZero() && now.Before(st.next) {
-			live[k] = st
-			continue
+		st, seen := m.asked[holderKey{h.PID, h.Start, h.Slot, h.Epoch}]
+		if !seen || now.IsZero() || !now.Before(st.next) {
+			due = append(due, h)
 		}
+	}
+	m.askMu.Unlock()
+	for _, h := range due {
+		k := holderKey{h.PID, h.Start, h.Slot, h.Epoch}
 		if !m.mayReach(h) {
 			m.seg.Forget(h)
+			m.askMu.Lock()
+			delete(m.asked, k)
+			m.askMu.Unlock()
 			continue
 		}
+		m.askMu.Lock()
+		if m.asked == nil {
+			m.asked = map[holderKey]askState{}
+		}
+		st := m.asked[k]
 		st.every = min(max(2*st.every, askFirst), askMost)
 		st.next = now.Add(st.every)
-		live[k] = st
+		m.asked[k] = st
+		if len(m.asked) > 2*len(holders)+16 {
+			// Forget the schedules of holders that died.
+			live := make(map[holderKey]bool, len(holders))
+			for _, h := range holders {
+				live[holderKey{h.PID, h.Start, h.Slot, h.Epoch}] = true
+			}
+			for k := range m.asked {
+				if !live[k] {
+					delete(m.asked, k)
+				}
+			}
+		}
+		m.askMu.Unlock()
 	}
-	m.asked = live
-	m.askMu.Unlock()
+}
+
+// releaseGone returns the quarantined pages whose holders are all gone.
+func (m *Memory) releaseGone() int {
 	if m.qpages.Load() == 0 {
 		return 0
 	}

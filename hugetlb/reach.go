@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -15,16 +16,17 @@ import (
 
 // Whether a fenced process can still reach data memory is asked of the
 // kernel: /proc/PID/task/TID/maps lists every file a process maps (by
-// device and inode), and .../fdinfo every file it holds open (by mount and
-// inode). The process table's words (Unmapped, State, Epoch) can be
-// rewritten by any process mapping the segment, so they decide nothing.
-// A process whose /proc this one may not read (another user's, or one that
-// made itself undumpable) holds its fence until it dies or attaches again
-// (see ForgetHolder). Nothing here follows a descriptor to its file
-// (a stat of a file on a hung network mount would never return), and
-// nothing runs with the memory lock held: the answers come from
-// ReleaseQuarantine, on the housekeeping goroutine, and from
-// ForgetHolder, on the hello of a process attaching again.
+// device and inode), and fdinfo every file it holds open (by mount and
+// inode; only descriptors whose link names a file are looked at). The
+// process table's words (Unmapped, State, Epoch) can be rewritten by any
+// process mapping the segment, so they decide nothing. A process whose
+// /proc this one may not read (another user's, or one that made itself
+// undumpable) holds its fence until it dies or nobody holds its claim's
+// slot any more. Nothing here follows a descriptor to its file (a stat of
+// a file on a hung network mount would never return), and nothing runs
+// with the memory lock held: the answers come from Housekeep, on a
+// goroutine of its own, from ReleaseQuarantine, and from ForgetHolder, on
+// the hello of a process attaching again.
 
 // mapID names a backing file as a maps line does; fdID as fdinfo does.
 type mapID struct {
@@ -36,29 +38,37 @@ type fdID struct {
 	mnt, ino uint64
 }
 
-// fileIDs names every backing file both ways. The lists are fixed once
-// the Memory is built; no lock is needed.
+// fileIDs names every backing file both ways. They are read once, the
+// first time a question is asked, while the files are open; the round of
+// questions Housekeep starts may outlive them.
 func (m *Memory) fileIDs() (map[mapID]bool, map[fdID]bool) {
-	maps, fds := make(map[mapID]bool, len(m.lists)), make(map[fdID]bool, len(m.lists))
-	for _, l := range m.lists {
-		var st unix.Stat_t
-		if err := unix.Fstat(l.fd(), &st); err != nil {
-			continue
+	m.idsOnce.Do(func() {
+		m.mapIDs, m.fdIDs = make(map[mapID]bool, len(m.lists)), make(map[fdID]bool, len(m.lists))
+		for _, l := range m.lists {
+			if l.f == nil {
+				continue
+			}
+			var st unix.Stat_t
+			if err := unix.Fstat(l.fd(), &st); err != nil {
+				continue
+			}
+			m.mapIDs[mapID{unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino}] = true
+			if mnt, ino, ok := fdInfo("/proc/self/fdinfo/" + strconv.Itoa(l.fd())); ok {
+				m.fdIDs[fdID{mnt, ino}] = true
+			}
 		}
-		maps[mapID{unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino}] = true
-		if mnt, ino, ok := fdInfo("/proc/self/fdinfo/" + strconv.Itoa(l.fd())); ok {
-			fds[fdID{mnt, ino}] = true
-		}
-	}
-	return maps, fds
+	})
+	return m.mapIDs, m.fdIDs
 }
 
 // reaches reports whether process pid can reach this memory's pages: it
 // maps a backing file, or holds one open (and could map it again, acting
 // on a message it read late, say). known is false when the kernel would
-// not say. A process whose main thread has exited lives on in its other
-// threads, which share its memory: the first thread that still has a
-// memory map answers.
+// not say. Threads share their memory but not always their open files (a
+// thread made without CLONE_FILES, or after unshare, has a table of its
+// own), so the maps are read once, from the first thread that still has
+// them (a process whose main thread has exited lives on in the others),
+// and the open files of every thread.
 func (m *Memory) reaches(pid int) (reach, known bool) {
 	dir := "/proc/" + strconv.Itoa(pid) + "/task/"
 	tasks, err := os.ReadDir(dir)
@@ -66,19 +76,23 @@ func (m *Memory) reaches(pid int) (reach, known bool) {
 		return false, errors.Is(err, fs.ErrNotExist) // gone: it reaches nothing
 	}
 	mapIDs, fdIDs := m.fileIDs()
+	mapsRead := false
 	for _, t := range tasks {
 		task := dir + t.Name()
-		maps, empty, known := mapsAny(task+"/maps", mapIDs)
-		if !known {
-			return false, false
+		if !mapsRead {
+			maps, empty, known := mapsAny(task+"/maps", mapIDs)
+			switch {
+			case !known:
+				return false, false
+			case maps:
+				return true, true
+			}
+			mapsRead = !empty // empty: an exited thread, no memory to show
 		}
-		if empty {
-			continue // an exited thread: no memory of its own to show
+		holds, known := holdsAny(task, fdIDs)
+		if holds || !known {
+			return holds, known
 		}
-		if maps {
-			return true, true
-		}
-		return holdsAny(task+"/fdinfo/", fdIDs)
 	}
 	return false, true
 }
@@ -121,15 +135,23 @@ func mapsAny(path string, ids map[mapID]bool) (maps, empty, known bool) {
 	return false, empty, true
 }
 
-// holdsAny reports whether the fdinfo directory at dir names an open file
-// among ids.
-func holdsAny(dir string, ids map[fdID]bool) (holds, known bool) {
-	fds, err := os.ReadDir(dir)
+// holdsAny reports whether the thread at /proc directory task holds open
+// a file among ids. Only what a descriptor's link names as a file is
+// looked at: the fdinfo of an epoll set, an io_uring or the like takes
+// locks that a thread stuck in the kernel can hold for ever, and a backing
+// file is none of those. A link names without asking the file's file
+// system.
+func holdsAny(task string, ids map[fdID]bool) (holds, known bool) {
+	fds, err := os.ReadDir(task + "/fd")
 	if err != nil {
 		return false, errors.Is(err, fs.ErrNotExist)
 	}
 	for _, fd := range fds {
-		if mnt, ino, ok := fdInfo(dir + fd.Name()); ok && ids[fdID{mnt, ino}] {
+		link, err := os.Readlink(task + "/fd/" + fd.Name())
+		if err != nil || !strings.HasPrefix(link, "/") {
+			continue // gone meanwhile, or a socket, pipe or anonymous inode
+		}
+		if mnt, ino, ok := fdInfo(task + "/fdinfo/" + fd.Name()); ok && ids[fdID{mnt, ino}] {
 			return true, true
 		}
 	}
@@ -163,14 +185,15 @@ func fdInfo(path string) (mnt, ino uint64, ok bool) {
 
 // mayReach reports whether holder h, fenced by the owner, is alive and may
 // still reach data memory. Where the kernel will not say, it may until it
-// dies: the process table's declaration (Unmapped) could have been written
-// by any process mapping the segment.
+// dies or nobody holds its claim's slot (a secondary lets its slot go only
+// after it has unmapped its memory): the process table's declaration
+// (Unmapped) could have been written by any process mapping the segment.
 func (m *Memory) mayReach(h shm.Proc) bool {
 	if !shm.SameProcess(h.PID, h.Start) {
 		return false
 	}
 	reach, known := m.reaches(h.PID)
-	return reach || !known
+	return reach || !known && m.seg.Alive(h.Slot)
 }
 
 // ForgetHolder ends the fences of process pid if it reaches no data memory
@@ -178,17 +201,18 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 // pid attaches again: the new attachment maps the data memory only after
 // the hello, at the addresses the old one used, so what the process
 // reaches before then is the old attachment's. Where the kernel will not
-// say (another user's process, or one that made itself undumpable), the
-// hello itself is the word: the process, authenticated by its connection,
-// attaches again, which the runtime does only once the old attachment has
-// let go. Primary only; it takes no lock.
+// say (another user's process, or one that made itself undumpable), a
+// fence ends only once nobody holds the old claim's slot: a secondary lets
+// its slot go after it has unmapped its memory. Primary only; it takes no
+// lock.
 func (m *Memory) ForgetHolder(pid int) bool {
 	free := true
 	for _, h := range m.seg.Holders() {
 		if h.PID != pid {
 			continue
 		}
-		if reach, known := m.reaches(pid); reach && known {
+		reach, known := m.reaches(pid)
+		if reach || !known && m.seg.Alive(h.Slot) {
 			free = false
 			continue
 		}
