@@ -183,6 +183,12 @@ func fdInfo(path string) (mnt, ino uint64, ok bool) {
 	return mnt, ino, haveMnt && haveIno
 }
 
+// Reaches reports whether process pid maps or holds open a backing file of
+// this memory, by the kernel's word; known is false when the kernel will
+// not say (another user's process, or one that made itself undumpable).
+// Primary only; it takes no lock.
+func (m *Memory) Reaches(pid int) (reach, known bool) { return m.reaches(pid) }
+
 // mayReach reports whether holder h, fenced by the owner, is alive and may
 // still reach data memory. Where the kernel will not say, it may until it
 // dies or nobody holds its claim's slot (a secondary lets its slot go only

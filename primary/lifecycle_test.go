@@ -167,3 +167,20 @@ func TestStatsCountSelectiveFlushes(t *testing.T) {
 		})
 	}
 }
+
+// A secondary that closes (unmaps, detaches) and lives on is not fenced:
+// the kernel shows it reaching no data memory, and what the primary frees
+// afterwards goes straight back.
+func TestCleanDetachIsNotFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	s := startSecondary(t, cfg)
+	parseKey(t, ask(t, s, "lookup %d", r.Addr))
+	require.Equal(t, "closed", ask(t, s, "close"))
+	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond,
+		"the secondary has left")
+	require.NoError(t, p.Free(r))
+	assert.Zero(t, p.Stats().Counters.Fenced, "a secondary that closed cleanly and lives on is fenced")
+	assert.Zero(t, p.Memory().Quarantined(), "a free after a clean detach waits in quarantine")
+}

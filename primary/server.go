@@ -92,6 +92,20 @@ func (p *Primary) aliveAfter(s *secondary, grace time.Duration) bool {
 	return false
 }
 
+// mayReachAtDetach reports whether s, detaching, may still reach data
+// memory: as the kernel says, or, where the primary may not ask it,
+// unless s has declared in its slot that it unmapped its memory. The
+// declaration alone could have been written by any process mapping the
+// segment; together with the detach, which comes on s's own connection,
+// it is s's word about itself.
+func (p *Primary) mayReachAtDetach(s *secondary) bool {
+	if reach, known := p.mem.Reaches(s.peer.PID()); known {
+		return reach
+	}
+	pr := p.seg.Proc(s.slot)
+	return pr.Epoch != s.epoch || !pr.Unmapped
+}
+
 // fenceIfAlive fences s, if its process lives: it no longer follows memory
 // changes. Whether it still reaches data memory, and so how long what the
 // primary frees waits for it, the kernel says later (see hugetlb).
@@ -167,7 +181,7 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		h.syncMu.Lock()
 		s := h.peers[peer]
 		h.syncMu.Unlock()
-		if s != nil {
+		if s != nil && p.mayReachAtDetach(s) {
 			// A secondary unmaps its data memory before it detaches; one
 			// that did not is fenced like one that stopped answering —
 			// before it leaves the sync set, so that no free falls between.
