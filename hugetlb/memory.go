@@ -163,7 +163,6 @@ type Memory struct {
 	askWG   sync.WaitGroup // that round, which Close waits for (a while)
 	idsOnce sync.Once
 	mapIDs  map[mapID]bool
-	fdIDs   map[fdID]bool
 	qpages  atomic.Int64
 }
 

@@ -85,6 +85,9 @@ func (m *Memory) Quarantined() int { return int(m.qpages.Load()) }
 // the memory lock: a process that is slow to describe blocks only this
 // call.
 func (m *Memory) ReleaseQuarantine() int {
+	if m.closed.Load() {
+		return 0
+	}
 	m.ask(m.seg.Holders(), time.Time{})
 	return m.releaseGone()
 }
@@ -99,6 +102,9 @@ func (m *Memory) ReleaseQuarantine() int {
 // large process's maps costs milliseconds and a process stopped in a
 // debugger may stay stopped for hours.
 func (m *Memory) Housekeep(now time.Time) int {
+	if m.closed.Load() {
+		return 0
+	}
 	if holders := m.seg.Holders(); len(holders) > 0 && m.asking.CompareAndSwap(false, true) {
 		m.fileIDs() // while the files are open
 		m.askWG.Add(1)

@@ -28,37 +28,29 @@ import (
 // goroutine of its own, from ReleaseQuarantine, and from ForgetHolder, on
 // the hello of a process attaching again.
 
-// mapID names a backing file as a maps line does; fdID as fdinfo does.
+// mapID names a file as a maps line does: device and inode.
 type mapID struct {
 	major, minor uint32
 	ino          uint64
 }
 
-type fdID struct {
-	mnt, ino uint64
-}
-
-// fileIDs names every backing file both ways. They are read once, the
-// first time a question is asked, while the files are open; the round of
-// questions Housekeep starts may outlive them.
-func (m *Memory) fileIDs() (map[mapID]bool, map[fdID]bool) {
+// fileIDs names every backing file by device and inode. They are read
+// once, the first time a question is asked, while the files are open; the
+// round of questions Housekeep starts may outlive them.
+func (m *Memory) fileIDs() map[mapID]bool {
 	m.idsOnce.Do(func() {
-		m.mapIDs, m.fdIDs = make(map[mapID]bool, len(m.lists)), make(map[fdID]bool, len(m.lists))
+		m.mapIDs = make(map[mapID]bool, len(m.lists))
 		for _, l := range m.lists {
 			if l.f == nil {
 				continue
 			}
 			var st unix.Stat_t
-			if err := unix.Fstat(l.fd(), &st); err != nil {
-				continue
-			}
-			m.mapIDs[mapID{unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino}] = true
-			if mnt, ino, ok := fdInfo("/proc/self/fdinfo/" + strconv.Itoa(l.fd())); ok {
-				m.fdIDs[fdID{mnt, ino}] = true
+			if err := unix.Fstat(l.fd(), &st); err == nil {
+				m.mapIDs[mapID{unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino}] = true
 			}
 		}
 	})
-	return m.mapIDs, m.fdIDs
+	return m.mapIDs
 }
 
 // reaches reports whether process pid can reach this memory's pages: it
@@ -75,12 +67,16 @@ func (m *Memory) reaches(pid int) (reach, known bool) {
 	if err != nil {
 		return false, errors.Is(err, fs.ErrNotExist) // gone: it reaches nothing
 	}
-	mapIDs, fdIDs := m.fileIDs()
+	ids := m.fileIDs()
+	mounts, known := mountDevices("/proc/" + strconv.Itoa(pid) + "/mountinfo")
+	if !known {
+		return false, false
+	}
 	mapsRead := false
 	for _, t := range tasks {
 		task := dir + t.Name()
 		if !mapsRead {
-			maps, empty, known := mapsAny(task+"/maps", mapIDs)
+			maps, empty, known := mapsAny(task+"/maps", ids)
 			switch {
 			case !known:
 				return false, false
@@ -89,7 +85,7 @@ func (m *Memory) reaches(pid int) (reach, known bool) {
 			}
 			mapsRead = !empty // empty: an exited thread, no memory to show
 		}
-		holds, known := holdsAny(task, fdIDs)
+		holds, known := holdsAny(task, ids, mounts)
 		if holds || !known {
 			return holds, known
 		}
@@ -140,8 +136,11 @@ func mapsAny(path string, ids map[mapID]bool) (maps, empty, known bool) {
 // looked at: the fdinfo of an epoll set, an io_uring or the like takes
 // locks that a thread stuck in the kernel can hold for ever, and a backing
 // file is none of those. A link names without asking the file's file
-// system.
-func holdsAny(task string, ids map[fdID]bool) (holds, known bool) {
+// system. fdinfo names the file by mount and inode; mounts gives each of
+// the process's mounts its device, so that a file opened through another
+// mount of the same file system (a bind mount, another mount namespace) is
+// still found.
+func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32) (holds, known bool) {
 	fds, err := os.ReadDir(task + "/fd")
 	if err != nil {
 		return false, errors.Is(err, fs.ErrNotExist)
@@ -151,11 +150,47 @@ func holdsAny(task string, ids map[fdID]bool) (holds, known bool) {
 		if err != nil || !strings.HasPrefix(link, "/") {
 			continue // gone meanwhile, or a socket, pipe or anonymous inode
 		}
-		if mnt, ino, ok := fdInfo(task + "/fdinfo/" + fd.Name()); ok && ids[fdID{mnt, ino}] {
+		mnt, ino, ok := fdInfo(task + "/fdinfo/" + fd.Name())
+		if !ok {
+			continue
+		}
+		dev, found := mounts[mnt]
+		if !found {
+			return false, false // a mount that came after we looked: ask again later
+		}
+		if ids[mapID{dev[0], dev[1], ino}] {
 			return true, true
 		}
 	}
 	return false, true
+}
+
+// mountDevices reads a process's mountinfo: each mount's id and the
+// major:minor of its file system. Reading it asks no file system.
+func mountDevices(path string) (map[uint64][2]uint32, bool) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, errors.Is(err, fs.ErrNotExist) // gone: nothing to name
+	}
+	out := map[uint64][2]uint32{}
+	for line := range bytes.SplitSeq(b, []byte{'\n'}) {
+		// mount-id parent-id major:minor root mount-point ...
+		f := bytes.Fields(line)
+		if len(f) < 3 {
+			continue
+		}
+		id, err := strconv.ParseUint(string(f[0]), 10, 64)
+		maj, min, ok := bytes.Cut(f[2], []byte{':'})
+		if err != nil || !ok {
+			continue
+		}
+		a, err1 := strconv.ParseUint(string(maj), 10, 32)
+		b, err2 := strconv.ParseUint(string(min), 10, 32)
+		if err1 == nil && err2 == nil {
+			out[id] = [2]uint32{uint32(a), uint32(b)}
+		}
+	}
+	return out, true
 }
 
 // fdInfo reads the mount and inode of an open file from its fdinfo entry,

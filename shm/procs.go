@@ -308,9 +308,9 @@ func (s *Segment) MarkUnmapped() {
 // Whether one still maps it, only the kernel can say (see hugetlb); what
 // it declared in the process table (Proc.Unmapped) is in Proc, for
 // display only: any process mapping the segment can write it. Owner only:
-// others get nil.
+// others, and a closed Segment, get nil.
 func (s *Segment) Holders() []Proc {
-	if !s.owner {
+	if !s.owner || s.closed.Load() {
 		return nil
 	}
 	s.fenceMu.Lock()
