@@ -2,6 +2,7 @@ package hugetlb
 
 import (
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -19,8 +20,8 @@ import (
 // secondaries in step then fences it in the process table (shm.Segment.Fence)
 // instead of waiting for ever. From then on, until the fenced process is dead
 // or, by the kernel's word, neither maps nor holds open a backing file (see
-// reach.go; where the kernel will not say, until it dies or attaches
-// again), every page the primary frees is quarantined: unmapped in the primary,
+// reach.go; where the kernel will not say, until it dies or lets its slot
+// go), every page the primary frees is quarantined: unmapped in the primary,
 // marked free in the shared descriptors (so no process maps it anew), but
 // neither punched out of its backing file nor handed to Alloc. The fenced
 // process might still map it; whatever it writes there stays there, and
@@ -158,12 +159,18 @@ type askState struct {
 func (m *Memory) ask(holders []shm.Proc, now time.Time) {
 	m.askMu.Lock()
 	due := holders[:0:0]
+	kept := make(map[holderKey]askState, len(holders)) // schedules of holders that died go
 	for _, h := range holders {
-		st, seen := m.asked[holderKey{h.PID, h.Start, h.Slot, h.Epoch}]
+		k := holderKey{h.PID, h.Start, h.Slot, h.Epoch}
+		st, seen := m.asked[k]
+		if seen {
+			kept[k] = st
+		}
 		if !seen || now.IsZero() || !now.Before(st.next) {
 			due = append(due, h)
 		}
 	}
+	m.asked = kept
 	m.askMu.Unlock()
 	for _, h := range due {
 		k := holderKey{h.PID, h.Start, h.Slot, h.Epoch}
@@ -175,25 +182,10 @@ func (m *Memory) ask(holders []shm.Proc, now time.Time) {
 			continue
 		}
 		m.askMu.Lock()
-		if m.asked == nil {
-			m.asked = map[holderKey]askState{}
-		}
 		st := m.asked[k]
 		st.every = min(max(2*st.every, askFirst), askMost)
 		st.next = now.Add(st.every)
 		m.asked[k] = st
-		if len(m.asked) > 2*len(holders)+16 {
-			// Forget the schedules of holders that died.
-			live := make(map[holderKey]bool, len(holders))
-			for _, h := range holders {
-				live[holderKey{h.PID, h.Start, h.Slot, h.Epoch}] = true
-			}
-			for k := range m.asked {
-				if !live[k] {
-					delete(m.asked, k)
-				}
-			}
-		}
 		m.askMu.Unlock()
 	}
 }
@@ -241,10 +233,8 @@ func (m *Memory) releaseQuarantineLocked() int {
 // yet found to reach nothing.
 func stillHeld(holders, now []shm.Proc) bool {
 	for _, h := range holders {
-		for _, c := range now {
-			if c.PID == h.PID && c.Start == h.Start && c.Slot == h.Slot && c.Epoch == h.Epoch {
-				return true
-			}
+		if slices.ContainsFunc(now, h.SameClaim) {
+			return true
 		}
 	}
 	return false

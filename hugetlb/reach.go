@@ -248,11 +248,15 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 // lock.
 func (m *Memory) ForgetHolder(pid int) bool {
 	free := true
+	asked, reach, known := false, false, false
 	for _, h := range m.seg.Holders() {
 		if h.PID != pid {
 			continue
 		}
-		reach, known := m.reaches(pid)
+		if !asked { // once, however many fences the process has
+			reach, known = m.reaches(pid)
+			asked = true
+		}
 		if reach || !known && m.seg.Alive(h.Slot) {
 			free = false
 			continue

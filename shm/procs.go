@@ -256,14 +256,13 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 		return false
 	}
 	atomic.StoreUint32(&slots[i].Fenced, epoch)
+	rec := Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true}
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
-	for _, f := range s.fences {
-		if f.PID == pid && f.Start == start && f.Slot == i && f.Epoch == epoch {
-			return false // fenced already
-		}
+	if slices.ContainsFunc(s.fences, rec.SameClaim) {
+		return false // fenced already
 	}
-	s.fences = append(s.fences, Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true})
+	s.fences = append(s.fences, rec)
 	return true
 }
 
@@ -274,9 +273,13 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 func (s *Segment) Forget(h Proc) {
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
-	s.fences = slices.DeleteFunc(s.fences, func(f Proc) bool {
-		return f.PID == h.PID && f.Start == h.Start && f.Slot == h.Slot && f.Epoch == h.Epoch
-	})
+	s.fences = slices.DeleteFunc(s.fences, h.SameClaim)
+}
+
+// SameClaim reports whether p and q describe one claim of one slot by one
+// process: the same slot and epoch, the same pid and start time.
+func (p Proc) SameClaim(q Proc) bool {
+	return p.Slot == q.Slot && p.Epoch == q.Epoch && p.PID == q.PID && p.Start == q.Start
 }
 
 // SameProcess reports whether process pid is still the one that started
