@@ -79,47 +79,11 @@ func b10Sec(args []string) int {
 	}
 	leave := make(chan struct{})
 	go func() {
-		var s *secondary.Secondary
-		var q *secondary.Queue
+		sec := &b10Secondary{prefix: args[0], dir: args[1]}
 		var kept []*os.File
 		testproc.Say("ready pid=%d", os.Getpid())
 		testproc.EachCommand(func(c testproc.Line) {
 			switch c.Name {
-			case "attach":
-				var err error
-				s, err = secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet,
-					AttachTimeout: 5 * time.Second})
-				if err != nil {
-					testproc.Say("> attach-failed %v", err)
-					break
-				}
-				q = s.NewQueue()
-				testproc.Say("> attached slot=%d epoch=%d", s.Slot(), s.Segment().Epoch())
-			case "lookup":
-				testproc.SayKey(q.Lookup(uintptr(c.Num(0))))
-			case "peek":
-				if b, ok := peek(uintptr(c.Num(0))); ok {
-					testproc.Say("> byte %d", b)
-				} else {
-					testproc.Say("> fault")
-				}
-			case "poke":
-				if poke(uintptr(c.Num(0)), byte(c.Num(1))) {
-					testproc.Say("> wrote")
-				} else {
-					testproc.Say("> fault")
-				}
-			case "dropped":
-				testproc.Say("> dropped=%t", s.Dropped())
-			case "wait-dropped":
-				select {
-				case <-s.PrimaryGone():
-				case <-time.After(5 * time.Second):
-				}
-				testproc.Say("> dropped=%t", s.Dropped())
-			case "close":
-				q.Close()
-				testproc.Say("> closed %v", s.Close())
 			case "open":
 				f, err := os.Open(c.Args[0])
 				if err != nil {
@@ -128,23 +92,15 @@ func b10Sec(args []string) int {
 				}
 				kept = append(kept, f)
 				testproc.Say("> fd %d", f.Fd())
-			case "nodump", "dump":
-				v := 0
-				if c.Name == "dump" {
-					v = 1
-				}
-				if err := b10Prctl(syscall.PR_SET_DUMPABLE, v); err != nil {
-					testproc.Say("> err %v", err)
-				} else {
-					testproc.Say("> ok")
-				}
 			case "shutconn":
 				testproc.Say("> shut %d", b10ShutConn(filepath.Join(args[1], args[0], ipc.SocketName)))
 			case "leader-exit":
 				testproc.Say("> leaving")
 				close(leave)
 			default:
-				testproc.Say("> err unknown command %q", c.Name)
+				if !sec.serve(c) {
+					testproc.Say("> err unknown command %q", c.Name)
+				}
 			}
 		})
 		os.Exit(0) // the whole process, whichever thread is left
@@ -153,6 +109,71 @@ func b10Sec(args []string) int {
 	// Only this thread: the process lives on in its others.
 	syscall.Syscall(syscall.SYS_EXIT, 0, 0, 0)
 	select {}
+}
+
+// b10Secondary serves the commands the secondary helpers of these tests
+// share (attach, lookup, peek, poke, dropped, wait-dropped, close, nodump,
+// dump); serve reports whether c was one of them.
+type b10Secondary struct {
+	prefix, dir string
+	s           *secondary.Secondary
+	q           *secondary.Queue
+}
+
+func (b *b10Secondary) attach() (*secondary.Secondary, error) {
+	return secondary.Attach(secondary.Config{Prefix: b.prefix, RuntimeDir: b.dir, Logger: quiet,
+		AttachTimeout: 5 * time.Second})
+}
+
+func (b *b10Secondary) serve(c testproc.Line) bool {
+	switch c.Name {
+	case "attach":
+		s, err := b.attach()
+		if err != nil {
+			testproc.Say("> attach-failed %v", err)
+			return true
+		}
+		b.s, b.q = s, s.NewQueue()
+		testproc.Say("> attached slot=%d epoch=%d", s.Slot(), s.Segment().Epoch())
+	case "lookup":
+		testproc.SayKey(b.q.Lookup(uintptr(c.Num(0))))
+	case "peek":
+		if v, ok := peek(uintptr(c.Num(0))); ok {
+			testproc.Say("> byte %d", v)
+		} else {
+			testproc.Say("> fault")
+		}
+	case "poke":
+		if poke(uintptr(c.Num(0)), byte(c.Num(1))) {
+			testproc.Say("> wrote")
+		} else {
+			testproc.Say("> fault")
+		}
+	case "dropped":
+		testproc.Say("> dropped=%t", b.s.Dropped())
+	case "wait-dropped":
+		select {
+		case <-b.s.PrimaryGone():
+		case <-time.After(5 * time.Second):
+		}
+		testproc.Say("> dropped=%t", b.s.Dropped())
+	case "close":
+		b.q.Close()
+		testproc.Say("> closed %v", b.s.Close())
+	case "nodump", "dump":
+		v := 0
+		if c.Name == "dump" {
+			v = 1
+		}
+		if err := b10Prctl(syscall.PR_SET_DUMPABLE, v); err != nil {
+			testproc.Say("> err %v", err)
+		} else {
+			testproc.Say("> ok")
+		}
+	default:
+		return false
+	}
+	return true
 }
 
 func b10Prctl(op, arg int) error {

@@ -19,7 +19,6 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
-	"github.com/mpmr/mpmr/secondary"
 )
 
 // Breaker 11: the fence of a stalled secondary ends when the kernel says
@@ -66,15 +65,10 @@ func b11Sec(args []string) int {
 			return 3
 		}
 	}
-	var s *secondary.Secondary
-	var q *secondary.Queue
+	sec := &b10Secondary{prefix: args[0], dir: args[1]}
 	var kept []int
 	tcmd := make(chan string)
 	tans := make(chan string)
-	attach := func() (*secondary.Secondary, error) {
-		return secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet,
-			AttachTimeout: 5 * time.Second})
-	}
 	selfMaps := func(file string) bool {
 		b, _ := os.ReadFile("/proc/self/maps")
 		return strings.Contains(string(b), file)
@@ -82,34 +76,6 @@ func b11Sec(args []string) int {
 	testproc.Say("ready pid=%d", os.Getpid())
 	testproc.EachCommand(func(c testproc.Line) {
 		switch c.Name {
-		case "attach":
-			var err error
-			if s, err = attach(); err != nil {
-				testproc.Say("> attach-failed %v", err)
-				return
-			}
-			q = s.NewQueue()
-			testproc.Say("> attached slot=%d epoch=%d", s.Slot(), s.Segment().Epoch())
-		case "lookup":
-			testproc.SayKey(q.Lookup(uintptr(c.Num(0))))
-		case "peek":
-			if b, ok := peek(uintptr(c.Num(0))); ok {
-				testproc.Say("> byte %d", b)
-			} else {
-				testproc.Say("> fault")
-			}
-		case "nodump":
-			if err := b10Prctl(syscall.PR_SET_DUMPABLE, 0); err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> ok")
-			}
-		case "wait-dropped":
-			select {
-			case <-s.PrimaryGone():
-			case <-time.After(5 * time.Second):
-			}
-			testproc.Say("> dropped=%t", s.Dropped())
 		case "keep":
 			fd, err := syscall.Open(c.Args[0], syscall.O_RDWR|syscall.O_CLOEXEC, 0)
 			if err != nil {
@@ -160,7 +126,7 @@ func b11Sec(args []string) int {
 			testproc.Say("%s", <-tans)
 		case "attach2":
 			before := selfMaps(c.Args[0])
-			s2, err := attach()
+			s2, err := sec.attach()
 			after := selfMaps(c.Args[0])
 			if s2 != nil {
 				s2.Close()
@@ -183,7 +149,9 @@ func b11Sec(args []string) int {
 			}()
 			testproc.Say("> epolling")
 		default:
-			testproc.Say("> err unknown command %q", c.Name)
+			if !sec.serve(c) {
+				testproc.Say("> err unknown command %q", c.Name)
+			}
 		}
 	})
 	return 0
