@@ -235,6 +235,10 @@ func mapSegment(f *os.File, o *Options, maxSize uint64, slots int) (*Segment, er
 
 func (s *Segment) unmap() {
 	_ = vm.Unmap(s.base, s.mapLen)
+	s.closeFiles()
+}
+
+func (s *Segment) closeFiles() {
 	if s.lockf != nil {
 		s.lockf.Close()
 	}
@@ -410,7 +414,19 @@ func (s *Segment) growLocked(need uint64) error {
 // Close releases this process's slot, unmaps the segment and closes its
 // files. It is idempotent. The files stay on disk; removing them is the
 // owner's decision (see Remove).
-func (s *Segment) Close() error {
+func (s *Segment) Close() error { return s.close(false) }
+
+// CloseUnderReaders is Close for a process whose other goroutines may still
+// be reading the segment through what they looked up before (a queue's
+// lookup that passed its check for Close a moment before it): the segment
+// is unmapped as Close does, but its address range is left mapped to
+// private zeros (vm.Vacate), so that those reads find an empty segment
+// (no generation, no MR, no lock held) instead of faulting. What they
+// write lands in those zeros, nowhere shared. The address range, MaxSize
+// bytes, is given back only when the process exits.
+func (s *Segment) CloseUnderReaders() error { return s.close(true) }
+
+func (s *Segment) close(underReaders bool) error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
 	if s.closed.Load() {
@@ -418,6 +434,16 @@ func (s *Segment) Close() error {
 	}
 	s.closed.Store(true)
 	s.releaseSlot()
+	if underReaders {
+		err := vm.Vacate(s.base, s.mapLen)
+		if err == nil {
+			s.closeFiles()
+			return nil
+		}
+		// Unmapped after all: a reader left faults, rather than writing
+		// into a segment whose slot this process no longer holds.
+		s.log.Warn("segment unmapped under its readers: it could not be vacated", "path", s.path, "err", err)
+	}
 	s.unmap()
 	return nil
 }

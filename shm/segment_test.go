@@ -3,6 +3,9 @@ package shm_test
 import (
 	"encoding/binary"
 	"os"
+	"reflect"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -84,6 +87,58 @@ func TestCloseIsIdempotentAndFreesSlot(t *testing.T) {
 	p := owner.Proc(slot)
 	assert.False(t, p.Live)
 	assert.False(t, p.Alive)
+}
+
+// A process whose goroutines may still read the segment closes it under
+// them: what they read afterwards is zeros of their own, what they write
+// reaches nobody, and the file is mapped no longer.
+func TestCloseUnderReadersLeavesPrivateZeros(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	off, err := owner.Alloc(64, 64)
+	require.NoError(t, err)
+	atomic.StoreUint64(shm.At[uint64](owner, off), 0xfeedface)
+	other, err := shm.Attach(o)
+	require.NoError(t, err)
+	slot := other.Slot()
+	p := shm.At[uint64](other, off)
+	require.Equal(t, uint64(0xfeedface), atomic.LoadUint64(p))
+
+	require.NoError(t, other.CloseUnderReaders())
+	require.NoError(t, other.Close(), "idempotent with Close")
+	assert.Zero(t, atomic.LoadUint64(p), "a reader left finds zeros, not a fault")
+	atomic.StoreUint64(p, 1)
+	assert.Equal(t, uint64(0xfeedface), atomic.LoadUint64(shm.At[uint64](owner, off)),
+		"what it writes reaches no other process")
+	assert.False(t, owner.Proc(slot).Live, "the slot is released")
+	assert.Empty(t, mappingOf(t, reflect.ValueOf(p).Pointer()), "the range maps no file")
+}
+
+// mappingOf returns the path /proc/self/maps gives for the mapping that
+// holds addr ("" for an anonymous one), failing if none does.
+func mappingOf(t *testing.T, addr uintptr) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/maps")
+	require.NoError(t, err)
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 5 {
+			continue
+		}
+		lo, hi, ok := strings.Cut(f[0], "-")
+		if !ok {
+			continue
+		}
+		start, err1 := strconv.ParseUint(lo, 16, 64)
+		end, err2 := strconv.ParseUint(hi, 16, 64)
+		if err1 == nil && err2 == nil && uint64(addr) >= start && uint64(addr) < end {
+			if len(f) > 5 {
+				return f[5]
+			}
+			return ""
+		}
+	}
+	t.Fatalf("nothing mapped at 0x%x", addr)
+	return ""
 }
 
 func TestRemoveDeletesFiles(t *testing.T) {

@@ -115,6 +115,21 @@ func Release(addr, length uintptr) error {
 	return nil
 }
 
+// Vacate replaces whatever is mapped at [addr, addr+length) with private
+// pages of zeros, readable and writable, that cost nothing until written.
+// It is for a range other goroutines may still be reading through
+// pointers they took earlier: what was mapped there is gone, and their
+// accesses land in zeros of their own instead of faulting. The range is
+// not given back until the process exits.
+func Vacate(addr, length uintptr) error {
+	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE|unix.MAP_FIXED, -1, 0)
+	if err != nil {
+		return fmt.Errorf("vm: vacate [0x%x, 0x%x): %w", addr, addr+length, err)
+	}
+	return nil
+}
+
 // MapFilePopulated is MapFile that also sets up the page tables for the
 // whole range at once (MAP_POPULATE), as a registration that pins the
 // memory would anyway: on tmpfs, where a 2 MiB page is 512 small ones,
