@@ -484,7 +484,10 @@ func (p *Primary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 // Close stops serving (secondaries see ErrPrimaryGone at once), releases
 // every MR, the data memory (hugepages go back to the kernel once no
 // secondary maps them) and the segment, and removes the instance's files.
-// Idempotent.
+// Idempotent. Close the queues first. A queue still looking up meanwhile
+// gets a key or an error, never a fault: while queues are open, Close
+// leaves the segment's address range mapped to private zeros (its MaxSize
+// of address space, kept until the process exits) instead of unmapping it.
 func (p *Primary) Close() error {
 	p.closeMu.Lock()
 	defer p.closeMu.Unlock()
@@ -530,7 +533,7 @@ func (p *Primary) teardown() error {
 	}
 	if p.seg != nil {
 		p.seg.MarkDead()
-		add(p.seg.Close())
+		add(instance.CloseSegment(p.seg, &p.queues))
 		add(shm.Remove(p.segOpts))
 	}
 	if p.segLock != nil {

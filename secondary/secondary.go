@@ -746,11 +746,14 @@ func (s *Secondary) Segment() *shm.Segment { return s.seg }
 func (s *Secondary) Slot() int { return s.seg.Slot() }
 
 // Close unmaps the data memory, tells the primary this secondary leaves,
-// and releases everything else, its slot last. Idempotent. Stop the queues
-// first: their lookups read the shared memory Close unmaps (a lookup
-// after Close fails with ErrClosed; one racing it may fault). Requests and
-// Stats racing Close are safe: they fail with ErrClosed, or report
-// nothing.
+// and releases everything else, its slot last. Idempotent. Close the
+// queues first: a lookup after Close fails with ErrClosed, but one that
+// races it reads the control segment as Close unmaps it. That lookup gets
+// a key or an error, never a fault: while queues are open, Close leaves
+// the segment's address range mapped to private zeros (64 MiB of address
+// space by default, kept until the process exits) instead of unmapping
+// it. Requests and Stats racing Close are safe: they fail with ErrClosed,
+// or report nothing.
 func (s *Secondary) Close() error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
@@ -804,7 +807,7 @@ func (s *Secondary) teardown() error {
 		errs = append(errs, s.mem.Close())
 	}
 	if s.seg != nil {
-		errs = append(errs, s.seg.Close())
+		errs = append(errs, instance.CloseSegment(s.seg, &s.queues))
 	}
 	return errors.Join(errs...)
 }

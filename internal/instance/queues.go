@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/shm"
 )
 
 // Queues tracks a process's local caches so that their counters can be
@@ -64,6 +65,13 @@ func (q *Queues) WaitEmpty(d time.Duration) bool {
 	}
 }
 
+// Live returns how many queues are live.
+func (q *Queues) Live() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.live)
+}
+
 // Sum returns the published counters of every queue, live or closed, and
 // how many are live.
 func (q *Queues) Sum() (cache.LocalStats, int) {
@@ -74,4 +82,16 @@ func (q *Queues) Sum() (cache.LocalStats, int) {
 		s = s.Add(l.Published())
 	}
 	return s, len(q.live)
+}
+
+// CloseSegment closes a process's control segment. While queues are live,
+// one of them may be in the middle of a lookup that passed its check for
+// Close (lookups read the segment, and take no lock against Close): the
+// segment's range is then left as zeros (shm.Segment.CloseUnderReaders)
+// rather than unmapped under it.
+func CloseSegment(seg *shm.Segment, q *Queues) error {
+	if q.Live() > 0 {
+		return seg.CloseUnderReaders()
+	}
+	return seg.Close()
 }

@@ -1,0 +1,195 @@
+package primary_test
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+)
+
+func init() {
+	// close-lookups-secondary PREFIX RUNDIR ADDR LEN ROUNDS: ROUNDS times,
+	// attach, warm four queues on [ADDR, ADDR+LEN), close the secondary
+	// while they look up, and have them go on looking up (through the
+	// embedded cache.Local, past Queue's own check for Close: a lookup
+	// that lost the race). "done" at the end; "bad ..." for an answer
+	// no closed instance may give.
+	testproc.Register("close-lookups-secondary", closeLookupsSecondary)
+	// close-lookups-primary PREFIX RUNDIR ROUNDS: the same with a primary
+	// of its own, started and closed ROUNDS times.
+	testproc.Register("close-lookups-primary", closeLookupsPrimary)
+}
+
+// lookupsAcrossClose runs four queues' lookups of [addr, addr+n) and of
+// memory outside it, calls closeFn once every queue has answered, and
+// lets the queues go on for as many lookups again. It returns the
+// answers no lookup may give: a key for an address no MR ever covered,
+// or no key and no error.
+func lookupsAcrossClose(newQueue func() *cache.Local, addr uintptr, n uint64, closeFn func() error) []string {
+	const queues, warm = 4, 2000
+	var (
+		wg     sync.WaitGroup
+		mu     sync.Mutex
+		bad    []string
+		warmed sync.WaitGroup
+		closed atomic.Bool
+	)
+	report := func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(bad) < 10 {
+			bad = append(bad, fmt.Sprintf(format, args...))
+		}
+	}
+	outside := addr + uintptr(n) + 1<<40 // no memory list reaches this far
+	qs := make([]*cache.Local, queues)
+	for i := range qs {
+		qs[i] = newQueue()
+	}
+	warmed.Add(queues)
+	for _, q := range qs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			keys := make([]uint32, 8)
+			addrs := make([]uintptr, 8)
+			after := 0
+			for i := 0; after < warm; i++ {
+				if i == warm {
+					warmed.Done()
+				}
+				if closed.Load() {
+					after++
+				}
+				a := addr + uintptr(uint64(i)*4096%n)
+				if _, err := q.Lookup(a); err != nil && !closed.Load() {
+					report("lookup 0x%x before close: %v", a, err)
+				}
+				q.Hit(a)
+				for j := range addrs {
+					addrs[j] = a + uintptr(j)*64
+				}
+				if k, err := q.LookupBurst(addrs, keys); k > len(addrs) || k < len(addrs) && err == nil {
+					report("burst answered %d of %d without an error", k, len(addrs))
+				}
+				if _, err := q.LookupRange(a, 64); err != nil && !closed.Load() {
+					report("range 0x%x before close: %v", a, err)
+				}
+				if k, err := q.Lookup(outside); err == nil || k != cache.InvalidKey {
+					report("lookup of 0x%x, outside all memory: key %d err %v", outside, k, err)
+				}
+			}
+		}()
+	}
+	warmed.Wait()
+	closed.Store(true) // from here on, an error is the answer expected
+	err := closeFn()
+	wg.Wait()
+	if err != nil {
+		bad = append(bad, fmt.Sprintf("close: %v", err))
+	}
+	return bad
+}
+
+func closeLookupsSecondary(args []string) int {
+	addr, _ := strconv.ParseUint(args[2], 0, 64)
+	n, _ := strconv.ParseUint(args[3], 0, 64)
+	rounds, _ := strconv.Atoi(args[4])
+	testproc.Say("ready")
+	for range rounds {
+		s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+		if err != nil {
+			testproc.Say("attach-failed %v", err)
+			return 3
+		}
+		newQueue := func() *cache.Local { return s.NewQueue().Local }
+		for _, b := range lookupsAcrossClose(newQueue, uintptr(addr), n, s.Close) {
+			testproc.Say("bad %s", b)
+		}
+		// A whole lookup after Close, through Queue: refused.
+		q := s.NewQueue()
+		if _, err := q.Lookup(uintptr(addr)); !errors.Is(err, secondary.ErrClosed) {
+			testproc.Say("bad lookup after close: %v", err)
+		}
+	}
+	testproc.Say("done")
+	return 0
+}
+
+func closeLookupsPrimary(args []string) int {
+	rounds, _ := strconv.Atoi(args[2])
+	testproc.Say("ready")
+	for range rounds {
+		p, err := primary.Start(primary.Config{Prefix: args[0], RuntimeDir: args[1], Backend: hugetlb.Tmpfs, MemoryPages: 16, Logger: quiet})
+		if err != nil {
+			testproc.Say("start-failed %v", err)
+			return 3
+		}
+		r, err := p.Alloc(4 * p.Backend().PageSize)
+		if err != nil {
+			testproc.Say("alloc-failed %v", err)
+			return 3
+		}
+		newQueue := func() *cache.Local { return p.NewQueue().Local }
+		for _, b := range lookupsAcrossClose(newQueue, r.Addr, r.Len, p.Close) {
+			testproc.Say("bad %s", b)
+		}
+	}
+	testproc.Say("done")
+	return 0
+}
+
+// expectClean waits for h's "done", failing the test on every "bad" line
+// before it, and for a clean exit.
+func expectClean(t *testing.T, h *testproc.Proc) {
+	t.Helper()
+	for {
+		line, err := h.Next("", 2*testproc.DefaultTimeout)
+		if err != nil {
+			t.Error(err)
+			break
+		}
+		if line == "done" {
+			break
+		}
+		if strings.HasPrefix(line, "bad ") || strings.Contains(line, "-failed") {
+			t.Errorf("helper: %s", line)
+		}
+	}
+	assert.NoError(t, h.Wait(0), "the helper exits cleanly, not killed by a fault; stderr:\n%s", h.Stderr())
+}
+
+// Close unmaps the control segment, which every lookup past the top half
+// reads (and the top half's generation check reads too). A queue that is
+// still looking up when the secondary closes, one whose lookup passed
+// Queue's check for Close a moment before, must get an answer or an
+// error: not take the whole process down with SIGSEGV.
+func TestLookupsRacingSecondaryCloseDoNotFault(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	r, err := p.Alloc(4 * p.Backend().PageSize)
+	require.NoError(t, err)
+	h := testproc.Start(t, "close-lookups-secondary", []string{cfg.Prefix, cfg.RuntimeDir,
+		fmt.Sprint(r.Addr), fmt.Sprint(r.Len), "8"})
+	h.Expect("ready", 0)
+	expectClean(t, h)
+}
+
+// The same for the primary's own queues.
+func TestLookupsRacingPrimaryCloseDoNotFault(t *testing.T) {
+	h := testproc.Start(t, "close-lookups-primary", []string{testenv.Prefix(t), testenv.RunDir(t), "8"})
+	h.Expect("ready", 0)
+	expectClean(t, h)
+}
