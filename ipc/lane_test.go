@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -17,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/sys/sock"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
 
@@ -401,4 +403,29 @@ func rawLane(t *testing.T, s *testServer) (*sock.Conn, *sock.Blocking) {
 	require.NoError(t, err)
 	require.Equal(t, ipc.KindReply, f.Kind, "the hello's answer")
 	return c, lane
+}
+
+// A call on the lane to a server in another process allocates nothing in
+// the caller: the call and its channels are kept for the next one.
+func TestLaneCallAllocatesNothing(t *testing.T) {
+	if raceEnabled {
+		t.Skip("under the race detector sync.Pool drops what it keeps at random")
+	}
+	path := filepath.Join(t.TempDir(), ipc.SocketName)
+	srv := testproc.Start(t, "serve", []string{path})
+	srv.Expect("ready", 0)
+	c := dial(t, path, ipc.ClientConfig{})
+	ctx := context.Background()
+	req := &ipc.CreateMR{Addr: 0x4000}
+	var r ipc.CreateMRReply
+	require.NoError(t, c.Call(ctx, ipc.KindCreateMR, req, &r))
+	require.True(t, ipc.HasLane(c), "the lane came with the first answer")
+	allocs := testing.AllocsPerRun(1000, func() {
+		if err := c.Call(ctx, ipc.KindCreateMR, req, &r); err != nil {
+			t.Fatal(err)
+		}
+	})
+	// A collection may empty the pool once in a while: well below one a call.
+	assert.Less(t, allocs, 0.5, "allocations per call")
+	assert.Equal(t, uint32(4), r.LKey)
 }
