@@ -340,9 +340,9 @@ func (c *Client) laneCall(ctx context.Context, deadline time.Time, l *sock.Block
 	return err
 }
 
-// laneCalls keeps lane calls, with their channels, for the next ones: a
-// call, its channel and the channel's buffer are three allocations, a
-// tenth of a call's user time. A call goes back only when laneCallOn has
+// laneCalls keeps lane calls, with their channels, for the next ones (a
+// call, its channel and the channel's buffer were three allocations a
+// call, and garbage to collect). A call goes back only when laneCallOn has
 // returned: by then nobody can reach it (it is out of pending, out of the
 // followers and not the leader, and whoever took it from pending has
 // sent its answer, which laneCallOn received).
