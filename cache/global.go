@@ -128,6 +128,38 @@ type Global struct {
 	lastGCErr string     // the collection failure last logged, under gcMu
 	closeMu   sync.Mutex
 	closed    atomic.Bool
+	// detached is set once this process lets go of the segment (see
+	// Detach): nothing here reads it after that, and queues made later
+	// read deadGen, a generation of their own, instead of devGen.
+	detached atomic.Bool
+	deadGen  uint32
+}
+
+// Detach is for a process about to close the segment g lives in: from
+// now on lookups past a queue's top half fail with ErrClosed instead of
+// reading it, catching up drops everything instead of reading the
+// invalidation log, and queues made afterwards (NewLocal) read nothing
+// of it at all. Queues made before still read the generation where it
+// was; see Vacated. Call it once, before the segment is closed.
+func (g *Global) Detach() {
+	if g.detached.Load() {
+		return
+	}
+	g.deadGen = atomic.LoadUint32(g.devGen) + 1
+	g.detached.Store(true)
+}
+
+// Vacated is for a segment that Detach let go of and that was closed
+// under live queues (shm.Segment.CloseUnderReaders): where they read the
+// generation there are now private zeros, and a queue that never saw an
+// invalidation remembers generation 0, so it would answer from its cache
+// again. Vacated writes a generation past every one a queue can hold
+// there, so that each drops what it cached at its next lookup (Hit then
+// reports false).
+func (g *Global) Vacated() {
+	if g.detached.Load() {
+		atomic.StoreUint32(g.devGen, g.deadGen)
+	}
 }
 
 const defaultGlobalTable = 512
@@ -247,8 +279,12 @@ func (g *Global) lockCtx() (context.Context, context.CancelFunc) {
 // optimistic read, which writes nothing to shared memory, and takes the
 // read lock only when a writer gets in the way or the table has
 // overflowed (then the MR list is scanned). It fails, rather than waiting
-// or reading a half-written table, if the primary died while writing.
+// or reading a half-written table, if the primary died while writing, and
+// with ErrClosed once Detach was called.
 func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
+	if g.detached.Load() {
+		return Entry{}, false, ErrClosed
+	}
 	for range 4 {
 		stamp, ok := g.lock.Optimistic()
 		if !ok {

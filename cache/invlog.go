@@ -103,11 +103,11 @@ func (g *Global) bumpGen(start, end uint64) {
 
 // invalidated appends to dst the ranges invalidated by generations
 // (from, to]. It reports false when the log cannot say: too many
-// generations, an entry overwritten meanwhile, or an invalidation of
-// everything.
+// generations, an entry overwritten meanwhile, an invalidation of
+// everything, or a segment let go of (Detach).
 func (g *Global) invalidated(from, to uint32, dst []span) ([]span, bool) {
 	n := uint32(len(g.ilog))
-	if to-from > n {
+	if to-from > n || g.detached.Load() {
 		return dst, false
 	}
 	for gen := from + 1; gen != to+1; gen++ {

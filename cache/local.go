@@ -98,7 +98,11 @@ func NewLocal(g *Global, c Creator, bottomSize int) *Local {
 	if bottomSize <= 0 {
 		bottomSize = defaultLocalSize
 	}
-	l := &Local{devGen: g.devGen, bh: NewTable(bottomSize), global: g, create: c, spans: make([]span, 0, 8)}
+	devGen := g.devGen
+	if g.detached.Load() {
+		devGen = &g.deadGen // the segment may be gone: nothing of it is read
+	}
+	l := &Local{devGen: devGen, bh: NewTable(bottomSize), global: g, create: c, spans: make([]span, 0, 8)}
 	l.gen = atomic.LoadUint32(l.devGen)
 	return l
 }

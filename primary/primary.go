@@ -450,9 +450,8 @@ type Queue struct {
 // NewQueue returns a local cache whose misses register memory in this
 // process.
 func (p *Primary) NewQueue() *Queue {
-	q := &Queue{Local: cache.NewLocal(p.global, p.global, 0), p: p}
-	p.queues.Add(q.Local)
-	return q
+	l := p.queues.Add(func() *cache.Local { return cache.NewLocal(p.global, p.global, 0) })
+	return &Queue{Local: l, p: p}
 }
 
 // Close stops counting the queue in Stats (its counters so far stay).
@@ -484,10 +483,12 @@ func (p *Primary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 // Close stops serving (secondaries see ErrPrimaryGone at once), releases
 // every MR, the data memory (hugepages go back to the kernel once no
 // secondary maps them) and the segment, and removes the instance's files.
-// Idempotent. Close the queues first. A queue still looking up meanwhile
-// gets a key or an error, never a fault: while queues are open, Close
-// leaves the segment's address range mapped to private zeros (its MaxSize
-// of address space, kept until the process exits) instead of unmapping it.
+// Idempotent. Close the queues first. A lookup after Close fails with
+// cache.ErrClosed (Hit reports false), in a queue made before Close or
+// after it; one that races Close gets a key or an error, never a fault:
+// while queues are open, Close leaves the segment's address range mapped
+// to private zeros instead of unmapping it under them, and the last
+// queue's Close gives it back.
 func (p *Primary) Close() error {
 	p.closeMu.Lock()
 	defer p.closeMu.Unlock()
@@ -533,7 +534,7 @@ func (p *Primary) teardown() error {
 	}
 	if p.seg != nil {
 		p.seg.MarkDead()
-		add(instance.CloseSegment(p.seg, &p.queues))
+		add(p.queues.CloseSegment(p.seg, p.global))
 		add(shm.Remove(p.segOpts))
 	}
 	if p.segLock != nil {

@@ -619,9 +619,8 @@ type Queue struct {
 // NewQueue returns a local cache whose misses go to the global cache and
 // then, as create requests, to the primary.
 func (s *Secondary) NewQueue() *Queue {
-	q := &Queue{Local: cache.NewLocal(s.global, (*creator)(s), 0), s: s}
-	s.queues.Add(q.Local)
-	return q
+	l := s.queues.Add(func() *cache.Local { return cache.NewLocal(s.global, (*creator)(s), 0) })
+	return &Queue{Local: l, s: s}
 }
 
 // Lookup returns the key for addr like cache.Local.Lookup, reporting a
@@ -747,13 +746,13 @@ func (s *Secondary) Slot() int { return s.seg.Slot() }
 
 // Close unmaps the data memory, tells the primary this secondary leaves,
 // and releases everything else, its slot last. Idempotent. Close the
-// queues first: a lookup after Close fails with ErrClosed, but one that
-// races it reads the control segment as Close unmaps it. That lookup gets
-// a key or an error, never a fault: while queues are open, Close leaves
-// the segment's address range mapped to private zeros (64 MiB of address
-// space by default, kept until the process exits) instead of unmapping
-// it. Requests and Stats racing Close are safe: they fail with ErrClosed,
-// or report nothing.
+// queues first. A lookup after Close fails with ErrClosed (Hit reports
+// false), in a queue made before Close or after it; one that races Close
+// gets a key or an error, never a fault: while queues are open, Close
+// leaves the control segment's address range mapped to private zeros
+// instead of unmapping it under them, and the last queue's Close gives it
+// back. Requests and Stats racing Close are safe: they fail with
+// ErrClosed, or report nothing.
 func (s *Secondary) Close() error {
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
@@ -807,7 +806,7 @@ func (s *Secondary) teardown() error {
 		errs = append(errs, s.mem.Close())
 	}
 	if s.seg != nil {
-		errs = append(errs, instance.CloseSegment(s.seg, &s.queues))
+		errs = append(errs, s.queues.CloseSegment(s.seg, s.global))
 	}
 	return errors.Join(errs...)
 }

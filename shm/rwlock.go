@@ -235,15 +235,22 @@ func (l *RWLock) TryRLock() (ReadHold, bool, error) {
 
 // RUnlock drops a read hold. It returns ErrFenced if a writer stopped
 // waiting for this process's readers while the hold was out: the hold was
-// discarded then, and what was read under it must be thrown away.
+// discarded then, and what was read under it must be thrown away. It
+// returns ErrClosed if the segment was closed under the hold.
 func (l *RWLock) RUnlock(h ReadHold) error {
 	for {
 		v := atomic.LoadUint64(l.mine)
 		if uint32(v>>32) != h.gen {
+			if l.seg.closed.Load() {
+				return ErrClosed // vacated under the hold (CloseUnderReaders)
+			}
 			return ErrFenced
 		}
 		n := uint32(v)
 		if n == 0 {
+			if l.seg.closed.Load() {
+				return ErrClosed // the segment was vacated under the hold (CloseUnderReaders)
+			}
 			panic(errUnbalanced)
 		}
 		if atomic.CompareAndSwapUint64(l.mine, v, v-1) {
@@ -464,9 +471,13 @@ func (l *RWLock) MarkConsistent() {
 }
 
 // Unlock drops the write lock. If the state was never marked consistent
-// after ErrOwnerDied, the lock becomes unrecoverable.
+// after ErrOwnerDied, the lock becomes unrecoverable. On a segment closed
+// under the hold it does nothing.
 func (l *RWLock) Unlock() {
 	if atomic.LoadUint64(l.owner) != l.me {
+		if l.seg.closed.Load() {
+			return // the segment was vacated under the hold (CloseUnderReaders)
+		}
 		panic("shm: Unlock of an RWLock this process does not write-hold")
 	}
 	l.release(atomic.LoadUint32(&l.head.Flags)&flagInconsistent != 0)

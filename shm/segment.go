@@ -101,6 +101,7 @@ type Segment struct {
 	fences  []Proc
 	closeMu sync.Mutex
 	closed  atomic.Bool
+	vacated bool // CloseUnderReaders left the range as zeros; under closeMu
 	// readOnly: mapped by OpenReadOnly, with no slot; lockf may be nil.
 	readOnly bool
 }
@@ -421,10 +422,29 @@ func (s *Segment) Close() error { return s.close(false) }
 // lookup that passed its check for Close a moment before it): the segment
 // is unmapped as Close does, but its address range is left mapped to
 // private zeros (vm.Vacate), so that those reads find an empty segment
-// (no generation, no MR, no lock held) instead of faulting. What they
-// write lands in those zeros, nowhere shared. The address range, MaxSize
-// bytes, is given back only when the process exits.
-func (s *Segment) CloseUnderReaders() error { return s.close(true) }
+// (no generation, no MR, no lock held) instead of faulting, and what they
+// write lands in those zeros, nowhere shared. Locks held across it give
+// up their holds with ErrClosed. It reports whether the range was
+// vacated: if it could not be, the segment was unmapped as Close does.
+// Once nothing can read the range any more, Unreserve gives it back.
+func (s *Segment) CloseUnderReaders() (vacated bool) {
+	_ = s.close(true)
+	s.closeMu.Lock()
+	defer s.closeMu.Unlock()
+	return s.vacated
+}
+
+// Unreserve gives back the address range CloseUnderReaders left as zeros.
+// Call it only once nothing reads through pointers into the segment.
+// It does nothing if the range was not left so. Idempotent.
+func (s *Segment) Unreserve() {
+	s.closeMu.Lock()
+	defer s.closeMu.Unlock()
+	if s.vacated {
+		_ = vm.Unmap(s.base, s.mapLen)
+		s.vacated = false
+	}
+}
 
 func (s *Segment) close(underReaders bool) error {
 	s.closeMu.Lock()
@@ -437,6 +457,7 @@ func (s *Segment) close(underReaders bool) error {
 	if underReaders {
 		err := vm.Vacate(s.base, s.mapLen)
 		if err == nil {
+			s.vacated = true
 			s.closeFiles()
 			return nil
 		}

@@ -15,9 +15,8 @@ import (
 func TestQueuesWaitEmpty(t *testing.T) {
 	var q Queues
 	assert.True(t, q.WaitEmpty(0), "no queue yet")
-	a, b := &cache.Local{}, &cache.Local{}
-	q.Add(a)
-	q.Add(b)
+	a := q.Add(func() *cache.Local { return &cache.Local{} })
+	b := q.Add(func() *cache.Local { return &cache.Local{} })
 	assert.False(t, q.WaitEmpty(10*time.Millisecond), "two live queues")
 	q.Remove(a)
 	assert.False(t, q.WaitEmpty(10*time.Millisecond), "one still live")
@@ -32,7 +31,7 @@ func TestQueuesWaitEmpty(t *testing.T) {
 	}
 	q.Remove(b) // removing twice changes nothing
 	assert.True(t, q.WaitEmpty(0))
-	q.Add(a)
+	q.Add(func() *cache.Local { return a })
 	assert.False(t, q.WaitEmpty(10*time.Millisecond), "a queue added again")
 	_, live := q.Sum()
 	assert.Equal(t, 1, live)
