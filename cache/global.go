@@ -32,6 +32,10 @@ var (
 	ErrOverlap = errors.New("cache: range overlaps registered memory")
 	// ErrBadRange means an empty, null or wrapping address range.
 	ErrBadRange = errors.New("cache: bad address range")
+	// ErrFenced means the primary fenced this process: it no longer
+	// follows memory changes, so what it maps may not be what the global
+	// table describes, and the table answers it no more.
+	ErrFenced = errors.New("cache: this process was fenced by the primary")
 )
 
 // globalRoot is the global share cache's state in the segment.
@@ -280,10 +284,16 @@ func (g *Global) lockCtx() (context.Context, context.CancelFunc) {
 // read lock only when a writer gets in the way or the table has
 // overflowed (then the MR list is scanned). It fails, rather than waiting
 // or reading a half-written table, if the primary died while writing, and
-// with ErrClosed once Detach was called.
+// with ErrClosed once Detach was called. A secondary the primary fenced
+// gets ErrFenced: it stopped following memory changes, so an address may
+// map, in it, pages the primary freed since and holds in quarantine for
+// it, while the table names the pages handed out there afterwards.
 func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
 	if g.detached.Load() {
 		return Entry{}, false, ErrClosed
+	}
+	if !g.owner && g.seg.Fenced() {
+		return Entry{}, false, ErrFenced
 	}
 	for range 4 {
 		stamp, ok := g.lock.Optimistic()

@@ -675,10 +675,16 @@ func (q *Queue) RegisterMempool(mp cache.Mempool) error {
 
 // lockError turns the global lock's word that a writer died mid-update
 // into ErrPrimaryGone when that writer was the primary (it is no longer
-// alive); a live primary repairs the lock within moments.
+// alive); a live primary repairs the lock within moments. A lookup the
+// global table refused because the primary fenced this process (before
+// the watch noticed) is ErrDropped, and starts the drop.
 func (s *Secondary) lockError(err error) error {
 	if err == nil {
 		return nil
+	}
+	if errors.Is(err, cache.ErrFenced) {
+		s.startDrop("the primary fenced this process")
+		return fmt.Errorf("%w: %w", ErrDropped, err)
 	}
 	if errors.Is(err, shm.ErrNotRecoverable) || errors.Is(err, shm.ErrOwnerDied) && !s.primaryAlive() {
 		return fmt.Errorf("%w: %w", ErrPrimaryGone, err)
