@@ -455,7 +455,8 @@ func (p *Primary) NewQueue() *Queue {
 }
 
 // Close stops counting the queue in Stats (its counters so far stay).
-// Call it from the queue's goroutine.
+// Call it from the queue's goroutine, and use the queue no more: once the
+// primary is closed too, the segment its lookups read may be gone.
 func (q *Queue) Close() {
 	q.Publish()
 	q.p.queues.Remove(q.Local)

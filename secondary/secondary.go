@@ -693,7 +693,8 @@ func (s *Secondary) lockError(err error) error {
 }
 
 // Close stops counting the queue in Stats. Call it from the queue's
-// goroutine.
+// goroutine, and use the queue no more: once the secondary is closed too,
+// the segment its lookups read may be gone.
 func (q *Queue) Close() {
 	q.Publish()
 	q.s.queues.Remove(q.Local)
