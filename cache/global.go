@@ -137,6 +137,9 @@ type Global struct {
 	// read deadGen, a generation of their own, instead of devGen.
 	detached atomic.Bool
 	deadGen  uint32
+	// fence says whether the primary fenced this process (a secondary's
+	// claim; the primary's own is never fenced).
+	fence shm.FenceWatch
 }
 
 // Detach is for a process about to close the segment g lives in: from
@@ -236,7 +239,7 @@ func open(seg *shm.Segment, rootOff uint64, c *GlobalConfig) (*Global, error) {
 		return nil, fmt.Errorf("cache: global lock: %w", err)
 	}
 	g := &Global{seg: seg, rootOff: rootOff, root: root, lock: lock, devGen: &root.DevGen,
-		ilog: openLog(seg, root), timeout: c.LockTimeout, log: c.Logger}
+		ilog: openLog(seg, root), timeout: c.LockTimeout, log: c.Logger, fence: seg.FenceWatch()}
 	if g.timeout <= 0 {
 		g.timeout = 5 * time.Second
 	}
@@ -292,7 +295,7 @@ func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
 	if g.detached.Load() {
 		return Entry{}, false, ErrClosed
 	}
-	if !g.owner && g.seg.Fenced() {
+	if g.fence.Fenced() {
 		return Entry{}, false, ErrFenced
 	}
 	for range 4 {

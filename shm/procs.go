@@ -296,6 +296,28 @@ func (s *Segment) Fenced() bool {
 	return s.slot >= 0 && s.slot < len(slots) && atomic.LoadUint32(&slots[s.slot].Fenced) == s.epoch
 }
 
+// FenceWatch tells, from any goroutine and without reading anything Close
+// changes, whether the primary fenced the claim this process holds now.
+// The zero FenceWatch never reports a fence.
+type FenceWatch struct {
+	word  *uint32
+	epoch uint32
+}
+
+// Fenced reports whether the claim was fenced.
+func (w FenceWatch) Fenced() bool { return w.word != nil && atomic.LoadUint32(w.word) == w.epoch }
+
+// FenceWatch returns a FenceWatch for this process's current claim (the
+// zero one if it holds none). It reads the claim's word where the segment
+// is mapped, so it is for goroutines that may read the segment anyway.
+func (s *Segment) FenceWatch() FenceWatch {
+	slots := s.slots()
+	if s.slot < 0 || s.slot >= len(slots) {
+		return FenceWatch{}
+	}
+	return FenceWatch{word: &slots[s.slot].Fenced, epoch: s.epoch}
+}
+
 // MarkUnmapped declares that this process maps no data memory any more, so
 // that the primary need not quarantine what it frees on this process's
 // account.
