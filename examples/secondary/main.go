@@ -143,6 +143,13 @@ func run(ctx context.Context, f job.Flags) int {
 	stopped := func() int {
 		stopWork()
 		<-done
+		// A queue may have seen the end before the library did: let it
+		// finish saying why (it takes a second at most), so that this
+		// process's last line is its own.
+		select {
+		case <-s.PrimaryGone():
+		case <-time.After(2 * time.Second):
+		}
 		why := "the primary has gone"
 		if s.Dropped() {
 			why = "the primary dropped this process (it did not follow a memory change in time)"
