@@ -23,7 +23,15 @@ var ErrWouldBlock = errors.New("sock: no room in the peer's queue")
 // SOCK_SEQPACKET socket.
 var ErrNotSeqpacket = errors.New("sock: not a unix SOCK_SEQPACKET socket")
 
+// ErrReserved means Send was given the one message a Blocking connection
+// keeps for itself: the single byte filesNotice.
+var ErrReserved = errors.New("sock: the one-byte message 0xc1 is reserved")
+
 var errBlockingClosed = fmt.Errorf("sock: %w", net.ErrClosed)
+
+// filesNotice is the message a Blocking connection sends ahead of one that
+// carries descriptors. 0xc1 is the byte msgpack never uses.
+const filesNotice = 0xc1
 
 // Blocking is a SOCK_SEQPACKET connection served by blocking system calls
 // on the calling goroutine's own thread, outside Go's network poller.
@@ -61,6 +69,14 @@ type Blocking struct {
 	// rcvtimeo is fd's receive timeout (SO_RCVTIMEO) as RecvBy last set
 	// it; 0: none. Like oob, it belongs to the one receiver.
 	rcvtimeo time.Duration
+	// expect counts the notices received whose messages with descriptors
+	// have not come yet (see recvOne); one is the buffer recvOne receives
+	// into when the caller's is empty. They too belong to the receiver.
+	expect int
+	one    [1]byte
+	// owed counts the notices sent whose messages could not follow them
+	// (see send).
+	owed atomic.Int64
 }
 
 // BlockingPair returns a connected pair of SOCK_SEQPACKET sockets: the
@@ -136,6 +152,14 @@ func newBlocking(fd, wake int) *Blocking {
 // Conn.Send does. It waits for room in the peer's queue until deadline
 // (zero: none), failing with os.ErrDeadlineExceeded then, and nothing was
 // sent. Wake does not end it: Wake is for the one receiver.
+//
+// A message without descriptors is a single sendto, received with a
+// single recvfrom: the system calls of a C round trip, which cost less
+// than sendmsg and recvmsg. A message with descriptors is announced: a
+// one-byte notice (filesNotice, which the receiver takes in, so b may not
+// be that byte: ErrReserved) goes ahead of it, so that the receiver
+// receives it with room for them. Descriptors that a peer writes to the
+// socket without the notice are closed by the kernel on receipt.
 func (c *Blocking) Send(b []byte, files []*os.File, deadline time.Time) error {
 	return c.send(b, files, deadline, false)
 }
@@ -147,6 +171,9 @@ func (c *Blocking) TrySend(b []byte, files []*os.File) error {
 }
 
 func (c *Blocking) send(b []byte, files []*os.File, deadline time.Time, try bool) error {
+	if len(b) == 1 && b[0] == filesNotice {
+		return ErrReserved
+	}
 	oob, err := rights(files)
 	if err != nil {
 		return err
@@ -154,11 +181,51 @@ func (c *Blocking) send(b []byte, files []*os.File, deadline time.Time, try bool
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	defer runtime.KeepAlive(files) // the raw descriptors are in use until here
+	if len(oob) == 0 {
+		return c.sendOne(b, nil, deadline, try)
+	}
+	// The notice goes first, unless one that went is still owed its
+	// message: a send that failed after its notice leaves it to the next.
+	if !c.takeOwed() {
+		if err := c.sendOne([]byte{filesNotice}, nil, deadline, try); err != nil {
+			return err
+		}
+	}
+	if err := c.sendOne(b, oob, deadline, try); err != nil {
+		c.owed.Add(1)
+		return err
+	}
+	return nil
+}
+
+// takeOwed takes one of the notices that went without their message, if
+// there is one.
+func (c *Blocking) takeOwed() bool {
+	for {
+		n := c.owed.Load()
+		if n == 0 {
+			return false
+		}
+		if c.owed.CompareAndSwap(n, n-1) {
+			return true
+		}
+	}
+}
+
+// sendOne sends b as one message, with the control message oob, waiting
+// for room until deadline unless try is set. Call it with mu read-held.
+func (c *Blocking) sendOne(b, oob []byte, deadline time.Time, try bool) error {
+	const flags = unix.MSG_DONTWAIT | unix.MSG_NOSIGNAL
 	for {
 		if c.closed.Load() {
 			return errBlockingClosed
 		}
-		_, err := unix.SendmsgN(c.fd, b, oob, nil, unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+		var err error
+		if len(oob) == 0 {
+			err = unix.Sendto(c.fd, b, flags, nil)
+		} else {
+			_, err = unix.SendmsgN(c.fd, b, oob, nil, flags)
+		}
 		switch {
 		case err == nil:
 			return nil
@@ -183,13 +250,14 @@ func (c *Blocking) send(b []byte, files []*os.File, deadline time.Time, try bool
 // Recv receives one message into b, as Conn.Recv does, waiting for it
 // until deadline (zero: none): then it fails with os.ErrDeadlineExceeded,
 // and with ErrWoken when Wake is called meanwhile. Without a deadline on
-// a connection that is not wakeable, it is a single blocking recvmsg.
+// a connection that is not wakeable, it is a single blocking recvfrom
+// (recvmsg for a message with descriptors).
 func (c *Blocking) Recv(b []byte, deadline time.Time) (int, []*os.File, error) {
 	return c.recv(b, deadline, true)
 }
 
 // RecvBy receives one message as Recv does, until deadline (zero: none),
-// in a single blocking recvmsg that Wake does not end (Close does). It is
+// in a single blocking receive that Wake does not end (Close does). It is
 // for a receiver that nobody will need to wake: one fewer system call
 // than a wait that watches the wake-up too. A deadline is kept by a
 // receive timeout (SO_RCVTIMEO) that changes only when the one set cannot
@@ -208,14 +276,13 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 	if c.closed.Load() {
 		return 0, nil, errBlockingClosed
 	}
-	flags := unix.MSG_CMSG_CLOEXEC | unix.MSG_DONTWAIT
 	if err := c.wait(unix.POLLIN, deadline, true); err != nil {
 		return 0, nil, err
 	}
 	for {
-		n, oobn, rflags, err := recvmsg(c.fd, b, c.oob, flags)
+		n, oobn, rflags, err := c.recvOne(b, unix.MSG_DONTWAIT)
 		switch {
-		case err == unix.EINTR:
+		case err == unix.EINTR || err == errNoticed:
 			continue
 		case err == unix.EAGAIN:
 			// Readiness that went away; wait again.
@@ -228,7 +295,7 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 	}
 }
 
-// recvBlocking receives one message in blocking recvmsg calls, until
+// recvBlocking receives one message in blocking receive calls, until
 // deadline (zero: none).
 func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, error) {
 	c.mu.RLock()
@@ -240,12 +307,55 @@ func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, 
 		if err := c.setTimeout(deadline); err != nil {
 			return 0, nil, err
 		}
-		n, oobn, rflags, err := recvmsg(c.fd, b, c.oob, unix.MSG_CMSG_CLOEXEC)
-		if err == unix.EINTR || err == unix.EAGAIN {
-			continue // a signal, or the receive timeout: look at the deadline again
+		n, oobn, rflags, err := c.recvOne(b, 0)
+		if err == unix.EINTR || err == unix.EAGAIN || err == errNoticed {
+			continue // a signal, the receive timeout, or a notice: look at the deadline again
 		}
 		return c.received(n, len(b), oobn, rflags, err)
 	}
+}
+
+// errNoticed is recvOne's report of a notice taken in: no message for the
+// caller, who receives again.
+var errNoticed = errors.New("sock: notice of files")
+
+// recvOne makes one receive system call for a message into b, with flags
+// added, and returns what recvmsg would: the message's length, that of the
+// control messages in c.oob, and MSG_TRUNC in the flags if b was too short.
+//
+// Descriptors come only with messages that were announced (see Send), so
+// that a message receives with the cheaper recvfrom, as in C, unless a
+// notice is pending: then recvmsg, with room for the descriptors. A
+// message with descriptors that recvfrom receives (a peer that wrote it
+// without its notice) has them closed by the kernel: none is installed
+// here, and none leaks. The count of pending notices only ever errs high,
+// towards receiving with recvmsg, so descriptors sent through Send, from
+// however many senders, always find room.
+func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error) {
+	p := b
+	if len(p) == 0 {
+		p = c.one[:] // to see a message's first byte; it is refused as truncated
+	}
+	// With MSG_TRUNC, n is the message's whole length.
+	if c.expect > 0 {
+		n, oobn, rflags, err = recvmsg(c.fd, p, c.oob, flags|unix.MSG_TRUNC|unix.MSG_CMSG_CLOEXEC)
+		if err == nil && oobn > 0 {
+			c.expect--
+		}
+	} else {
+		n, err = recvfrom(c.fd, p, flags|unix.MSG_TRUNC)
+	}
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	if n == 1 && oobn == 0 && p[0] == filesNotice {
+		c.expect++
+		return 0, 0, 0, errNoticed
+	}
+	if n > len(b) {
+		n, rflags = len(b), rflags|unix.MSG_TRUNC
+	}
+	return n, oobn, rflags, nil
 }
 
 // minTimeout is the shortest receive timeout set: below it the kernel's

@@ -137,8 +137,9 @@ func b8FDs(t *testing.T) int {
 
 // The raw recvmsg behind RecvBy and Recv keeps what unix.Recvmsg did:
 // descriptors arrive, a message longer than the buffer or with more
-// descriptors than MaxFiles is refused without leaking any, and an empty
-// buffer still consumes and refuses the message.
+// announced descriptors than MaxFiles is refused without leaking any,
+// unannounced ones are dropped, and an empty buffer still consumes and
+// refuses the message.
 func TestBreaker8RawRecvmsgEdges(t *testing.T) {
 	a, b := blockingPair(t)
 	buf := make([]byte, 8)
@@ -169,14 +170,24 @@ func TestBreaker8RawRecvmsgEdges(t *testing.T) {
 		_, _, err = recv(nil)
 		assert.ErrorIs(t, err, ErrTruncated, "%s: an empty buffer", name)
 
-		// More descriptors than the control buffer holds, sent raw.
+		// More descriptors than the control buffer holds, sent raw after
+		// their notice (see Send).
 		many := make([]int, 0, MaxFiles+8)
 		for range MaxFiles + 8 {
 			many = append(many, int(r.Fd()))
 		}
+		require.NoError(t, unix.Sendto(a.fd, []byte{filesNotice}, 0, nil))
 		require.NoError(t, unix.Sendmsg(a.fd, []byte("many"), unix.UnixRights(many...), nil, 0))
 		_, files, err = recv(buf)
 		assert.ErrorIs(t, err, ErrTooManyFiles, name)
+		assert.Nil(t, files, name)
+		assert.Equal(t, before, b8FDs(t), "%s: no descriptor left open", name)
+
+		// Without the notice, the kernel closes them all.
+		require.NoError(t, unix.Sendmsg(a.fd, []byte("many"), unix.UnixRights(many...), nil, 0))
+		n, files, err = recv(buf)
+		require.NoError(t, err, name)
+		assert.Equal(t, "many", string(buf[:n]), name)
 		assert.Nil(t, files, name)
 		assert.Equal(t, before, b8FDs(t), "%s: no descriptor left open", name)
 

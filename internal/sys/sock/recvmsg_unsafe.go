@@ -27,3 +27,13 @@ func recvmsg(fd int, p, oob []byte, flags int) (n, oobn, rflags int, err error) 
 	}
 	return int(r), int(msg.Controllen), int(msg.Flags), nil
 }
+
+// recvfrom is recv(2) into p, which must not be empty, without the
+// sender's address (unix.Recvfrom asks for it, at an allocation).
+func recvfrom(fd int, p []byte, flags int) (int, error) {
+	r, _, e := unix.Syscall6(unix.SYS_RECVFROM, uintptr(fd), uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)), uintptr(flags), 0, 0)
+	if e != 0 {
+		return 0, e
+	}
+	return int(r), nil
+}
