@@ -282,10 +282,12 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 	for {
 		n, oobn, rflags, err := c.recvOne(b, unix.MSG_DONTWAIT)
 		switch {
-		case err == unix.EINTR || err == errNoticed:
+		case err == unix.EINTR:
 			continue
-		case err == unix.EAGAIN:
-			// Readiness that went away; wait again.
+		case err == unix.EAGAIN || err == errNoticed:
+			// Readiness that went away, or a notice (whose message may
+			// come later: a flood of them must not hold the deadline or
+			// Wake off); wait again.
 			if err := c.wait(unix.POLLIN, deadline, true); err != nil {
 				return 0, nil, err
 			}
@@ -337,9 +339,12 @@ func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error)
 		p = c.one[:] // to see a message's first byte; it is refused as truncated
 	}
 	// With MSG_TRUNC, n is the message's whole length.
+	rights := false
 	if c.expect > 0 {
 		n, oobn, rflags, err = recvmsg(c.fd, p, c.oob, flags|unix.MSG_TRUNC|unix.MSG_CMSG_CLOEXEC)
-		if err == nil && oobn > 0 {
+		// Other control messages (credentials, a pidfd, a timestamp: what
+		// options whoever holds the socket set ask for) are no descriptors.
+		if rights = err == nil && oobn > 0 && carriesRights(c.oob[:oobn]); rights {
 			c.expect--
 		}
 	} else {
@@ -348,7 +353,11 @@ func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error)
 	if err != nil {
 		return 0, 0, 0, err
 	}
-	if n == 1 && oobn == 0 && p[0] == filesNotice {
+	if n == 1 && !rights && p[0] == filesNotice {
+		if oobn > 0 {
+			files, _ := parseRights(c.oob[:oobn]) // closes a pidfd; none of the files it returns
+			closeAll(files)
+		}
 		c.expect++
 		return 0, 0, 0, errNoticed
 	}

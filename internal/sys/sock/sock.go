@@ -19,6 +19,7 @@ package sock
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -323,7 +324,14 @@ func parseRights(oob []byte) ([]*os.File, error) {
 	}
 	var files []*os.File
 	for i := range msgs {
-		if msgs[i].Header.Level != unix.SOL_SOCKET || msgs[i].Header.Type != unix.SCM_RIGHTS {
+		if msgs[i].Header.Level != unix.SOL_SOCKET {
+			continue
+		}
+		if msgs[i].Header.Type == unix.SCM_PIDFD {
+			closePidfd(msgs[i].Data) // the kernel's, with SO_PASSPIDFD: not ours to keep
+			continue
+		}
+		if msgs[i].Header.Type != unix.SCM_RIGHTS {
 			continue
 		}
 		fds, perr := unix.ParseUnixRights(&msgs[i])
@@ -336,6 +344,30 @@ func parseRights(oob []byte) ([]*os.File, error) {
 		}
 	}
 	return files, err
+}
+
+// closePidfd closes the pidfd of an SCM_PIDFD control message's data: a
+// socket with SO_PASSPIDFD set (by whoever holds it) gets one with every
+// message received with a control buffer.
+func closePidfd(data []byte) {
+	if len(data) >= 4 {
+		unix.Close(int(int32(binary.NativeEndian.Uint32(data))))
+	}
+}
+
+// carriesRights reports whether the control messages in oob carry
+// descriptors (SCM_RIGHTS), or cannot be read.
+func carriesRights(oob []byte) bool {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return true // malformed: received refuses it
+	}
+	for i := range msgs {
+		if msgs[i].Header.Level == unix.SOL_SOCKET && msgs[i].Header.Type == unix.SCM_RIGHTS {
+			return true
+		}
+	}
+	return false
 }
 
 func closeAll(files []*os.File) {
