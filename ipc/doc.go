@@ -62,9 +62,9 @@
 //     hands each answer to its caller; when its own comes it hands the
 //     reading to the next (leader and followers). A caller's cancellation
 //     reaches the reader through an eventfd it polls beside the socket
-//     (a call that cannot be cancelled skips the poll and waits in
-//     recvmsg alone, its deadline kept by the socket's receive timeout).
-//   - the server reads each peer's lane on a goroutine blocked in recvmsg,
+//     (a call that cannot be cancelled skips the poll and waits in the
+//     receive alone, its deadline kept by the socket's receive timeout).
+//   - the server reads each peer's lane on a goroutine blocked in a receive,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.
 //
@@ -76,16 +76,19 @@
 // Its reader sleeps in the poller and notices a dead peer at once.
 // Strangers never get a lane nor any descriptor.
 //
-// A round trip on the lane makes one sendmsg and one recvmsg per side,
+// A round trip on the lane makes one sendto and one recvfrom per side,
 // plus one ppoll on the client (the eventfd) when the call can be
-// cancelled, and no other system call or wake-up: the C floor's shape. The price is a thread per goroutine blocked on a lane: one per
-// admitted peer in the server, one per waiting caller's reader in the
-// client. A frame that finds no room in the peer's queue does not cost a
-// thread: the frames that wait for room on one lane wait their turn
-// parked, and only the first waits in the kernel, so a peer that stops
-// reading holds at most one of the server's threads however many answers
-// it leaves waiting. It is dropped once it has taken no frame for
-// ServerConfig.WriteTimeout.
+// cancelled, and no other system call or wake-up: the C floor's shape
+// and calls. (A frame with descriptors goes after a one-byte notice, and
+// is received with recvmsg; descriptors that come without a notice are
+// closed by the kernel, see sock.Blocking.) The price is a thread per
+// goroutine blocked on a lane: one per admitted peer in the server, one
+// per waiting caller's reader in the client. A frame that finds no room
+// in the peer's queue does not cost a thread: the frames that wait for
+// room on one lane wait their turn parked, and only the first waits in
+// the kernel, so a peer that stops reading holds at most one of the
+// server's threads however many answers it leaves waiting. It is dropped
+// once it has taken no frame for ServerConfig.WriteTimeout.
 //
 // # Limits
 //

@@ -456,7 +456,7 @@ func (e *endpoint) waitLane(ctx context.Context, callDeadline time.Time, l *sock
 	deadline := time.Now().Add(e.writeTimeout)
 	sent := e.laneFrames.Load()
 	for {
-		// Every slice starts with a sendmsg: a unix socket tells poll there
+		// Every slice starts with a send: a unix socket tells poll there
 		// is room only once the peer has read three quarters of what waits,
 		// while a frame fits as soon as the peer has read enough for it.
 		slice := time.Now().Add(laneWriteSlice)
