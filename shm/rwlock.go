@@ -57,7 +57,9 @@ import (
 //     writer's mark is in the word, and waits while a live writer repairs.
 //
 // Waiting uses shared futexes after a brief spin. Every wait is bounded by
-// its context.
+// its context, or by a time limit (LockWithin, RLockWithin) that starts
+// counting when the lock first has to wait: a lock taken at once reads no
+// clock, starts no timer and allocates nothing.
 //
 // Optimistic reads (Optimistic, Validate) let a reader proceed without
 // writing anything, for read sections that only load words with
@@ -203,14 +205,25 @@ func (l *RWLock) RLock(ctx context.Context) (ReadHold, error) {
 	if atomic.LoadUint64(l.owner) == 0 {
 		return ReadHold{gen: uint32(v >> 32)}, nil
 	}
-	return l.rlockSlow(ctx, v)
+	return l.rlockSlow(&bound{ctx: ctx}, v)
+}
+
+// RLockWithin is RLock bounded by a time limit instead of a context: it
+// waits at most d for a writer to go, counted from when it first has to.
+func (l *RWLock) RLockWithin(d time.Duration) (ReadHold, error) {
+	v := atomic.AddUint64(l.mine, 1)
+	if atomic.LoadUint64(l.owner) == 0 {
+		return ReadHold{gen: uint32(v >> 32)}, nil
+	}
+	return l.rlockSlow(&bound{within: d}, v)
 }
 
 //go:noinline
-func (l *RWLock) rlockSlow(ctx context.Context, v uint64) (ReadHold, error) {
+func (l *RWLock) rlockSlow(b *bound, v uint64) (ReadHold, error) {
+	b.start()
 	for {
 		_ = l.RUnlock(ReadHold{gen: uint32(v >> 32)})
-		if err := l.waitWriter(ctx); err != nil {
+		if err := l.waitWriter(b); err != nil {
 			return ReadHold{}, err
 		}
 		v = atomic.AddUint64(l.mine, 1)
@@ -289,7 +302,7 @@ func (l *RWLock) writerError(w uint64) error {
 }
 
 // waitWriter waits until the owner word is clear, or fails.
-func (l *RWLock) waitWriter(ctx context.Context) error {
+func (l *RWLock) waitWriter(b *bound) error {
 	for i := 0; i < spinTries; i++ {
 		if atomic.LoadUint64(l.owner) == 0 {
 			return nil
@@ -304,20 +317,58 @@ func (l *RWLock) waitWriter(ctx context.Context) error {
 		if err := l.writerError(w); err != nil {
 			return err
 		}
-		if err := l.sleep(ctx, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
+		if err := l.sleep(b, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
 			return err
 		}
 	}
 }
 
+// bound is what limits a lock's waits: the caller's context, or else a
+// time limit whose deadline is fixed when start is first called, so that
+// a lock that never waits never reads the clock. It lives on the stack of
+// the lock call it bounds; one goroutine uses it.
+type bound struct {
+	ctx    context.Context // nil: within bounds the waits
+	within time.Duration
+	at     time.Time // within's deadline, once started
+}
+
+// start begins counting within, if it has not begun.
+func (b *bound) start() {
+	if b.ctx == nil && b.at.IsZero() {
+		b.at = time.Now().Add(b.within)
+	}
+}
+
+// err is the context's error, or context.DeadlineExceeded once within has
+// passed since start.
+func (b *bound) err() error {
+	if b.ctx != nil {
+		return b.ctx.Err()
+	}
+	b.start()
+	if !time.Now().Before(b.at) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
+func (b *bound) deadline() (time.Time, bool) {
+	if b.ctx != nil {
+		return b.ctx.Deadline()
+	}
+	b.start()
+	return b.at, true
+}
+
 // sleep waits on a futex word until it changes, the poll interval passes,
-// until (if set) comes, or ctx ends (its error is returned).
-func (l *RWLock) sleep(ctx context.Context, word *uint32, val uint32, counted bool, until time.Time) error {
-	if err := ctx.Err(); err != nil {
+// until (if set) comes, or b ends the wait (its error is returned).
+func (l *RWLock) sleep(b *bound, word *uint32, val uint32, counted bool, until time.Time) error {
+	if err := b.err(); err != nil {
 		return err
 	}
 	d := pollEvery
-	if dl, ok := ctx.Deadline(); ok {
+	if dl, ok := b.deadline(); ok {
 		if r := time.Until(dl); r < d {
 			if r <= 0 {
 				return context.DeadlineExceeded
@@ -342,17 +393,29 @@ func (l *RWLock) sleep(ctx context.Context, word *uint32, val uint32, counted bo
 // ErrOwnerDied with the lock held (see the type's documentation), or an
 // error without the lock: ErrNotRecoverable or ctx's error.
 func (l *RWLock) Lock(ctx context.Context) error {
+	return l.lock(&bound{ctx: ctx})
+}
+
+// LockWithin is Lock bounded by a time limit instead of a context: it
+// waits at most d in all, counted from when it first has to. The write
+// lock of an uncontended lock costs no clock reading, timer or allocation.
+func (l *RWLock) LockWithin(d time.Duration) error {
+	return l.lock(&bound{within: d})
+}
+
+func (l *RWLock) lock(b *bound) error {
 	for spins := 0; ; {
 		w := atomic.LoadUint64(l.owner)
 		switch {
 		case w == 0:
 			if atomic.CompareAndSwapUint64(l.owner, 0, l.me) {
-				return l.drain(ctx, 0)
+				return l.drain(b, 0)
 			}
 			continue
 		case w == ownerUnrecoverable:
 			return ErrNotRecoverable
 		case spins < spinTries:
+			b.start()
 			spins++
 			runtime.Gosched()
 			continue
@@ -361,11 +424,11 @@ func (l *RWLock) Lock(ctx context.Context) error {
 				atomic.StoreUint32(&l.head.Flags, flagInconsistent)
 				l.seg.log.Warn("took over lock from dead writer", "lock", l.off,
 					"dead_slot", int(uint32(w))-1, "dead_epoch", uint32(w>>32))
-				return l.drain(ctx, w)
+				return l.drain(b, w)
 			}
 			continue
 		}
-		if err := l.sleep(ctx, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
+		if err := l.sleep(b, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
 			return err
 		}
 	}
@@ -387,9 +450,8 @@ func (l *RWLock) TryLock() (bool, error) {
 	case w != 0:
 		atomic.StoreUint32(&l.head.Flags, flagInconsistent)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel() // no waiting: drain fails at once if a live reader is in
-	if err := l.drain(ctx, w); err == ErrOwnerDied {
+	// No waiting: drain fails at once if a live reader is in.
+	if err := l.drain(&bound{within: 0}, w); err == ErrOwnerDied {
 		return true, err
 	} else if err != nil {
 		return false, nil
@@ -402,11 +464,11 @@ func (l *RWLock) TryLock() (bool, error) {
 // dead processes at once and fencing those of live ones after FenceAfter.
 // On failure it gives the word back — to the dead writer it took over
 // from, if prev names one, so that the state stays marked for repair.
-func (l *RWLock) drain(ctx context.Context, prev uint64) error {
+func (l *RWLock) drain(b *bound, prev uint64) error {
 	if seq := atomic.LoadUint32(&l.head.Seq); seq&1 == 0 {
 		atomic.StoreUint32(&l.head.Seq, seq+1)
 	}
-	fenceAt := time.Now().Add(time.Duration(l.fence.Load()))
+	var fenceAt time.Time // from the first live reader met on
 	for i := range l.lines {
 		c := &l.lines[i].Count
 		for {
@@ -421,6 +483,10 @@ func (l *RWLock) drain(ctx context.Context, prev uint64) error {
 				}
 				continue
 			}
+			if fenceAt.IsZero() {
+				b.start()
+				fenceAt = time.Now().Add(time.Duration(l.fence.Load()))
+			}
 			if !time.Now().Before(fenceAt) {
 				if atomic.CompareAndSwapUint64(c, v, nextGen(v)) {
 					atomic.AddUint64(&l.head.Fences, uint64(n))
@@ -430,7 +496,7 @@ func (l *RWLock) drain(ctx context.Context, prev uint64) error {
 				}
 				continue
 			}
-			if err := l.sleep(ctx, lowHalf(c), n, false, fenceAt); err != nil {
+			if err := l.sleep(b, lowHalf(c), n, false, fenceAt); err != nil {
 				l.abort(prev)
 				return err
 			}

@@ -64,6 +64,47 @@ func TestRWLockInProcess(t *testing.T) {
 	assert.False(t, l.Validate(stamp), "a write in between invalidates the stamp")
 }
 
+// TestRWLockWithin: the time-limited calls wait as the context ones do,
+// give up at their limit leaving no trace, and cost nothing when the lock
+// is free.
+func TestRWLockWithin(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	l := newLockFixture(t, owner).lock
+
+	h, err := l.RLockWithin(bound)
+	require.NoError(t, err)
+	assert.ErrorIs(t, l.LockWithin(20*time.Millisecond), context.DeadlineExceeded, "a live reader keeps it")
+	assert.Equal(t, -1, l.State().WriterSlot, "a writer that gave up leaves no trace")
+	require.NoError(t, l.RUnlock(h))
+
+	require.NoError(t, l.LockWithin(bound))
+	_, err = l.RLockWithin(20 * time.Millisecond)
+	assert.ErrorIs(t, err, context.DeadlineExceeded, "a writer keeps readers out")
+	assert.Empty(t, l.State().Readers, "a reader that gave up leaves no hold")
+	done := make(chan error, 1)
+	go func() { done <- l.LockWithin(20 * time.Millisecond) }()
+	assert.ErrorIs(t, <-done, context.DeadlineExceeded, "a writer keeps writers out")
+	go func() { done <- l.LockWithin(bound) }()
+	l.Unlock()
+	require.NoError(t, <-done, "and lets the waiting one in when it goes")
+	l.Unlock()
+
+	allocs := testing.AllocsPerRun(100, func() {
+		if err := l.LockWithin(bound); err != nil {
+			t.Fatal(err)
+		}
+		l.Unlock()
+		h, err := l.RLockWithin(bound)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.RUnlock(h); err != nil {
+			t.Fatal(err)
+		}
+	})
+	assert.Zero(t, allocs)
+}
+
 func TestRWLockGoroutinesNeverOverlap(t *testing.T) {
 	owner, _ := newSegment(t, testenv.Tmpfs(t))
 	f := newLockFixture(t, owner)
