@@ -54,20 +54,38 @@ func (s *Segment) arenaInit(start, end, maxSize, page uint64) {
 	s.mirrorFree()
 }
 
-// mirrorFree writes the free list into the segment for the processes that
-// only look, and the totals into the header. Called with s.mu held.
-func (s *Segment) mirrorFree() {
+// mirrorFree writes the whole free list into the segment for the
+// processes that only look, and the totals into the header. Called with
+// s.mu held.
+func (s *Segment) mirrorFree() { s.mirrorSpans(0, len(s.arena.free)) }
+
+// mirrorSpans writes free blocks lo..hi-1 of the owner's list into the
+// segment — header, size and link to the next — and the totals into the
+// header; lo 0 writes the list's head too. An allocation or a free
+// changes at most three neighbouring entries of the list and the link of
+// the one before them, so that is all it rewrites: the mirror costs the
+// same however fragmented the arena is. Called with s.mu held.
+func (s *Segment) mirrorSpans(lo, hi int) {
 	a := &s.arena
-	next := uint64(0)
-	for i := len(a.free) - 1; i >= 0; i-- {
+	lo, hi = max(lo, 0), min(hi, len(a.free))
+	for i := lo; i < hi; i++ {
 		f := a.free[i]
+		next := uint64(0)
+		if i+1 < len(a.free) {
+			next = a.free[i+1].off
+		}
 		b := s.block(f.off)
 		atomic.StoreUint64(&b.Size, f.size)
 		atomic.StoreUint64(&b.Tag, blockFree)
 		atomic.StoreUint64(At[uint64](s, f.off+blockHdr), next)
-		next = f.off
 	}
-	atomic.StoreUint64(&s.hdr.ArenaFree, next)
+	if lo == 0 {
+		head := uint64(0)
+		if len(a.free) > 0 {
+			head = a.free[0].off
+		}
+		atomic.StoreUint64(&s.hdr.ArenaFree, head)
+	}
 	atomic.StoreUint64(&s.hdr.ArenaUsed, a.usedBytes)
 	atomic.StoreUint64(&s.hdr.ArenaBlocks, uint64(len(a.used)))
 }
@@ -118,7 +136,8 @@ func (s *Segment) allocLocked(n, align uint64) (uint64, bool) {
 			blockEnd = end // too small to keep: it goes with the block
 		}
 		// [f.off, start) stays free, [blockEnd, end) becomes free.
-		var rest []span
+		var buf [2]span
+		rest := buf[:0]
 		if start > f.off {
 			rest = append(rest, span{f.off, start - f.off})
 		}
@@ -131,7 +150,9 @@ func (s *Segment) allocLocked(n, align uint64) (uint64, bool) {
 		b := s.block(start)
 		atomic.StoreUint64(&b.Size, blockEnd-start)
 		atomic.StoreUint64(&b.Tag, blockUsed)
-		s.mirrorFree()
+		// The block before i now links to what replaced i, or to what
+		// followed it.
+		s.mirrorSpans(i-1, i+len(rest))
 		return payload, true
 	}
 	return 0, false
@@ -188,10 +209,11 @@ func (s *Segment) freeRange(start, size uint64) {
 	}
 	if i > 0 && a.free[i-1].off+a.free[i-1].size == start {
 		a.free[i-1].size += size
+		s.mirrorSpans(i-1, i) // it grew; what follows it is unchanged
 	} else {
 		a.free = slices.Insert(a.free, i, span{start, size})
+		s.mirrorSpans(i-1, i+1) // the new block, and the link to it
 	}
-	s.mirrorFree()
 }
 
 func cmpU64(a, b uint64) int {
