@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"sync/atomic"
 
@@ -15,9 +16,8 @@ import (
 // writeLock takes the global write lock. Only the primary writes, so a dead
 // previous owner can only be a crashed primary whose segment we adopted:
 // the MR list is the truth, and the table is rebuilt from it.
-func (g *Global) writeLock() (context.CancelFunc, error) {
-	ctx, cancel := g.lockCtx()
-	err := g.lock.Lock(ctx)
+func (g *Global) writeLock() error {
+	err := g.lock.LockWithin(g.timeout)
 	if errors.Is(err, shm.ErrOwnerDied) {
 		g.log.Warn("global cache lock owner died; rebuilding the table from the MR list")
 		// The dead writer may have changed the list: every local cache
@@ -30,16 +30,12 @@ func (g *Global) writeLock() (context.CancelFunc, error) {
 		}
 	}
 	if err != nil {
-		cancel()
-		return nil, fmt.Errorf("cache: global write lock: %w", err)
+		return fmt.Errorf("cache: global write lock: %w", err)
 	}
-	return cancel, nil
+	return nil
 }
 
-func (g *Global) writeUnlock(cancel context.CancelFunc) {
-	g.lock.Unlock()
-	cancel()
-}
+func (g *Global) writeUnlock() { g.lock.Unlock() }
 
 // Create returns the entry for addr, registering the memory around it if no
 // MR covers it yet. Primary only. It follows DPDK's mlx5 create path:
@@ -129,11 +125,10 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 		return Entry{}, true, nil
 	}
 
-	cancel, err := g.writeLock()
-	if err != nil {
+	if err := g.writeLock(); err != nil {
 		return Entry{}, false, err
 	}
-	defer g.writeUnlock(cancel)
+	defer g.writeUnlock()
 	if g.closed.Load() {
 		return Entry{}, false, ErrClosed // Close swept the list while we waited
 	}
@@ -199,7 +194,9 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	if err == nil && !found {
 		err = fmt.Errorf("%w: 0x%x not found right after registering it", ErrCorrupt, addr)
 	}
-	g.log.Debug("MR created", "addr", addr, "start", start, "len", length, "lkey", vmr.LKey, "pages", set)
+	if g.log.Enabled(context.Background(), slog.LevelDebug) { // the arguments cost allocations
+		g.log.Debug("MR created", "addr", addr, "start", start, "len", length, "lkey", vmr.LKey, "pages", set)
+	}
 	return e, false, err
 }
 
@@ -212,11 +209,10 @@ func (g *Global) Repair() (bool, error) {
 	if !g.owner || !g.lock.OwnerDead() || g.closed.Load() {
 		return false, nil
 	}
-	cancel, err := g.writeLock()
-	if err != nil {
+	if err := g.writeLock(); err != nil {
 		return false, err
 	}
-	g.writeUnlock(cancel)
+	g.writeUnlock()
 	return true, nil
 }
 
@@ -230,7 +226,8 @@ func (g *Global) push(head *uint64, count *uint32, m mr) {
 // insertChunks puts every chunk of m into the table, doubling the table
 // when it is full. Call with the write lock held.
 func (g *Global) insertChunks(m mr) error {
-	for _, e := range m.chunks() {
+	var buf [4]Entry // most MRs are one chunk: no allocation for them
+	for _, e := range m.appendChunks(buf[:0]) {
 		if err := g.insert(e); err != nil {
 			return err
 		}
@@ -304,11 +301,10 @@ func (g *Global) Exclusive(fn func()) error {
 	if !g.owner {
 		return ErrNotPrimary
 	}
-	cancel, err := g.writeLock()
-	if err != nil {
+	if err := g.writeLock(); err != nil {
 		return err
 	}
-	defer g.writeUnlock(cancel)
+	defer g.writeUnlock()
 	fn()
 	return nil
 }

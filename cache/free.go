@@ -72,11 +72,11 @@ func (g *Global) CollectFor(addr, length uint64) error {
 // was. A failure after that (a corrupt list) still flushes every cache and
 // empties the table, so that no key is served for the range.
 func (g *Global) invalidate(addr, length uint64) error {
-	cancel, err := g.writeLock()
+	err := g.writeLock()
 	if err != nil {
 		return err
 	}
-	defer g.writeUnlock(cancel)
+	defer g.writeUnlock()
 	ps := g.pageSize(addr)
 	type hit struct {
 		m   mr
@@ -256,14 +256,14 @@ func (g *Global) Collect() (int, error) {
 		n += g.release(m, &errs)
 	}
 	if atomic.LoadUint32(&g.root.FreeCount) != 0 {
-		cancel, err := g.writeLock()
+		err := g.writeLock()
 		if err != nil {
 			errs = append(errs, err)
 		} else {
 			head := atomic.LoadUint64(&g.root.FreeList)
 			atomic.StoreUint64(&g.root.FreeList, 0)
 			atomic.StoreUint32(&g.root.FreeCount, 0)
-			g.writeUnlock(cancel)
+			g.writeUnlock()
 			errs = append(errs, g.eachMR(head, func(m mr) bool {
 				n += g.release(m, &errs)
 				return true
@@ -304,7 +304,7 @@ func (g *Global) Close() error {
 	if g.closed.Swap(true) {
 		return nil
 	}
-	cancel, err := g.writeLock()
+	err := g.writeLock()
 	if err != nil {
 		// Nothing changed: still open and guarding frees, and a later
 		// Close tries again.
@@ -329,7 +329,7 @@ func (g *Global) Close() error {
 	if t, err := g.table(); err == nil {
 		t.Clear()
 	}
-	g.writeUnlock(cancel)
+	g.writeUnlock()
 	_, err = g.Collect()
 	return errors.Join(append(errs, err)...)
 }
@@ -362,12 +362,12 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 	if err != nil {
 		return Entry{}, fmt.Errorf("cache: register external 0x%x: %w", addr, err)
 	}
-	cancel, err := g.writeLock()
+	err = g.writeLock()
 	if err != nil {
 		_ = g.seg.Free(off)
 		return Entry{}, err
 	}
-	defer g.writeUnlock(cancel)
+	defer g.writeUnlock()
 	if g.closed.Load() {
 		_ = g.seg.Free(off)
 		return Entry{}, ErrClosed // Close swept the list while we waited
@@ -438,7 +438,7 @@ func (g *Global) UnregisterExternal(addr uint64) error {
 	if g.closed.Load() {
 		return ErrClosed
 	}
-	cancel, err := g.writeLock()
+	err := g.writeLock()
 	if err != nil {
 		return err
 	}
@@ -455,7 +455,7 @@ func (g *Global) UnregisterExternal(addr uint64) error {
 		atomic.AddUint64(&g.root.Invalidations, 1)
 		err = g.rebuild()
 	}
-	g.writeUnlock(cancel)
+	g.writeUnlock()
 	if err != nil {
 		return err
 	}

@@ -335,17 +335,24 @@ func (g *Global) lookupLocked(addr uint64) (Entry, bool, error) {
 // meanwhile (this process kept it too long, see shm.RWLock), what fn read
 // may be torn: fn runs again, until the lock's timeout. fn must only read.
 func (g *Global) readLocked(fn func() error) error {
-	ctx, cancel := g.lockCtx()
-	defer cancel()
+	var until time.Time // once a hold was fenced: when to stop trying
 	for {
-		h, err := g.lock.RLock(ctx)
+		within := g.timeout
+		if !until.IsZero() {
+			within = max(time.Until(until), 0)
+		}
+		h, err := g.lock.RLockWithin(within)
 		if err != nil {
 			return err
 		}
 		ferr := fn()
-		if err := g.lock.RUnlock(h); err == nil {
+		err = g.lock.RUnlock(h)
+		switch {
+		case err == nil:
 			return ferr
-		} else if ctx.Err() != nil {
+		case until.IsZero():
+			until = time.Now().Add(g.timeout)
+		case !time.Now().Before(until):
 			return err
 		}
 	}

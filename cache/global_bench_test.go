@@ -93,14 +93,14 @@ func BenchmarkRebuild512(b *testing.B) {
 	}
 	b.ReportAllocs()
 	for b.Loop() {
-		cancel, err := p.g.writeLock()
+		err := p.g.writeLock()
 		if err != nil {
 			b.Fatal(err)
 		}
 		if err := p.g.rebuild(); err != nil {
 			b.Fatal(err)
 		}
-		p.g.writeUnlock(cancel)
+		p.g.writeUnlock()
 	}
 	if n := p.g.Stats().TableLen; n != 512 {
 		b.Fatalf("table holds %d entries", n)

@@ -50,6 +50,25 @@ func TestSinglePageMode(t *testing.T) {
 	assert.Equal(t, 2, p.g.Stats().MRs)
 }
 
+// TestCreateAllocatesNothing: a create that registers a new MR (once no
+// freed MR waits to be collected) allocates nothing in the primary, so
+// that a stream of misses makes no work for the garbage collector.
+func TestCreateAllocatesNothing(t *testing.T) {
+	const runs = 16
+	p := newPrimary(t, fixtureConfig{pages: runs + 2, single: true, pageSize: 64 << 10})
+	r := p.alloc(t, runs+1)
+	ps := p.pageSize()
+	next := uint64(r.Addr)
+	allocs := testing.AllocsPerRun(runs, func() {
+		if _, err := p.g.Create(next); err != nil {
+			t.Fatal(err)
+		}
+		next += ps
+	})
+	assert.Zero(t, allocs)
+	assert.Equal(t, runs+1, p.g.Stats().MRs, "every run registered a page")
+}
+
 func TestCreateOutsideMemory(t *testing.T) {
 	p := newPrimary(t, fixtureConfig{pages: 8})
 	r := p.alloc(t, 1)
