@@ -77,6 +77,11 @@ func newPrimary(t testing.TB, c fixtureConfig) *primary {
 	require.NoError(t, err)
 	p.dev, err = verbs.CreateSoft(seg, verbs.SoftOptions{MaxMRs: c.maxMRs, Logger: quiet})
 	require.NoError(t, err)
+	for _, l := range p.mem.Lists() { // as the primary does
+		if l.Backend == hugetlb.Hugetlbfs {
+			require.NoError(t, p.dev.Resident(l.Base, l.End-l.Base))
+		}
+	}
 	pd, err := p.dev.AllocPD()
 	require.NoError(t, err)
 	p.g, err = CreateGlobal(seg, GlobalConfig{Memory: p.mem, PD: pd, TableSize: c.tableSize,

@@ -185,6 +185,19 @@ func (p *Primary) start() error {
 	if err := p.openDevice(); err != nil {
 		return err
 	}
+	if p.dev != nil {
+		// The kernel keeps hugetlbfs memory resident: the soft device
+		// need not mlock it (mlock would do nothing there but cost a
+		// system call on every create).
+		for _, l := range p.mem.Lists() {
+			if l.Backend != hugetlb.Hugetlbfs {
+				continue
+			}
+			if err := p.dev.Resident(l.Base, l.End-l.Base); err != nil {
+				return err
+			}
+		}
+	}
 	if p.pd, err = p.vdev.AllocPD(); err != nil {
 		return err
 	}

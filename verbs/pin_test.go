@@ -76,6 +76,55 @@ func TestPinsAreCountedPerPage(t *testing.T) {
 	assert.Zero(t, d.Stats().PinnedBytes)
 }
 
+// TestResidentRangesAreNotMlocked declares a range resident, as the
+// primary does for its hugetlbfs memory: MRs inside it count as pinned
+// without an mlock (on tmpfs pages, which mlock would lock and count, the
+// difference shows), MRs reaching past it are mlocked as before, and
+// memory inside it that is not mapped is refused as ever.
+func TestResidentRangesAreNotMlocked(t *testing.T) {
+	d, pd, _ := newSoft(t, 8)
+	buf := newBuffer(t, 8*vm.PageSize)
+	page := vm.PageSize
+	require.NoError(t, d.Resident(buf.addr, 4*page))
+
+	in, err := pd.RegMR(buf.addr+100, 2*page, verbs.AccessLocalWrite)
+	require.NoError(t, err)
+	assert.Zero(t, lockedBytes(t, buf.addr, buf.addr+buf.size), "a resident range is not mlocked")
+	assert.Equal(t, uint64(in.Len), d.Stats().PinnedBytes, "but counts as pinned")
+	assert.Zero(t, d.Stats().UnpinnedMRs)
+	require.NoError(t, d.Validate(verbs.SGE{Addr: in.Addr, Len: 64, Key: in.LKey}, verbs.AccessLocalWrite))
+
+	across, err := pd.RegMR(buf.page(3), 2*page, 0) // pages 3 and 4: half outside
+	require.NoError(t, err)
+	if d.Stats().UnpinnedMRs != 0 {
+		t.Skip("mlock is not permitted here (RLIMIT_MEMLOCK): the rest needs it")
+	}
+	assert.Equal(t, 2*page, lockedBytes(t, buf.addr, buf.addr+buf.size), "a range reaching past it is mlocked")
+	assert.Equal(t, uint64(in.Len+across.Len), d.Stats().PinnedBytes)
+
+	require.NoError(t, pd.DeregMR(in))
+	require.NoError(t, pd.DeregMR(across))
+	assert.Zero(t, lockedBytes(t, buf.addr, buf.addr+buf.size))
+	assert.Zero(t, d.Stats().PinnedBytes)
+	assert.Zero(t, d.Stats().LiveMRs)
+
+	// Resident says nothing of whether memory is mapped: still checked.
+	none, err := vm.Reserve(0, 2*page)
+	require.NoError(t, err)
+	t.Cleanup(func() { vm.Unmap(none, 2*page) })
+	require.NoError(t, d.Resident(none, 2*page))
+	_, err = pd.RegMR(none, page, 0)
+	require.ErrorIs(t, err, verbs.ErrNotMapped)
+}
+
+func TestResidentChecksItsArguments(t *testing.T) {
+	d, _, o := newSoft(t, 8)
+	buf := newBuffer(t, vm.PageSize)
+	require.ErrorIs(t, d.Resident(buf.addr, 0), verbs.ErrBadRange)
+	require.ErrorIs(t, d.Resident(^uintptr(0)-100, 1000), verbs.ErrBadRange)
+	require.ErrorIs(t, attachSoft(t, o).Resident(buf.addr, buf.size), verbs.ErrPermission, "only the owner")
+}
+
 // helperUnpinned runs a primary that may not mlock: RLIMIT_MEMLOCK is 0
 // and its thread lacks CAP_IPC_LOCK. It registers two MRs and reports the
 // counters and how many warnings it logged.

@@ -75,8 +75,8 @@ type SoftStats struct {
 // process (ErrNotMapped otherwise, never a later crash) and pins it with
 // mlock, page by page counted, so deregistering one of two overlapping MRs
 // leaves the shared pages pinned. Pinning is best effort: hugetlbfs pages
-// are resident anyway (the kernel skips them; they count as pinned), and
-// when mlock fails because RLIMIT_MEMLOCK is too low and the process lacks
+// are resident anyway (mlock skips them; they count as pinned, and ranges
+// declared with Resident are not mlocked at all), and when mlock fails because RLIMIT_MEMLOCK is too low and the process lacks
 // CAP_IPC_LOCK, the MR is registered unpinned, the first such failure is
 // logged as a warning and SoftStats.UnpinnedMRs counts them.
 //
@@ -96,7 +96,8 @@ type owner struct {
 	mu        sync.Mutex
 	free      []uint32 // ring of free slots: reused oldest-freed first
 	head, n   int
-	pinned    map[uint32]span // pinned MRs by slot, in whole pages
+	pinned    map[uint32]span // MRs mlock pinned, by slot, in whole pages
+	resident  []span          // ranges the kernel keeps resident (Resident)
 	pinWarned bool
 	freeHoles []uint32 // stack of free hole indexes
 }
@@ -286,7 +287,8 @@ func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
 	if o.n == 0 {
 		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, 0x%x): %w: all %d MR slots in use", addr, addr+length, ErrNoResources, len(d.table))
 	}
-	pinned, err := d.pinLocked(addr, length)
+	pin, err := d.pinLocked(addr, length)
+	pinned := pin != pinNone
 	if err != nil {
 		return MR{}, fmt.Errorf("verbs: reg_mr [0x%x, 0x%x): %w", addr, addr+length, err)
 	}
@@ -300,6 +302,8 @@ func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
 	var flags uint32
 	if pinned {
 		flags = slotPinned
+	}
+	if pin == pinMlock {
 		o.pinned[idx] = pageSpan(addr, length)
 	}
 	atomic.AddUint32(&s.Seq, 1) // odd: readers back off
@@ -329,16 +333,29 @@ func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
 	return mr, nil
 }
 
-// pinLocked mlocks the range and reports whether it is pinned. A failure
-// is tolerated (and logged once) unless the range turns out to be no
-// longer mapped. Called with the owner's mutex held.
-func (d *Soft) pinLocked(addr, length uintptr) (bool, error) {
+// How a registered range is pinned.
+const (
+	pinNone     = iota // mlock failed: registered unpinned
+	pinMlock           // mlocked: munlock it when it goes
+	pinResident        // inside a Resident range: nothing to undo
+)
+
+// pinLocked pins the range: mlock, unless it lies in a range declared
+// Resident. A failure is tolerated (and logged once) unless the range
+// turns out to be no longer mapped. Called with the owner's mutex held.
+func (d *Soft) pinLocked(addr, length uintptr) (int, error) {
+	sp := pageSpan(addr, length)
+	for _, r := range d.own.resident {
+		if r.lo <= sp.lo && sp.hi <= r.hi {
+			return pinResident, nil
+		}
+	}
 	err := vm.Lock(addr, length)
 	if err == nil {
-		return true, nil
+		return pinMlock, nil
 	}
 	if cerr := vm.CheckReadable(addr, length); cerr != nil {
-		return false, fmt.Errorf("%w: %w", ErrNotMapped, cerr)
+		return pinNone, fmt.Errorf("%w: %w", ErrNotMapped, cerr)
 	}
 	if !d.own.pinWarned {
 		d.own.pinWarned = true
@@ -346,7 +363,28 @@ func (d *Soft) pinLocked(addr, length uintptr) (bool, error) {
 			"(raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); further failures are only counted",
 			"addr", fmt.Sprintf("0x%x", addr), "len", length, "err", err)
 	}
-	return false, nil
+	return pinNone, nil
+}
+
+// Resident declares [addr, addr+length) memory the kernel keeps resident
+// for as long as it is mapped, such as a hugetlbfs mapping: mlock neither
+// locks nor counts hugetlb pages, so on such a range it would only fault
+// the pages in, which the check every registration makes (that the range
+// is mapped readable) has done already. Registrations that lie inside a
+// resident range are therefore not mlocked, one system call less each,
+// and count as pinned. Declaring a range that is not so makes its MRs
+// count as pinned while the kernel may swap their pages. Owner only.
+func (d *Soft) Resident(addr, length uintptr) error {
+	if d.own == nil {
+		return fmt.Errorf("verbs: resident [0x%x, +0x%x): %w: only the process that created the soft device", addr, length, ErrPermission)
+	}
+	if length == 0 || addr+length < addr {
+		return fmt.Errorf("verbs: resident [0x%x, +0x%x): %w", addr, length, ErrBadRange)
+	}
+	d.own.mu.Lock()
+	defer d.own.mu.Unlock()
+	d.own.resident = append(d.own.resident, pageSpan(addr, length))
+	return nil
 }
 
 func pageSpan(addr, length uintptr) span {
