@@ -24,7 +24,9 @@ func reportLatency(b *testing.B, d []time.Duration) {
 	b.ReportMetric(float64(d[len(d)*99/100].Nanoseconds())/1e3, "p99-µs")
 }
 
-func benchCalls(b *testing.B, path string, spin time.Duration) {
+// benchCalls times b.N calls; idle is how long to wait before each, the
+// quiet that makes every call a cold one.
+func benchCalls(b *testing.B, path string, spin, idle time.Duration) {
 	c := dial(b, path, ipc.ClientConfig{Spin: spin})
 	ctx := context.Background()
 	req := &ipc.CreateMR{Addr: 0x7f00_1234_5000}
@@ -36,6 +38,9 @@ func benchCalls(b *testing.B, path string, spin time.Duration) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := range b.N {
+		if idle > 0 {
+			time.Sleep(idle) // the workload's quiet, not a synchronisation
+		}
 		start := time.Now()
 		if err := c.Call(ctx, ipc.KindCreateMR, req, &reply); err != nil {
 			b.Fatal(err)
@@ -51,7 +56,7 @@ func benchCalls(b *testing.B, path string, spin time.Duration) {
 func BenchmarkCall(b *testing.B) {
 	b.Run("in-process", func(b *testing.B) {
 		s := startServer(b, newHandler())
-		benchCalls(b, s.path, 0)
+		benchCalls(b, s.path, 0, 0)
 	})
 	// The other process's server and this client poll for the next frame
 	// for spin before they sleep; the server answers on the lane's reader
@@ -63,10 +68,23 @@ func BenchmarkCall(b *testing.B) {
 				path := filepath.Join(b.TempDir(), ipc.SocketName)
 				srv := testproc.Start(b, "serve", []string{path, spin.String(), inline})
 				srv.Expect("ready", 0)
-				benchCalls(b, path, spin)
+				benchCalls(b, path, spin, 0)
 			})
 		}
 	}
+}
+
+// BenchmarkCallIdle is the bare call of BenchmarkCall after 20 ms of
+// quiet, as a secondary's miss after memory churn is (see the main job):
+// both processes' threads, and the virtual CPUs they ran on, have gone
+// to sleep. Compare with primary's BenchmarkCreateMRRoundTrip/*/new/idle:
+// what a cold create costs beyond this is the registration's. (Each
+// iteration takes 20 ms: give it a count, -benchtime 200x.)
+func BenchmarkCallIdle(b *testing.B) {
+	path := filepath.Join(b.TempDir(), ipc.SocketName)
+	srv := testproc.Start(b, "serve", []string{path, "0s", "inline"})
+	srv.Expect("ready", 0)
+	benchCalls(b, path, 0, 20*time.Millisecond)
 }
 
 // Calls from several goroutines share one connection.
