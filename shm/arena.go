@@ -35,6 +35,7 @@ type ownArena struct {
 	free                 []span            // sorted by offset, never adjacent
 	used                 map[uint64]uint64 // block start → block size
 	usedBytes            uint64
+	changes              uint64 // of free, for mirrorChange
 }
 
 type span struct{ off, size uint64 }
@@ -59,16 +60,35 @@ func (s *Segment) arenaInit(start, end, maxSize, page uint64) {
 // s.mu held.
 func (s *Segment) mirrorFree() { s.mirrorSpans(0, len(s.arena.free)) }
 
+// mirrorEvery is how many changes of the free list may go by before the
+// whole mirror is written again: any process of the user can write the
+// segment, and a mirror it rewrote is mended within that many changes
+// even where nothing next to the damage changes.
+const mirrorEvery = 64
+
+// mirrorChange writes what a change of the free list altered — entries
+// lo..hi-1 of the owner's list — into the mirror, or, every mirrorEvery
+// changes, the whole list. Called with s.mu held.
+func (s *Segment) mirrorChange(lo, hi int) {
+	if s.arena.changes++; s.arena.changes%mirrorEvery == 0 {
+		lo, hi = 0, len(s.arena.free)
+	}
+	s.mirrorSpans(lo, hi)
+}
+
 // mirrorSpans writes free blocks lo..hi-1 of the owner's list into the
 // segment — header, size and link to the next — and the totals into the
 // header; lo 0 writes the list's head too. An allocation or a free
 // changes at most three neighbouring entries of the list and the link of
 // the one before them, so that is all it rewrites: the mirror costs the
-// same however fragmented the arena is. Called with s.mu held.
+// same however fragmented the arena is. It writes from the last entry to
+// the first, so that a process walking the mirror meanwhile never follows
+// a link to a block whose header and link are not written yet (a freed
+// block's memory holds whatever was stored in it). Called with s.mu held.
 func (s *Segment) mirrorSpans(lo, hi int) {
 	a := &s.arena
 	lo, hi = max(lo, 0), min(hi, len(a.free))
-	for i := lo; i < hi; i++ {
+	for i := hi - 1; i >= lo; i-- {
 		f := a.free[i]
 		next := uint64(0)
 		if i+1 < len(a.free) {
@@ -152,7 +172,7 @@ func (s *Segment) allocLocked(n, align uint64) (uint64, bool) {
 		atomic.StoreUint64(&b.Tag, blockUsed)
 		// The block before i now links to what replaced i, or to what
 		// followed it.
-		s.mirrorSpans(i-1, i+len(rest))
+		s.mirrorChange(i-1, i+len(rest))
 		return payload, true
 	}
 	return 0, false
@@ -209,10 +229,10 @@ func (s *Segment) freeRange(start, size uint64) {
 	}
 	if i > 0 && a.free[i-1].off+a.free[i-1].size == start {
 		a.free[i-1].size += size
-		s.mirrorSpans(i-1, i) // it grew; what follows it is unchanged
+		s.mirrorChange(i-1, i) // it grew; what follows it is unchanged
 	} else {
 		a.free = slices.Insert(a.free, i, span{start, size})
-		s.mirrorSpans(i-1, i+1) // the new block, and the link to it
+		s.mirrorChange(i-1, i+1) // the new block, and the link to it
 	}
 }
 

@@ -76,6 +76,41 @@ func TestArenaAgainstModel(t *testing.T) {
 	assert.GreaterOrEqual(t, st.End, initial.End)
 }
 
+// TestArenaMirrorIsMended: any process of the user can write the
+// segment, the arena's mirror included. The owner never reads it back,
+// and writes all of it again now and then, so that a mirror another
+// process rewrote is right again after a bounded number of changes, even
+// where nothing next to the damage changes.
+func TestArenaMirrorIsMended(t *testing.T) {
+	s, o := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Size = 1; o.MaxSize = 32 << 20 })
+	view := attach(t, o)
+	// Three free blocks: two holes and the tail.
+	var offs []uint64
+	for range 5 {
+		off, err := s.Alloc(256, 16)
+		require.NoError(t, err)
+		offs = append(offs, off)
+	}
+	require.NoError(t, s.Free(offs[1]))
+	require.NoError(t, s.Free(offs[3]))
+	want := s.ArenaStats()
+	require.Equal(t, want, view.ArenaStats())
+
+	// Another process of the user cuts the list after its first block.
+	head := atomic.LoadUint64(shm.At[uint64](s, arenaFreeWord))
+	atomic.StoreUint64(shm.At[uint64](s, head+16), 0)
+	require.NotEqual(t, want, view.ArenaStats(), "the forged link shows")
+
+	// Blocks too big for the holes come from the tail: changes that leave
+	// the cut link alone.
+	for range 64 {
+		off, err := s.Alloc(1024, 16)
+		require.NoError(t, err)
+		require.NoError(t, s.Free(off))
+	}
+	assert.Equal(t, s.ArenaStats(), view.ArenaStats(), "mended by the owner's records")
+}
+
 func TestArenaRejectsBadFrees(t *testing.T) {
 	s, _ := newSegment(t, testenv.Tmpfs(t))
 	off, err := s.Alloc(100, 16)
