@@ -335,24 +335,19 @@ func (g *Global) lookupLocked(addr uint64) (Entry, bool, error) {
 // meanwhile (this process kept it too long, see shm.RWLock), what fn read
 // may be torn: fn runs again, until the lock's timeout. fn must only read.
 func (g *Global) readLocked(fn func() error) error {
-	var until time.Time // once a hold was fenced: when to stop trying
-	for {
-		within := g.timeout
-		if !until.IsZero() {
-			within = max(time.Until(until), 0)
-		}
+	// One limit for the whole call, waits and read sections alike, as
+	// LockTimeout promises; this is the slow path, so one clock reading
+	// more than the lock needs costs nothing that matters.
+	until := time.Now().Add(g.timeout)
+	for within := g.timeout; ; within = max(time.Until(until), 0) {
 		h, err := g.lock.RLockWithin(within)
 		if err != nil {
 			return err
 		}
 		ferr := fn()
-		err = g.lock.RUnlock(h)
-		switch {
-		case err == nil:
+		if err := g.lock.RUnlock(h); err == nil {
 			return ferr
-		case until.IsZero():
-			until = time.Now().Add(g.timeout)
-		case !time.Now().Before(until):
+		} else if !time.Now().Before(until) {
 			return err
 		}
 	}
