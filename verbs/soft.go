@@ -58,7 +58,7 @@ type SoftStats struct {
 	Registrations   uint64 `json:"registrations"`   // successful registrations since creation
 	Deregistrations uint64 `json:"deregistrations"` // deregistrations, explicit or by Close
 	LiveMRs         uint64 `json:"live_mrs"`        // Registrations - Deregistrations
-	PinnedBytes     uint64 `json:"pinned_bytes"`    // bytes of live MRs whose pages mlock pinned
+	PinnedBytes     uint64 `json:"pinned_bytes"`    // bytes of live MRs pinned: mlocked, or in a Resident range
 	UnpinnedMRs     uint64 `json:"unpinned_mrs"`    // live MRs registered without a pin (see RegMR)
 }
 
