@@ -50,7 +50,7 @@ func TestRWLockWithinStoppedReader(t *testing.T) {
 	assert.Len(t, st.Readers, 1, "the stopped reader's hold is still there")
 	assert.Zero(t, st.Fences)
 
-	took, err = timed(t, "TryLock", time.Second, func() error {
+	_, err = timed(t, "TryLock", time.Second, func() error {
 		ok, err := f.lock.TryLock()
 		if err == nil && ok {
 			f.lock.Unlock()
