@@ -16,22 +16,6 @@ import (
 	"github.com/mpmr/mpmr/verbs"
 )
 
-// b7Bounded runs fn on a goroutine and fails the test if it has not
-// returned within limit; it returns how long fn took and its error.
-func b7Bounded(t *testing.T, what string, limit time.Duration, fn func() error) (time.Duration, error) {
-	t.Helper()
-	done := make(chan error, 1)
-	start := time.Now()
-	go func() { done <- fn() }()
-	select {
-	case err := <-done:
-		return time.Since(start), err
-	case <-time.After(limit):
-		t.Fatalf("%s did not return within %v", what, limit)
-		return 0, nil
-	}
-}
-
 // A primary that is alive but stopped (SIGSTOP) answers nothing: every
 // call a secondary makes must fail within its configured bound, and
 // neither a new attach nor a Close may hang.
@@ -50,20 +34,20 @@ func TestBreaker7StoppedPrimaryBoundsSecondaryCalls(t *testing.T) {
 	h.Stop()
 	t.Cleanup(h.Continue)
 
-	took, err := b7Bounded(t, "CreateMR", 5*time.Second, func() error {
+	took, err := testenv.Bounded(t, "CreateMR", 5*time.Second, func() error {
 		_, err := s.CreateMR(uint64(addr) + length/2)
 		return err
 	})
 	t.Logf("CreateMR against a stopped primary: %v after %v", err, took)
 	assert.Error(t, err)
 
-	took, err = b7Bounded(t, "Lookup of new memory", 5*time.Second, func() error {
+	took, err = testenv.Bounded(t, "Lookup of new memory", 5*time.Second, func() error {
 		_, err := q.Lookup(addr + uintptr(length) - 1)
 		return err
 	})
 	t.Logf("Lookup: %v after %v", err, took)
 
-	took, err = b7Bounded(t, "Attach", 10*time.Second, func() error {
+	took, err = testenv.Bounded(t, "Attach", 10*time.Second, func() error {
 		s2, err := secondary.Attach(scfg)
 		if err == nil {
 			s2.Close()
@@ -73,7 +57,7 @@ func TestBreaker7StoppedPrimaryBoundsSecondaryCalls(t *testing.T) {
 	t.Logf("Attach against a stopped primary: %v after %v", err, took)
 	assert.Error(t, err)
 
-	took, err = b7Bounded(t, "Close", 5*time.Second, s.Close)
+	took, err = testenv.Bounded(t, "Close", 5*time.Second, s.Close)
 	t.Logf("Close with a stopped primary: %v after %v", err, took)
 	assert.Less(t, took, 3*time.Second)
 }
@@ -95,13 +79,13 @@ func TestBreaker7StoppedPrimaryHoldingTheLockBoundsLookups(t *testing.T) {
 	t.Cleanup(h.Continue)
 
 	q := s.NewQueue()
-	took, err := b7Bounded(t, "Lookup", 5*time.Second, func() error {
+	took, err := testenv.Bounded(t, "Lookup", 5*time.Second, func() error {
 		_, err := q.Lookup(addr)
 		return err
 	})
 	t.Logf("Lookup under a stopped writer: %v after %v", err, took)
 	assert.Error(t, err)
-	took, err = b7Bounded(t, "Close", 5*time.Second, s.Close)
+	took, err = testenv.Bounded(t, "Close", 5*time.Second, s.Close)
 	t.Logf("Close: %v after %v", err, took)
 }
 
@@ -225,11 +209,11 @@ func TestBreaker7SecondaryStoppedInReadSectionBlocksNobody(t *testing.T) {
 	s.Stop()
 	t.Cleanup(s.Continue)
 
-	took, err := b7Bounded(t, "Free", 5*time.Second, func() error { return p.Free(r) })
+	took, err := testenv.Bounded(t, "Free", 5*time.Second, func() error { return p.Free(r) })
 	require.NoError(t, err)
 	t.Logf("Free with a reader stopped in its read section: %v", took)
 	assert.Error(t, p.Device().Validate(verbs.SGE{Addr: r.Addr, Len: 1, Key: k}, verbs.AccessLocalWrite))
-	took, err = b7Bounded(t, "Alloc", 5*time.Second, func() error {
+	took, err = testenv.Bounded(t, "Alloc", 5*time.Second, func() error {
 		var err error
 		r, err = p.Alloc(ps)
 		return err
@@ -247,7 +231,7 @@ func TestBreaker7SecondaryStoppedInReadSectionBlocksNobody(t *testing.T) {
 	got = ask(t, s, "peek %d", r.Addr)
 	t.Logf("peek of the new region in the dropped secondary: %s", got)
 
-	took, err = b7Bounded(t, "Close", 5*time.Second, p.Close)
+	took, err = testenv.Bounded(t, "Close", 5*time.Second, p.Close)
 	t.Logf("Close: %v after %v", err, took)
 	assert.NoError(t, err)
 }
@@ -267,7 +251,7 @@ func TestBreaker7PrimaryCloseWithAStoppedSecondary(t *testing.T) {
 			}
 			s.Stop()
 			t.Cleanup(s.Continue)
-			took, err := b7Bounded(t, "Close", 5*time.Second, p.Close)
+			took, err := testenv.Bounded(t, "Close", 5*time.Second, p.Close)
 			t.Logf("Close: %v after %v", err, took)
 			assert.NoError(t, err)
 			s.Continue()

@@ -13,23 +13,6 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
-// timed runs fn and returns how long it took; it fails the test if fn has
-// not returned within limit (a wait that is no longer bounded). The limits
-// catch hangs; how long the waits take is for the benchmarks.
-func timed(t *testing.T, what string, limit time.Duration, fn func() error) (time.Duration, error) {
-	t.Helper()
-	done := make(chan error, 1)
-	start := time.Now()
-	go func() { done <- fn() }()
-	select {
-	case err := <-done:
-		return time.Since(start), err
-	case <-time.After(limit):
-		t.Fatalf("%s did not return within %v", what, limit)
-		return 0, nil
-	}
-}
-
 // TestRWLockWithinStoppedReader: a reader process stopped (SIGSTOP)
 // inside its read section. LockWithin shorter than the fence gives up at
 // its limit and leaves the hold alone; TryLock fails at once; LockWithin
@@ -42,7 +25,7 @@ func TestRWLockWithinStoppedReader(t *testing.T) {
 	r.Expect("held", 0)
 	r.Stop()
 
-	took, err := timed(t, "LockWithin(20ms)", 2*time.Second, func() error { return f.lock.LockWithin(20 * time.Millisecond) })
+	took, err := testenv.Bounded(t, "LockWithin(20ms)", 2*time.Second, func() error { return f.lock.LockWithin(20 * time.Millisecond) })
 	t.Logf("LockWithin(20ms): %v after %v", err, took)
 	assert.ErrorIs(t, err, context.DeadlineExceeded)
 	st := f.lock.State()
@@ -50,7 +33,7 @@ func TestRWLockWithinStoppedReader(t *testing.T) {
 	assert.Len(t, st.Readers, 1, "the stopped reader's hold is still there")
 	assert.Zero(t, st.Fences)
 
-	_, err = timed(t, "TryLock", time.Second, func() error {
+	_, err = testenv.Bounded(t, "TryLock", time.Second, func() error {
 		ok, err := f.lock.TryLock()
 		if err == nil && ok {
 			f.lock.Unlock()
@@ -60,7 +43,7 @@ func TestRWLockWithinStoppedReader(t *testing.T) {
 	})
 	assert.NoError(t, err)
 
-	took, err = timed(t, "LockWithin(5s)", 5*time.Second, func() error { return f.lock.LockWithin(5 * time.Second) })
+	took, err = testenv.Bounded(t, "LockWithin(5s)", 5*time.Second, func() error { return f.lock.LockWithin(5 * time.Second) })
 	t.Logf("LockWithin(5s) past a stopped reader: %v after %v", err, took)
 	require.NoError(t, err)
 	assert.GreaterOrEqual(t, took, shm.DefaultFenceAfter-5*time.Millisecond, "no fence before DefaultFenceAfter")
@@ -86,7 +69,7 @@ func TestRWLockWithinStoppedWriter(t *testing.T) {
 	w.Stop()
 
 	const d = 100 * time.Millisecond
-	took, err := timed(t, "RLockWithin", 2*time.Second, func() error {
+	took, err := testenv.Bounded(t, "RLockWithin", 2*time.Second, func() error {
 		h, err := f.lock.RLockWithin(d)
 		if err == nil {
 			_ = f.lock.RUnlock(h)
@@ -98,7 +81,7 @@ func TestRWLockWithinStoppedWriter(t *testing.T) {
 	assert.GreaterOrEqual(t, took, d-5*time.Millisecond)
 	assert.Empty(t, f.lock.State().Readers, "a reader that gave up leaves no hold")
 
-	took, err = timed(t, "LockWithin", 2*time.Second, func() error { return f.lock.LockWithin(d) })
+	took, err = testenv.Bounded(t, "LockWithin", 2*time.Second, func() error { return f.lock.LockWithin(d) })
 	t.Logf("LockWithin(%v) under a stopped writer: %v after %v", d, err, took)
 	assert.ErrorIs(t, err, context.DeadlineExceeded)
 	assert.GreaterOrEqual(t, took, d-5*time.Millisecond)
@@ -114,7 +97,7 @@ func TestRWLockWithinDeadReader(t *testing.T) {
 	r.Expect("held", 0)
 	r.Kill()
 	require.Error(t, r.Wait(0))
-	took, err := timed(t, "LockWithin", 2*time.Second, func() error { return f.lock.LockWithin(time.Second) })
+	took, err := testenv.Bounded(t, "LockWithin", 2*time.Second, func() error { return f.lock.LockWithin(time.Second) })
 	require.NoError(t, err)
 	t.Logf("LockWithin past a dead reader: %v", took)
 	assert.Zero(t, f.lock.State().Fences, "a dead reader's hold is discarded, not fenced")
