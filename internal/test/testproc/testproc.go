@@ -13,6 +13,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -185,9 +186,10 @@ func (p *Proc) Send(format string, args ...any) {
 }
 
 // CloseInput closes the helper's standard input: its command loop sees EOF.
+// A helper that has exited already had it closed when it was reaped.
 func (p *Proc) CloseInput() {
 	p.tb.Helper()
-	if err := p.stdin.Close(); err != nil {
+	if err := p.stdin.Close(); err != nil && !errors.Is(err, os.ErrClosed) {
 		p.tb.Fatalf("testproc: close input of %s: %v", p.name, err)
 	}
 }
