@@ -81,17 +81,36 @@ func (m *CreateMR) appendFlat(b []byte) ([]byte, bool) {
 	if m == nil {
 		return b, false
 	}
-	return appendUint(appendKey(append(b, 0x81), "addr"), m.Addr), true
+	if m.CPU == 0 { // omitted
+		return appendUint(appendKey(append(b, 0x81), "addr"), m.Addr), true
+	}
+	b = appendUint(appendKey(append(b, 0x82), "addr"), m.Addr)
+	return appendUint(appendKey(b, "cpu"), uint64(m.CPU)), true
 }
 
 func (m *CreateMR) parseFlat(b []byte) bool {
-	if m == nil {
+	if m == nil || len(b) == 0 {
 		return false
 	}
 	r := readFlat(b, 1)
+	if b[0] == 0x82 {
+		r = readFlat(b, 2)
+	}
 	addr := r.uint("addr", math.MaxUint64)
+	var cpu uint64
+	if b[0] == 0x82 {
+		// Written only when not 0: a 0 written out is not the canonical
+		// form, and goes to the reflective decoder.
+		if cpu = r.uint("cpu", math.MaxUint32); cpu == 0 {
+			return false
+		}
+	}
 	if r.done() {
+		// As the reflective decoder: a field left out keeps its value.
 		m.Addr = addr
+		if b[0] == 0x82 {
+			m.CPU = uint32(cpu)
+		}
 	}
 	return r.done()
 }

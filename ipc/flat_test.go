@@ -23,7 +23,7 @@ var flatEdges = []uint64{0, 1, 0x7f, 0x80, 0xff, 0x100, 0xffff, 0x1_0000, math.M
 func flatSamples() []any {
 	out := []any{&SyncAck{}}
 	for _, a := range flatEdges {
-		out = append(out, &CreateMR{Addr: a})
+		out = append(out, &CreateMR{Addr: a}, &CreateMR{Addr: a, CPU: uint32(min(a, math.MaxUint32))})
 		for _, b := range flatEdges {
 			out = append(out, &CreateMRReply{Start: a, End: b, LKey: uint32(b)})
 			n := int(min(b, math.MaxInt64))
@@ -52,7 +52,7 @@ func TestFlatEncodesAsReflective(t *testing.T) {
 // newFlat returns one of each hot message, holding values the inputs
 // below never carry, so that a field a decoder leaves alone shows.
 func newFlat() []any {
-	return []any{&CreateMR{Addr: 0xdead}, &CreateMRReply{Start: 1, End: 2, LKey: 3}, &Sync{Op: 9, List: 9, First: 9, Count: 9}, &SyncAck{}}
+	return []any{&CreateMR{Addr: 0xdead, CPU: 0xbeef}, &CreateMRReply{Start: 1, End: 2, LKey: 3}, &Sync{Op: 9, List: 9, First: 9, Count: 9}, &SyncAck{}}
 }
 
 // sameAsReflective decodes b into each hot message both ways and fails t

@@ -155,9 +155,12 @@ func (m *HelloReply) Validate() error {
 }
 
 // CreateMR asks the primary for the memory region covering Addr, creating
-// (registering) it if none exists. A plain value.
+// (registering) it if none exists. CPU, if not 0, says that the caller's
+// thread is bound to CPU number CPU-1, where the primary may answer it
+// (see Peer.Follow). A plain value.
 type CreateMR struct {
 	Addr uint64 `msgpack:"addr"`
+	CPU  uint32 `msgpack:"cpu,omitempty"`
 }
 
 // CreateMRReply is the lookup-table entry for the new or existing region:

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/internal/sys/sock"
+	"golang.org/x/sys/unix"
 )
 
 // DefaultMaxInflight is how many requests of one connection run at once
@@ -130,6 +131,8 @@ type Server struct {
 	violations       atomic.Uint64
 	trips            tripLog
 
+	cpus unix.CPUSet // where the process could run when the server was made (see Peer.Follow)
+
 	closing   chan struct{}
 	closeOnce sync.Once
 	closeErr  error
@@ -159,6 +162,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	if s.maxInflight <= 0 {
 		s.maxInflight = DefaultMaxInflight
+	}
+	if err := unix.SchedGetaffinity(0, &s.cpus); err != nil {
+		return nil, fmt.Errorf("ipc: NewServer: %w", err)
 	}
 	return s, nil
 }
@@ -459,6 +465,8 @@ type Peer struct {
 	overdue      bool // the time to say hello ran out: no request starts
 	helloLate    bool // the hello timer fired while a hello was handled
 	tripped      int  // limits that tripped (tripFiles...), logged once per peer
+
+	follow atomic.Int32 // the CPU + 1 its lane should wait on, 0 any (see Follow)
 }
 
 // Limits a peer tripped, for Peer.tripped.
@@ -851,10 +859,13 @@ func (p *Peer) openLane() {
 // serveLane reads the peer's requests on its call lane until it ends,
 // blocking in the kernel between them (see sock.Blocking): a request
 // wakes this goroutine's thread, and an inline one is answered from it.
+// Between requests the thread is bound where Follow asked.
 func (p *Peer) serveLane(l *sock.Blocking) {
 	defer p.srv.wg.Done()
 	buf := make([]byte, MaxMessage)
+	var cpu laneCPU
 	for {
+		cpu.apply(p)
 		if p.spin > 0 {
 			l.SpinReadable(p.spin)
 		}

@@ -1,0 +1,110 @@
+package ipc_test
+
+import (
+	"context"
+	"math"
+	"os"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/ipc"
+)
+
+// lastCPU returns the highest-numbered CPU this process may use, skipping
+// t when it may use only one: a binding to it could not be told apart.
+func lastCPU(t *testing.T) int {
+	t.Helper()
+	var set unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &set))
+	if set.Count() < 2 {
+		t.Skip("needs a process that may use 2 CPUs or more")
+	}
+	last := -1
+	for i := range len(set) * 64 {
+		if set.IsSet(i) {
+			last = i
+		}
+	}
+	return last
+}
+
+// threadsBoundTo counts this process's threads whose affinity is exactly
+// cpu.
+func threadsBoundTo(t *testing.T, cpu int) int {
+	t.Helper()
+	tasks, err := os.ReadDir("/proc/self/task")
+	require.NoError(t, err)
+	n := 0
+	for _, task := range tasks {
+		tid, err := strconv.Atoi(task.Name())
+		require.NoError(t, err)
+		var set unix.CPUSet
+		if unix.SchedGetaffinity(tid, &set) != nil {
+			continue // ended meanwhile
+		}
+		if set.Count() == 1 && set.IsSet(cpu) {
+			n++
+		}
+	}
+	return n
+}
+
+// followHandler answers create requests inline, following the CPU the
+// request names as the primary does.
+func followHandler() *handler {
+	h := newHandler()
+	h.handle = func(_ context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind != ipc.KindCreateMR {
+			return nil, nil, false
+		}
+		var m ipc.CreateMR
+		if err := body.Decode(&m); err != nil {
+			return nil, err, true
+		}
+		p.Follow(int(m.CPU) - 1)
+		return &ipc.CreateMRReply{Start: m.Addr, End: m.Addr + 1, LKey: 7}, nil, true
+	}
+	return h
+}
+
+// A lane's thread waits on the CPU its caller names, from the request after
+// the one that named it on, and runs anywhere again once a request names
+// none. CPUs the process may not use are ignored; a caller that names
+// another CPU at every request is still answered at every request.
+func TestLaneFollowsItsCallersCPU(t *testing.T) {
+	cpu := lastCPU(t)
+	s := startServer(t, followHandler(), withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	call := func(hint uint32) {
+		t.Helper()
+		var r ipc.CreateMRReply
+		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: hint}, &r))
+		require.Equal(t, uint32(7), r.LKey)
+	}
+	// The binding is made after an answer and before the next request
+	// is read: the second answer says the first request's is in place.
+	twice := func(hint uint32) { call(hint); call(hint) }
+
+	require.Zero(t, threadsBoundTo(t, cpu), "no thread bound before")
+	twice(uint32(cpu) + 1)
+	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
+	twice(0)
+	assert.Zero(t, threadsBoundTo(t, cpu), "a caller bound to no CPU frees the lane's thread")
+
+	twice(uint32(cpu) + 1)
+	twice(1000 + 1) // a CPU no machine here has
+	twice(math.MaxUint32)
+	assert.Equal(t, 1, threadsBoundTo(t, cpu), "CPUs the process may not use are ignored")
+
+	for i := range 200 {
+		call(uint32(i%2*cpu) + 1) // CPU 0, the last, 0, ...
+	}
+	call(uint32(cpu) + 1)
+	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the thread follows the last caller")
+	twice(0)
+	assert.Zero(t, threadsBoundTo(t, cpu))
+}
