@@ -16,6 +16,7 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
+	"golang.org/x/sys/unix"
 )
 
 func init() {
@@ -26,19 +27,39 @@ func init() {
 // helperCreateLoop attaches and, for each "round ADDR PAGES PAGESIZE"
 // command, asks the primary for the MR of each page in turn, printing the
 // round-trip times in nanoseconds. With args[3], it idles that long before
-// each request (a datapath that misses now and then, not in a loop).
+// each request (a datapath that misses now and then, not in a loop). With
+// args[4] "bound", it asks through a queue bound to its last CPU: a
+// lookup of each page, which misses.
 func helperCreateLoop(args []string) int {
 	spin, _ := time.ParseDuration(args[2])
-	var idle time.Duration
-	if len(args) > 3 {
-		idle, _ = time.ParseDuration(args[3])
-	}
+	idle, _ := time.ParseDuration(args[3])
 	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Spin: spin, Logger: quiet})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}
 	defer s.Close()
+	create := func(addr uint64) error { _, err := s.CreateMR(addr); return err }
+	if args[4] == "bound" {
+		var cpus unix.CPUSet
+		if err := unix.SchedGetaffinity(0, &cpus); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 3
+		}
+		last := -1
+		for i := range len(cpus) * 64 {
+			if cpus.IsSet(i) {
+				last = i
+			}
+		}
+		q := s.NewQueue()
+		defer q.Close()
+		if err := q.BindCPU(last); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 3
+		}
+		create = func(addr uint64) error { _, err := q.Lookup(uintptr(addr)); return err }
+	}
 	testproc.Say("ready")
 	in := testproc.Commands()
 	for in.Scan() {
@@ -53,7 +74,7 @@ func helperCreateLoop(args []string) int {
 				time.Sleep(idle) // the workload's idleness, not a synchronisation
 			}
 			start := time.Now()
-			if _, err := s.CreateMR(addr + i*ps + 8); err != nil {
+			if err := create(addr + i*ps + 8); err != nil {
 				fmt.Fprintln(os.Stderr, err)
 				return 4
 			}
@@ -77,7 +98,7 @@ func helperCreateLoop(args []string) int {
 // (../shared/anchors/run dpdk-mp).
 func BenchmarkCreateMRRoundTrip(b *testing.B) {
 	for _, kind := range []string{"tmpfs", "hugetlbfs"} {
-		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin", "new/idle"} {
+		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin", "new/idle", "new/bound"} {
 			b.Run(kind+"/"+mode, func(b *testing.B) {
 				bk := testenv.Tmpfs(b)
 				if kind == "hugetlbfs" {
@@ -91,7 +112,7 @@ func BenchmarkCreateMRRoundTrip(b *testing.B) {
 				if strings.HasSuffix(mode, "/idle") {
 					idle = 20 * time.Millisecond
 				}
-				benchCreate(b, bk, strings.HasPrefix(mode, "new"), spin, idle)
+				benchCreate(b, bk, strings.HasPrefix(mode, "new"), spin, idle, strings.HasSuffix(mode, "/bound"))
 			})
 		}
 	}
@@ -99,8 +120,8 @@ func BenchmarkCreateMRRoundTrip(b *testing.B) {
 
 // benchCreate runs the create loop; spin is the primary's and the
 // secondary's Config.Spin, idle how long the secondary waits before each
-// request.
-func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration, idle time.Duration) {
+// request, bound whether it asks from a queue bound to a CPU.
+func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration, idle time.Duration, bound bool) {
 	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage = true; c.Spin = spin[0] })
 	ps := p.Backend().PageSize
 	const pages = 8
@@ -108,7 +129,11 @@ func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Dura
 	if err != nil {
 		b.Fatal(err)
 	}
-	h := testproc.Start(b, "create-loop", []string{cfg.Prefix, cfg.RuntimeDir, spin[1].String(), idle.String()})
+	how := "any"
+	if bound {
+		how = "bound"
+	}
+	h := testproc.Start(b, "create-loop", []string{cfg.Prefix, cfg.RuntimeDir, spin[1].String(), idle.String(), how})
 	h.Expect("ready", 0)
 	if !fresh { // register once; every request then finds the MRs
 		h.Send("round %d %d %d", r.Addr, pages, ps)

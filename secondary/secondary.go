@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -20,6 +21,7 @@ import (
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
+	"golang.org/x/sys/unix"
 )
 
 // Errors of a secondary.
@@ -585,9 +587,12 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 
 // CreateMR asks the primary for the MR covering addr (creating it if
 // needed). It implements the create path of this process's local caches.
-func (s *Secondary) CreateMR(addr uint64) (cache.Entry, error) {
+func (s *Secondary) CreateMR(addr uint64) (cache.Entry, error) { return s.createMR(addr, 0) }
+
+// createMR is CreateMR for a caller bound to CPU cpu-1 (0: to none).
+func (s *Secondary) createMR(addr uint64, cpu uint32) (cache.Entry, error) {
 	var r ipc.CreateMRReply
-	if err := s.call(request{what: "create MR for", addr: addr, withAddr: true}, ipc.KindCreateMR, &ipc.CreateMR{Addr: addr}, &r); err != nil {
+	if err := s.call(request{what: "create MR for", addr: addr, withAddr: true}, ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: cpu}, &r); err != nil {
 		return cache.Entry{LKey: cache.InvalidKey}, err
 	}
 	return cache.Entry{Start: r.Start, End: r.End, LKey: r.LKey}, nil
@@ -600,13 +605,16 @@ func (s *Secondary) RegisterExternal(addr, length uint64) (cache.Entry, error) {
 	return cache.Entry{LKey: cache.InvalidKey}, fmt.Errorf("%w: [0x%x, 0x%x)", cache.ErrExternalMemory, addr, addr+length)
 }
 
-// creator adapts the secondary to cache.Creator, turning a dead global
-// lock (the primary died mid-update) into ErrPrimaryGone.
-type creator Secondary
+// creator is a queue's create path: the secondary's requests, saying
+// where the queue's thread is bound.
+type creator struct {
+	s   *Secondary
+	cpu uint32 // the CPU + 1 the queue's thread is bound to, 0 none (see Queue.BindCPU)
+}
 
-func (c *creator) CreateMR(addr uint64) (cache.Entry, error) { return (*Secondary)(c).CreateMR(addr) }
+func (c *creator) CreateMR(addr uint64) (cache.Entry, error) { return c.s.createMR(addr, c.cpu) }
 func (c *creator) RegisterExternal(addr, length uint64) (cache.Entry, error) {
-	return (*Secondary)(c).RegisterExternal(addr, length)
+	return c.s.RegisterExternal(addr, length)
 }
 
 // Queue is a per-queue MR cache of a secondary: use it from one goroutine
@@ -614,13 +622,37 @@ func (c *creator) RegisterExternal(addr, length uint64) (cache.Entry, error) {
 type Queue struct {
 	*cache.Local
 	s *Secondary
+	c *creator
 }
 
 // NewQueue returns a local cache whose misses go to the global cache and
 // then, as create requests, to the primary.
 func (s *Secondary) NewQueue() *Queue {
-	l := s.queues.Add(func() *cache.Local { return cache.NewLocal(s.global, (*creator)(s), 0) })
-	return &Queue{Local: l, s: s}
+	c := &creator{s: s}
+	l := s.queues.Add(func() *cache.Local { return cache.NewLocal(s.global, c, 0) })
+	return &Queue{Local: l, s: s, c: c}
+}
+
+// BindCPU binds the calling goroutine's thread to CPU cpu, as DPDK binds
+// an lcore, and has the queue's create requests say so: the primary then
+// answers them on that CPU (see ipc.Peer.Follow), so that a miss hands the
+// CPU over while it waits and wakes no other. Call it from the goroutine
+// that uses the queue; that goroutine stays locked to its thread
+// (runtime.LockOSThread) from then on, and the thread ends with it. A
+// goroutine that runs several queues binds each of them to the same CPU.
+func (q *Queue) BindCPU(cpu int) error {
+	var set unix.CPUSet
+	if cpu < 0 || cpu >= len(set)*64 {
+		return fmt.Errorf("secondary: bind a queue to CPU %d: no such CPU", cpu)
+	}
+	set.Set(cpu)
+	runtime.LockOSThread()
+	if err := unix.SchedSetaffinity(0, &set); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("secondary: bind a queue to CPU %d: %w", cpu, err)
+	}
+	q.c.cpu = uint32(cpu) + 1
+	return nil
 }
 
 // Lookup returns the key for addr like cache.Local.Lookup, reporting a
