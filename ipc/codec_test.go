@@ -92,7 +92,7 @@ func TestUnmarshalIsStrict(t *testing.T) {
 		{"unknown field", enc(map[string]any{"addr": 1, "extra": 2}), &ipc.CreateMR{}},
 		{"wrong type", enc(map[string]any{"addr": "0x1000"}), &ipc.CreateMR{}},
 		{"trailing bytes", append(enc(map[string]any{"addr": 1}), 0xc0), &ipc.CreateMR{}},
-		{"array form with an extra element", enc([]any{1, 2}), &ipc.CreateMR{}},
+		{"array form with an extra element", enc([]any{1, 2, 3}), &ipc.CreateMR{}},
 		{"unknown field in a chunk", enc(map[string]any{"name": "p", "chunks": []any{map[string]any{"addr": 1, "len": 2, "x": 3}}}), &ipc.RegisterMempool{}},
 		{"no chunks", enc(map[string]any{"name": "p", "chunks": []any{}}), &ipc.RegisterMempool{}},
 		{"empty chunk", enc(&ipc.RegisterMempool{Name: "p", Chunks: []ipc.Chunk{{Addr: 1, Len: 0}}}), &ipc.RegisterMempool{}},

@@ -9,7 +9,7 @@ import (
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 3
+const ABI uint32 = 4
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
