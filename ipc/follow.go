@@ -16,55 +16,90 @@ import (
 // it back, and no other CPU is woken on either way. Peer.Follow asks for
 // that binding; serveLane applies it between requests.
 
-// Follow asks that p's call lane wait for its requests on cpu from its next
-// request on: its thread is bound to that CPU once the current answer has
-// gone. A handler calls it for a request whose caller says it is bound to
-// cpu; a negative cpu (the caller is bound to none) lets the thread run
-// anywhere the server's process may again. A CPU the process could not use
-// when the server was made is ignored, and so is a peer without a lane.
+// Follow asks that p's call lane wait for its requests on cpu: its thread
+// is bound to that CPU before it waits for the next request (a handler
+// that runs off the lane may ask after that wait began: then before the
+// one after). A negative cpu lets the thread run where it could before.
+// A CPU the thread could not use before it was first bound is ignored,
+// and so is a peer without a lane.
+//
+// The lane's thread answers all of the peer's inline requests, from any
+// of its threads, wherever it is bound; one that is bound to a CPU
+// something else keeps busy waits for its turn there, and so do the locks
+// its handler holds. Follow only the CPUs of peers trusted to name them.
 func (p *Peer) Follow(cpu int) {
-	if cpu >= 0 && (cpu >= cpuSetSize || !p.srv.cpus.IsSet(cpu)) {
-		return
+	switch {
+	case cpu < 0:
+		p.follow.Store(0)
+	case cpu < cpuSetSize:
+		p.follow.Store(int32(cpu) + 1)
 	}
-	p.follow.Store(int32(max(cpu, -1)) + 1)
 }
 
 // cpuSetSize is how many CPUs a unix.CPUSet can name.
 const cpuSetSize = len(unix.CPUSet{}) * 64
 
-// laneCPU keeps a lane thread's binding: where it is, and whether the
-// goroutine is locked to its thread (binding an unlocked thread would bind
-// whatever goroutine ran on it next).
+// laneCPU keeps a lane thread's binding. While bound, the lane's goroutine
+// is locked to its thread (binding an unlocked thread would bind whatever
+// goroutine ran on it next), so that the thread ends with the goroutine if
+// the lane ends bound; unbound, the thread has its CPUs back and returns
+// to the runtime.
 type laneCPU struct {
-	bound  int32 // as Peer.follow: 0 unbound, else the CPU + 1
-	locked bool
+	bound   int32       // as Peer.follow: 0 unbound, else the CPU + 1
+	ignored int32       // the last CPU + 1 asked for that home does not hold
+	home    unix.CPUSet // the thread's CPUs before it was bound
+	locked  bool        // the goroutine is locked to its thread
 }
 
-// apply binds the calling thread as p asked, if it asked for a change. A
-// binding the kernel refuses (the CPU went offline, say) is dropped.
+// apply binds or unbinds the calling thread as p asked, if it asked for a
+// change. A binding the kernel refuses (the CPU went offline, say) is
+// tried again at the next request.
 func (l *laneCPU) apply(p *Peer) {
 	want := p.follow.Load()
-	if want == l.bound {
+	if want == l.bound || want != 0 && want == l.ignored {
+		return
+	}
+	if want == 0 {
+		l.unbind()
 		return
 	}
 	if !l.locked {
-		// For good: the thread ends with the lane's goroutine, and its
-		// binding with it.
 		runtime.LockOSThread()
+		if err := unix.SchedGetaffinity(0, &l.home); err != nil {
+			runtime.UnlockOSThread()
+			return
+		}
 		l.locked = true
 	}
-	set := p.srv.cpus
-	if want > 0 {
-		set.Zero()
-		set.Set(int(want - 1))
-	}
-	if err := unix.SchedSetaffinity(0, &set); err != nil {
-		p.srv.log.Debug("ipc: lane cannot follow its caller", "peer", p.id, "cpu", want-1, "err", err)
-		p.follow.CompareAndSwap(want, 0)
-		want = 0
-		if unix.SchedSetaffinity(0, &p.srv.cpus) != nil {
-			return // bound as before: try again at the next change
+	cpu := int(want - 1)
+	if !l.home.IsSet(cpu) {
+		l.ignored = want
+		if l.bound == 0 {
+			l.unbind()
 		}
+		return
 	}
-	l.bound = want
+	var one unix.CPUSet
+	one.Set(cpu)
+	if err := unix.SchedSetaffinity(0, &one); err != nil {
+		p.srv.log.Debug("ipc: lane cannot follow its caller", "peer", p.id, "cpu", cpu, "err", err)
+		if l.bound == 0 {
+			l.unbind()
+		}
+		return
+	}
+	l.bound, l.ignored = want, 0
+}
+
+// unbind gives the thread its CPUs back and unlocks it. If the kernel
+// refuses, the thread stays as it is, locked, until the next request.
+func (l *laneCPU) unbind() {
+	if l.locked {
+		if l.bound != 0 && unix.SchedSetaffinity(0, &l.home) != nil {
+			return
+		}
+		runtime.UnlockOSThread()
+		l.locked = false
+	}
+	l.bound = 0
 }

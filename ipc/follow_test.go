@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"os"
+	"runtime"
 	"strconv"
 	"testing"
 
@@ -107,4 +108,41 @@ func TestLaneFollowsItsCallersCPU(t *testing.T) {
 	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the thread follows the last caller")
 	twice(0)
 	assert.Zero(t, threadsBoundTo(t, cpu))
+}
+
+// A lane's thread returns to the CPUs it had, not to those of the thread
+// that made the server: a server made on a thread bound to one CPU (a
+// program's main lcore) still follows its callers to the others, and lets
+// its lanes run anywhere again.
+func TestLaneFollowsFromAServerMadeOnABoundThread(t *testing.T) {
+	cpu := lastCPU(t)
+	var all unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &all))
+	first := 0
+	for !all.IsSet(first) {
+		first++
+	}
+	var s *testServer
+	func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		var one unix.CPUSet
+		one.Set(first)
+		require.NoError(t, unix.SchedSetaffinity(0, &one))
+		defer func() { require.NoError(t, unix.SchedSetaffinity(0, &all)) }()
+		s = startServer(t, followHandler(), withHello, withInline)
+	}()
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	twice := func(hint uint32) {
+		t.Helper()
+		for range 2 {
+			require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: hint}, &ipc.CreateMRReply{}))
+		}
+	}
+	before := threadsBoundTo(t, first)
+	twice(uint32(cpu) + 1)
+	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the lane follows its caller to a CPU the server's maker may not use")
+	twice(0)
+	assert.Zero(t, threadsBoundTo(t, cpu))
+	assert.Equal(t, before, threadsBoundTo(t, first), "unbound, the lane's thread may use every CPU again")
 }

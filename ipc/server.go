@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/mpmr/mpmr/internal/sys/sock"
-	"golang.org/x/sys/unix"
 )
 
 // DefaultMaxInflight is how many requests of one connection run at once
@@ -131,8 +130,6 @@ type Server struct {
 	violations       atomic.Uint64
 	trips            tripLog
 
-	cpus unix.CPUSet // where the process could run when the server was made (see Peer.Follow)
-
 	closing   chan struct{}
 	closeOnce sync.Once
 	closeErr  error
@@ -162,9 +159,6 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	}
 	if s.maxInflight <= 0 {
 		s.maxInflight = DefaultMaxInflight
-	}
-	if err := unix.SchedGetaffinity(0, &s.cpus); err != nil {
-		return nil, fmt.Errorf("ipc: NewServer: %w", err)
 	}
 	return s, nil
 }
