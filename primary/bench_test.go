@@ -122,7 +122,7 @@ func BenchmarkCreateMRRoundTrip(b *testing.B) {
 // secondary's Config.Spin, idle how long the secondary waits before each
 // request, bound whether it asks from a queue bound to a CPU.
 func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration, idle time.Duration, bound bool) {
-	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage = true; c.Spin = spin[0] })
+	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage, c.Spin, c.FollowCPU = true, spin[0], bound })
 	ps := p.Backend().PageSize
 	const pages = 8
 	r, err := p.Alloc(pages * ps)

@@ -66,6 +66,16 @@ type Config struct {
 	// by a thread of its own blocked in the kernel, which answers creates
 	// itself (see package ipc).
 	Spin time.Duration
+	// FollowCPU has the thread that answers a secondary's creates bind
+	// itself to the CPU the asking queue is bound to (secondary's
+	// Queue.BindCPU), so that a miss hands that CPU over and back instead
+	// of waking another (see the README's "IPC round trip"). Off by
+	// default: a secondary then chooses where that thread runs, and one
+	// that names a CPU it keeps busy makes its creates wait there, holding
+	// the global lock while they register, which every other secondary's
+	// creates wait for. Turn it on when the secondaries are trusted to
+	// name their CPUs and keep them free while they wait.
+	FollowCPU bool
 	// AllowUIDs lists users besides the primary's own and root that may
 	// attach. (The runtime directory's and socket's permissions must be
 	// loosened for them too, and their secondaries must trust this

@@ -71,10 +71,11 @@ func helperBoundQueue(args []string) int {
 	return 0
 }
 
-// A queue bound to a CPU binds its goroutine's thread there, and its
-// misses have the primary answer it there: the primary's thread for that
-// secondary's calls is bound to the same CPU after the first, and lets go
-// of it when the secondary leaves.
+// A queue bound to a CPU binds its goroutine's thread there. With
+// FollowCPU, its misses have the primary answer it there: the primary's
+// thread for that secondary's calls is bound to the same CPU after the
+// first, and lets go of it when the secondary leaves. Without, the default,
+// the primary binds nothing.
 func TestBoundQueueIsAnsweredOnItsCPU(t *testing.T) {
 	var all unix.CPUSet
 	require.NoError(t, unix.SchedGetaffinity(0, &all))
@@ -87,31 +88,42 @@ func TestBoundQueueIsAnsweredOnItsCPU(t *testing.T) {
 			cpu = i
 		}
 	}
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SinglePage = true })
-	ps := p.Backend().PageSize
-	r, err := p.Alloc(2 * ps)
-	require.NoError(t, err)
-	before, beforeOthers := threadsOn(t, cpu)
+	for _, follow := range []bool{true, false} {
+		t.Run(fmt.Sprintf("FollowCPU=%v", follow), func(t *testing.T) {
+			p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SinglePage, c.FollowCPU = true, follow })
+			ps := p.Backend().PageSize
+			r, err := p.Alloc(2 * ps)
+			require.NoError(t, err)
+			before, beforeOthers := threadsOn(t, cpu)
 
-	h := testproc.Start(t, "bound-queue", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(cpu),
-		strconv.FormatUint(uint64(r.Addr)+8, 10), strconv.FormatUint(uint64(r.Addr)+ps+8, 10)})
-	assert.Equal(t, "refused 2", h.Expect("refused", 0), "CPUs that do not exist")
-	var got int
-	var k1, k2 uint32
-	line := h.Expect("bound", 0)
-	_, err = fmt.Sscanf(line, "bound [%d] %d %d", &got, &k1, &k2)
-	require.NoError(t, err, "the queue's thread is bound to one CPU: %s", line)
-	assert.Equal(t, cpu, got, "the queue's thread is bound to its CPU")
-	assert.NotEqual(t, k1, k2, "two pages, two MRs: both misses went to the primary")
-	n, _ := threadsOn(t, cpu)
-	assert.Equal(t, before+1, n, "the primary answers the queue on its CPU")
+			h := testproc.Start(t, "bound-queue", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(cpu),
+				strconv.FormatUint(uint64(r.Addr)+8, 10), strconv.FormatUint(uint64(r.Addr)+ps+8, 10)})
+			assert.Equal(t, "refused 2", h.Expect("refused", 0), "CPUs that do not exist")
+			var got int
+			var k1, k2 uint32
+			line := h.Expect("bound", 0)
+			_, err = fmt.Sscanf(line, "bound [%d] %d %d", &got, &k1, &k2)
+			require.NoError(t, err, "the queue's thread is bound to one CPU: %s", line)
+			assert.Equal(t, cpu, got, "the queue's thread is bound to its CPU")
+			assert.NotEqual(t, k1, k2, "two pages, two MRs: both misses went to the primary")
+			n, _ := threadsOn(t, cpu)
+			if !follow {
+				assert.Equal(t, before, n, "the primary binds nothing unless told to")
+				h.Send("exit")
+				require.NoError(t, h.Wait(0))
+				return
+			}
+			assert.Equal(t, before+1, n, "the primary answers the queue on its CPU")
 
-	h.Send("exit")
-	require.NoError(t, h.Wait(0))
-	// A thread ends with the goroutine locked to it, unless it is the
-	// process's main thread, which the runtime parks for good instead.
-	require.Eventually(t, func() bool { _, n := threadsOn(t, cpu); return n == beforeOthers }, testproc.DefaultTimeout,
-		time.Millisecond, "the thread bound for the secondary ends with its lane")
+			h.Send("exit")
+			require.NoError(t, h.Wait(0))
+			// A thread ends with the goroutine locked to it, unless it is
+			// the process's main thread, which the runtime parks for good
+			// instead.
+			require.Eventually(t, func() bool { _, n := threadsOn(t, cpu); return n == beforeOthers }, testproc.DefaultTimeout,
+				time.Millisecond, "the thread bound for the secondary ends with its lane")
+		})
+	}
 }
 
 // threadsOn counts this process's threads whose affinity is exactly cpu:

@@ -149,9 +149,12 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		if err := body.Decode(&m); err != nil {
 			return nil, err
 		}
-		// A caller bound to a CPU is answered there from its next miss on
-		// (a lane thread per peer: one peer's word moves only its own).
-		peer.Follow(int(m.CPU) - 1)
+		if p.cfg.FollowCPU {
+			// A caller bound to a CPU is answered there from its next
+			// miss on (a lane thread per peer: one peer's word moves
+			// only its own).
+			peer.Follow(int(m.CPU) - 1)
+		}
 		e, err := p.global.Create(m.Addr)
 		if err != nil {
 			return nil, err

@@ -634,12 +634,15 @@ func (s *Secondary) NewQueue() *Queue {
 }
 
 // BindCPU binds the calling goroutine's thread to CPU cpu, as DPDK binds
-// an lcore, and has the queue's create requests say so: the primary then
-// answers them on that CPU (see ipc.Peer.Follow), so that a miss hands the
-// CPU over while it waits and wakes no other. Call it from the goroutine
-// that uses the queue; that goroutine stays locked to its thread
-// (runtime.LockOSThread) from then on, and the thread ends with it. A
-// goroutine that runs several queues binds each of them to the same CPU.
+// an lcore, and has the queue's create requests say so: a primary with
+// FollowCPU then answers them on that CPU (see ipc.Peer.Follow), so that a
+// miss hands the CPU over while it waits and wakes no other. Call it from
+// the goroutine that uses the queue; that goroutine stays locked to its
+// thread (runtime.LockOSThread) from then on, and the thread ends with it.
+// The primary answers all of this process's requests on one thread, bound
+// where the last create asked: bind queues that miss at the same time to
+// the same CPU, and expect requests from other threads meanwhile to be
+// answered on that CPU too.
 func (q *Queue) BindCPU(cpu int) error {
 	var set unix.CPUSet
 	if cpu < 0 || cpu >= len(set)*64 {
