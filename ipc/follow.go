@@ -20,8 +20,9 @@ import (
 // is bound to that CPU before it waits for the next request (a handler
 // that runs off the lane may ask after that wait began: then before the
 // one after). A negative cpu lets the thread run where it could before.
-// A CPU the thread could not use before it was first bound is ignored,
-// and so is a peer without a lane.
+// A CPU the thread could not use before it was bound is ignored until a
+// request names none, and so is a peer without a lane. With Spin, a bound
+// lane polls on its caller's CPU.
 //
 // The lane's thread answers all of the peer's inline requests, from any
 // of its threads, wherever it is bound; one that is bound to a CPU
@@ -56,11 +57,16 @@ type laneCPU struct {
 // tried again at the next request.
 func (l *laneCPU) apply(p *Peer) {
 	want := p.follow.Load()
-	if want == l.bound || want != 0 && want == l.ignored {
+	if want == 0 {
+		// A CPU ignored before may be usable by the next binding (back
+		// online, a wider cpuset): ask again then.
+		l.ignored = 0
+		if l.bound != 0 {
+			l.unbind()
+		}
 		return
 	}
-	if want == 0 {
-		l.unbind()
+	if want == l.bound || want == l.ignored {
 		return
 	}
 	if !l.locked {
