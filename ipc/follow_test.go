@@ -3,55 +3,29 @@ package ipc_test
 import (
 	"context"
 	"math"
-	"os"
 	"runtime"
-	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/ipc"
 )
 
 // lastCPU returns the highest-numbered CPU this process may use, skipping
-// t when it may use only one: a binding to it could not be told apart.
+// t when it may use only one.
 func lastCPU(t *testing.T) int {
-	t.Helper()
-	var set unix.CPUSet
-	require.NoError(t, unix.SchedGetaffinity(0, &set))
-	if set.Count() < 2 {
-		t.Skip("needs a process that may use 2 CPUs or more")
-	}
-	last := -1
-	for i := range len(set) * 64 {
-		if set.IsSet(i) {
-			last = i
-		}
-	}
-	return last
+	cpus := testenv.NeedCPUs(t, 2)
+	return cpus[len(cpus)-1]
 }
 
 // threadsBoundTo counts this process's threads whose affinity is exactly
 // cpu.
 func threadsBoundTo(t *testing.T, cpu int) int {
-	t.Helper()
-	tasks, err := os.ReadDir("/proc/self/task")
-	require.NoError(t, err)
-	n := 0
-	for _, task := range tasks {
-		tid, err := strconv.Atoi(task.Name())
-		require.NoError(t, err)
-		var set unix.CPUSet
-		if unix.SchedGetaffinity(tid, &set) != nil {
-			continue // ended meanwhile
-		}
-		if set.Count() == 1 && set.IsSet(cpu) {
-			n++
-		}
-	}
-	return n
+	all, _ := testenv.ThreadsBoundTo(t, cpu)
+	return all
 }
 
 // followHandler answers create requests inline, following the CPU the
@@ -118,10 +92,7 @@ func TestLaneFollowsFromAServerMadeOnABoundThread(t *testing.T) {
 	cpu := lastCPU(t)
 	var all unix.CPUSet
 	require.NoError(t, unix.SchedGetaffinity(0, &all))
-	first := 0
-	for !all.IsSet(first) {
-		first++
-	}
+	first := testenv.NeedCPUs(t, 2)[0]
 	var s *testServer
 	func() {
 		runtime.LockOSThread()

@@ -16,7 +16,6 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
-	"golang.org/x/sys/unix"
 )
 
 func init() {
@@ -41,20 +40,14 @@ func helperCreateLoop(args []string) int {
 	defer s.Close()
 	create := func(addr uint64) error { _, err := s.CreateMR(addr); return err }
 	if args[4] == "bound" {
-		var cpus unix.CPUSet
-		if err := unix.SchedGetaffinity(0, &cpus); err != nil {
+		cpus, err := testenv.CPUs()
+		if err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 3
 		}
-		last := -1
-		for i := range len(cpus) * 64 {
-			if cpus.IsSet(i) {
-				last = i
-			}
-		}
 		q := s.NewQueue()
 		defer q.Close()
-		if err := q.BindCPU(last); err != nil {
+		if err := q.BindCPU(cpus[len(cpus)-1]); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			return 3
 		}

@@ -9,7 +9,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
@@ -54,15 +53,9 @@ func helperBoundQueue(args []string) int {
 			return fail(err)
 		}
 	}
-	var set unix.CPUSet
-	if err := unix.SchedGetaffinity(0, &set); err != nil {
+	cpus, err := testenv.CPUs()
+	if err != nil {
 		return fail(err)
-	}
-	var cpus []int
-	for i := range len(set) * 64 {
-		if set.IsSet(i) {
-			cpus = append(cpus, i)
-		}
 	}
 	testproc.Say("bound %v %d %d", cpus, keys[0], keys[1])
 	in := testproc.Commands()
@@ -77,24 +70,15 @@ func helperBoundQueue(args []string) int {
 // first, and lets go of it when the secondary leaves. Without, the default,
 // the primary binds nothing.
 func TestBoundQueueIsAnsweredOnItsCPU(t *testing.T) {
-	var all unix.CPUSet
-	require.NoError(t, unix.SchedGetaffinity(0, &all))
-	if all.Count() < 2 {
-		t.Skip("needs a process that may use 2 CPUs or more")
-	}
-	cpu := 0
-	for i := range len(all) * 64 {
-		if all.IsSet(i) {
-			cpu = i
-		}
-	}
+	cpus := testenv.NeedCPUs(t, 2)
+	cpu := cpus[len(cpus)-1]
 	for _, follow := range []bool{true, false} {
 		t.Run(fmt.Sprintf("FollowCPU=%v", follow), func(t *testing.T) {
 			p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SinglePage, c.FollowCPU = true, follow })
 			ps := p.Backend().PageSize
 			r, err := p.Alloc(2 * ps)
 			require.NoError(t, err)
-			before, beforeOthers := threadsOn(t, cpu)
+			before, beforeOthers := testenv.ThreadsBoundTo(t, cpu)
 
 			h := testproc.Start(t, "bound-queue", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(cpu),
 				strconv.FormatUint(uint64(r.Addr)+8, 10), strconv.FormatUint(uint64(r.Addr)+ps+8, 10)})
@@ -106,7 +90,7 @@ func TestBoundQueueIsAnsweredOnItsCPU(t *testing.T) {
 			require.NoError(t, err, "the queue's thread is bound to one CPU: %s", line)
 			assert.Equal(t, cpu, got, "the queue's thread is bound to its CPU")
 			assert.NotEqual(t, k1, k2, "two pages, two MRs: both misses went to the primary")
-			n, _ := threadsOn(t, cpu)
+			n, _ := testenv.ThreadsBoundTo(t, cpu)
 			if !follow {
 				assert.Equal(t, before, n, "the primary binds nothing unless told to")
 				h.Send("exit")
@@ -120,28 +104,8 @@ func TestBoundQueueIsAnsweredOnItsCPU(t *testing.T) {
 			// A thread ends with the goroutine locked to it, unless it is
 			// the process's main thread, which the runtime parks for good
 			// instead.
-			require.Eventually(t, func() bool { _, n := threadsOn(t, cpu); return n == beforeOthers }, testproc.DefaultTimeout,
+			require.Eventually(t, func() bool { _, n := testenv.ThreadsBoundTo(t, cpu); return n == beforeOthers }, testproc.DefaultTimeout,
 				time.Millisecond, "the thread bound for the secondary ends with its lane")
 		})
 	}
-}
-
-// threadsOn counts this process's threads whose affinity is exactly cpu:
-// all of them, and those other than the main thread.
-func threadsOn(t *testing.T, cpu int) (all, others int) {
-	t.Helper()
-	tasks, err := os.ReadDir("/proc/self/task")
-	require.NoError(t, err)
-	for _, task := range tasks {
-		tid, err := strconv.Atoi(task.Name())
-		require.NoError(t, err)
-		var set unix.CPUSet
-		if unix.SchedGetaffinity(tid, &set) == nil && set.Count() == 1 && set.IsSet(cpu) {
-			all++
-			if tid != os.Getpid() {
-				others++
-			}
-		}
-	}
-	return all, others
 }

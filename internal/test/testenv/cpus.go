@@ -1,0 +1,65 @@
+package testenv
+
+import (
+	"os"
+	"strconv"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// CPUs returns the CPUs the calling thread may use, in order.
+func CPUs() ([]int, error) {
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		return nil, err
+	}
+	var cpus []int
+	for i := range len(set) * 64 {
+		if set.IsSet(i) {
+			cpus = append(cpus, i)
+		}
+	}
+	return cpus, nil
+}
+
+// NeedCPUs returns the CPUs the calling thread may use, skipping tb if
+// there are fewer than n: a test of CPU bindings cannot tell a thread
+// bound to the only CPU from one that may run anywhere.
+func NeedCPUs(tb testing.TB, n int) []int {
+	tb.Helper()
+	cpus, err := CPUs()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if len(cpus) < n {
+		tb.Skipf("needs a process that may use %d CPUs or more; this one may use %d", n, len(cpus))
+	}
+	return cpus
+}
+
+// ThreadsBoundTo counts this process's threads whose affinity is exactly
+// cpu: all of them, and those other than the main thread (which the Go
+// runtime parks for good, binding and all, when a goroutine locked to it
+// exits).
+func ThreadsBoundTo(tb testing.TB, cpu int) (all, others int) {
+	tb.Helper()
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, task := range tasks {
+		tid, err := strconv.Atoi(task.Name())
+		if err != nil {
+			tb.Fatal(err)
+		}
+		var set unix.CPUSet
+		if unix.SchedGetaffinity(tid, &set) == nil && set.Count() == 1 && set.IsSet(cpu) { // else ended meanwhile
+			all++
+			if tid != os.Getpid() {
+				others++
+			}
+		}
+	}
+	return all, others
+}
