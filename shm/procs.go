@@ -140,38 +140,44 @@ func (s *Segment) claimSlot(role Role) error {
 		atomic.StoreUint64(&p.Start, selfStart)
 		s.resetReaderLines(i)
 		atomic.StoreUint32(&p.State, slotLive)
-		s.slot, s.epoch = i, epoch
+		s.epoch = epoch
+		s.slot.Store(int32(i))
 		return nil
 	}
 	return fmt.Errorf("%w: all %d slots are held by live processes", ErrNoSlot, len(slots))
 }
 
 func (s *Segment) releaseSlot() {
-	if s.slot < 0 {
+	i := s.Slot()
+	if i < 0 {
 		return
 	}
-	p := &s.slots()[s.slot]
+	p := &s.slots()[i]
 	atomic.StoreUint32(&p.State, slotFree)
 	atomic.StoreUint32(&p.PID, 0)
-	_ = ofd.Unlock(s.lockf, int64(s.slot))
-	s.slot = -1
+	_ = ofd.Unlock(s.lockf, int64(i))
+	s.slot.Store(-1)
 }
 
 // Slots returns the length of the process table.
 func (s *Segment) Slots() int { return len(s.procs) }
 
 // Slot returns this process's process-table slot.
-func (s *Segment) Slot() int { return s.slot }
+func (s *Segment) Slot() int { return int(s.slot.Load()) }
 
 // Alive reports whether the process in slot i is alive: it holds the slot's
 // lock byte. This process's own slot is always alive. A lock-file error
 // counts as alive, so that a failure to look never discards live state. On a
 // read-only Segment whose lock file does not exist, no slot is alive: nobody
-// can hold a lock in a file that is not there.
+// can hold a lock in a file that is not there; nor on a closed one, whose
+// lock file is closed (a reader CloseUnderReaders left behind reads only
+// private zeros by then).
 func (s *Segment) Alive(i int) bool {
-	if i == s.slot {
+	if i == s.Slot() {
 		return true
 	}
+	s.filesMu.RLock()
+	defer s.filesMu.RUnlock()
 	if s.lockf == nil {
 		return false
 	}
@@ -187,7 +193,7 @@ func (s *Segment) Alive(i int) bool {
 // had the given epoch: a later claim of the slot by another process does not
 // make an earlier claimant look alive.
 func (s *Segment) aliveAs(i int, epoch uint32) bool {
-	if i == s.slot {
+	if i == s.Slot() {
 		return epoch == s.epoch
 	}
 	slots := s.slots()
@@ -248,7 +254,7 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // by any process mapping the segment, and none of them may end a fence.
 func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 	slots := s.slots()
-	if !s.owner || i < 0 || i >= len(slots) || i == s.slot {
+	if !s.owner || i < 0 || i >= len(slots) || i == s.Slot() {
 		return false
 	}
 	start, err := ProcessStart(pid)
@@ -292,8 +298,8 @@ func SameProcess(pid int, start uint64) bool {
 
 // Fenced reports whether the primary fenced this process's claim.
 func (s *Segment) Fenced() bool {
-	slots := s.slots()
-	return s.slot >= 0 && s.slot < len(slots) && atomic.LoadUint32(&slots[s.slot].Fenced) == s.epoch
+	slots, i := s.slots(), s.Slot()
+	return i >= 0 && i < len(slots) && atomic.LoadUint32(&slots[i].Fenced) == s.epoch
 }
 
 // FenceWatch tells, from any goroutine and without reading anything Close
@@ -311,20 +317,20 @@ func (w FenceWatch) Fenced() bool { return w.word != nil && atomic.LoadUint32(w.
 // zero one if it holds none). It reads the claim's word where the segment
 // is mapped, so it is for goroutines that may read the segment anyway.
 func (s *Segment) FenceWatch() FenceWatch {
-	slots := s.slots()
-	if s.slot < 0 || s.slot >= len(slots) {
+	slots, i := s.slots(), s.Slot()
+	if i < 0 || i >= len(slots) {
 		return FenceWatch{}
 	}
-	return FenceWatch{word: &slots[s.slot].Fenced, epoch: s.epoch}
+	return FenceWatch{word: &slots[i].Fenced, epoch: s.epoch}
 }
 
 // MarkUnmapped declares that this process maps no data memory any more, so
 // that the primary need not quarantine what it frees on this process's
 // account.
 func (s *Segment) MarkUnmapped() {
-	slots := s.slots()
-	if s.slot >= 0 && s.slot < len(slots) {
-		atomic.StoreUint32(&slots[s.slot].Unmapped, s.epoch)
+	slots, i := s.slots(), s.Slot()
+	if i >= 0 && i < len(slots) {
+		atomic.StoreUint32(&slots[i].Unmapped, s.epoch)
 	}
 }
 
@@ -361,11 +367,16 @@ func (s *Segment) Holders() []Proc {
 // claiming the same slot. Locks those processes held are repaired by the
 // lock operations themselves; Reap only tidies the table.
 func (s *Segment) Reap() []int {
+	s.filesMu.RLock()
+	defer s.filesMu.RUnlock()
+	if s.lockf == nil {
+		return nil // closed
+	}
 	var reaped []int
-	slots := s.slots()
+	slots, mine := s.slots(), s.Slot()
 	for i := range slots {
 		p := &slots[i]
-		if i == s.slot || atomic.LoadUint32(&p.State) != slotLive {
+		if i == mine || atomic.LoadUint32(&p.State) != slotLive {
 			continue
 		}
 		if err := ofd.TryLock(s.lockf, int64(i), true); err != nil {

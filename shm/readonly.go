@@ -66,10 +66,10 @@ func OpenReadOnly(o Options) (*Segment, Info, error) {
 		mapLen:   uintptr(info.MaxSize),
 		hdr:      (*header)(vm.Pointer(base)),
 		procs:    procTable(vm.Pointer(base), info.Slots),
-		slot:     -1,
 		log:      o.logger(),
 		readOnly: true,
 	}
+	s.slot.Store(-1)
 	// The header was validated through another mapping; make sure this one
 	// shows the same segment before anything trusts it.
 	if atomic.LoadUint64(&s.hdr.Magic) != Magic || atomic.LoadUint64(&s.hdr.MaxSize) != info.MaxSize {

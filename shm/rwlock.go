@@ -177,11 +177,12 @@ func (s *Segment) RWLock(off uint64) (*RWLock, error) {
 	if err != nil {
 		return nil, err
 	}
-	if s.slot < 0 || s.slot >= len(lines) {
+	i := s.Slot()
+	if i < 0 || i >= len(lines) {
 		return nil, fmt.Errorf("shm: lock at 0x%x: this process has no slot", off)
 	}
-	l := &RWLock{seg: s, off: off, head: head, lines: lines, me: ownerMark(s.slot, s.epoch),
-		mine: &lines[s.slot].Count, owner: &head.Owner}
+	l := &RWLock{seg: s, off: off, head: head, lines: lines, me: ownerMark(i, s.epoch),
+		mine: &lines[i].Count, owner: &head.Owner}
 	l.fence.Store(int64(DefaultFenceAfter))
 	return l, nil
 }
@@ -477,7 +478,7 @@ func (l *RWLock) drain(b *bound, prev uint64) error {
 			if n == 0 {
 				break
 			}
-			if i != l.seg.slot && !l.seg.Alive(i) {
+			if i != l.seg.Slot() && !l.seg.Alive(i) {
 				if atomic.CompareAndSwapUint64(c, v, nextGen(v)) {
 					l.seg.log.Warn("discarded read holds of dead process", "lock", l.off, "slot", i, "holds", n)
 				}

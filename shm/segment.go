@@ -79,19 +79,22 @@ func (o *Options) logger() *slog.Logger {
 // segment or changes its state; any process may read and may take locks.
 // Segment's methods are safe for concurrent use.
 type Segment struct {
-	path   string
-	f      *os.File
-	lockf  *os.File
-	base   uintptr
-	mapLen uintptr
-	backed atomic.Uint64 // bytes of the file known to exist, at most mapLen
-	hdr    *header
+	path    string
+	f       *os.File
+	lockf   *os.File     // nil once closed (and on a read-only Segment without one)
+	filesMu sync.RWMutex // held to use lockf where Close may close it meanwhile
+	base    uintptr
+	mapLen  uintptr
+	backed  atomic.Uint64 // bytes of the file known to exist, at most mapLen
+	hdr     *header
 	// procs is the process table, placed and sized once when the
 	// segment is created or its header validated: the header's own
 	// words for it can be rewritten by any process that maps it.
 	procs []procSlot
 	owner bool
-	slot  int
+	// slot is this process's process-table slot, -1 for none; atomic,
+	// since closing under readers releases it while they may look.
+	slot  atomic.Int32
 	epoch uint32
 	log   *slog.Logger
 	mu    sync.Mutex // owner: serializes arena and growth
@@ -221,7 +224,7 @@ func mapSegment(f *os.File, o *Options, maxSize uint64, slots int) (*Segment, er
 		lockf.Close()
 		return nil, err
 	}
-	return &Segment{
+	seg := &Segment{
 		path:   o.Path,
 		f:      f,
 		lockf:  lockf,
@@ -229,9 +232,10 @@ func mapSegment(f *os.File, o *Options, maxSize uint64, slots int) (*Segment, er
 		mapLen: uintptr(maxSize),
 		hdr:    (*header)(vm.Pointer(base)),
 		procs:  procTable(vm.Pointer(base), slots),
-		slot:   -1,
 		log:    o.logger(),
-	}, nil
+	}
+	seg.slot.Store(-1)
+	return seg, nil
 }
 
 func (s *Segment) unmap() {
@@ -240,8 +244,11 @@ func (s *Segment) unmap() {
 }
 
 func (s *Segment) closeFiles() {
+	s.filesMu.Lock()
+	defer s.filesMu.Unlock()
 	if s.lockf != nil {
 		s.lockf.Close()
+		s.lockf = nil
 	}
 	s.f.Close()
 }

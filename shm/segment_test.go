@@ -331,3 +331,38 @@ func TestCheckRangeBoundedByMapping(t *testing.T) {
 		}
 	})
 }
+
+// A reader left behind by CloseUnderReaders may still ask about slots (a
+// lock it waits on asks whether its writer lives) while the close releases
+// this process's own: the race detector must find nothing between them.
+func TestCloseUnderReadersWhileReadersAskAboutSlots(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	other, err := shm.Attach(o)
+	require.NoError(t, err)
+	mine, theirs := other.Slot(), owner.Slot()
+	stop := make(chan struct{})
+	asked := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; ; i++ {
+			other.Alive(mine)
+			other.Alive(theirs)
+			other.Fenced()
+			if i == 0 {
+				close(asked)
+			}
+			select {
+			case <-stop:
+				return
+			default:
+			}
+		}
+	}()
+	<-asked
+	require.True(t, other.CloseUnderReaders(), "vacated")
+	close(stop)
+	<-done
+	assert.Equal(t, -1, other.Slot(), "the slot is released")
+	assert.False(t, owner.Proc(mine).Live)
+}
