@@ -24,17 +24,24 @@ func TestInvalidationLogReaderNeverTakesAnOverwrittenEntry(t *testing.T) {
 	var stop atomic.Bool
 	var wg sync.WaitGroup
 	wg.Add(1)
+	started := make(chan struct{})
 	go func() {
 		defer wg.Done()
-		for !stop.Load() {
+		for i := 0; !stop.Load(); i++ {
 			atomic.StoreUint32(g.devGen, base)
 			g.bumpGen(a.start, a.end) // entry (G, A)
 			g.bumpGen(b.start, b.end) // entry (G+1, B), in the same slot
+			if i == 0 {
+				close(started)
+			}
 		}
 	}()
+	<-started
 	var torn, trusted, refused int
 	dst := make([]span, 0, 1)
-	for i := 0; i < 2_000_000 && torn == 0; i++ {
+	// At least 2 million reads, and on until both answers were seen: on
+	// a loaded machine the writer may not run during the first ones.
+	for i := 0; (i < 2_000_000 || trusted == 0 || refused == 0) && i < 100_000_000 && torn == 0; i++ {
 		if s, ok := g.invalidated(gen-1, gen, dst[:0]); !ok {
 			refused++
 		} else if trusted++; len(s) != 1 || s[0] != a {
