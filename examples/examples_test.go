@@ -92,6 +92,26 @@ func TestMainJob(t *testing.T) {
 	})
 }
 
+// With -bind, each secondary binds its queue to a CPU of its own and the
+// primary answers its misses there: the job does the same work, with no
+// error and no validation failure (a binding refused would be one).
+func TestMainJobBound(t *testing.T) {
+	prim, sec := programs(t)
+	cmd := exec.CommandContext(t.Context(), prim, "-prefix", testenv.Prefix(t), "-rundir", runDir(t),
+		"-backend", "tmpfs", "-secondaries", "2", "-duration", "500ms", "-buffers", "1024", "-bind", "0",
+		"-secondary-bin", sec)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "output:\n%s", out)
+	text := string(out)
+	assert.Equal(t, 2, strings.Count(text, "\n  secondary pid"), "a summary per secondary")
+	for _, line := range strings.Split(text, "\n") {
+		if strings.HasPrefix(line, "  secondary pid") {
+			assert.Contains(t, line, "validation failures 0")
+			assert.Regexp(t, `created [1-9]`, line, "misses went to the primary")
+		}
+	}
+}
+
 // startPrimary runs the primary example alone (-secondaries 0, churning
 // on tmpfs), waits until it serves, and returns it with a channel of its
 // standard error lines. It is stopped with SIGTERM at cleanup (killed if

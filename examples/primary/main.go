@@ -72,7 +72,7 @@ func run(ctx context.Context, c config) error {
 	// the global MR cache, and serves secondaries on a unix socket. Only
 	// one primary runs per prefix; a dead one's leftovers are cleaned up.
 	p, err := primary.Start(primary.Config{Prefix: c.Prefix, RuntimeDir: c.RuntimeDir, Backend: kind,
-		Device: c.device, Logger: c.Logger()})
+		Device: c.device, FollowCPU: c.Bind >= 0, Logger: c.Logger()})
 	if err != nil {
 		return err
 	}
@@ -215,7 +215,11 @@ func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) 
 			// interrupted one is.
 			sctx, cancel := context.WithTimeout(ctx, c.Duration+c.grace)
 			defer cancel()
-			cmd := exec.CommandContext(sctx, bin, c.Args()...)
+			sc := c.Flags
+			if c.Bind >= 0 { // each secondary's queues on CPUs of their own, as far as they go
+				sc.Bind = c.Bind + i*c.Queues
+			}
+			cmd := exec.CommandContext(sctx, bin, sc.Args()...)
 			// Interrupted, a secondary is asked to stop (it detaches
 			// cleanly), and killed only if it does not (SIGKILL ends a
 			// stopped process too).

@@ -31,6 +31,7 @@ import (
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/secondary"
 	"github.com/mpmr/mpmr/verbs"
+	"golang.org/x/sys/unix"
 )
 
 func main() {
@@ -96,6 +97,11 @@ func run(ctx context.Context, f job.Flags) int {
 		return 1
 	}
 
+	cpus, err := usableCPUs()
+	if err != nil {
+		say("%v", err)
+		return 1
+	}
 	work, stopWork := context.WithTimeout(ctx, f.Duration)
 	defer stopWork()
 	var c counts
@@ -126,6 +132,13 @@ func run(ctx context.Context, f job.Flags) int {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			if f.Bind >= 0 {
+				// From the goroutine that uses the queue: it is its
+				// thread that is bound.
+				if err := q.BindCPU(cpus[(f.Bind+i)%len(cpus)]); err != nil {
+					c.fail(err, false)
+				}
+			}
 			datapath(work, s, q, dev, pool, scratch, f.BufSize, byte(i+1), &c)
 		}()
 	}
@@ -320,4 +333,20 @@ func checkScratch(q *secondary.Queue, dev *verbs.Soft, sc *job.Scratch) (bool, e
 func isValidation(err error) bool {
 	return errors.Is(err, verbs.ErrLocalProtection) || errors.Is(err, verbs.ErrInvalidKey) ||
 		errors.Is(err, verbs.ErrLocalAccess) || errors.Is(err, verbs.ErrLength)
+}
+
+// usableCPUs lists the CPUs this process may use, in order: -bind counts
+// from the first of them.
+func usableCPUs() ([]int, error) {
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		return nil, fmt.Errorf("which CPUs this process may use: %w", err)
+	}
+	var cpus []int
+	for i := range len(set) * 64 {
+		if set.IsSet(i) {
+			cpus = append(cpus, i)
+		}
+	}
+	return cpus, nil
 }

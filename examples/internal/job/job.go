@@ -25,6 +25,7 @@ type Flags struct {
 	Queues     int
 	Duration   time.Duration
 	BufSize    int
+	Bind       int
 	Verbose    bool
 }
 
@@ -35,13 +36,14 @@ func (f *Flags) Register(fs *flag.FlagSet) {
 	fs.IntVar(&f.Queues, "queues", 1, "queues per secondary, each a goroutine that busy-polls (keep them at or below the CPUs you can spare)")
 	fs.DurationVar(&f.Duration, "duration", 3*time.Second, "how long the secondaries work")
 	fs.IntVar(&f.BufSize, "bufsize", 2048, "bytes per packet buffer")
+	fs.IntVar(&f.Bind, "bind", -1, "bind the queues, in turn, to the CPUs this process may use from the one at this index on, and have the primary answer their misses there (-1: bind none)")
 	fs.BoolVar(&f.Verbose, "v", false, "log the library's diagnostics")
 }
 
 // Args returns the flags as command-line arguments, for a child process.
 func (f *Flags) Args() []string {
 	args := []string{"-prefix", f.Prefix, "-rundir", f.RuntimeDir, "-queues", strconv.Itoa(f.Queues),
-		"-duration", f.Duration.String(), "-bufsize", strconv.Itoa(f.BufSize)}
+		"-duration", f.Duration.String(), "-bufsize", strconv.Itoa(f.BufSize), "-bind", strconv.Itoa(f.Bind)}
 	if f.Verbose {
 		args = append(args, "-v")
 	}
