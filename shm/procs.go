@@ -147,7 +147,9 @@ func (s *Segment) claimSlot(role Role) error {
 	return fmt.Errorf("%w: all %d slots are held by live processes", ErrNoSlot, len(slots))
 }
 
-func (s *Segment) releaseSlot() {
+// freeSlot marks this process's slot free in the table; it stays held
+// (its lock byte) until releaseSlot. Call it while the segment is mapped.
+func (s *Segment) freeSlot() {
 	i := s.Slot()
 	if i < 0 {
 		return
@@ -155,6 +157,16 @@ func (s *Segment) releaseSlot() {
 	p := &s.slots()[i]
 	atomic.StoreUint32(&p.State, slotFree)
 	atomic.StoreUint32(&p.PID, 0)
+}
+
+// releaseSlot lets go of this process's slot: from now on other processes
+// see it dead. Call it once nothing of this process can write the segment
+// any more (it is unmapped, or mapped to private zeros).
+func (s *Segment) releaseSlot() {
+	i := s.Slot()
+	if i < 0 {
+		return
+	}
 	_ = ofd.Unlock(s.lockf, int64(i))
 	s.slot.Store(-1)
 }

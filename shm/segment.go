@@ -460,11 +460,19 @@ func (s *Segment) close(underReaders bool) error {
 		return nil
 	}
 	s.closed.Store(true)
-	s.releaseSlot()
+	// The slot is marked free now, but held until the mapping has gone:
+	// until then this process's goroutines may still write the segment,
+	// and a process that saw the slot dead could take over a lock one of
+	// them holds, and repair it while it is written.
+	s.freeSlot()
+	if testHookBeforeUnmap != nil {
+		testHookBeforeUnmap(s)
+	}
 	if underReaders {
 		err := vm.Vacate(s.base, s.mapLen)
 		if err == nil {
 			s.vacated = true
+			s.releaseSlot()
 			s.closeFiles()
 			return nil
 		}
@@ -472,9 +480,15 @@ func (s *Segment) close(underReaders bool) error {
 		// into a segment whose slot this process no longer holds.
 		s.log.Warn("segment unmapped under its readers: it could not be vacated", "path", s.path, "err", err)
 	}
-	s.unmap()
+	_ = vm.Unmap(s.base, s.mapLen)
+	s.releaseSlot()
+	s.closeFiles()
 	return nil
 }
+
+// testHookBeforeUnmap, if set, runs in close just before the segment's
+// mapping goes.
+var testHookBeforeUnmap func(*Segment)
 
 // Remove deletes the segment file and its lock file. Processes that still
 // map the segment keep their mapping; the memory is returned to the system
