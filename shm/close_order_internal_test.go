@@ -1,7 +1,9 @@
 package shm
 
 import (
+	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"testing"
 
@@ -14,8 +16,15 @@ import (
 // the slot dead could take over a lock one of them holds and repair it
 // under their writes. Marked free it is at once.
 func TestCloseHoldsTheSlotUntilTheMappingHasGone(t *testing.T) {
-	for _, under := range []bool{false, true} {
-		o := Options{Path: filepath.Join(t.TempDir(), "segment"), LayoutTag: 0x5eed, Slots: 4,
+	// On tmpfs, as the other tests' segments (testenv, which finds it,
+	// imports this package).
+	dir, err := os.MkdirTemp("/dev/shm", "mpmr-close-order-")
+	if err != nil {
+		t.Skipf("needs tmpfs at /dev/shm: %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	for i, under := range []bool{false, true} {
+		o := Options{Path: filepath.Join(dir, fmt.Sprint("segment", i)), LayoutTag: 0x5eed, Slots: 4,
 			Role: RolePrimary, Logger: slog.New(slog.DiscardHandler)}
 		owner, err := Create(o)
 		require.NoError(t, err)

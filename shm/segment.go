@@ -419,8 +419,9 @@ func (s *Segment) growLocked(need uint64) error {
 	return nil
 }
 
-// Close releases this process's slot, unmaps the segment and closes its
-// files. It is idempotent. The files stay on disk; removing them is the
+// Close marks this process's slot free, unmaps the segment, lets go of
+// the slot (other processes see it dead from then on, not before) and
+// closes its files. It is idempotent. The files stay on disk; removing them is the
 // owner's decision (see Remove).
 func (s *Segment) Close() error { return s.close(false) }
 
@@ -477,7 +478,7 @@ func (s *Segment) close(underReaders bool) error {
 			return nil
 		}
 		// Unmapped after all: a reader left faults, rather than writing
-		// into a segment whose slot this process no longer holds.
+		// into a segment whose slot this process is about to let go of.
 		s.log.Warn("segment unmapped under its readers: it could not be vacated", "path", s.path, "err", err)
 	}
 	_ = vm.Unmap(s.base, s.mapLen)
