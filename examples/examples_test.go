@@ -74,20 +74,8 @@ func runDir(t *testing.T) string {
 func TestMainJob(t *testing.T) {
 	prim, sec := programs(t)
 	testenv.ForEachBackend(t, 16, func(t *testing.T, b hugetlb.Backend) {
-		cmd := exec.CommandContext(t.Context(), prim, "-prefix", testenv.Prefix(t), "-rundir", runDir(t),
-			"-backend", b.Kind.String(), "-secondaries", "2", "-duration", "500ms", "-buffers", "1024",
-			"-secondary-bin", sec)
-		out, err := cmd.CombinedOutput()
-		require.NoError(t, err, "output:\n%s", out)
-		text := string(out)
+		text := runMainJob(t, prim, sec, "-backend", b.Kind.String())
 		t.Log(text)
-		assert.Equal(t, 2, strings.Count(text, "\n  secondary pid"), "a summary per secondary")
-		assert.NotContains(t, text, "ended without a summary")
-		for _, line := range strings.Split(text, "\n") {
-			if strings.HasPrefix(line, "  secondary pid") {
-				assert.Contains(t, line, "validation failures 0")
-			}
-		}
 		assert.Regexp(t, `summary after .*: [1-9][0-9]* memory churns`, text, "memory churned during the run")
 	})
 }
@@ -97,19 +85,32 @@ func TestMainJob(t *testing.T) {
 // error and no validation failure (a binding refused would be one).
 func TestMainJobBound(t *testing.T) {
 	prim, sec := programs(t)
-	cmd := exec.CommandContext(t.Context(), prim, "-prefix", testenv.Prefix(t), "-rundir", runDir(t),
-		"-backend", "tmpfs", "-secondaries", "2", "-duration", "500ms", "-buffers", "1024", "-bind", "0",
-		"-secondary-bin", sec)
+	text := runMainJob(t, prim, sec, "-backend", "tmpfs", "-bind", "0")
+	for _, line := range strings.Split(text, "\n") {
+		if strings.HasPrefix(line, "  secondary pid") {
+			assert.Regexp(t, `created [1-9]`, line, "misses went to the primary")
+		}
+	}
+}
+
+// runMainJob runs the main job, shortened, with two secondaries and args
+// added, and returns its output once it has checked that it succeeded and
+// that each secondary reported, with no validation failure.
+func runMainJob(t *testing.T, prim, sec string, args ...string) string {
+	t.Helper()
+	cmd := exec.CommandContext(t.Context(), prim, append([]string{"-prefix", testenv.Prefix(t), "-rundir", runDir(t),
+		"-secondaries", "2", "-duration", "500ms", "-buffers", "1024", "-secondary-bin", sec}, args...)...)
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "output:\n%s", out)
 	text := string(out)
 	assert.Equal(t, 2, strings.Count(text, "\n  secondary pid"), "a summary per secondary")
+	assert.NotContains(t, text, "ended without a summary")
 	for _, line := range strings.Split(text, "\n") {
 		if strings.HasPrefix(line, "  secondary pid") {
 			assert.Contains(t, line, "validation failures 0")
-			assert.Regexp(t, `created [1-9]`, line, "misses went to the primary")
 		}
 	}
+	return text
 }
 
 // startPrimary runs the primary example alone (-secondaries 0, churning
