@@ -1,12 +1,14 @@
 package shm
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"testing"
 
+	"github.com/mpmr/mpmr/internal/sys/vm"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -35,9 +37,11 @@ func TestCloseHoldsTheSlotUntilTheMappingHasGone(t *testing.T) {
 		require.NoError(t, err)
 		slot := other.Slot()
 		var hooked, aliveThen, liveThen bool
+		var pidThen int
 		testHookBeforeUnmap = func(s *Segment) {
 			if s == other {
-				hooked, aliveThen, liveThen = true, owner.Alive(slot), owner.Proc(slot).Live
+				p := owner.Proc(slot)
+				hooked, aliveThen, liveThen, pidThen = true, owner.Alive(slot), p.Live, p.PID
 			}
 		}
 		t.Cleanup(func() { testHookBeforeUnmap = nil })
@@ -49,7 +53,52 @@ func TestCloseHoldsTheSlotUntilTheMappingHasGone(t *testing.T) {
 		require.True(t, hooked)
 		assert.True(t, aliveThen, "underReaders=%v: the slot is held while the segment is mapped", under)
 		assert.False(t, liveThen, "underReaders=%v: and already marked free", under)
+		assert.Equal(t, os.Getpid(), pidThen, "underReaders=%v: tools see whose slot is closing", under)
 		assert.False(t, owner.Alive(slot), "underReaders=%v: released once the mapping has gone", under)
 		assert.Equal(t, -1, other.Slot())
+	}
+}
+
+// A mapping that would not go keeps its slot held: this process can still
+// write the segment through it, so no other process may see it dead (and
+// take over a lock it holds) until it exits. Close says so.
+func TestCloseKeepsTheSlotWhenTheMappingStays(t *testing.T) {
+	dir, err := os.MkdirTemp("/dev/shm", "mpmr-close-order-")
+	if err != nil {
+		t.Skipf("needs tmpfs at /dev/shm: %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	for i, under := range []bool{false, true} {
+		o := Options{Path: filepath.Join(dir, fmt.Sprint("segment", i)), LayoutTag: 0x5eed, Slots: 4,
+			Role: RolePrimary, Logger: slog.New(slog.DiscardHandler)}
+		owner, err := Create(o)
+		require.NoError(t, err)
+		t.Cleanup(func() { owner.Close() })
+		require.NoError(t, owner.MarkReady())
+		o.Role = RoleSecondary
+		other, err := Attach(o)
+		require.NoError(t, err)
+		slot := other.Slot()
+		injected := errors.New("injected unmap failure")
+		unmapSegment = func(uintptr, uintptr) error { return injected }
+		vacateSegment = func(uintptr, uintptr) error { return injected }
+		t.Cleanup(func() { unmapSegment, vacateSegment = vm.Unmap, vm.Vacate })
+		if under {
+			assert.False(t, other.CloseUnderReaders(), "nothing was vacated")
+		} else {
+			assert.ErrorIs(t, other.Close(), injected)
+		}
+		assert.True(t, owner.Alive(slot), "underReaders=%v: the slot is held while the segment stays mapped", under)
+		p := owner.Proc(slot)
+		assert.False(t, p.Live, "underReaders=%v: marked free", under)
+		assert.Equal(t, os.Getpid(), p.PID, "underReaders=%v: tools still see whose slot it is", under)
+		assert.NoError(t, other.Close(), "a second Close does nothing")
+		assert.True(t, owner.Alive(slot), "underReaders=%v: and lets nothing go", under)
+		// What the process's exit would do.
+		unmapSegment, vacateSegment = vm.Unmap, vm.Vacate
+		require.NoError(t, vm.Unmap(other.base, other.mapLen))
+		other.releaseSlot()
+		other.closeFiles()
+		assert.False(t, owner.Alive(slot), "underReaders=%v", under)
 	}
 }

@@ -154,9 +154,9 @@ func (s *Segment) freeSlot() {
 	if i < 0 {
 		return
 	}
-	p := &s.slots()[i]
-	atomic.StoreUint32(&p.State, slotFree)
-	atomic.StoreUint32(&p.PID, 0)
+	// The pid stays: until the slot is released, tools that list the
+	// processes holding slots name this one. The next claim rewrites it.
+	atomic.StoreUint32(&s.slots()[i].State, slotFree)
 }
 
 // releaseSlot lets go of this process's slot: from now on other processes

@@ -422,7 +422,10 @@ func (s *Segment) growLocked(need uint64) error {
 // Close marks this process's slot free, unmaps the segment, lets go of
 // the slot (other processes see it dead from then on, not before) and
 // closes its files. It is idempotent. The files stay on disk; removing them is the
-// owner's decision (see Remove).
+// owner's decision (see Remove). Should the mapping fail to go, Close
+// returns that error and keeps the slot held, its lock file open, until
+// the process exits: other processes must not see it dead while it can
+// still write the segment.
 func (s *Segment) Close() error { return s.close(false) }
 
 // CloseUnderReaders is Close for a process whose other goroutines may still
@@ -470,7 +473,7 @@ func (s *Segment) close(underReaders bool) error {
 		testHookBeforeUnmap(s)
 	}
 	if underReaders {
-		err := vm.Vacate(s.base, s.mapLen)
+		err := vacateSegment(s.base, s.mapLen)
 		if err == nil {
 			s.vacated = true
 			s.releaseSlot()
@@ -481,7 +484,13 @@ func (s *Segment) close(underReaders bool) error {
 		// into a segment whose slot this process is about to let go of.
 		s.log.Warn("segment unmapped under its readers: it could not be vacated", "path", s.path, "err", err)
 	}
-	_ = vm.Unmap(s.base, s.mapLen)
+	if err := unmapSegment(s.base, s.mapLen); err != nil {
+		// Still mapped: this process can still write the segment, so its
+		// slot stays held (and the lock file that holds it open) until the
+		// process exits and the kernel lets go of both.
+		s.log.Error("segment still mapped: its slot stays held until this process exits", "path", s.path, "err", err)
+		return fmt.Errorf("shm: close %s: %w", s.path, err)
+	}
 	s.releaseSlot()
 	s.closeFiles()
 	return nil
@@ -503,3 +512,10 @@ func Remove(o Options) error {
 	}
 	return errors.Join(errs...)
 }
+
+// unmapSegment and vacateSegment are vm.Unmap and vm.Vacate, which tests
+// replace to see what close does when they fail.
+var (
+	unmapSegment  = vm.Unmap
+	vacateSegment = vm.Vacate
+)
