@@ -21,8 +21,9 @@ import (
 // that runs off the lane may ask after that wait began: then before the
 // one after). A negative cpu lets the thread run where it could before.
 // A CPU the thread could not use before it was bound is ignored until a
-// request names none, and so is a peer without a lane. With Spin, a bound
-// lane polls on its caller's CPU.
+// request names none, and so is a peer without a lane. A bound lane does
+// not poll (ServerConfig.Spin): it would poll on the CPU each answer hands
+// back to its caller.
 //
 // The lane's thread answers all of the peer's inline requests, from any
 // of its threads, wherever it is bound; one that is bound to a CPU

@@ -5,6 +5,7 @@ import (
 	"math"
 	"runtime"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -116,4 +117,31 @@ func TestLaneFollowsFromAServerMadeOnABoundThread(t *testing.T) {
 	twice(0)
 	assert.Zero(t, threadsBoundTo(t, cpu))
 	assert.Equal(t, before, threadsBoundTo(t, first), "unbound, the lane's thread may use every CPU again")
+}
+
+// A lane bound to its caller's CPU does not poll for the next request,
+// however long Spin is: it would poll on the very CPU it hands back to its
+// caller with each answer. It blocks in the kernel at once.
+func TestBoundLaneDoesNotPoll(t *testing.T) {
+	cpu := lastCPU(t)
+	s := startServer(t, followHandler(), withHello, withInline, func(c *ipc.ServerConfig) { c.Spin = time.Minute })
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	for range 2 { // the second answer says the first request's binding is in place
+		var r ipc.CreateMRReply
+		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu) + 1}, &r))
+	}
+	tids := testenv.ThreadIDsBoundTo(t, cpu)
+	require.Len(t, tids, 1, "the lane's thread follows its caller")
+	// Polling, the thread alternates between polls, yields and the
+	// runtime's hand-offs for Spin; waiting, it blocks in one receive.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if n, ok := testenv.ThreadSyscall(t, tids[0]); ok && (n == unix.SYS_RECVFROM || n == unix.SYS_RECVMSG) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the bound lane thread %d is not waiting in a receive 10 s after its answer: it polls", tids[0])
+		}
+		runtime.Gosched()
+	}
 }

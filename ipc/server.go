@@ -76,6 +76,7 @@ type ServerConfig struct {
 	WriteTimeout time.Duration
 	// Spin is how long each connection's readers poll for the next
 	// request before they block (see ClientConfig.Spin). 0 never polls.
+	// A call lane bound to its caller's CPU (Peer.Follow) does not.
 	Spin time.Duration
 	// Inline lists the request kinds that an admitted peer's call lane
 	// reader handles itself, one at a time and in arrival order, before
@@ -860,7 +861,9 @@ func (p *Peer) serveLane(l *sock.Blocking) {
 	var cpu laneCPU
 	for {
 		cpu.apply(p)
-		if p.spin > 0 {
+		if p.spin > 0 && cpu.bound == 0 {
+			// Not while bound: it would poll on the CPU each answer
+			// hands back to the caller.
 			l.SpinReadable(p.spin)
 		}
 		n, files, err := l.Recv(buf, time.Time{})

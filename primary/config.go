@@ -74,7 +74,9 @@ type Config struct {
 	// that names a CPU it keeps busy makes its creates wait there, holding
 	// the global lock while they register, which every other secondary's
 	// creates wait for. Turn it on when the secondaries are trusted to
-	// name their CPUs and keep them free while they wait.
+	// name their CPUs and keep them free while they wait. A thread so
+	// bound does not poll (Spin): it would poll on the very CPU it hands
+	// back to the queue with each answer.
 	FollowCPU bool
 	// AllowUIDs lists users besides the primary's own and root that may
 	// attach. (The runtime directory's and socket's permissions must be

@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"bytes"
 	"os"
 	"strconv"
 	"testing"
@@ -44,10 +45,24 @@ func NeedCPUs(tb testing.TB, n int) []int {
 // exits).
 func ThreadsBoundTo(tb testing.TB, cpu int) (all, others int) {
 	tb.Helper()
+	for _, tid := range ThreadIDsBoundTo(tb, cpu) {
+		all++
+		if tid != os.Getpid() {
+			others++
+		}
+	}
+	return all, others
+}
+
+// ThreadIDsBoundTo returns the ids of this process's threads whose
+// affinity is exactly cpu.
+func ThreadIDsBoundTo(tb testing.TB, cpu int) []int {
+	tb.Helper()
 	tasks, err := os.ReadDir("/proc/self/task")
 	if err != nil {
 		tb.Fatal(err)
 	}
+	var tids []int
 	for _, task := range tasks {
 		tid, err := strconv.Atoi(task.Name())
 		if err != nil {
@@ -55,11 +70,28 @@ func ThreadsBoundTo(tb testing.TB, cpu int) (all, others int) {
 		}
 		var set unix.CPUSet
 		if unix.SchedGetaffinity(tid, &set) == nil && set.Count() == 1 && set.IsSet(cpu) { // else ended meanwhile
-			all++
-			if tid != os.Getpid() {
-				others++
-			}
+			tids = append(tids, tid)
 		}
 	}
-	return all, others
+	return tids
+}
+
+// ThreadSyscall returns the number of the system call that thread tid of
+// this process is in, and false when it is in none (running, or just
+// leaving one): /proc/self/task/TID/syscall.
+func ThreadSyscall(tb testing.TB, tid int) (int, bool) {
+	tb.Helper()
+	b, err := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/syscall")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	f := bytes.Fields(b)
+	if len(f) == 0 {
+		tb.Fatalf("thread %d: cannot parse %q", tid, b)
+	}
+	n, err := strconv.Atoi(string(f[0]))
+	if err != nil || n < 0 {
+		return 0, false // "running", or -1: in no system call
+	}
+	return n, true
 }
