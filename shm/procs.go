@@ -131,6 +131,13 @@ func (s *Segment) claimSlot(role Role) error {
 		if atomic.LoadUint32(&p.State) == slotLive {
 			s.log.Info("reclaiming slot of dead process", "slot", i, "pid", atomic.LoadUint32(&p.PID))
 		}
+		// The previous claimant's pid and start time go before the epoch
+		// moves on: a look at the slot that sees the new epoch (Proc reads
+		// it first) must not see them beside it, or the process that left
+		// the slot, or one given a dead claimant's pid, could speak for
+		// the new claim (a primary admits a hello by these words).
+		atomic.StoreUint32(&p.PID, 0)
+		atomic.StoreUint64(&p.Start, 0)
 		epoch := atomic.AddUint32(&p.Epoch, 1)
 		atomic.StoreUint32(&p.Fenced, 0)
 		atomic.StoreUint32(&p.Unmapped, 0)
@@ -230,7 +237,7 @@ func (s *Segment) Procs() []Proc {
 // Proc describes slot i.
 func (s *Segment) Proc(i int) Proc {
 	p := &s.procs[i]
-	epoch := atomic.LoadUint32(&p.Epoch)
+	epoch := atomic.LoadUint32(&p.Epoch) // first: see claimSlot
 	return Proc{
 		Slot:     i,
 		PID:      int(atomic.LoadUint32(&p.PID)),
