@@ -45,7 +45,9 @@ func TestBreaker13LockHeldAcrossCloseUnderReaders(t *testing.T) {
 			}
 			h, err := f.lock.RLock(context.Background())
 			require.NoError(t, err)
-			require.True(t, f.seg.CloseUnderReaders())
+			vacated, err := f.seg.CloseUnderReaders()
+			require.NoError(t, err)
+			require.True(t, vacated)
 			err = noPanic(func() error { return f.lock.RUnlock(h) })
 			assert.ErrorIs(t, err, shm.ErrClosed, "the hold was not kept: the read section must not count")
 		})
@@ -54,8 +56,10 @@ func TestBreaker13LockHeldAcrossCloseUnderReaders(t *testing.T) {
 		owner, _ := newSegment(t, testenv.Tmpfs(t))
 		f := newLockFixture(t, owner)
 		require.NoError(t, f.lock.Lock(context.Background()))
-		require.True(t, owner.CloseUnderReaders())
-		err := noPanic(func() error { f.lock.Unlock(); return nil })
+		vacated, err := owner.CloseUnderReaders()
+		require.NoError(t, err)
+		require.True(t, vacated)
+		err = noPanic(func() error { f.lock.Unlock(); return nil })
 		assert.NoError(t, err, "Unlock after the segment was vacated under the writer")
 	})
 }

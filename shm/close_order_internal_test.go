@@ -46,7 +46,9 @@ func TestCloseHoldsTheSlotUntilTheMappingHasGone(t *testing.T) {
 		}
 		t.Cleanup(func() { testHookBeforeUnmap = nil })
 		if under {
-			other.CloseUnderReaders()
+			vacated, err := other.CloseUnderReaders()
+			require.NoError(t, err)
+			require.True(t, vacated)
 		} else {
 			require.NoError(t, other.Close())
 		}
@@ -84,7 +86,9 @@ func TestCloseKeepsTheSlotWhenTheMappingStays(t *testing.T) {
 		vacateSegment = func(uintptr, uintptr) error { return injected }
 		t.Cleanup(func() { unmapSegment, vacateSegment = vm.Unmap, vm.Vacate })
 		if under {
-			assert.False(t, other.CloseUnderReaders(), "nothing was vacated")
+			vacated, err := other.CloseUnderReaders()
+			assert.False(t, vacated, "nothing was vacated")
+			assert.ErrorIs(t, err, injected)
 		} else {
 			assert.ErrorIs(t, other.Close(), injected)
 		}

@@ -436,13 +436,15 @@ func (s *Segment) Close() error { return s.close(false) }
 // (no generation, no MR, no lock held) instead of faulting, and what they
 // write lands in those zeros, nowhere shared. Locks held across it give
 // up their holds with ErrClosed. It reports whether the range was
-// vacated: if it could not be, the segment was unmapped as Close does.
-// Once nothing can read the range any more, Unreserve gives it back.
-func (s *Segment) CloseUnderReaders() (vacated bool) {
-	_ = s.close(true)
+// vacated: if it could not be, the segment was unmapped as Close does,
+// and if it could not be unmapped either, the error says so and the slot
+// stays held, as with Close. Once nothing can read the range any more,
+// Unreserve gives it back.
+func (s *Segment) CloseUnderReaders() (vacated bool, err error) {
+	err = s.close(true)
 	s.closeMu.Lock()
 	defer s.closeMu.Unlock()
-	return s.vacated
+	return s.vacated, err
 }
 
 // Unreserve gives back the address range CloseUnderReaders left as zeros.

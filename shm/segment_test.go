@@ -103,7 +103,9 @@ func TestCloseUnderReadersLeavesPrivateZeros(t *testing.T) {
 	p := shm.At[uint64](other, off)
 	require.Equal(t, uint64(0xfeedface), atomic.LoadUint64(p))
 
-	require.True(t, other.CloseUnderReaders(), "vacated")
+	vacated, err := other.CloseUnderReaders()
+	require.NoError(t, err)
+	require.True(t, vacated, "vacated")
 	require.NoError(t, other.Close(), "idempotent with Close")
 	assert.Zero(t, atomic.LoadUint64(p), "a reader left finds zeros, not a fault")
 	atomic.StoreUint64(p, 1)
@@ -360,7 +362,9 @@ func TestCloseUnderReadersWhileReadersAskAboutSlots(t *testing.T) {
 		}
 	}()
 	<-asked
-	require.True(t, other.CloseUnderReaders(), "vacated")
+	vacated, err := other.CloseUnderReaders()
+	require.NoError(t, err)
+	require.True(t, vacated, "vacated")
 	close(stop)
 	<-done
 	assert.Equal(t, -1, other.Slot(), "the slot is released")

@@ -69,7 +69,8 @@ func (q *Queues) Remove(l *cache.Local) {
 // any, the segment's range is left as zeros instead of unmapped
 // (shm.Segment.CloseUnderReaders) and their generation moved past what
 // they cached (cache.Global.Vacated); the range goes back when the last
-// of them is removed.
+// of them is removed. Either way, a segment that stays mapped is an
+// error, and its slot stays held (see shm.Segment.Close).
 func (q *Queues) CloseSegment(seg *shm.Segment, g *cache.Global) error {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -79,13 +80,14 @@ func (q *Queues) CloseSegment(seg *shm.Segment, g *cache.Global) error {
 	if len(q.live) == 0 {
 		return seg.Close()
 	}
-	if seg.CloseUnderReaders() {
+	vacated, err := seg.CloseUnderReaders()
+	if vacated {
 		if g != nil {
 			g.Vacated()
 		}
 		q.unreserve = seg.Unreserve
 	}
-	return nil
+	return err
 }
 
 // WaitEmpty waits until no queue is live, at most d, and reports whether
