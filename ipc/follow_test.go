@@ -126,10 +126,14 @@ func TestBoundLaneDoesNotPoll(t *testing.T) {
 	cpu := lastCPU(t)
 	s := startServer(t, followHandler(), withHello, withInline, func(c *ipc.ServerConfig) { c.Spin = time.Minute })
 	c := laneClient(t, s, true, ipc.ClientConfig{})
-	for range 2 { // the second answer says the first request's binding is in place
-		var r ipc.CreateMRReply
-		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu) + 1}, &r))
+	twice := func(hint uint32) { // the second answer says the first request's binding is in place
+		t.Helper()
+		for range 2 {
+			var r ipc.CreateMRReply
+			require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: hint}, &r))
+		}
 	}
+	twice(uint32(cpu) + 1)
 	tids := testenv.ThreadIDsBoundTo(t, cpu)
 	require.Len(t, tids, 1, "the lane's thread follows its caller")
 	// Polling, the thread alternates between polls, yields and the
@@ -137,11 +141,15 @@ func TestBoundLaneDoesNotPoll(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if n, ok := testenv.ThreadSyscall(t, tids[0]); ok && (n == unix.SYS_RECVFROM || n == unix.SYS_RECVMSG) {
-			return
+			break
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the bound lane thread %d is not waiting in a receive 10 s after its answer: it polls", tids[0])
 		}
 		runtime.Gosched()
 	}
+	// Unbound, as the test found it: a thread that ends bound may be the
+	// process's main thread, which the runtime parks for good, bound.
+	twice(0)
+	assert.Zero(t, threadsBoundTo(t, cpu))
 }
