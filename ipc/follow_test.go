@@ -134,6 +134,13 @@ func TestBoundLaneDoesNotPoll(t *testing.T) {
 		}
 	}
 	twice(uint32(cpu) + 1)
+	// Unbound at the end, as the test found it, pass or fail: a thread
+	// that ends bound may be the process's main thread, which the runtime
+	// parks for good, bound.
+	defer func() {
+		twice(0)
+		assert.Zero(t, threadsBoundTo(t, cpu))
+	}()
 	tids := testenv.ThreadIDsBoundTo(t, cpu)
 	require.Len(t, tids, 1, "the lane's thread follows its caller")
 	// Polling, the thread alternates between polls, yields and the
@@ -148,8 +155,4 @@ func TestBoundLaneDoesNotPoll(t *testing.T) {
 		}
 		runtime.Gosched()
 	}
-	// Unbound, as the test found it: a thread that ends bound may be the
-	// process's main thread, which the runtime parks for good, bound.
-	twice(0)
-	assert.Zero(t, threadsBoundTo(t, cpu))
 }

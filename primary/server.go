@@ -241,11 +241,9 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	// After the slot is found: while the process that made the connection
 	// lives, its pid is its own, so the slot found is its slot. Once it
 	// has exited, the pid may be another process's, and whoever kept the
-	// connection must not speak in that process's name. The start time
-	// the hello claims must be that pid's now: a process given a dead
-	// claimant's pid is not that claimant.
+	// connection must not speak in that process's name.
 	start, err := shm.ProcessStart(m.PID)
-	if !peer.ProcessAlive() || err != nil || start != m.Start {
+	if !peer.ProcessAlive() || err != nil {
 		return nil, fmt.Errorf("%w: the process that made this connection (pid %d) has exited; pid %d may now be another's",
 			ipc.ErrRefused, m.PID, m.PID)
 	}
