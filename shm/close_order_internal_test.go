@@ -18,23 +18,9 @@ import (
 // the slot dead could take over a lock one of them holds and repair it
 // under their writes. Marked free it is at once.
 func TestCloseHoldsTheSlotUntilTheMappingHasGone(t *testing.T) {
-	// On tmpfs, as the other tests' segments (testenv, which finds it,
-	// imports this package).
-	dir, err := os.MkdirTemp("/dev/shm", "mpmr-close-order-")
-	if err != nil {
-		t.Skipf("needs tmpfs at /dev/shm: %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	for i, under := range []bool{false, true} {
-		o := Options{Path: filepath.Join(dir, fmt.Sprint("segment", i)), LayoutTag: 0x5eed, Slots: 4,
-			Role: RolePrimary, Logger: slog.New(slog.DiscardHandler)}
-		owner, err := Create(o)
-		require.NoError(t, err)
-		t.Cleanup(func() { owner.Close() })
-		require.NoError(t, owner.MarkReady())
-		o.Role = RoleSecondary
-		other, err := Attach(o)
-		require.NoError(t, err)
+	newDir := closeOrderDir(t)
+	for _, under := range []bool{false, true} {
+		owner, other := ownerAndOther(t, newDir())
 		slot := other.Slot()
 		var hooked, aliveThen, liveThen bool
 		var pidThen int
@@ -65,21 +51,9 @@ func TestCloseHoldsTheSlotUntilTheMappingHasGone(t *testing.T) {
 // write the segment through it, so no other process may see it dead (and
 // take over a lock it holds) until it exits. Close says so.
 func TestCloseKeepsTheSlotWhenTheMappingStays(t *testing.T) {
-	dir, err := os.MkdirTemp("/dev/shm", "mpmr-close-order-")
-	if err != nil {
-		t.Skipf("needs tmpfs at /dev/shm: %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	for i, under := range []bool{false, true} {
-		o := Options{Path: filepath.Join(dir, fmt.Sprint("segment", i)), LayoutTag: 0x5eed, Slots: 4,
-			Role: RolePrimary, Logger: slog.New(slog.DiscardHandler)}
-		owner, err := Create(o)
-		require.NoError(t, err)
-		t.Cleanup(func() { owner.Close() })
-		require.NoError(t, owner.MarkReady())
-		o.Role = RoleSecondary
-		other, err := Attach(o)
-		require.NoError(t, err)
+	newDir := closeOrderDir(t)
+	for _, under := range []bool{false, true} {
+		owner, other := ownerAndOther(t, newDir())
 		slot := other.Slot()
 		injected := errors.New("injected unmap failure")
 		unmapSegment = func(uintptr, uintptr) error { return injected }
@@ -105,4 +79,35 @@ func TestCloseKeepsTheSlotWhenTheMappingStays(t *testing.T) {
 		other.closeFiles()
 		assert.False(t, owner.Alive(slot), "underReaders=%v", under)
 	}
+}
+
+// closeOrderDir returns a function that makes a new segment path in a
+// directory on tmpfs, as the other tests' segments are (testenv, which
+// finds it, imports this package), skipping t without one.
+func closeOrderDir(t *testing.T) func() string {
+	dir, err := os.MkdirTemp("/dev/shm", "mpmr-close-order-")
+	if err != nil {
+		t.Skipf("needs tmpfs at /dev/shm: %v", err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	n := 0
+	return func() string {
+		n++
+		return filepath.Join(dir, fmt.Sprint("segment", n))
+	}
+}
+
+// ownerAndOther creates a ready segment at path and attaches another
+// Segment to it, as a secondary would: the owner looks on while the other
+// closes.
+func ownerAndOther(t *testing.T, path string) (owner, other *Segment) {
+	o := Options{Path: path, LayoutTag: 0x5eed, Slots: 4, Role: RolePrimary, Logger: slog.New(slog.DiscardHandler)}
+	owner, err := Create(o)
+	require.NoError(t, err)
+	t.Cleanup(func() { owner.Close() })
+	require.NoError(t, owner.MarkReady())
+	o.Role = RoleSecondary
+	other, err = Attach(o)
+	require.NoError(t, err)
+	return owner, other
 }
