@@ -112,7 +112,8 @@ func (s *Segment) mirrorSpans(lo, hi int) {
 
 // Alloc returns the offset of a zeroed block of at least n bytes, aligned to
 // align (a power of two; at least 16), growing the segment if no free block
-// is large enough. Owner only.
+// is large enough. Owner only. Once Close has begun it fails with ErrClosed,
+// as do Free and Grow: one under way when Close came finishes first.
 func (s *Segment) Alloc(n, align uint64) (uint64, error) {
 	if !s.owner {
 		return 0, ErrNotOwner
@@ -125,6 +126,9 @@ func (s *Segment) Alloc(n, align uint64) (uint64, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed.Load() {
+		return 0, ErrClosed
+	}
 	for {
 		if off, ok := s.allocLocked(n, align); ok {
 			clear(Slice[byte](s, off, int(n)))
@@ -187,6 +191,9 @@ func (s *Segment) Free(off uint64) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed.Load() {
+		return ErrClosed
+	}
 	size, ok := s.arena.used[off-blockHdr]
 	if off < blockHdr || !ok {
 		return fmt.Errorf("%w: offset 0x%x (double free or not a block start)", ErrBadBlock, off)

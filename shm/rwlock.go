@@ -114,6 +114,9 @@ func (s *Segment) NewRWLock() (uint64, error) {
 	atomic.StoreUint32(&head.Lines, n)
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed.Load() {
+		return 0, ErrClosed
+	}
 	for i := range s.hdr.Locks {
 		if atomic.CompareAndSwapUint64(&s.hdr.Locks[i], 0, off) {
 			return off, nil

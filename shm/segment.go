@@ -397,6 +397,9 @@ func (s *Segment) Grow(need uint64) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.closed.Load() {
+		return ErrClosed
+	}
 	return s.growLocked(need)
 }
 
@@ -465,7 +468,11 @@ func (s *Segment) close(underReaders bool) error {
 	if s.closed.Load() {
 		return nil
 	}
+	// Under the arena's lock: an Alloc, Free or Grow of the owner's other
+	// goroutines either finishes before the mapping goes or sees closed.
+	s.mu.Lock()
 	s.closed.Store(true)
+	s.mu.Unlock()
 	// The slot is marked free now, but held until the mapping has gone:
 	// until then this process's goroutines may still write the segment,
 	// and a process that saw the slot dead could take over a lock one of
