@@ -18,6 +18,7 @@ import (
 	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/affinity"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
@@ -631,6 +632,16 @@ func (s *Secondary) NewQueue() *Queue {
 	c := &creator{s: s}
 	l := s.queues.Add(func() *cache.Local { return cache.NewLocal(s.global, c, 0) })
 	return &Queue{Local: l, s: s, c: c}
+}
+
+// UsableCPUs returns the CPUs the calling goroutine's thread may run on,
+// in order: the ones BindCPU can bind a queue to. Call it before binding.
+func UsableCPUs() ([]int, error) {
+	cpus, err := affinity.Usable()
+	if err != nil {
+		return nil, fmt.Errorf("secondary: which CPUs this thread may use: %w", err)
+	}
+	return cpus, nil
 }
 
 // BindCPU binds the calling goroutine's thread to CPU cpu, as DPDK binds

@@ -31,7 +31,6 @@ import (
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/secondary"
 	"github.com/mpmr/mpmr/verbs"
-	"golang.org/x/sys/unix"
 )
 
 func main() {
@@ -97,7 +96,7 @@ func run(ctx context.Context, f job.Flags) int {
 		return 1
 	}
 
-	cpus, err := usableCPUs()
+	cpus, err := secondary.UsableCPUs() // -bind counts from the first of them
 	if err != nil {
 		say("%v", err)
 		return 1
@@ -333,20 +332,4 @@ func checkScratch(q *secondary.Queue, dev *verbs.Soft, sc *job.Scratch) (bool, e
 func isValidation(err error) bool {
 	return errors.Is(err, verbs.ErrLocalProtection) || errors.Is(err, verbs.ErrInvalidKey) ||
 		errors.Is(err, verbs.ErrLocalAccess) || errors.Is(err, verbs.ErrLength)
-}
-
-// usableCPUs lists the CPUs this process may use, in order: -bind counts
-// from the first of them.
-func usableCPUs() ([]int, error) {
-	var set unix.CPUSet
-	if err := unix.SchedGetaffinity(0, &set); err != nil {
-		return nil, fmt.Errorf("which CPUs this process may use: %w", err)
-	}
-	var cpus []int
-	for i := range len(set) * 64 {
-		if set.IsSet(i) {
-			cpus = append(cpus, i)
-		}
-	}
-	return cpus, nil
 }

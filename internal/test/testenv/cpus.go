@@ -7,22 +7,12 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/sys/affinity"
 )
 
 // CPUs returns the CPUs the calling thread may use, in order.
-func CPUs() ([]int, error) {
-	var set unix.CPUSet
-	if err := unix.SchedGetaffinity(0, &set); err != nil {
-		return nil, err
-	}
-	var cpus []int
-	for i := range len(set) * 64 {
-		if set.IsSet(i) {
-			cpus = append(cpus, i)
-		}
-	}
-	return cpus, nil
-}
+func CPUs() ([]int, error) { return affinity.Usable() }
 
 // NeedCPUs returns the CPUs the calling thread may use, skipping tb if
 // there are fewer than n: a test of CPU bindings cannot tell a thread
