@@ -132,7 +132,11 @@ func Start(cfg Config) (*Primary, error) {
 	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
 		unreaped: map[int]uint32{}}
 	if err := p.start(); err != nil {
-		p.teardown()
+		if terr := p.teardown(); terr != nil {
+			// The start's error is the news; what could not be undone
+			// (a file left, a segment still mapped) is logged.
+			p.log.Error("cleaning up after a failed start", "err", terr)
+		}
 		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
 	}
 	return p, nil

@@ -157,7 +157,11 @@ func Attach(cfg Config) (*Secondary, error) {
 		if err == nil {
 			return s, nil
 		}
-		s.teardown()
+		if terr := s.teardown(); terr != nil {
+			// The attempt's error is the news; what could not be undone
+			// (a segment still mapped holds its slot) is logged.
+			s.log.Error("cleaning up after a failed attach", "err", terr)
+		}
 		if retried != nil && ctx.Err() != nil {
 			// Out of time while trying again: the reason to try again is
 			// the news, not the timeout.
