@@ -113,7 +113,9 @@ func (s *Segment) mirrorSpans(lo, hi int) {
 // Alloc returns the offset of a zeroed block of at least n bytes, aligned to
 // align (a power of two; at least 16), growing the segment if no free block
 // is large enough. Owner only. Once Close has begun it fails with ErrClosed,
-// as do Free and Grow: one under way when Close came finishes first.
+// as do Free and Grow: one under way when Close came finishes first. What
+// the caller writes into the block afterwards is not covered: keep Close
+// out until it has done so.
 func (s *Segment) Alloc(n, align uint64) (uint64, error) {
 	if !s.owner {
 		return 0, ErrNotOwner

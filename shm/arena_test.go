@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"errors"
 	"math/rand/v2"
 	"sort"
 	"sync"
@@ -143,55 +144,86 @@ func TestArenaExhaustion(t *testing.T) {
 }
 
 // The arena's owner may close the segment while other goroutines of it
-// still allocate and free: each of them either completes before the
-// mapping goes or fails with ErrClosed, and none writes an unmapped (or
-// vacated) segment.
+// still allocate, free and make locks: each of them either completes
+// before the mapping goes or fails with ErrClosed, and none writes an
+// unmapped (or vacated) segment.
 func TestArenaAfterClose(t *testing.T) {
 	for _, underReaders := range []bool{false, true} {
 		name := map[bool]string{false: "Close", true: "CloseUnderReaders"}[underReaders]
 		t.Run(name, func(t *testing.T) {
-			s, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Size = 1 << 20; o.MaxSize = 8 << 20 })
-			kept, err := s.Alloc(64, 16)
-			require.NoError(t, err)
-			var wg sync.WaitGroup
-			errs := make(chan error, 2)
-			for g := range 2 {
-				wg.Go(func() {
-					for i := 0; ; i++ {
-						// Large blocks now and then, so that the arena grows too.
-						n := uint64(64)
-						if i%16 == g {
-							n = 256 << 10
-						}
-						off, err := s.Alloc(n, 16)
-						if err == nil {
-							err = s.Free(off)
-						}
-						if err != nil {
-							errs <- err
-							return
-						}
-					}
-				})
+			// The windows are short: many closes, each into goroutines
+			// already at work.
+			for range 40 {
+				closeUnderArenaWork(t, underReaders)
 			}
-			if underReaders {
-				_, err = s.CloseUnderReaders()
-				t.Cleanup(s.Unreserve)
-			} else {
-				err = s.Close()
-			}
-			require.NoError(t, err)
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				assert.ErrorIs(t, err, shm.ErrClosed)
-			}
-			_, err = s.Alloc(64, 16)
-			assert.ErrorIs(t, err, shm.ErrClosed, "Alloc after Close")
-			assert.ErrorIs(t, s.Free(kept), shm.ErrClosed, "Free after Close")
-			assert.ErrorIs(t, s.Grow(1<<20), shm.ErrClosed, "Grow after Close")
-			_, err = s.NewRWLock()
-			assert.ErrorIs(t, err, shm.ErrClosed, "NewRWLock after Close")
 		})
 	}
+}
+
+func closeUnderArenaWork(t *testing.T, underReaders bool) {
+	s, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Size = 1 << 20; o.MaxSize = 8 << 20 })
+	kept, err := s.Alloc(64, 16)
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	var working sync.WaitGroup
+	errs := make(chan error, 3)
+	work := func(op func(i int) error) {
+		working.Add(1)
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				err := op(i)
+				if i == 0 {
+					working.Done()
+				}
+				if errors.Is(err, shm.ErrArenaFull) {
+					return // only locks fill it: they are never freed
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	work(func(int) error {
+		// Past the table's room for locks it still allocates and fills
+		// a block before it says so.
+		if _, err := s.NewRWLock(); !errors.Is(err, shm.ErrTooManyLks) {
+			return err
+		}
+		return nil
+	})
+	for g := range 2 {
+		work(func(i int) error {
+			// Large blocks now and then, so that the arena grows too.
+			n := uint64(64)
+			if i%16 == g {
+				n = 256 << 10
+			}
+			off, err := s.Alloc(n, 16)
+			if err == nil {
+				err = s.Free(off)
+			}
+			return err
+		})
+	}
+	working.Wait()
+	if underReaders {
+		_, err = s.CloseUnderReaders()
+		defer s.Unreserve()
+	} else {
+		err = s.Close()
+	}
+	require.NoError(t, err)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.ErrorIs(t, err, shm.ErrClosed)
+	}
+	_, err = s.Alloc(64, 16)
+	assert.ErrorIs(t, err, shm.ErrClosed, "Alloc after Close")
+	assert.ErrorIs(t, s.Free(kept), shm.ErrClosed, "Free after Close")
+	assert.ErrorIs(t, s.Grow(1<<20), shm.ErrClosed, "Grow after Close")
+	_, err = s.NewRWLock()
+	assert.ErrorIs(t, err, shm.ErrClosed, "NewRWLock after Close")
 }

@@ -110,13 +110,13 @@ func (s *Segment) NewRWLock() (uint64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("shm: new lock: %w", err)
 	}
-	head := At[lockHead](s, off)
-	atomic.StoreUint32(&head.Lines, n)
-	s.mu.Lock()
+	s.mu.Lock() // held while the block is written: Close waits for it
 	defer s.mu.Unlock()
 	if s.closed.Load() {
 		return 0, ErrClosed
 	}
+	head := At[lockHead](s, off)
+	atomic.StoreUint32(&head.Lines, n)
 	for i := range s.hdr.Locks {
 		if atomic.CompareAndSwapUint64(&s.hdr.Locks[i], 0, off) {
 			return off, nil
