@@ -193,3 +193,33 @@ func TestLookupsRacingPrimaryCloseDoNotFault(t *testing.T) {
 	h.Expect("ready", 0)
 	expectClean(t, h)
 }
+
+// CreatePool racing Close: each pool is made whole before the segment
+// goes, or refused with ErrClosed; none is written into an unmapped
+// segment.
+func TestCreatePoolRacingCloseDoesNotFault(t *testing.T) {
+	for round := range 40 {
+		p, _ := startPrimary(t, testenv.Tmpfs(t))
+		var wg, started sync.WaitGroup
+		errs := make(chan error, 8)
+		for g := range 8 {
+			started.Add(1)
+			wg.Go(func() {
+				started.Done()
+				for i := range 4 {
+					if _, err := p.CreatePool(fmt.Sprintf("r%dg%di%d", round, g, i), 64, 16); err != nil {
+						errs <- err
+						return
+					}
+				}
+			})
+		}
+		started.Wait()
+		require.NoError(t, p.Close())
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			require.ErrorIs(t, err, primary.ErrClosed)
+		}
+	}
+}

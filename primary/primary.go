@@ -86,9 +86,9 @@ type Primary struct {
 
 	closeMu sync.Mutex
 	closed  atomic.Bool
-	// useMu is held for reading by what reads the segment outside the
-	// server's handlers (Stats, Dump), and for writing by Close while it
-	// unmaps: after that they find closed set.
+	// useMu is held for reading by what uses the segment outside the
+	// server's handlers (Stats, Dump, CreatePool), and for writing by
+	// Close while it unmaps: after that they find closed set.
 	useMu sync.RWMutex
 }
 
@@ -482,6 +482,10 @@ func (q *Queue) Close() {
 // CreatePool allocates a shared mempool of count objects of objSize bytes
 // in data memory, which every secondary can open by name.
 func (p *Primary) CreatePool(name string, objSize, count int) (*cache.Pool, error) {
+	// It writes the pool's descriptor into the segment after allocating
+	// it: Close must not unmap the segment meanwhile.
+	p.useMu.RLock()
+	defer p.useMu.RUnlock()
 	if p.closed.Load() {
 		return nil, ErrClosed
 	}
