@@ -638,8 +638,10 @@ func (s *Secondary) NewQueue() *Queue {
 	return &Queue{Local: l, s: s, c: c}
 }
 
-// UsableCPUs returns the CPUs the calling goroutine's thread may run on,
-// in order: the ones BindCPU can bind a queue to. Call it before binding.
+// UsableCPUs returns the CPUs the calling goroutine's thread may run on
+// now, in order: for a goroutine not bound by BindCPU, the process's.
+// BindCPU accepts each of them (and any other the process's cpuset
+// allows). Call it before binding.
 func UsableCPUs() ([]int, error) {
 	cpus, err := affinity.Usable()
 	if err != nil {
