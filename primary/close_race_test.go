@@ -3,6 +3,7 @@ package primary_test
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -221,5 +222,42 @@ func TestCreatePoolRacingCloseDoesNotFault(t *testing.T) {
 		for err := range errs {
 			require.ErrorIs(t, err, primary.ErrClosed)
 		}
+	}
+}
+
+// A Free under way when Close comes finishes with the instance whole: its
+// sync reaches the secondaries (which unmap the pages) before Close drops
+// them, so a nil from Free still means that nobody maps the pages. Here
+// the Free is held inside its guard while Close runs as far as it can.
+func TestFreeRacingCloseStillSyncs(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	h := startSecondary(t, cfg)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	require.Equal(t, "byte 0", ask(t, h, "read %d", r.Addr))
+	require.True(t, b10MapsAt(t, h.PID(), ".msl", r.Addr), "the secondary maps the region")
+
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	cancel := p.Memory().GuardFree(func(hugetlb.Event) error {
+		once.Do(func() { close(entered); <-release })
+		return nil
+	})
+	defer cancel()
+	freed, closed := make(chan error, 1), make(chan error, 1)
+	go func() { freed <- p.Free(r) }()
+	<-entered
+	go func() { closed <- p.Close() }()
+	// Close has gone as far as it can while the Free is held: it waits
+	// for a lock, before tearing anything down or in the memory's Close.
+	for !b3Waiting("(*Primary).Close", "sync.(*RWMutex).Lock") {
+		runtime.Gosched()
+	}
+	close(release)
+	require.NoError(t, <-closed)
+	if err := <-freed; err == nil {
+		assert.False(t, b10MapsAt(t, h.PID(), ".msl", r.Addr), "Free returned nil while the secondary maps the region")
+	} else {
+		assert.ErrorIs(t, err, primary.ErrClosed)
 	}
 }

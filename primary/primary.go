@@ -86,10 +86,16 @@ type Primary struct {
 
 	closeMu sync.Mutex
 	closed  atomic.Bool
-	// useMu is held for reading by what uses the segment outside the
-	// server's handlers (Stats, Dump, CreatePool), and for writing by
-	// Close while it unmaps: after that they find closed set.
+	// useMu is held for reading by what reads the segment outside the
+	// server's handlers (Stats, Dump), and for writing by Close while it
+	// unmaps: after that they find closed set.
 	useMu sync.RWMutex
+	// opMu is held for reading by the calls that change memory or the
+	// segment for the caller (Alloc, Free, CreatePool), and for writing by
+	// Close before it tears anything down: one under way finishes with
+	// the instance whole (its syncs reach the secondaries), a later one
+	// finds closed set.
+	opMu sync.RWMutex
 }
 
 // secondary is what the primary knows of an attached secondary.
@@ -421,6 +427,8 @@ func (p *Primary) Segment() *shm.Segment { return p.seg }
 // once every attached secondary has mapped them (or was dropped for not
 // answering within Config.SyncTimeout).
 func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
+	p.opMu.RLock()
+	defer p.opMu.RUnlock()
 	if p.closed.Load() {
 		return hugetlb.Region{}, ErrClosed
 	}
@@ -440,6 +448,8 @@ func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 // returns an error matching hugetlb.ErrNotFreed and the region stays
 // allocated, mapped and registered.
 func (p *Primary) Free(r hugetlb.Region) error {
+	p.opMu.RLock()
+	defer p.opMu.RUnlock()
 	if p.closed.Load() {
 		return ErrClosed
 	}
@@ -484,8 +494,8 @@ func (q *Queue) Close() {
 func (p *Primary) CreatePool(name string, objSize, count int) (*cache.Pool, error) {
 	// It writes the pool's descriptor into the segment after allocating
 	// it: Close must not unmap the segment meanwhile.
-	p.useMu.RLock()
-	defer p.useMu.RUnlock()
+	p.opMu.RLock()
+	defer p.opMu.RUnlock()
 	if p.closed.Load() {
 		return nil, ErrClosed
 	}
@@ -510,13 +520,20 @@ func (p *Primary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 // after it; one that races Close gets a key or an error, never a fault:
 // while queues are open, Close leaves the segment's address range mapped
 // to private zeros instead of unmapping it under them, and the last
-// queue's Close gives it back.
+// queue's Close gives it back. Alloc, Free and CreatePool calls under way
+// finish first (a Free's sync still reaches the secondaries); later ones
+// fail with ErrClosed. Use no pool after Close: its objects and links
+// live in the segment.
 func (p *Primary) Close() error {
 	p.closeMu.Lock()
 	defer p.closeMu.Unlock()
 	if p.closed.Swap(true) {
 		return nil
 	}
+	// Alloc, Free and CreatePool under way finish first, with their syncs;
+	// later ones see closed.
+	p.opMu.Lock()
+	defer p.opMu.Unlock()
 	return p.teardown()
 }
 
