@@ -48,9 +48,9 @@ func helperLeakHolder(args []string) int {
 
 // helperLeakPrimary runs a primary (args: prefix, runtime directory,
 // backend, slots, connections per user) with a few pages allocated, so
-// that attaching maps data memory too. It prints "ready", then answers
-// "sample" with its goroutines, descriptors and attached secondaries,
-// until its input ends.
+// that attaching maps data memory too, and a mempool "pkts". It prints
+// "ready", then answers "sample" with its goroutines, descriptors and
+// attached secondaries, until its input ends.
 func helperLeakPrimary(args []string) int {
 	backend, _ := hugetlb.ParseKind(args[2])
 	slots, _ := strconv.Atoi(args[3])
@@ -64,6 +64,10 @@ func helperLeakPrimary(args []string) int {
 	}
 	defer p.Close()
 	if _, err := p.Alloc(4 * p.Backend().PageSize); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if _, err := p.CreatePool("pkts", 64, 16); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}

@@ -540,6 +540,11 @@ func (r request) String() string {
 // requestError maps a failed request to ErrPrimaryGone when the connection
 // ended.
 func (s *Secondary) requestError(what fmt.Stringer, err error) error {
+	if s.closed.Load() {
+		// Close ended the connection under the request: the primary
+		// may well live.
+		return fmt.Errorf("%w: %s: %w", ErrClosed, what, err)
+	}
 	if s.dropped.Load() || s.seg != nil && s.seg.Fenced() {
 		return fmt.Errorf("%w: %s: %w", ErrDropped, what, err)
 	}
@@ -773,8 +778,17 @@ func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 	return q.RegisterMempool(mp)
 }
 
-// Pool opens a mempool the primary created.
-func (s *Secondary) Pool(name string) (*cache.Pool, error) { return cache.OpenPool(s.seg, name) }
+// Pool opens a mempool the primary created. After Close it fails with
+// ErrClosed. Use no pool after Close: its objects and links live in the
+// segment, which Close unmaps.
+func (s *Secondary) Pool(name string) (*cache.Pool, error) {
+	s.useMu.RLock()
+	defer s.useMu.RUnlock()
+	if s.closed.Load() {
+		return nil, ErrClosed
+	}
+	return cache.OpenPool(s.seg, name)
+}
 
 // Memory returns the data memory, mapped at the primary's addresses.
 func (s *Secondary) Memory() *hugetlb.Memory { return s.mem }
