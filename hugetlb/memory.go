@@ -145,7 +145,12 @@ type Memory struct {
 	table   *tableHeader
 	lists   []*list // fixed after Create/Attach
 
-	mu       sync.RWMutex // the memory lock; see RLock
+	mu sync.RWMutex // the memory lock; see RLock
+	// qmu orders the queries, which take no memory lock (event callbacks
+	// call them), against Close: they read the descriptors under it, and
+	// Close marks the memory closed under it, so that none is still
+	// reading when the descriptors are unmapped.
+	qmu      sync.RWMutex
 	closed   atomic.Bool
 	closeErr error // what Close reported, under mu
 
@@ -670,7 +675,9 @@ func (m *Memory) Close() error {
 	if m.closed.Load() {
 		return m.closeErr // a mapping that could not be undone stays an error
 	}
+	m.qmu.Lock()
 	m.closed.Store(true)
+	m.qmu.Unlock()
 	if m.primary {
 		atomic.StoreUint32(&m.table.State, tableClosed)
 		m.waitAsking(askWait)

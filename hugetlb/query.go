@@ -2,8 +2,9 @@ package hugetlb
 
 import "sync/atomic"
 
-// The queries read the shared descriptors without taking a lock, so event
-// callbacks may call them. Each answer is consistent in itself; to keep
+// The queries read the shared descriptors without taking the memory lock,
+// so event callbacks may call them. After Close they report nothing; one
+// under way when Close comes finishes first. Each answer is consistent in itself; to keep
 // several answers consistent with each other, hold RLock (or ask from an
 // event callback). In a secondary they describe what the primary has
 // allocated, which the secondary maps once the primary tells it to.
@@ -21,6 +22,8 @@ type Page struct {
 // allocated: like rte_mem_virt2memseg, it only knows live pages. Use InList
 // to ask whether an address is inside a list at all.
 func (m *Memory) PageOf(addr uintptr) (Page, bool) {
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
 	l, i, ok := m.find(addr)
 	if !ok || !l.state.get(i) {
 		return Page{}, false
@@ -48,6 +51,8 @@ func (l *list) run(first, end int) Run {
 // allocated page. Pages of separate allocations that happen to be adjacent
 // form one run.
 func (m *Memory) ContigRun(addr uintptr) (Run, bool) {
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
 	l, i, ok := m.find(addr)
 	if !ok || !l.state.get(i) {
 		return Run{}, false
@@ -60,26 +65,37 @@ func (m *Memory) ContigRun(addr uintptr) (Run, bool) {
 //
 //	for r := range m.Runs { ... }
 func (m *Memory) Runs(fn func(Run) bool) {
-	if m.closed.Load() {
-		return
-	}
-	for _, l := range m.lists {
-		for i := 0; i < l.pages; {
-			a := l.state.next(i, l.pages, true)
-			if a == l.pages {
-				break
-			}
-			b := l.state.next(a, l.pages, false)
-			if !fn(l.run(a, b)) {
-				return
-			}
-			i = b
+	for li, i := 0, 0; ; {
+		r, ok := m.nextRun(&li, &i)
+		if !ok || !fn(r) {
+			return
 		}
 	}
 }
 
+// nextRun returns the first run of allocated pages from page i of list li
+// on, and moves li and i past it. It reports false when there is none, or
+// the memory is closed. fn is not called under qmu: it may query too.
+func (m *Memory) nextRun(li, i *int) (Run, bool) {
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
+	if m.closed.Load() {
+		return Run{}, false
+	}
+	for ; *li < len(m.lists); *li, *i = *li+1, 0 {
+		l := m.lists[*li]
+		if a := l.state.next(*i, l.pages, true); a < l.pages {
+			*i = l.state.next(a, l.pages, false)
+			return l.run(a, *i), true
+		}
+	}
+	return Run{}, false
+}
+
 // InList reports which list's reserved range holds addr, allocated or not.
 func (m *Memory) InList(addr uintptr) (list int, ok bool) {
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
 	l, _, ok := m.find(addr)
 	if !ok {
 		return -1, false
@@ -129,6 +145,8 @@ type ListInfo struct {
 
 // Lists returns the accounting of every list (nil after Close).
 func (m *Memory) Lists() []ListInfo {
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
 	if m.closed.Load() {
 		return nil
 	}

@@ -261,3 +261,43 @@ func TestFreeRacingCloseStillSyncs(t *testing.T) {
 		assert.ErrorIs(t, err, primary.ErrClosed)
 	}
 }
+
+// The memory's queries racing Close answer, or report nothing once the
+// memory is closed; none reads the segment after Close has unmapped it.
+func TestMemoryQueriesRacingCloseDoNotFault(t *testing.T) {
+	for range 20 {
+		p, _ := startPrimary(t, testenv.Tmpfs(t))
+		r, err := p.Alloc(2 * p.Backend().PageSize)
+		require.NoError(t, err)
+		m := p.Memory()
+		queries := []func(){
+			func() { _ = m.Lists() },
+			func() {
+				for range m.Runs {
+				}
+			},
+			func() { _, _ = m.ContigRun(r.Addr) },
+			func() { _, _ = m.PageOf(r.Addr) },
+		}
+		var wg, working sync.WaitGroup
+		var closed atomic.Bool
+		for _, q := range append(queries, queries[:2]...) {
+			working.Add(1)
+			wg.Go(func() {
+				q()
+				working.Done()
+				for !closed.Load() {
+					q()
+				}
+				q()
+			})
+		}
+		working.Wait()
+		require.NoError(t, p.Close())
+		closed.Store(true)
+		wg.Wait()
+		assert.Nil(t, m.Lists(), "Lists after Close")
+		_, ok := m.ContigRun(r.Addr)
+		assert.False(t, ok, "ContigRun after Close")
+	}
+}
