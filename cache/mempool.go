@@ -280,7 +280,9 @@ func (p *Pool) Get() (uintptr, error) {
 
 // Put returns the object at addr. An address that is not an object of
 // this pool fails with ErrNotInPool (ErrMisaligned inside the pool), an
-// object that is not out with ErrDoublePut; either way nothing changes.
+// object that is not out with ErrDoublePut; either way nothing changes. A
+// pool does not know who holds an object: a stale second put of an
+// object another Get has taken since is taken for its holder's.
 func (p *Pool) Put(addr uintptr) error {
 	off := uint64(addr) - p.base
 	switch {
