@@ -57,6 +57,11 @@ func init() {
 // while the rest of the process goes on:
 //
 //	attach          -> "> attached slot=N epoch=E" or "> attach-failed ERR"
+//	attach-bg       -> starts attaching again, keeping the first
+//	                   attachment: "> started"
+//	attach-bg-wait  -> what that attach gave, as attach says it
+//	close-queue     -> closes the first attachment's queue: "> ok"
+//	stack-has F...  -> whether a goroutine is in every frame F: "> B"
 //	lookup ADDR     -> "> key K" or "> err TEXT"
 //	peek ADDR       -> "> byte B" or "> fault"
 //	poke ADDR B     -> "> wrote" or "> fault"
@@ -118,6 +123,7 @@ type b10Secondary struct {
 	prefix, dir string
 	s           *secondary.Secondary
 	q           *secondary.Queue
+	again       chan string // the answer of an attach-bg
 }
 
 func (b *b10Secondary) attach() (*secondary.Secondary, error) {
@@ -135,6 +141,26 @@ func (b *b10Secondary) serve(c testproc.Line) bool {
 		}
 		b.s, b.q = s, s.NewQueue()
 		testproc.Say("> attached slot=%d epoch=%d", s.Slot(), s.Segment().Epoch())
+	case "attach-bg":
+		// A second attachment, made on a goroutine of its own while the
+		// first one is kept (and its queue stays open).
+		b.again = make(chan string, 1)
+		go func() {
+			s, err := b.attach()
+			if err != nil {
+				b.again <- fmt.Sprintf("attach-failed %v", err)
+				return
+			}
+			b.again <- fmt.Sprintf("attached slot=%d epoch=%d", s.Slot(), s.Segment().Epoch())
+		}()
+		testproc.Say("> started")
+	case "attach-bg-wait":
+		testproc.Say("> %s", <-b.again)
+	case "close-queue":
+		b.q.Close()
+		testproc.Say("> ok")
+	case "stack-has":
+		testproc.Say("> %t", b3Waiting(c.Args...))
 	case "lookup":
 		testproc.SayKey(b.q.Lookup(uintptr(c.Num(0))))
 	case "peek":
@@ -295,6 +321,65 @@ func TestBreaker10ReattachedProcessIsNotFencedForever(t *testing.T) {
 				"a page freed while every secondary follows waits in quarantine for the process fenced once")
 		}
 	}
+}
+
+// The same when the application attaches again at once, on the dropped
+// attachment's ErrDropped, while that one still maps the data memory (its
+// queue still open), and the new attachment's hello waits in the primary
+// (for the memory lock, behind an Alloc) until the old one has unmapped:
+// the fence must still end with the old attachment. Were it judged at a
+// hello that came while the old attachment mapped, the new attachment's
+// mappings would keep it for as long as the process lives, and every page
+// freed meanwhile would stay in quarantine.
+func TestBreaker10ReattachWhileTheDroppedAttachmentUnmaps(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	ps := p.Backend().PageSize
+	m := p.Memory()
+	li := m.Lists()[0]
+	r, err := p.Alloc(ps)
+	require.NoError(t, err)
+	s := b10Start(t, cfg, "")
+	b10Attach(t, s)
+	require.Equal(t, "byte 0", ask(t, s, "peek %d", r.Addr))
+	s.Stop()
+	require.NoError(t, p.Free(r))
+	require.Equal(t, 1, m.Quarantined(), "r waits for the stopped secondary")
+	s.Continue()
+
+	// An Alloc waits for the memory lock; so will the hello behind it.
+	m.RLock()
+	allocated := make(chan error, 1)
+	go func() {
+		_, err := p.Alloc(ps)
+		allocated <- err
+	}()
+	for !b3Waiting("(*Memory).Alloc", "sync.(*RWMutex).Lock") {
+		runtime.Gosched()
+	}
+	require.Equal(t, "started", ask(t, s, "attach-bg"))
+	// The hello waits in the primary, or the attach waits in the
+	// secondary for the dropped attachment to let go.
+	for !b3Waiting("(*handler).hello", "sync.(*RWMutex).RLock") &&
+		ask(t, s, "stack-has secondary.waitForDrops") != "true" {
+		runtime.Gosched()
+	}
+	require.Equal(t, "ok", ask(t, s, "close-queue"))
+	for b10MapsAt(t, s.PID(), li.File, r.Addr) {
+		runtime.Gosched() // the dropped attachment unmaps once its queue is closed
+	}
+	for !b3Waiting("(*handler).hello", "sync.(*RWMutex).RLock") {
+		runtime.Gosched()
+	}
+	m.RUnlock()
+	require.NoError(t, <-allocated)
+	require.Contains(t, ask(t, s, "attach-bg-wait"), "attached")
+
+	m.ReleaseQuarantine()
+	assert.Zero(t, m.Quarantined(), "the old attachment has unmapped: r goes back")
+	y, err := p.Alloc(ps)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(y))
+	assert.Zero(t, m.Quarantined(), "a page freed while every secondary follows waits for the process fenced once")
 }
 
 // ---------------------------------------------------------------------------

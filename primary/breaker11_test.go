@@ -237,10 +237,10 @@ func TestBreaker11ThreadWithOwnFileTableKeepsTheFence(t *testing.T) {
 // resumes and, told it was dropped, attaches again at once — before the
 // old attachment's drop has unmapped (the drop waits up to its grace for
 // the open queue, during which the datapath may still write). The new
-// hello ends the fence ("the hello itself is the word"), though the old
-// attachment still maps r; the new attachment then fails because the old
-// one still holds the addresses. r must not be handed out meanwhile.
-func TestBreaker11HelloWhileOldAttachmentMapsUndumpable(t *testing.T) {
+// Attach waits for the old attachment to unmap; its hello is still not
+// the old attachment's word: r waits in quarantine while the old claim's
+// slot is held, and goes back once the old attachment lets it go.
+func TestBreaker11ReattachWhileOldAttachmentMapsUndumpable(t *testing.T) {
 	requireRoot(t)
 	env := userEnv(sharedTmp(t))
 	uid := strconv.Itoa(victimUID)
@@ -258,24 +258,26 @@ func TestBreaker11HelloWhileOldAttachmentMapsUndumpable(t *testing.T) {
 	require.Equal(t, 1, fenced)
 	s.Continue()
 	ans := ask(t, s, "attach2 mpmr.%s.msl", b.name)
-	s.Stop() // frozen as it is: the old attachment's drop goes no further
 	t.Logf("the second attach: %s", ans)
-	require.Contains(t, ans, "before=true", "the old attachment mapped the data memory at the hello")
-	old := b.maps(s.PID(), addr)
-	require.True(t, old, "the old attachment still maps r")
+	require.Contains(t, ans, "before=true", "the old attachment mapped the data memory when the second attach began")
+	require.Contains(t, ans, "err=<nil>", "the second attach waits for the old attachment to unmap")
+	require.False(t, b.maps(s.PID(), addr), "the old attachment has unmapped")
 
 	b.must("release")
-	addr2, length2 := b.alloc(1)
-	r2 := hugetlb.Region{Addr: uintptr(addr2), Len: length2}
 	q, _ = b.quarantined()
-	assert.False(t, b10Overlap(r, r2) && b.maps(s.PID(), addr),
-		"a hello from the fenced process ended its fence while its old attachment still maps r; Alloc handed r "+
-			"[0x%x, +0x%x) out again (quarantined now: %d)", r.Addr, r.Len, q)
+	assert.Equal(t, 1, q, "a hello from the fenced process ended the fence of its old claim, whose slot is held")
+	require.Equal(t, "closed <nil>", ask(t, s, "close"))
+	b.must("release")
+	q, _ = b.quarantined()
+	assert.Zero(t, q, "the old attachment let its slot go: r goes back")
 }
 
-// The same with the secondary dumpable: the kernel answers at the hello,
-// the old attachment still maps, and the fence holds (what held).
-func TestBreaker11HelloWhileOldAttachmentMapsDumpable(t *testing.T) {
+// The same with the secondary dumpable: the new Attach waits for the old
+// attachment to unmap, so at its hello the kernel says the process
+// reaches no data memory, and the fence ends there: r goes back. (Judged
+// while the old attachment mapped, the fence would outlive it: the new
+// attachment's mappings cannot be told from the old one's.)
+func TestBreaker11ReattachWhileOldAttachmentMapsDumpable(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
 	ps := p.Backend().PageSize
 	li := p.Memory().Lists()[0]
@@ -289,17 +291,12 @@ func TestBreaker11HelloWhileOldAttachmentMapsDumpable(t *testing.T) {
 	require.Equal(t, 1, p.Memory().Quarantined())
 	s.Continue()
 	ans := ask(t, s, "attach2 %s", filepath.Base(li.File))
-	s.Stop()
 	t.Logf("the second attach: %s", ans)
 	require.Contains(t, ans, "before=true")
-	if !b10MapsAt(t, s.PID(), li.File, r.Addr) {
-		t.Skip("the old attachment had unmapped before the check could be made")
-	}
+	require.Contains(t, ans, "err=<nil>", "the second attach waits for the old attachment to unmap")
+	require.False(t, b10MapsAt(t, s.PID(), li.File, r.Addr), "the old attachment has unmapped")
 	p.Memory().ReleaseQuarantine()
-	r2, err := p.Alloc(ps)
-	require.NoError(t, err)
-	assert.False(t, b10Overlap(r, r2) && b10MapsAt(t, s.PID(), li.File, r.Addr),
-		"r handed out again while the old attachment of the re-attaching process maps it")
+	assert.Zero(t, p.Memory().Quarantined(), "the old attachment had unmapped at the hello: r goes back")
 }
 
 // ---------------------------------------------------------------------------

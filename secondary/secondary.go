@@ -98,8 +98,12 @@ type Secondary struct {
 	ready  chan struct{} // closed once memory is mapped: pushes may run
 	gone   chan struct{} // closed when the primary is gone
 	goneMu sync.Once
-	bg     sync.WaitGroup
-	stop   context.CancelFunc
+	// unmapped is closed once the data memory has been let go of (see
+	// closeMem and waitForDrops).
+	unmapped   chan struct{}
+	unmappedMu sync.Once
+	bg         sync.WaitGroup
+	stop       context.CancelFunc
 
 	// Drops started by a request that found the fence, which Close waits
 	// for; dropMu orders their start with Close's.
@@ -134,6 +138,9 @@ type Secondary struct {
 // attached, that the primary has dropped it meanwhile (it was stopped
 // through a memory change) starts again on a new slot, within
 // AttachTimeout; a drop after Attach returns is what ErrDropped reports.
+// While another attachment of this process that the primary dropped still
+// maps the data memory (until its queues are closed, or for half a second
+// at most), Attach waits for it, within AttachTimeout.
 func Attach(cfg Config) (*Secondary, error) {
 	if cfg.Prefix == "" {
 		cfg.Prefix = "mpmr"
@@ -152,7 +159,7 @@ func Attach(cfg Config) (*Secondary, error) {
 	var retried error // why the last attempt was worth trying again
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		s := &Secondary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), ready: make(chan struct{}),
-			gone: make(chan struct{}), primarySlot: -1}
+			gone: make(chan struct{}), unmapped: make(chan struct{}), primarySlot: -1}
 		err := s.attach(ctx)
 		if err == nil {
 			return s, nil
@@ -192,6 +199,9 @@ func (r *retryAttach) Error() string { return r.err.Error() }
 func (r *retryAttach) Unwrap() error { return r.err }
 
 func (s *Secondary) attach(ctx context.Context) error {
+	if err := waitForDrops(ctx); err != nil {
+		return err
+	}
 	dir, err := instance.Dir(s.cfg.Prefix, s.cfg.RuntimeDir)
 	if err != nil {
 		return err
@@ -295,6 +305,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 	if s.mem, err = hugetlb.Attach(s.seg, hugetlb.AttachOptions{Logger: s.log}); err != nil {
 		return err
 	}
+	holding.add(s)
 	close(s.ready)
 	if s.device == verbs.SoftName {
 		if s.dev, err = verbs.AttachSoft(s.seg); err != nil {
@@ -463,7 +474,7 @@ func (s *Secondary) drop(why string) {
 		if !s.queues.WaitEmpty(dropGrace) {
 			s.log.Warn("queues still open after a drop; unmapping the data memory under them", "grace", dropGrace)
 		}
-		if err := s.mem.Close(); err != nil {
+		if err := s.closeMem(); err != nil {
 			s.log.Error("unmapping the data memory", "err", err)
 		} else {
 			s.seg.MarkUnmapped()
@@ -471,6 +482,78 @@ func (s *Secondary) drop(why string) {
 		// Last: whoever waits on PrimaryGone finds the memory gone.
 		close(s.gone)
 	})
+}
+
+// closeMem unmaps the data memory (hugetlb.Memory.Close) and says this
+// attachment holds it no more, even if the unmap failed: an attachment
+// that waits for it then fails on the addresses still taken, as it would
+// have before.
+func (s *Secondary) closeMem() error {
+	err := s.mem.Close()
+	s.unmappedMu.Do(func() {
+		holding.remove(s)
+		close(s.unmapped)
+	})
+	return err
+}
+
+// holding is this process's attachments that map data memory.
+var holding attachments
+
+type attachments struct {
+	mu  sync.Mutex
+	all map[*Secondary]struct{}
+}
+
+func (a *attachments) add(s *Secondary) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.all == nil {
+		a.all = map[*Secondary]struct{}{}
+	}
+	a.all[s] = struct{}{}
+}
+
+func (a *attachments) remove(s *Secondary) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.all, s)
+}
+
+// dropped returns the unmapped channel of an attachment of this process
+// that the primary dropped (or fenced, before it noticed) and that still
+// maps the data memory, or nil if there is none.
+func (a *attachments) dropped() chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for s := range a.all {
+		// Its segment is mapped while it is listed: closeMem comes first.
+		if s.dropped.Load() || s.seg.Fenced() {
+			return s.unmapped
+		}
+	}
+	return nil
+}
+
+// waitForDrops waits until no attachment of this process that the primary
+// dropped still maps the data memory: one that was, once its queues are
+// closed (dropGrace at most). The primary ends the dropped attachment's
+// fence at the new attachment's hello if the process then reaches no data
+// memory; once the new attachment has mapped it, the kernel can no longer
+// tell the two apart, and the fence would last as long as the process.
+func waitForDrops(ctx context.Context) error {
+	for {
+		wait := holding.dropped()
+		if wait == nil {
+			return nil
+		}
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return fmt.Errorf("secondary: an attachment of this process that the primary dropped still maps "+
+				"the data memory: %w", ctx.Err())
+		}
+	}
 }
 
 // startDrop drops this secondary on another goroutine, for a caller that
@@ -845,7 +928,7 @@ func (s *Secondary) Close() error {
 			s.bg.Wait()
 		}
 		if s.mem != nil {
-			err := s.mem.Close()
+			err := s.closeMem()
 			if err == nil {
 				s.seg.MarkUnmapped() // only then may the primary reuse what it quarantined
 			}
@@ -876,7 +959,7 @@ func (s *Secondary) teardown() error {
 		errs = append(errs, s.devFile.Close())
 	}
 	if s.mem != nil {
-		errs = append(errs, s.mem.Close())
+		errs = append(errs, s.closeMem())
 	}
 	if s.seg != nil {
 		errs = append(errs, s.queues.CloseSegment(s.seg, s.global))
