@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -300,4 +301,59 @@ func TestMemoryQueriesRacingCloseDoNotFault(t *testing.T) {
 		_, ok := m.ContigRun(r.Addr)
 		assert.False(t, ok, "ContigRun after Close")
 	}
+}
+
+// A secondary whose connection ends while Close waits for a Free under
+// way is fenced as at any other time: the Free (and an Alloc queued
+// behind it) still run, and must not hand out pages it maps.
+func TestConnectionLostWhileCloseWaitsIsFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	ps := p.Backend().PageSize
+	r, err := p.Alloc(ps)
+	require.NoError(t, err)
+	s := b10Start(t, cfg, "")
+	slot, epoch := b10Attach(t, s)
+	require.Equal(t, "byte 0", ask(t, s, "peek %d", r.Addr), "the secondary maps r")
+
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once, released sync.Once
+	cancel := p.Memory().GuardFree(func(hugetlb.Event) error {
+		once.Do(func() { close(entered); <-release })
+		return nil
+	})
+	defer cancel()
+	let := func() { released.Do(func() { close(release) }) }
+	defer let() // a failed check must not leave the Free, and Close, waiting
+	freed := make(chan error, 1)
+	go func() { freed <- p.Free(r) }()
+	<-entered
+	type alloc struct {
+		r   hugetlb.Region
+		err error
+	}
+	allocated := make(chan alloc, 1)
+	go func() {
+		y, err := p.Alloc(ps)
+		allocated <- alloc{y, err}
+	}()
+	for !b3Waiting("(*Memory).Alloc", "sync.(*RWMutex).Lock") {
+		runtime.Gosched()
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	for !b3Waiting("(*Primary).Close", "sync.(*RWMutex).Lock") {
+		runtime.Gosched()
+	}
+
+	require.Equal(t, "shut 1", ask(t, s, "shutconn"))
+	require.Eventually(t, func() bool {
+		pr := p.Segment().Proc(slot)
+		return pr.Epoch == epoch && pr.Fenced
+	}, 5*time.Second, time.Millisecond, "the secondary whose connection ended is fenced")
+	let()
+	require.NoError(t, <-freed)
+	a := <-allocated
+	require.NoError(t, a.err)
+	assert.False(t, b10Overlap(r, a.r), "r handed out again while the secondary, not fenced, maps it")
+	require.NoError(t, <-closed)
 }

@@ -86,6 +86,10 @@ type Primary struct {
 
 	closeMu sync.Mutex
 	closed  atomic.Bool
+	// tearing is set once teardown has begun: Close has waited for the
+	// Alloc, Free and CreatePool under way, which still sync the
+	// secondaries (and fence those that leave) while closed is set.
+	tearing atomic.Bool
 	// useMu is held for reading by what reads the segment outside the
 	// server's handlers (Stats, Dump), and for writing by Close while it
 	// unmaps: after that they find closed set.
@@ -539,6 +543,7 @@ func (p *Primary) Close() error {
 
 // teardown releases whatever start managed to build, in reverse.
 func (p *Primary) teardown() error {
+	p.tearing.Store(true)
 	var errs []error
 	add := func(err error) {
 		if err != nil {

@@ -44,7 +44,7 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	h.syncMu.Lock()
 	s, ok := h.peers[peer]
 	h.syncMu.Unlock()
-	if ok && !h.closed.Load() {
+	if ok && !h.tearing.Load() {
 		h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
 		// A process that dies closes its socket a moment before the
 		// kernel drops its slot's lock (and has unmapped its memory by
@@ -59,7 +59,7 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	h.syncMu.Lock()
 	delete(h.peers, peer)
 	h.syncMu.Unlock()
-	if h.closed.Load() {
+	if h.tearing.Load() {
 		return
 	}
 	if reaped := h.seg.Reap(); len(reaped) > 0 {
