@@ -522,13 +522,15 @@ func (a *attachments) remove(s *Secondary) {
 
 // dropped returns the unmapped channel of an attachment of this process
 // that the primary dropped (or fenced, before it noticed) and that still
-// maps the data memory, or nil if there is none.
+// maps the data memory, or nil if there is none. One whose primary has
+// gone is not waited for: it keeps its memory until it is closed (and a
+// drop ends with gone closed, after the unmap).
 func (a *attachments) dropped() chan struct{} {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for s := range a.all {
 		// Its segment is mapped while it is listed: closeMem comes first.
-		if s.dropped.Load() || s.seg.Fenced() {
+		if (s.dropped.Load() || s.seg.Fenced()) && !s.isGone() {
 			return s.unmapped
 		}
 	}
