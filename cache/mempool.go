@@ -130,13 +130,11 @@ func openDir(seg *shm.Segment, create bool) (*poolDir, error) {
 	return shm.At[poolDir](seg, off), nil
 }
 
-// createPoolMu serializes CreatePool: finding the name free, a free place
-// in the directory and publishing the pool there are one step.
-var createPoolMu sync.Mutex
-
 // CreatePool allocates count objects of objSize bytes (rounded up to 64)
-// from mem and publishes the pool under name. Primary only; safe for
-// concurrent use.
+// from mem and publishes the pool under name. Primary only. Calls for one
+// segment must not overlap: finding the name free, a free place in the
+// directory and publishing the pool there are one step (primary's
+// CreatePool runs them one at a time).
 func CreatePool(seg *shm.Segment, mem *hugetlb.Memory, name string, objSize, count int) (*Pool, error) {
 	if len(name) == 0 || len(name) > poolNameLen {
 		return nil, fmt.Errorf("cache: mempool name %q: want 1..%d bytes", name, poolNameLen)
@@ -144,8 +142,6 @@ func CreatePool(seg *shm.Segment, mem *hugetlb.Memory, name string, objSize, cou
 	if objSize <= 0 || count <= 0 || count > maxPoolObjs || objSize > 1<<30 {
 		return nil, fmt.Errorf("cache: mempool %s: %d objects of %d bytes: bad size", name, count, objSize)
 	}
-	createPoolMu.Lock()
-	defer createPoolMu.Unlock()
 	dir, err := openDir(seg, true)
 	if err != nil {
 		return nil, err

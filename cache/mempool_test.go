@@ -288,39 +288,3 @@ func TestRegisterMempoolRefusesBadChunks(t *testing.T) {
 	assert.NoError(t, good.Check())
 	assert.NoError(t, Chunk{Addr: ^uintptr(0) - 4096, Len: 4096}.Check(), "ends one byte short of 2^64")
 }
-
-// Pools made at once from many goroutines each get a place of their own
-// in the directory, and a name is taken once.
-func TestPoolsCreatedConcurrently(t *testing.T) {
-	p := newPrimary(t, fixtureConfig{pages: 32})
-	const n = 8
-	var wg sync.WaitGroup
-	made := make([]*Pool, n)
-	errs := make([]error, n)
-	sameName := make([]error, n)
-	for g := range n {
-		wg.Go(func() {
-			made[g], errs[g] = CreatePool(p.seg, p.mem, "pool"+string(rune('a'+g)), 64, 16)
-			_, sameName[g] = CreatePool(p.seg, p.mem, "shared", 64, 16)
-		})
-	}
-	wg.Wait()
-	bases := map[uintptr]bool{}
-	for g := range n {
-		require.NoError(t, errs[g])
-		opened, err := OpenPool(p.seg, "pool"+string(rune('a'+g)))
-		require.NoError(t, err, "pool %d is in the directory", g)
-		assert.Equal(t, made[g].Chunks(), opened.Chunks())
-		bases[opened.Chunks()[0].Addr] = true
-	}
-	assert.Len(t, bases, n, "each pool has its own memory")
-	var took int
-	for _, err := range sameName {
-		if err == nil {
-			took++
-		} else {
-			assert.ErrorIs(t, err, ErrPoolExists)
-		}
-	}
-	assert.Equal(t, 1, took, "one pool called shared")
-}

@@ -357,3 +357,39 @@ func TestConnectionLostWhileCloseWaitsIsFenced(t *testing.T) {
 	assert.False(t, b10Overlap(r, a.r), "r handed out again while the secondary, not fenced, maps it")
 	require.NoError(t, <-closed)
 }
+
+// Pools made at once from many goroutines each get a place of their own
+// in the directory, and a name is taken once.
+func TestPoolsCreatedConcurrently(t *testing.T) {
+	p, _ := startPrimary(t, testenv.Tmpfs(t))
+	const n = 8
+	var wg sync.WaitGroup
+	made := make([]*cache.Pool, n)
+	errs := make([]error, n)
+	sameName := make([]error, n)
+	for g := range n {
+		wg.Go(func() {
+			made[g], errs[g] = p.CreatePool(fmt.Sprintf("pool%d", g), 64, 16)
+			_, sameName[g] = p.CreatePool("shared", 64, 16)
+		})
+	}
+	wg.Wait()
+	bases := map[uintptr]bool{}
+	for g := range n {
+		require.NoError(t, errs[g])
+		opened, err := cache.OpenPool(p.Segment(), fmt.Sprintf("pool%d", g))
+		require.NoError(t, err, "pool %d is in the directory", g)
+		assert.Equal(t, made[g].Chunks(), opened.Chunks())
+		bases[opened.Chunks()[0].Addr] = true
+	}
+	assert.Len(t, bases, n, "each pool has its own memory")
+	var took int
+	for _, err := range sameName {
+		if err == nil {
+			took++
+		} else {
+			assert.ErrorIs(t, err, cache.ErrPoolExists)
+		}
+	}
+	assert.Equal(t, 1, took, "one pool called shared")
+}

@@ -100,6 +100,9 @@ type Primary struct {
 	// the instance whole (its syncs reach the secondaries), a later one
 	// finds closed set.
 	opMu sync.RWMutex
+	// poolMu runs CreatePool one at a time: the mempool directory in the
+	// segment is checked and updated in steps.
+	poolMu sync.Mutex
 }
 
 // secondary is what the primary knows of an attached secondary.
@@ -503,6 +506,8 @@ func (p *Primary) CreatePool(name string, objSize, count int) (*cache.Pool, erro
 	if p.closed.Load() {
 		return nil, ErrClosed
 	}
+	p.poolMu.Lock()
+	defer p.poolMu.Unlock()
 	return cache.CreatePool(p.seg, p.mem, name, objSize, count)
 }
 
