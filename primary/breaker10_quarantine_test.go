@@ -241,6 +241,25 @@ func b10Start(t *testing.T, cfg primary.Config, uid string, env ...string) *test
 	return h
 }
 
+// b10FencedOverPage starts a primary and a secondary helper (start makes
+// it, from the primary's config), has the secondary map a new page r, and
+// frees r while the secondary is stopped: the secondary is fenced and r
+// waits in quarantine for it. It returns with the secondary resumed.
+func b10FencedOverPage(t *testing.T, start func(primary.Config) *testproc.Proc) (*primary.Primary, *testproc.Proc, hugetlb.Region) {
+	t.Helper()
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	s := start(cfg)
+	b10Attach(t, s)
+	require.Equal(t, "byte 0", ask(t, s, "peek %d", r.Addr), "the secondary maps r")
+	s.Stop()
+	require.NoError(t, p.Free(r))
+	require.Equal(t, 1, p.Memory().Quarantined(), "r waits for the stopped secondary")
+	s.Continue()
+	return p, s, r
+}
+
 // b10Attach has helper h attach and returns its slot and epoch.
 func b10Attach(t *testing.T, h *testproc.Proc) (slot int, epoch uint32) {
 	t.Helper()
@@ -332,19 +351,10 @@ func TestBreaker10ReattachedProcessIsNotFencedForever(t *testing.T) {
 // mappings would keep it for as long as the process lives, and every page
 // freed meanwhile would stay in quarantine.
 func TestBreaker10ReattachWhileTheDroppedAttachmentUnmaps(t *testing.T) {
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	p, s, r := b10FencedOverPage(t, func(cfg primary.Config) *testproc.Proc { return b10Start(t, cfg, "") })
 	ps := p.Backend().PageSize
 	m := p.Memory()
 	li := m.Lists()[0]
-	r, err := p.Alloc(ps)
-	require.NoError(t, err)
-	s := b10Start(t, cfg, "")
-	b10Attach(t, s)
-	require.Equal(t, "byte 0", ask(t, s, "peek %d", r.Addr))
-	s.Stop()
-	require.NoError(t, p.Free(r))
-	require.Equal(t, 1, m.Quarantined(), "r waits for the stopped secondary")
-	s.Continue()
 
 	// An Alloc waits for the memory lock; so will the hello behind it.
 	m.RLock()

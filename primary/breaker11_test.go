@@ -278,18 +278,8 @@ func TestBreaker11ReattachWhileOldAttachmentMapsUndumpable(t *testing.T) {
 // while the old attachment mapped, the fence would outlive it: the new
 // attachment's mappings cannot be told from the old one's.)
 func TestBreaker11ReattachWhileOldAttachmentMapsDumpable(t *testing.T) {
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	ps := p.Backend().PageSize
+	p, s, r := b10FencedOverPage(t, func(cfg primary.Config) *testproc.Proc { return b11Start(t, cfg, "") })
 	li := p.Memory().Lists()[0]
-	r, err := p.Alloc(ps)
-	require.NoError(t, err)
-	s := b11Start(t, cfg, "")
-	b10Attach(t, s)
-	require.Equal(t, "byte 0", ask(t, s, "peek %d", r.Addr))
-	s.Stop()
-	require.NoError(t, p.Free(r))
-	require.Equal(t, 1, p.Memory().Quarantined())
-	s.Continue()
 	ans := ask(t, s, "attach2 %s", filepath.Base(li.File))
 	t.Logf("the second attach: %s", ans)
 	require.Contains(t, ans, "before=true")
