@@ -315,6 +315,35 @@ func (d *RunDir) OpenFile(name string, flag int, perm os.FileMode) (*os.File, er
 	return f, nil
 }
 
+// OpenSocket opens the socket name in the directory as a path only
+// (O_PATH), never following a symbolic link, and returns it with a name
+// for connect that reaches exactly that socket (its /proc/self/fd link),
+// so that a link put at name after the check cannot redirect the dial.
+// The socket must belong to the directory's owner or root, else
+// ErrPermission. Close the file once dialled.
+func (d *RunDir) OpenSocket(name string) (*os.File, string, error) {
+	if strings.ContainsRune(name, '/') {
+		return nil, "", fmt.Errorf("ipc: %q is not a file name", name)
+	}
+	path := filepath.Join(d.path, name)
+	fd, err := unix.Openat(int(d.f.Fd()), name, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, "", &fs.PathError{Op: "open", Path: path, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), path)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		f.Close()
+		return nil, "", &fs.PathError{Op: "fstat", Path: path, Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFSOCK || int(st.Uid) != d.owner && st.Uid != 0 {
+		f.Close()
+		return nil, "", fmt.Errorf("%w: %s is not a socket of the directory's owner (uid %d): %s, owner uid %d, mode %04o",
+			ErrPermission, path, d.owner, kindOf(st.Mode), st.Uid, st.Mode&0o7777)
+	}
+	return f, fmt.Sprintf("/proc/self/fd/%d", fd), nil
+}
+
 // Stat describes the file name in the directory without following a
 // symbolic link.
 func (d *RunDir) Stat(name string) (*unix.Stat_t, error) {

@@ -14,13 +14,14 @@ import (
 // operator's tool inspects an instance without disturbing it: the mapping is
 // read-only (a store through it faults) and reserves no hugepages, no
 // process-table slot is claimed, and no file is created. Options other than
-// Path, LockPath and LayoutTag are ignored.
+// Path, LockPath, LockFile, NoLockFile and LayoutTag are ignored.
 //
 // The header is validated as Attach does, except that a segment that is
 // still initializing or already dead is accepted too: the returned Info
-// says which state it was in. The lock file (o.LockPath, default Path +
-// ".lock") is opened read-only to tell live slots from dead ones; when it
-// does not exist, no slot is alive.
+// says which state it was in. The lock file (o.LockFile, taken over as
+// Attach takes it; else o.LockPath, default Path + ".lock", opened
+// read-only) tells live slots from dead ones; when it does not exist, or
+// o.NoLockFile says so, no slot is alive.
 //
 // The Segment reads everything (Procs, Proc, Alive, Root, At, Slice,
 // ViewLock, ArenaStats) and writes nothing: the owner's operations fail with
@@ -32,6 +33,9 @@ func OpenReadOnly(o Options) (*Segment, Info, error) {
 	// Never waiting on a FIFO where a file should be.
 	f, err := os.OpenFile(o.Path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
+		if o.LockFile != nil {
+			o.LockFile.Close()
+		}
 		return nil, Info{Path: o.Path}, fmt.Errorf("shm: open read-only: %w", err)
 	}
 	info, err := probeFile(f, o.LayoutTag)
@@ -39,16 +43,22 @@ func OpenReadOnly(o Options) (*Segment, Info, error) {
 	case err == nil, errors.Is(err, ErrDead):
 	case errors.Is(err, ErrNotReady) && info.State == stateName(stateInitializing):
 	default:
+		if o.LockFile != nil {
+			o.LockFile.Close()
+		}
 		f.Close()
 		return nil, info, fmt.Errorf("shm: open %s read-only: %w", o.Path, err)
 	}
-	lockf, err := os.OpenFile(o.lockPath(), os.O_RDONLY|syscall.O_NONBLOCK, 0)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		f.Close()
-		return nil, info, fmt.Errorf("shm: open %s read-only: lock file: %w", o.Path, err)
-	}
-	if err != nil {
-		lockf = nil // no lock file: nobody holds a slot
+	lockf := o.LockFile
+	if lockf == nil && !o.NoLockFile {
+		lockf, err = os.OpenFile(o.lockPath(), os.O_RDONLY|syscall.O_NONBLOCK, 0)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			f.Close()
+			return nil, info, fmt.Errorf("shm: open %s read-only: lock file: %w", o.Path, err)
+		}
+		if err != nil {
+			lockf = nil // no lock file: nobody holds a slot
+		}
 	}
 	base, err := vm.MapSharedReadOnly(int(f.Fd()), uintptr(info.MaxSize))
 	if err != nil {

@@ -34,6 +34,10 @@ type Options struct {
 	// take it over: it is closed with the segment, or before they return
 	// an error.
 	LockFile *os.File
+	// NoLockFile (OpenReadOnly only) says that there is no lock file, so
+	// that no slot is held: a caller that found none where it looked says
+	// so, rather than have a name opened that could be a link by then.
+	NoLockFile bool
 	// Size is the initial usable size (Create only), rounded up to the
 	// backing page size. Default DefaultSize.
 	Size uint64

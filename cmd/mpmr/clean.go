@@ -258,13 +258,11 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut,
 		// a link in under the name meanwhile.
 		held := fmt.Sprintf("/proc/self/fd/%d", c.File().Fd())
 		_, perr := shm.ProbeFile(c.File(), instance.LayoutTag)
-		o := shm.Options{LayoutTag: instance.LayoutTag, Path: held, Logger: e.log,
-			LockPath: filepath.Join(rd.Path(), instance.SlotsLockFile)}
-		if lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDONLY, 0); err == nil {
-			defer lockf.Close()
-			o.LockPath = fmt.Sprintf("/proc/self/fd/%d", lockf.Fd())
-		}
-		if seg, _, err := shm.OpenReadOnly(o); err == nil {
+		o := shm.Options{LayoutTag: instance.LayoutTag, Path: held, Logger: e.log}
+		var lerr error
+		if o.LockFile, o.NoLockFile, lerr = openSlotsLock(rd); lerr != nil {
+			out.Warnings = append(out.Warnings, fmt.Sprintf("which processes still map the segment is not known: %v", lerr))
+		} else if seg, _, err := shm.OpenReadOnly(o); err == nil {
 			for _, p := range seg.Procs() {
 				if p.Alive {
 					out.StillMapped = append(out.StillMapped, p.PID)
@@ -280,7 +278,11 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut,
 			}
 		}
 		removeClaimed(segPath, c)
-		remove(segPath + ".lock")
+		// A segment made without a lock file in a runtime directory has
+		// it beside: claimed as the segment is, whatever is at its name.
+		if c := claim(segPath + ".lock"); c != nil {
+			removeClaimed(segPath+".lock", c)
+		}
 	}
 	for _, p := range memoryFiles(dir, t.Name) {
 		if c := claim(p); c != nil {

@@ -164,6 +164,18 @@ func (t *target) openDir() (*ipc.RunDir, error) {
 	return rd, nil
 }
 
+// openSlotsLock opens the slots' lock file in rd, for shm.OpenReadOnly to
+// take over, or reports that there is none (then no slot is held). It is
+// opened through the checked directory only: the instance's user could
+// have put a link at its name, to anything root may open.
+func openSlotsLock(rd *ipc.RunDir) (f *os.File, none bool, err error) {
+	f, err = rd.OpenFile(instance.SlotsLockFile, os.O_RDONLY, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, true, nil
+	}
+	return f, false, err
+}
+
 // primaryHeld reports whether a process holds the primary lock of the
 // instance in rd. Looking takes no lock and creates nothing.
 func primaryHeld(rd *ipc.RunDir) (bool, error) {
@@ -278,11 +290,8 @@ func (t *target) open(e *env) (*shm.Segment, shm.Info, error) {
 	// The files just checked, by descriptor: not paths that could be
 	// swapped meanwhile.
 	o := shm.Options{LayoutTag: instance.LayoutTag, Path: fmt.Sprintf("/proc/self/fd/%d", f.Fd()), Logger: e.log}
-	if lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDONLY, 0); err == nil {
-		defer lockf.Close()
-		o.LockPath = fmt.Sprintf("/proc/self/fd/%d", lockf.Fd())
-	} else {
-		o.LockPath = filepath.Join(rd.Path(), instance.SlotsLockFile) // absent: nobody alive
+	if o.LockFile, o.NoLockFile, err = openSlotsLock(rd); err != nil {
+		return nil, shm.Info{Path: path}, err
 	}
 	seg, info, err := shm.OpenReadOnly(o)
 	info.Path = path

@@ -6,7 +6,6 @@ import (
 	"flag"
 	"fmt"
 	"path/filepath"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -115,19 +114,18 @@ func askPrimary(e *env, t *target) (*primaryStats, error) {
 		return nil, fmt.Errorf("%w: %s names the socket %s, which is not the instance's (%s); not dialled",
 			ipc.ErrPermission, filepath.Join(rd.Path(), instance.InfoFile), t.Info.Socket, sock)
 	}
-	st, err := rd.Stat(ipc.SocketName)
+	// The socket checked, by descriptor: a link the instance's user puts
+	// at its name meanwhile is not dialled.
+	sf, held, err := rd.OpenSocket(ipc.SocketName)
 	if err != nil {
 		return nil, err
 	}
-	if st.Mode&syscall.S_IFMT != syscall.S_IFSOCK || int(st.Uid) != t.UID && st.Uid != 0 {
-		return nil, fmt.Errorf("%w: %s is not a socket of the instance's user (uid %d): owner uid %d, mode %04o",
-			ipc.ErrPermission, sock, t.UID, st.Uid, st.Mode&0o7777)
-	}
+	defer sf.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), e.timeout)
 	defer cancel()
-	c, err := ipc.DialClient(ctx, sock, ipc.ClientConfig{Logger: e.log})
+	c, err := ipc.DialClient(ctx, held, ipc.ClientConfig{Logger: e.log})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%s: %w", sock, err)
 	}
 	defer c.Close()
 	if cred, err := c.ServerCred(); err != nil {

@@ -1,0 +1,201 @@
+package main
+
+import (
+	"encoding/json"
+	"net"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
+)
+
+// The instance's own user, hostile, against the operator (root) who runs
+// the tool on that user's instance: whatever that user put in the
+// runtime directory or under the instance's names, the tool must not
+// follow, open, dial or remove anything else with root's rights.
+const hostileOwnerUID = 44204
+
+// hostileInstance lays out a dead instance of hostileOwnerUID, as that
+// user could: its runtime directory, a description and a primary lock,
+// and a control segment made by a primary that died while starting. It
+// returns the -rundir, the instance's directory, its prefix and the
+// segment's path.
+func hostileInstance(t *testing.T) (rundir, dir, prefix, seg string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to give files to another user")
+	}
+	b := testenv.Tmpfs(t)
+	rundir = filepath.Join(t.TempDir(), "run")
+	prefix = testenv.Prefix(t)
+	dir = filepath.Join(rundir, prefix)
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	seg = instance.SegmentPath(b.Dir, instance.Name(prefix, hostileOwnerUID, dir))
+	lock := filepath.Join(t.TempDir(), "slots.lock")
+	h := testproc.Start(t, "segment", []string{seg, lock}, "GORACE=atexit_sleep_ms=0")
+	h.Expect("created", 0)
+	require.NoError(t, h.Wait(0))
+	t.Cleanup(func() { os.Remove(seg) })
+	info := instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(), BackendDir: b.Dir, Segment: seg}
+	js, err := json.Marshal(info)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, instance.InfoFile), js, 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, instance.PrimaryLockFile), nil, 0o600))
+	for _, p := range []string{rundir, dir, filepath.Join(dir, instance.InfoFile), filepath.Join(dir, instance.PrimaryLockFile), seg} {
+		require.NoError(t, os.Lchown(p, hostileOwnerUID, hostileOwnerUID))
+	}
+	return rundir, dir, prefix, seg
+}
+
+// clean removes the segment's files only once it has proved them the
+// instance user's and dead; the same holds for the lock file beside the
+// segment, whatever is at its name.
+func TestCleanRemovesNothingButTheInstanceUsersDeadFiles(t *testing.T) {
+	for _, planted := range []struct {
+		what  string
+		plant func(t *testing.T, path string)
+	}{
+		{"a file of another user", func(t *testing.T, path string) {
+			require.NoError(t, os.WriteFile(path, nil, 0o600))
+			require.NoError(t, os.Lchown(path, hostileOwnerUID+1, hostileOwnerUID+1))
+		}},
+		{"a directory of root", func(t *testing.T, path string) { require.NoError(t, os.Mkdir(path, 0o755)) }},
+		{"a file a live process holds locked", func(t *testing.T, path string) {
+			f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+			require.NoError(t, err)
+			t.Cleanup(func() { f.Close() })
+			require.NoError(t, ofd.TryLock(f, 0, true))
+			require.NoError(t, os.Lchown(path, hostileOwnerUID, hostileOwnerUID))
+		}},
+	} {
+		t.Run(planted.what, func(t *testing.T) {
+			rundir, _, prefix, seg := hostileInstance(t)
+			lock := seg + ".lock"
+			planted.plant(t, lock)
+			t.Cleanup(func() { os.Remove(lock) })
+
+			out, errOut, _ := tool(t, "-rundir", rundir, "clean", prefix)
+			_, err := os.Lstat(lock)
+			assert.NoError(t, err, "clean, run by root, removed %s at %s:\n%s%s", planted.what, lock, out, errOut)
+			_, err = os.Lstat(seg)
+			assert.ErrorIs(t, err, os.ErrNotExist, "the dead instance's segment is removed:\n%s%s", out, errOut)
+		})
+	}
+}
+
+// The slots' lock file is opened through the checked runtime directory,
+// never through a link the instance's user put at its name: here one to a
+// FIFO in a directory only root may enter, which a writer waits on.
+func TestToolDoesNotFollowTheInstanceUsersLinkAtTheSlotsLock(t *testing.T) {
+	rundir, dir, prefix, _ := hostileInstance(t)
+	fifo := filepath.Join(rootOnly(t), "fifo")
+	require.NoError(t, syscall.Mkfifo(fifo, 0o600))
+	link := filepath.Join(dir, instance.SlotsLockFile)
+	require.NoError(t, os.Symlink(fifo, link))
+	require.NoError(t, os.Lchown(link, hostileOwnerUID, hostileOwnerUID))
+
+	for _, cmd := range []string{"ls", "dump", "stats", "clean"} {
+		t.Run(cmd, func(t *testing.T) {
+			opened := make(chan struct{})
+			go func() { // a writer waits until something opens the FIFO for reading
+				if fd, err := syscall.Open(fifo, syscall.O_WRONLY, 0); err == nil {
+					syscall.Close(fd)
+				}
+				close(opened)
+			}()
+			defer func() { // let the writer go if the tool did not
+				if fd, err := syscall.Open(fifo, syscall.O_RDONLY|syscall.O_NONBLOCK, 0); err == nil {
+					<-opened
+					syscall.Close(fd)
+				}
+			}()
+			args := []string{"-rundir", rundir, cmd}
+			if cmd != "ls" {
+				args = append(args, prefix)
+			}
+			out, errOut, _ := tool(t, args...)
+			select {
+			case <-opened:
+				t.Errorf("mpmr %s, run by root, opened %s through uid %d's link %s:\n%s%s",
+					cmd, fifo, hostileOwnerUID, link, out, errOut)
+			default:
+			}
+		})
+	}
+}
+
+// stats dials the socket it checked, not whatever the instance's user
+// has put at its name by the time it dials: here the name keeps changing
+// between a socket of that user and a link to a socket only root may
+// reach.
+func TestStatsDialsTheSocketItChecked(t *testing.T) {
+	rundir, dir, prefix, _ := hostileInstance(t)
+	held, err := os.OpenFile(filepath.Join(dir, instance.PrimaryLockFile), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer held.Close()
+	require.NoError(t, ofd.TryLock(held, 0, true)) // the instance looks live
+
+	// A socket only root may reach, counting who connects.
+	private := filepath.Join(rootOnly(t), "svc.sock")
+	l, err := net.Listen("unixpacket", private)
+	require.NoError(t, err)
+	defer l.Close()
+	var dialled atomic.Int64
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			dialled.Add(1)
+			c.Close()
+		}
+	}()
+	// A socket of the instance's user, which the check passes.
+	own := filepath.Join(dir, "own.sock")
+	lo, err := net.Listen("unixpacket", own)
+	require.NoError(t, err)
+	defer lo.Close()
+	require.NoError(t, os.Lchown(own, hostileOwnerUID, hostileOwnerUID))
+
+	sock := filepath.Join(dir, ipc.SocketName)
+	stop := make(chan struct{})
+	swapped := make(chan struct{})
+	go func() {
+		defer close(swapped)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			// The user's own swap: a second name for its socket, or a link
+			// to root's, renamed over ipc.sock in turn.
+			tmp := filepath.Join(dir, "tmp")
+			if i%2 == 0 {
+				_ = os.Link(own, tmp)
+			} else {
+				_ = os.Symlink(private, tmp)
+				_ = os.Lchown(tmp, hostileOwnerUID, hostileOwnerUID)
+			}
+			_ = os.Rename(tmp, sock)
+		}
+	}()
+	for range 60 {
+		tool(t, "-rundir", rundir, "stats", "-timeout", "20ms", prefix)
+	}
+	close(stop)
+	<-swapped
+	assert.Zero(t, dialled.Load(), "mpmr stats, run by root, connected to %s through the link uid %d swapped in", private, hostileOwnerUID)
+}
