@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -121,4 +122,47 @@ func TestBreakerHelloAcceptedAtItsDeadlineIsDropped(t *testing.T) {
 		"%d calls failed with ErrLimit", trials, h.dropped.Load(), lost)
 	t.Logf("accepted and dropped with the handler's end at deadline%+v", h.hits)
 	assert.Zero(t, h.dropped.Load(), "peers whose hello the handler accepted were closed for an overdue hello")
+}
+
+// refusingHello refuses every hello, after a little work.
+type refusingHello struct{ work time.Duration }
+
+func (refusingHello) Connected(*ipc.Peer)           {}
+func (refusingHello) Disconnected(*ipc.Peer, error) {}
+func (h refusingHello) Handle(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+	time.Sleep(h.work) // the handler's own work, not a wait for anything
+	return nil, errors.New("not you")
+}
+
+// A peer that keeps several hellos in flight (one running, more queued),
+// each refused, is closed once its time is up all the same: the hello
+// that runs when the time is up is waited for, not every one the peer
+// queues after it.
+func TestPipelinedRefusedHellosDoNotOutliveTheHelloTimeout(t *testing.T) {
+	const timeout = 100 * time.Millisecond
+	s := startServer(t, refusingHello{work: time.Millisecond}, withHello,
+		func(c *ipc.ServerConfig) { c.Limits.HelloTimeout = timeout })
+	c, err := ipc.DialClient(context.Background(), s.path, ipc.ClientConfig{Logger: quiet})
+	require.NoError(t, err)
+	defer c.Close()
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for {
+				err := c.Call(context.Background(), ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: 1, Role: "secondary"}, &ipc.HelloReply{})
+				if err == nil || !strings.Contains(err.Error(), "not you") {
+					return
+				}
+			}
+		})
+	}
+	select {
+	case <-c.Done():
+	case <-time.After(50 * timeout):
+		t.Errorf("a peer with refused hellos in flight is still connected %v after its hello timeout of %v; %+v",
+			50*timeout, timeout, s.Stats())
+		c.Close()
+	}
+	wg.Wait()
+	assert.EqualValues(t, 1, s.Stats().HelloTimeouts)
 }

@@ -736,14 +736,15 @@ func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline b
 
 // releaseFiles uncounts n descriptors of a request that is done with, and
 // a hello that was in its handler; it reports whether the peer's time to
-// say hello ran out meanwhile (and no other hello runs).
+// say hello ran out meanwhile. The hello that ran then decides: if it did
+// not admit the peer, those it queued behind it are not waited for.
 func (p *Peer) releaseFiles(n int, hello bool) (late bool) {
 	p.qmu.Lock()
 	defer p.qmu.Unlock()
 	p.filesHeld -= n
 	if hello {
 		p.hellos--
-		late = p.helloLate && p.hellos == 0
+		late = p.helloLate
 	}
 	return late
 }
