@@ -166,3 +166,55 @@ func TestPipelinedRefusedHellosDoNotOutliveTheHelloTimeout(t *testing.T) {
 	wg.Wait()
 	assert.EqualValues(t, 1, s.Stats().HelloTimeouts)
 }
+
+// lateThenAccepting refuses a peer's first hello once its time is up, and
+// accepts the next; it counts hellos its handler ran for a peer whose
+// connection had already ended.
+type lateThenAccepting struct {
+	timeout time.Duration
+	mu      sync.Mutex
+	seen    map[*ipc.Peer]int
+	onDead  atomic.Int64
+	ended   chan struct{}
+}
+
+func (h *lateThenAccepting) Connected(*ipc.Peer)           {}
+func (h *lateThenAccepting) Disconnected(*ipc.Peer, error) { h.ended <- struct{}{} }
+func (h *lateThenAccepting) Handle(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+	if p.Err() != nil {
+		h.onDead.Add(1)
+	}
+	h.mu.Lock()
+	h.seen[p]++
+	n := h.seen[p]
+	h.mu.Unlock()
+	if n == 1 {
+		time.Sleep(2 * h.timeout) // past the hello timeout, then refused
+		return nil, errors.New("not you")
+	}
+	return &ipc.HelloReply{Slot: 1}, nil
+}
+
+// The hello that runs when the time is up is refused, and the connection
+// closes: a hello the peer queued behind it is not handled on the ended
+// connection (in the primary it would put a peer that has gone in the
+// sync set), whichever end notices the end first.
+func TestHelloQueuedBehindALateRefusedOneIsNotHandled(t *testing.T) {
+	const timeout = 2 * time.Millisecond
+	h := &lateThenAccepting{timeout: timeout, seen: map[*ipc.Peer]int{}, ended: make(chan struct{}, 1)}
+	s := startServer(t, h, withHello, func(c *ipc.ServerConfig) { c.Limits.HelloTimeout = timeout })
+	for range 100 {
+		c, err := ipc.DialClient(context.Background(), s.path, ipc.ClientConfig{Logger: quiet})
+		require.NoError(t, err)
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Go(func() {
+				_ = c.Call(context.Background(), ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: 1, Role: "secondary"}, &ipc.HelloReply{})
+				c.Close() // the client ends as soon as it has an answer, or the end
+			})
+		}
+		wg.Wait()
+		waitFor(t, h.ended, "the end of the connection")
+	}
+	assert.Zero(t, h.onDead.Load(), "hellos handled for a peer whose connection had ended")
+}

@@ -769,7 +769,9 @@ func (p *Peer) work(m message) {
 }
 
 func (p *Peer) handle(m message) {
-	if p.ctx.Err() != nil { // gone: nobody to answer
+	// Gone, or going (its error is set a moment before its context
+	// ends): nobody to answer, and a hello must not admit it.
+	if p.Err() != nil {
 		closeFiles(m.files)
 		p.releaseFiles(len(m.files), m.hello)
 		return
