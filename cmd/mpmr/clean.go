@@ -139,14 +139,6 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		}
 	}
 	out := &cleanOut{Prefix: t.Prefix, RuntimeDir: t.Dir}
-	remove := func(path string) {
-		switch err := os.Remove(path); {
-		case err == nil:
-			out.Removed = append(out.Removed, path)
-		case !errors.Is(err, os.ErrNotExist):
-			out.Warnings = append(out.Warnings, err.Error())
-		}
-	}
 	removeIn := func(name string) {
 		switch err := rd.Remove(name); {
 		case err == nil:
@@ -169,7 +161,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	}
 
 	for _, dir := range t.backendDirs() {
-		t.cleanBackend(e, rd, dir, out, remove)
+		t.cleanBackend(e, rd, dir, out)
 	}
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
 		removeIn(name)
@@ -233,7 +225,7 @@ func segmentHeld(path string) (bool, error) {
 // cleanBackend removes the instance's segment and memory files in dir:
 // only files it proves dead (no live process holds their lock) and the
 // instance user's, whatever their names say.
-func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut, remove func(string)) {
+func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut) {
 	claim := func(path string) *ofd.Claim {
 		c, err := ofd.ClaimFile(path, t.UID)
 		switch {

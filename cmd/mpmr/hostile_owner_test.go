@@ -199,3 +199,37 @@ func TestStatsDialsTheSocketItChecked(t *testing.T) {
 	<-swapped
 	assert.Zero(t, dialled.Load(), "mpmr stats, run by root, connected to %s through the link uid %d swapped in", private, hostileOwnerUID)
 }
+
+// Nor a second name the instance's user gave to a socket of root's (a
+// hard link, where the system lets users link files they do not own):
+// the primary runs as the instance's user, so only a socket of that user
+// is dialled.
+func TestStatsDoesNotDialRootsSocketLinkedIn(t *testing.T) {
+	rundir, dir, prefix, _ := hostileInstance(t)
+	held, err := os.OpenFile(filepath.Join(dir, instance.PrimaryLockFile), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer held.Close()
+	require.NoError(t, ofd.TryLock(held, 0, true)) // the instance looks live
+
+	public := filepath.Join(t.TempDir(), "svc.sock") // root's, in a directory anyone may search
+	l, err := net.Listen("unixpacket", public)
+	require.NoError(t, err)
+	defer l.Close()
+	var dialled atomic.Int64
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			dialled.Add(1)
+			c.Close()
+		}
+	}()
+	require.NoError(t, os.Link(public, filepath.Join(dir, ipc.SocketName)))
+
+	out, errOut, _ := tool(t, "-rundir", rundir, "stats", "-timeout", "200ms", prefix)
+	assert.Zero(t, dialled.Load(), "mpmr stats, run by root, connected to root's socket linked in by uid %d:\n%s%s",
+		hostileOwnerUID, out, errOut)
+	assert.Contains(t, out+errOut, ipc.ErrPermission.Error())
+}
