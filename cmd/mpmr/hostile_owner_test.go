@@ -58,6 +58,37 @@ func hostileInstance(t *testing.T) (rundir, dir, prefix, seg string) {
 	return rundir, dir, prefix, seg
 }
 
+// looksLive holds the primary lock of the instance in dir, as its live
+// primary would, until the test ends.
+func looksLive(t *testing.T, dir string) {
+	t.Helper()
+	held, err := os.OpenFile(filepath.Join(dir, instance.PrimaryLockFile), os.O_RDWR, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { held.Close() })
+	require.NoError(t, ofd.TryLock(held, 0, true))
+}
+
+// countingSocket listens on a seqpacket socket at path (root's) until the
+// test ends, and counts the connections made to it.
+func countingSocket(t *testing.T, path string) *atomic.Int64 {
+	t.Helper()
+	l, err := net.Listen("unixpacket", path)
+	require.NoError(t, err)
+	t.Cleanup(func() { l.Close() })
+	var dialled atomic.Int64
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			dialled.Add(1)
+			c.Close()
+		}
+	}()
+	return &dialled
+}
+
 // clean removes the segment's files only once it has proved them the
 // instance user's and dead; the same holds for the lock file beside the
 // segment, whatever is at its name.
@@ -141,27 +172,10 @@ func TestToolDoesNotFollowTheInstanceUsersLinkAtTheSlotsLock(t *testing.T) {
 // reach.
 func TestStatsDialsTheSocketItChecked(t *testing.T) {
 	rundir, dir, prefix, _ := hostileInstance(t)
-	held, err := os.OpenFile(filepath.Join(dir, instance.PrimaryLockFile), os.O_RDWR, 0)
-	require.NoError(t, err)
-	defer held.Close()
-	require.NoError(t, ofd.TryLock(held, 0, true)) // the instance looks live
-
-	// A socket only root may reach, counting who connects.
+	looksLive(t, dir)
+	// A socket only root may reach.
 	private := filepath.Join(rootOnly(t), "svc.sock")
-	l, err := net.Listen("unixpacket", private)
-	require.NoError(t, err)
-	defer l.Close()
-	var dialled atomic.Int64
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			dialled.Add(1)
-			c.Close()
-		}
-	}()
+	dialled := countingSocket(t, private)
 	// A socket of the instance's user, which the check passes.
 	own := filepath.Join(dir, "own.sock")
 	lo, err := net.Listen("unixpacket", own)
@@ -206,26 +220,9 @@ func TestStatsDialsTheSocketItChecked(t *testing.T) {
 // is dialled.
 func TestStatsDoesNotDialRootsSocketLinkedIn(t *testing.T) {
 	rundir, dir, prefix, _ := hostileInstance(t)
-	held, err := os.OpenFile(filepath.Join(dir, instance.PrimaryLockFile), os.O_RDWR, 0)
-	require.NoError(t, err)
-	defer held.Close()
-	require.NoError(t, ofd.TryLock(held, 0, true)) // the instance looks live
-
+	looksLive(t, dir)
 	public := filepath.Join(t.TempDir(), "svc.sock") // root's, in a directory anyone may search
-	l, err := net.Listen("unixpacket", public)
-	require.NoError(t, err)
-	defer l.Close()
-	var dialled atomic.Int64
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			dialled.Add(1)
-			c.Close()
-		}
-	}()
+	dialled := countingSocket(t, public)
 	require.NoError(t, os.Link(public, filepath.Join(dir, ipc.SocketName)))
 
 	out, errOut, _ := tool(t, "-rundir", rundir, "stats", "-timeout", "200ms", prefix)
