@@ -319,8 +319,10 @@ func (d *RunDir) OpenFile(name string, flag int, perm os.FileMode) (*os.File, er
 // (O_PATH), never following a symbolic link, and returns it with a name
 // for connect that reaches exactly that socket (its /proc/self/fd link),
 // so that a link put at name after the check cannot redirect the dial.
-// The socket must belong to the directory's owner or root, else
-// ErrPermission. Close the file once dialled.
+// The socket must belong to the directory's owner, whose process listens
+// there, else ErrPermission: unlike a file, no socket of root's is taken
+// (a link to one, where the system lets users link what they do not own,
+// would have root's process dialled). Close the file once dialled.
 func (d *RunDir) OpenSocket(name string) (*os.File, string, error) {
 	if strings.ContainsRune(name, '/') {
 		return nil, "", fmt.Errorf("ipc: %q is not a file name", name)
@@ -336,7 +338,7 @@ func (d *RunDir) OpenSocket(name string) (*os.File, string, error) {
 		f.Close()
 		return nil, "", &fs.PathError{Op: "fstat", Path: path, Err: err}
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFSOCK || int(st.Uid) != d.owner && st.Uid != 0 {
+	if st.Mode&unix.S_IFMT != unix.S_IFSOCK || int(st.Uid) != d.owner {
 		f.Close()
 		return nil, "", fmt.Errorf("%w: %s is not a socket of the directory's owner (uid %d): %s, owner uid %d, mode %04o",
 			ErrPermission, path, d.owner, kindOf(st.Mode), st.Uid, st.Mode&0o7777)
