@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 
 	"golang.org/x/sys/unix"
 )
@@ -16,9 +17,13 @@ var ErrNotOwned = errors.New("ofd: not a regular file of the expected owner")
 // following links, checked to be a regular file of its expected owner,
 // and locked (byte 0, exclusively) by this process, which is what every
 // holder of such a file does for as long as it lives. Its holder may then
-// remove it without racing a live one.
+// remove it without racing a live one. The claim keeps the directory the
+// file was found in: whatever the path's directories are made to name
+// later, Remove unlinks in that one.
 type Claim struct {
 	f    *os.File
+	dir  *os.File // the directory the file was found in (O_PATH)
+	name string   // its name there
 	path string
 }
 
@@ -27,7 +32,23 @@ type Claim struct {
 // file description holds a lock on byte 0 of it, that is, while the
 // process that made it lives.
 func ClaimFile(path string, uid int) (*Claim, error) {
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	dfd, err := unix.Open(filepath.Dir(path), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: filepath.Dir(path), Err: err}
+	}
+	dir := os.NewFile(uintptr(dfd), filepath.Dir(path))
+	name := filepath.Base(path)
+	c, err := claimAt(dir, name, path, uid)
+	if err != nil {
+		dir.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+func claimAt(dir *os.File, name, path string, uid int) (*Claim, error) {
+	dfd := int(dir.Fd())
+	fd, err := unix.Openat(dfd, name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ELOOP) {
 		return nil, fmt.Errorf("%w: %s is a symbolic link", ErrNotOwned, path)
 	}
@@ -35,7 +56,7 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 		// What cannot be opened (a directory, another user's private
 		// file) is judged by what it is, not by why open failed.
 		var st unix.Stat_t
-		if errors.Is(err, unix.ENOENT) || unix.Lstat(path, &st) != nil ||
+		if errors.Is(err, unix.ENOENT) || unix.Fstatat(dfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil ||
 			st.Mode&unix.S_IFMT == unix.S_IFREG && int(st.Uid) == uid {
 			return nil, &os.PathError{Op: "open", Path: path, Err: err}
 		}
@@ -55,7 +76,7 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 		f.Close()
 		return nil, err
 	}
-	return &Claim{f: f, path: path}, nil
+	return &Claim{f: f, dir: dir, name: name, path: path}, nil
 }
 
 func notOwned(path string, st *unix.Stat_t, uid int) error {
@@ -79,34 +100,45 @@ func notOwned(path string, st *unix.Stat_t, uid int) error {
 // File returns the claimed file, open for reading and writing.
 func (c *Claim) File() *os.File { return c.f }
 
-// Remove unlinks the claimed file, if its path still names it, and drops
-// the claim. The lock is held until the file is unlinked, so no holder
-// ever finds it unlocked under its name.
+// Remove unlinks the claimed file, if its name in the directory it was
+// found in still names it, and drops the claim. The lock is held until
+// the file is unlinked, so no holder ever finds it unlocked under its
+// name. Whoever may write the directory can still put another file under
+// the name between the check and the unlink; what goes then is a name in
+// that directory, never one elsewhere.
 func (c *Claim) Remove() error {
-	defer c.f.Close()
+	defer c.Close()
 	var held, now unix.Stat_t
 	if err := unix.Fstat(int(c.f.Fd()), &held); err != nil {
 		return &os.PathError{Op: "fstat", Path: c.path, Err: err}
 	}
-	if err := unix.Lstat(c.path, &now); err != nil {
+	dfd := int(c.dir.Fd())
+	if err := unix.Fstatat(dfd, c.name, &now, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		if errors.Is(err, unix.ENOENT) {
 			return nil // gone already
 		}
-		return &os.PathError{Op: "lstat", Path: c.path, Err: err}
+		return &os.PathError{Op: "fstatat", Path: c.path, Err: err}
 	}
 	if now.Dev != held.Dev || now.Ino != held.Ino {
 		return fmt.Errorf("ofd: %s was replaced while claimed: left alone", c.path)
 	}
-	if err := os.Remove(c.path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
+	if testHookBeforeUnlink != nil {
+		testHookBeforeUnlink()
+	}
+	if err := unix.Unlinkat(dfd, c.name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+		return &os.PathError{Op: "unlink", Path: c.path, Err: err}
 	}
 	return nil
 }
 
 // Close drops the claim, leaving the file. Idempotent.
 func (c *Claim) Close() error {
+	c.dir.Close()
 	if err := c.f.Close(); err != nil && !errors.Is(err, os.ErrClosed) {
 		return err
 	}
 	return nil
 }
+
+// testHookBeforeUnlink, if set, runs in Remove just before the unlink.
+var testHookBeforeUnlink func()

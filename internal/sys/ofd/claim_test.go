@@ -50,3 +50,42 @@ func TestClaimFile(t *testing.T) {
 	_, err = ClaimFile(filepath.Join(dir, "none"), me)
 	assert.ErrorIs(t, err, os.ErrNotExist)
 }
+
+// TestRemoveStaysInTheClaimedDirectory swaps the directory a claim was
+// made through for another, holding a file of the same name, at the last
+// moment before the unlink: the instance's user can do that to a tool
+// run by root. Only the claimed file may go.
+func TestRemoveStaysInTheClaimedDirectory(t *testing.T) {
+	base := t.TempDir()
+	mine, theirs := filepath.Join(base, "mine"), filepath.Join(base, "theirs")
+	require.NoError(t, os.Mkdir(mine, 0o700))
+	require.NoError(t, os.Mkdir(theirs, 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(mine, "f"), []byte("claimed"), 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(theirs, "f"), []byte("someone else's"), 0o600))
+	link := filepath.Join(base, "dir")
+	require.NoError(t, os.Symlink(mine, link))
+	swap := func(to string) {
+		tmp := link + ".new"
+		require.NoError(t, os.Symlink(to, tmp))
+		require.NoError(t, os.Rename(tmp, link))
+	}
+
+	c, err := ClaimFile(filepath.Join(link, "f"), os.Geteuid())
+	require.NoError(t, err)
+	testHookBeforeUnlink = func() { swap(theirs) }
+	t.Cleanup(func() { testHookBeforeUnlink = nil })
+	require.NoError(t, c.Remove())
+	assert.FileExists(t, filepath.Join(theirs, "f"), "the file the name led to at the unlink")
+	assert.NoFileExists(t, filepath.Join(mine, "f"), "the claimed file")
+
+	// Swapped before Remove looks at all: the same.
+	swap(mine)
+	require.NoError(t, os.WriteFile(filepath.Join(mine, "f"), []byte("claimed"), 0o600))
+	c, err = ClaimFile(filepath.Join(link, "f"), os.Geteuid())
+	require.NoError(t, err)
+	testHookBeforeUnlink = nil
+	swap(theirs)
+	require.NoError(t, c.Remove())
+	assert.FileExists(t, filepath.Join(theirs, "f"))
+	assert.NoFileExists(t, filepath.Join(mine, "f"))
+}
