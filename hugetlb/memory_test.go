@@ -618,3 +618,41 @@ func TestGuardRefusesFreeAndNothingChanges(t *testing.T) {
 	assert.Equal(t, []string{"free"}, events)
 	assert.Equal(t, 0, in.mem.Lists()[0].Allocated)
 }
+
+// Mapped answers from what this process mapped, not from the shared page
+// state, which any process mapping the segment can write.
+func TestMappedIsThisProcesssOwnView(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	ps := b.PageSize
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 4}, hugetlb.ListConfig{Pages: 2})
+	l0, l1 := in.mem.Lists()[0], in.mem.Lists()[1]
+	r, err := in.mem.Alloc(2 * ps)
+	require.NoError(t, err)
+
+	assert.True(t, in.mem.Mapped(r.Addr, r.Len))
+	assert.True(t, in.mem.Mapped(r.Addr+1, r.Len-2))
+	assert.False(t, in.mem.Mapped(r.Addr, r.Len+1), "one byte into a free page")
+	assert.False(t, in.mem.Mapped(r.Addr-1, 2), "one byte before the list")
+	assert.False(t, in.mem.Mapped(r.Addr, 0), "an empty range")
+	assert.False(t, in.mem.Mapped(^uintptr(0)-10, 100), "a range that wraps")
+	assert.False(t, in.mem.Mapped(0x10000, 64), "outside every list")
+	assert.False(t, in.mem.Mapped(l0.End-uintptr(ps), 2*ps), "into the gap after a list")
+	assert.False(t, in.mem.Mapped(l1.Base, 1), "a list with nothing allocated")
+
+	// Another process marks the rest of list 0 allocated in the shared
+	// state: this process has not mapped it.
+	// (The table: a 64-byte header, then the lists' descriptors, each
+	// with its bitmap's offset at byte 32.)
+	table := in.seg.Root(shm.RootMemory)
+	bitsOff := atomic.LoadUint64(&shm.Slice[uint64](in.seg, table+64+32, 1)[0])
+	bits := &shm.Slice[uint64](in.seg, bitsOff, 1)[0]
+	atomic.StoreUint64(bits, 0xf)
+	_, ok := in.mem.ContigRun(l0.Base + 3*uintptr(ps))
+	require.True(t, ok, "the shared state says allocated")
+	assert.False(t, in.mem.Mapped(l0.Base, 4*ps), "but nothing maps it here")
+	atomic.StoreUint64(bits, 0x3)
+
+	require.NoError(t, in.mem.Free(hugetlb.Region{Addr: r.Addr, Len: ps}))
+	assert.False(t, in.mem.Mapped(r.Addr, 1), "a freed page")
+	assert.True(t, in.mem.Mapped(r.Addr+uintptr(ps), ps))
+}

@@ -92,6 +92,25 @@ func (m *Memory) nextRun(li, i *int) (Run, bool) {
 	return Run{}, false
 }
 
+// Mapped reports whether every page of [addr, addr+length) is mapped in
+// this process, as the process itself knows: not from the shared page
+// state, which any process mapping the segment can write. Use it to
+// check an address read from shared memory before touching it.
+func (m *Memory) Mapped(addr uintptr, length uint64) bool {
+	end := uint64(addr) + length
+	if length == 0 || end < uint64(addr) {
+		return false
+	}
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
+	l, first, ok := m.find(addr)
+	if !ok || end > uint64(l.end()) {
+		return false
+	}
+	last := int((end - 1 - uint64(l.base)) / l.pageSize)
+	return l.mapped.next(first, last+1, false) > last
+}
+
 // InList reports which list's reserved range holds addr, allocated or not.
 func (m *Memory) InList(addr uintptr) (list int, ok bool) {
 	m.qmu.RLock()
