@@ -3,6 +3,7 @@ package cache
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -136,8 +137,8 @@ func openDir(seg *shm.Segment, create bool) (*poolDir, error) {
 // directory and publishing the pool there are one step (primary's
 // CreatePool runs them one at a time).
 func CreatePool(seg *shm.Segment, mem *hugetlb.Memory, name string, objSize, count int) (*Pool, error) {
-	if len(name) == 0 || len(name) > poolNameLen {
-		return nil, fmt.Errorf("cache: mempool name %q: want 1..%d bytes", name, poolNameLen)
+	if len(name) == 0 || len(name) > poolNameLen || strings.IndexByte(name, 0) >= 0 {
+		return nil, fmt.Errorf("cache: mempool name %q: want 1..%d bytes, no NUL", name, poolNameLen)
 	}
 	if objSize <= 0 || count <= 0 || count > maxPoolObjs || objSize > 1<<30 {
 		return nil, fmt.Errorf("cache: mempool %s: %d objects of %d bytes: bad size", name, count, objSize)
@@ -146,7 +147,7 @@ func CreatePool(seg *shm.Segment, mem *hugetlb.Memory, name string, objSize, cou
 	if err != nil {
 		return nil, err
 	}
-	if _, err := OpenPool(seg, name); err == nil {
+	if findPool(seg, dir, name) != 0 {
 		return nil, fmt.Errorf("%w: %s", ErrPoolExists, name)
 	}
 	slot := -1
@@ -182,7 +183,10 @@ func CreatePool(seg *shm.Segment, mem *hugetlb.Memory, name string, objSize, cou
 			atomic.StoreUint32(&next[count-1], 0)
 			atomic.StoreUint64(&d.Head, 1) // tag 0, object 0
 			atomic.StoreUint64(&dir.Pools[slot], descOff)
-			return OpenPool(seg, name)
+			// The pool as made, not as the directory says by now: any
+			// process of the user can write it, and the allocation
+			// above waited for every secondary.
+			return &Pool{name: name, desc: d, next: next, base: uint64(region.Addr), size: size, n: uint32(count)}, nil
 		}
 		_ = seg.Free(descOff)
 	}
@@ -190,21 +194,29 @@ func CreatePool(seg *shm.Segment, mem *hugetlb.Memory, name string, objSize, cou
 	return nil, fmt.Errorf("cache: mempool %s: %w", name, err)
 }
 
-// OpenPool opens the shared pool called name.
+// findPool returns the offset of the first descriptor in dir called name,
+// valid or not, or 0.
+func findPool(seg *shm.Segment, dir *poolDir, name string) uint64 {
+	for i := range dir.Pools {
+		off := atomic.LoadUint64(&dir.Pools[i])
+		if off != 0 && seg.CheckRange(off, poolDescSize) == nil && poolName(shm.At[poolDesc](seg, off)) == name {
+			return off
+		}
+	}
+	return 0
+}
+
+// OpenPool opens the shared pool called name. It checks that the
+// descriptor is whole and its links are in the segment, not that its
+// objects are memory this process maps: a caller that has the data
+// memory checks that before it uses an object (secondary's Pool does).
 func OpenPool(seg *shm.Segment, name string) (*Pool, error) {
 	dir, err := openDir(seg, false)
 	if err != nil {
 		return nil, err
 	}
-	for i := range dir.Pools {
-		off := atomic.LoadUint64(&dir.Pools[i])
-		if off == 0 || seg.CheckRange(off, poolDescSize) != nil {
-			continue
-		}
+	if off := findPool(seg, dir, name); off != 0 {
 		d := shm.At[poolDesc](seg, off)
-		if poolName(d) != name {
-			continue
-		}
 		n := atomic.LoadUint32(&d.Count)
 		nextOff := atomic.LoadUint64(&d.Next)
 		base, size := atomic.LoadUint64(&d.Base), uint64(atomic.LoadUint32(&d.ObjSize))
@@ -243,8 +255,23 @@ func (p *Pool) ObjSize() uint64 { return p.size }
 // Count returns the number of objects.
 func (p *Pool) Count() int { return int(p.n) }
 
-// InUse returns how many objects are taken.
-func (p *Pool) InUse() int { return int(atomic.LoadUint32(&p.desc.InUse)) }
+// InUse returns how many objects are taken. The count is made after an
+// object is taken and before it is returned: a process that dies (or is
+// stopped) between the two leaves it off by one, within 0..Count.
+func (p *Pool) InUse() int { return inUse(atomic.LoadUint32(&p.desc.InUse), p.n) }
+
+// inUse reads a shared count of objects taken: one that went below zero
+// (a careless put while the getter had not yet counted) reads as 0, one
+// past the pool as the pool.
+func inUse(v, n uint32) int {
+	switch {
+	case int32(v) < 0:
+		return 0
+	case v > n:
+		return int(n)
+	}
+	return int(v)
+}
 
 // Get takes a free object and returns its address, or ErrPoolEmpty.
 func (p *Pool) Get() (uintptr, error) {
@@ -396,9 +423,10 @@ func Pools(seg *shm.Segment) []PoolInfo {
 			continue
 		}
 		d := shm.At[poolDesc](seg, off)
+		n := atomic.LoadUint32(&d.Count)
 		out = append(out, PoolInfo{Name: poolName(d), Base: atomic.LoadUint64(&d.Base),
-			ObjSize: uint64(atomic.LoadUint32(&d.ObjSize)), Count: int(atomic.LoadUint32(&d.Count)),
-			InUse: int(atomic.LoadUint32(&d.InUse))})
+			ObjSize: uint64(atomic.LoadUint32(&d.ObjSize)), Count: int(n),
+			InUse: inUse(atomic.LoadUint32(&d.InUse), n)})
 	}
 	return out
 }

@@ -497,7 +497,8 @@ func (q *Queue) Close() {
 }
 
 // CreatePool allocates a shared mempool of count objects of objSize bytes
-// in data memory, which every secondary can open by name.
+// in data memory, which every secondary can open by name: 1 to 32 bytes,
+// no NUL, and no other pool's (cache.ErrPoolExists).
 func (p *Primary) CreatePool(name string, objSize, count int) (*cache.Pool, error) {
 	// It writes the pool's descriptor into the segment after allocating
 	// it: Close must not unmap the segment meanwhile.

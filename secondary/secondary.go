@@ -863,16 +863,29 @@ func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 	return q.RegisterMempool(mp)
 }
 
-// Pool opens a mempool the primary created. After Close it fails with
-// ErrClosed. Use no pool after Close: its objects and links live in the
-// segment, which Close unmaps.
+// Pool opens a mempool the primary created. A pool whose objects are not
+// data memory this process maps fails with cache.ErrCorrupt: its
+// descriptor is in the segment, which any process of the user can write.
+// After Close it fails with ErrClosed. Use no pool after Close: its
+// objects and links live in the segment, which Close unmaps.
 func (s *Secondary) Pool(name string) (*cache.Pool, error) {
 	s.useMu.RLock()
 	defer s.useMu.RUnlock()
 	if s.closed.Load() {
 		return nil, ErrClosed
 	}
-	return cache.OpenPool(s.seg, name)
+	pool, err := cache.OpenPool(s.seg, name)
+	if err != nil {
+		return nil, err
+	}
+	if c := pool.Chunks()[0]; !s.mem.Mapped(c.Addr, c.Len) {
+		if s.closed.Load() {
+			return nil, ErrClosed // Close unmaps the memory before the segment
+		}
+		return nil, fmt.Errorf("%w: mempool %s: objects [0x%x, +0x%x) are not data memory this process maps",
+			cache.ErrCorrupt, name, c.Addr, c.Len)
+	}
+	return pool, nil
 }
 
 // Memory returns the data memory, mapped at the primary's addresses.
