@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -32,12 +33,15 @@ type Claim struct {
 // file description holds a lock on byte 0 of it, that is, while the
 // process that made it lives.
 func ClaimFile(path string, uid int) (*Claim, error) {
+	name := filepath.Base(path)
+	if strings.HasSuffix(path, "/") || name == "." || name == ".." || name == "/" {
+		return nil, fmt.Errorf("%w: %s names a directory", ErrNotOwned, path)
+	}
 	dfd, err := unix.Open(filepath.Dir(path), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, &os.PathError{Op: "open", Path: filepath.Dir(path), Err: err}
 	}
 	dir := os.NewFile(uintptr(dfd), filepath.Dir(path))
-	name := filepath.Base(path)
 	c, err := claimAt(dir, name, path, uid)
 	if err != nil {
 		dir.Close()

@@ -49,6 +49,15 @@ func TestClaimFile(t *testing.T) {
 	assert.Error(t, err)
 	_, err = ClaimFile(filepath.Join(dir, "none"), me)
 	assert.ErrorIs(t, err, os.ErrNotExist)
+
+	// A directory's path, even one that ends in a slash, is not the path
+	// of the file of the same name inside it.
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "d", "d"), nil, 0o600))
+	for _, p := range []string{dir + "/d/", dir + "/d/.", dir + "/d/d/.."} {
+		_, err = ClaimFile(p, me)
+		assert.ErrorIs(t, err, ErrNotOwned, p)
+	}
+	assert.FileExists(t, filepath.Join(dir, "d", "d"))
 }
 
 // TestRemoveStaysInTheClaimedDirectory swaps the directory a claim was
@@ -88,4 +97,94 @@ func TestRemoveStaysInTheClaimedDirectory(t *testing.T) {
 	require.NoError(t, c.Remove())
 	assert.FileExists(t, filepath.Join(theirs, "f"))
 	assert.NoFileExists(t, filepath.Join(mine, "f"))
+}
+
+func openFDs() int {
+	ents, _ := os.ReadDir("/proc/self/fd")
+	return len(ents) - 1
+}
+
+// Every failure path of ClaimFile, and Remove/Close in any order, leave
+// no descriptor behind.
+func TestClaimLeavesNoDescriptor(t *testing.T) {
+	dir := t.TempDir()
+	me := os.Geteuid()
+	f := filepath.Join(dir, "f")
+	require.NoError(t, os.WriteFile(f, nil, 0o600))
+	require.NoError(t, os.Symlink(f, filepath.Join(dir, "link")))
+	require.NoError(t, os.Mkdir(filepath.Join(dir, "d"), 0o700))
+	require.NoError(t, os.Symlink(filepath.Join(dir, "loop"), filepath.Join(dir, "loop")))
+	holder, err := os.OpenFile(f, os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer holder.Close()
+
+	before := openFDs()
+	for _, c := range []struct {
+		path string
+		uid  int
+	}{
+		{filepath.Join(dir, "none"), me},
+		{filepath.Join(dir, "nodir", "x"), me},
+		{filepath.Join(f, "x"), me},           // ENOTDIR
+		{filepath.Join(dir, "loop", "x"), me}, // ELOOP on the directory
+		{filepath.Join(dir, "link"), me},      // symlink
+		{filepath.Join(dir, "d"), me},         // directory
+		{f, me + 1},                           // another owner
+	} {
+		_, err := ClaimFile(c.path, c.uid)
+		assert.Error(t, err, c.path)
+	}
+	require.NoError(t, TryLock(holder, 0, true))
+	_, err = ClaimFile(f, me)
+	assert.ErrorIs(t, err, ErrLocked)
+	require.NoError(t, Unlock(holder, 0))
+	assert.Equal(t, before, openFDs(), "failed claims leak nothing")
+
+	c, err := ClaimFile(f, me)
+	require.NoError(t, err)
+	require.NoError(t, c.Remove())
+	require.NoError(t, c.Close(), "Close after Remove")
+	require.NoError(t, c.Close(), "and again")
+	assert.Equal(t, before, openFDs())
+
+	require.NoError(t, os.WriteFile(f, nil, 0o600))
+	c, err = ClaimFile(f, me)
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	assert.Equal(t, before, openFDs())
+	assert.FileExists(t, f)
+}
+
+// The directory itself replaced (renamed away, another put at its path)
+// after the claim: Remove unlinks in the directory claimed through, and
+// the new directory's same-named file stays.
+func TestRemoveAfterTheDirectoryIsReplaced(t *testing.T) {
+	base := t.TempDir()
+	inst := filepath.Join(base, "inst")
+	require.NoError(t, os.Mkdir(inst, 0o700))
+	path := filepath.Join(inst, "seg")
+	require.NoError(t, os.WriteFile(path, []byte("claimed"), 0o600))
+	c, err := ClaimFile(path, os.Geteuid())
+	require.NoError(t, err)
+	require.NoError(t, os.Rename(inst, inst+".old"))
+	require.NoError(t, os.Mkdir(inst, 0o700))
+	require.NoError(t, os.WriteFile(path, []byte("other"), 0o600))
+	require.NoError(t, c.Remove())
+	assert.FileExists(t, path, "the other directory's file stays")
+	assert.NoFileExists(t, filepath.Join(inst+".old", "seg"), "the claimed one goes")
+}
+
+// A hard link of the claimed file put under the name elsewhere; the name
+// in the claimed directory replaced by a hard link of the same inode.
+func TestRemoveTakesOnlyTheClaimedName(t *testing.T) {
+	base := t.TempDir()
+	path := filepath.Join(base, "seg")
+	require.NoError(t, os.WriteFile(path, []byte("claimed"), 0o600))
+	c, err := ClaimFile(path, os.Geteuid())
+	require.NoError(t, err)
+	other := filepath.Join(base, "keep")
+	require.NoError(t, os.Link(path, other))
+	require.NoError(t, c.Remove())
+	assert.NoFileExists(t, path)
+	assert.FileExists(t, other, "only the claimed name goes")
 }
