@@ -93,9 +93,12 @@ func (m *Memory) nextRun(li, i *int) (Run, bool) {
 }
 
 // Mapped reports whether every page of [addr, addr+length) is mapped in
-// this process, as the process itself knows: not from the shared page
-// state, which any process mapping the segment can write. Use it to
-// check an address read from shared memory before touching it.
+// this process, as the process itself knows, not as the shared page state
+// says now (any process mapping the segment can write it): in the
+// primary, the pages it allocated; in a secondary, those it mapped
+// following the primary's changes, which at attach or after a resync are
+// what the shared state said then. Use it to check an address read from
+// shared memory before touching it.
 func (m *Memory) Mapped(addr uintptr, length uint64) bool {
 	end := uint64(addr) + length
 	if length == 0 || end < uint64(addr) {

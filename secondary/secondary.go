@@ -866,26 +866,40 @@ func (s *Secondary) RegisterMempool(q *Queue, mp cache.Mempool) error {
 // Pool opens a mempool the primary created. A pool whose objects are not
 // data memory this process maps fails with cache.ErrCorrupt: its
 // descriptor is in the segment, which any process of the user can write.
-// After Close it fails with ErrClosed. Use no pool after Close: its
+// Once the primary has dropped or fenced this process it fails with
+// ErrDropped, after Close with ErrClosed. Use no pool after Close: its
 // objects and links live in the segment, which Close unmaps.
 func (s *Secondary) Pool(name string) (*cache.Pool, error) {
 	s.useMu.RLock()
 	defer s.useMu.RUnlock()
-	if s.closed.Load() {
-		return nil, ErrClosed
+	if err := s.poolGone(name); err != nil {
+		return nil, err
 	}
 	pool, err := cache.OpenPool(s.seg, name)
 	if err != nil {
 		return nil, err
 	}
 	if c := pool.Chunks()[0]; !s.mem.Mapped(c.Addr, c.Len) {
-		if s.closed.Load() {
-			return nil, ErrClosed // Close unmaps the memory before the segment
+		// Close and a drop unmap the memory; a process the primary
+		// fenced did not map what it allocated since.
+		if err := s.poolGone(name); err != nil {
+			return nil, err
 		}
 		return nil, fmt.Errorf("%w: mempool %s: objects [0x%x, +0x%x) are not data memory this process maps",
 			cache.ErrCorrupt, name, c.Addr, c.Len)
 	}
 	return pool, nil
+}
+
+// poolGone says why this process may use no pool, if it may not.
+func (s *Secondary) poolGone(name string) error {
+	switch {
+	case s.closed.Load():
+		return ErrClosed
+	case s.dropped.Load() || s.seg.Fenced():
+		return fmt.Errorf("%w: mempool %s", ErrDropped, name)
+	}
+	return nil
 }
 
 // Memory returns the data memory, mapped at the primary's addresses.
