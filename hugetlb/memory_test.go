@@ -3,6 +3,7 @@ package hugetlb_test
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -655,4 +656,73 @@ func TestMappedIsThisProcesssOwnView(t *testing.T) {
 	require.NoError(t, in.mem.Free(hugetlb.Region{Addr: r.Addr, Len: ps}))
 	assert.False(t, in.mem.Mapped(r.Addr, 1), "a freed page")
 	assert.True(t, in.mem.Mapped(r.Addr+uintptr(ps), ps))
+}
+
+// Mapped against a page-by-page model over lists longer than a bitmap
+// word, with ranges ending at every kind of boundary.
+func TestMappedMatchesAPageByPageModel(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	ps := b.PageSize
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 130}, hugetlb.ListConfig{Pages: 70})
+	rng := rand.New(rand.NewPCG(1, 2))
+	var regions []hugetlb.Region
+	for range 40 {
+		r, err := in.mem.Alloc(uint64(1+rng.IntN(5)) * ps)
+		if err != nil {
+			break
+		}
+		regions = append(regions, r)
+	}
+	for i, r := range regions {
+		if i%3 == 1 {
+			require.NoError(t, in.mem.Free(r))
+		}
+	}
+	lists := in.mem.Lists()
+	model := func(a uintptr, n uint64) bool {
+		if n == 0 || uint64(a)+n < uint64(a) {
+			return false
+		}
+		var li = -1
+		for i, l := range lists {
+			if a >= l.Base && a < l.End {
+				li = i
+			}
+		}
+		if li < 0 || uint64(a)+n > uint64(lists[li].End) {
+			return false
+		}
+		for p := (a - lists[li].Base) / uintptr(ps); uint64(p)*ps < uint64(a-lists[li].Base)+n; p++ {
+			if _, ok := in.mem.PageOf(lists[li].Base + p*uintptr(ps)); !ok {
+				return false
+			}
+		}
+		return true
+	}
+	check := func(a uintptr, n uint64) {
+		t.Helper()
+		require.Equal(t, model(a, n), in.mem.Mapped(a, n), "Mapped(%#x, %#x)", a, n)
+	}
+	for _, l := range lists {
+		pages := int(l.Capacity)
+		for first := 0; first < pages; first++ {
+			for _, last := range []int{first, first + 1, first + 63, first + 64, first + 65, pages - 1, pages} {
+				if last < first {
+					continue
+				}
+				a := l.Base + uintptr(uint64(first)*ps)
+				n := uint64(last-first+1) * ps
+				for _, d := range []int64{-1, 0, 1} {
+					for _, e := range []int64{-1, 0, 1} {
+						aa := uintptr(int64(a) + d)
+						nn := uint64(int64(n) + e - d)
+						check(aa, nn)
+					}
+				}
+			}
+		}
+		check(l.End-1, 1)
+		check(l.End, 1)
+		check(l.End-1, 2)
+	}
 }
