@@ -139,12 +139,11 @@ const (
 	askMost  = time.Second
 )
 
-// holderKey names a fence.
+// holderKey names a fence (see shm.Proc.SameHolder).
 type holderKey struct {
 	pid   int
 	start uint64
 	slot  int
-	epoch uint32
 }
 
 // askState is when a holder that still reached data memory is asked again.
@@ -161,7 +160,7 @@ func (m *Memory) ask(holders []shm.Proc, now time.Time) {
 	due := holders[:0:0]
 	kept := make(map[holderKey]askState, len(holders)) // schedules of holders that died go
 	for _, h := range holders {
-		k := holderKey{h.PID, h.Start, h.Slot, h.Epoch}
+		k := holderKey{h.PID, h.Start, h.Slot}
 		st, seen := m.asked[k]
 		if seen {
 			kept[k] = st
@@ -173,7 +172,7 @@ func (m *Memory) ask(holders []shm.Proc, now time.Time) {
 	m.asked = kept
 	m.askMu.Unlock()
 	for _, h := range due {
-		k := holderKey{h.PID, h.Start, h.Slot, h.Epoch}
+		k := holderKey{h.PID, h.Start, h.Slot}
 		if !m.mayReach(h) {
 			m.seg.Forget(h)
 			m.askMu.Lock()
@@ -233,7 +232,7 @@ func (m *Memory) releaseQuarantineLocked() int {
 // yet found to reach nothing.
 func stillHeld(holders, now []shm.Proc) bool {
 	for _, h := range holders {
-		if slices.ContainsFunc(now, h.SameClaim) {
+		if slices.ContainsFunc(now, h.SameHolder) {
 			return true
 		}
 	}

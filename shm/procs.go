@@ -265,8 +265,11 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // should unmap its data memory and say so with MarkUnmapped; until it has
 // unmapped it or died, the pages the primary frees are quarantined (see
 // hugetlb and Holders). Fence reports whether it fenced the claim now:
-// false if process pid is gone, or the claim was fenced already. Owner
-// only.
+// false if process pid is gone, or the claim was fenced already, or
+// another claim of the same slot by the same process was: the owner keeps
+// one record per process and slot (see SameHolder), which now names this
+// claim, so that a process that claims a slot and hangs up again and
+// again costs one record, not one a claim. Owner only.
 //
 // The owner keeps its own record of what it fenced, naming the process by
 // its pid and start time: every word of the process table can be rewritten
@@ -284,8 +287,9 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 	rec := Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true}
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
-	if slices.ContainsFunc(s.fences, rec.SameClaim) {
-		return false // fenced already
+	if i := slices.IndexFunc(s.fences, rec.SameHolder); i >= 0 {
+		s.fences[i].Epoch = epoch // fenced already, or for an earlier claim of the slot
+		return false
 	}
 	s.fences = append(s.fences, rec)
 	return true
@@ -298,13 +302,15 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 func (s *Segment) Forget(h Proc) {
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
-	s.fences = slices.DeleteFunc(s.fences, h.SameClaim)
+	s.fences = slices.DeleteFunc(s.fences, h.SameHolder)
 }
 
-// SameClaim reports whether p and q describe one claim of one slot by one
-// process: the same slot and epoch, the same pid and start time.
-func (p Proc) SameClaim(q Proc) bool {
-	return p.Slot == q.Slot && p.Epoch == q.Epoch && p.PID == q.PID && p.Start == q.Start
+// SameHolder reports whether p and q are fences of one slot by one
+// process (the same slot, pid and start time), whatever claims of the slot
+// they were for: the process reaches data memory or not, and the slot is
+// held or not, the same for each of them.
+func (p Proc) SameHolder(q Proc) bool {
+	return p.Slot == q.Slot && p.PID == q.PID && p.Start == q.Start
 }
 
 // SameProcess reports whether process pid is still the one that started
