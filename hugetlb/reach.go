@@ -6,8 +6,11 @@ import (
 	"errors"
 	"io/fs"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -61,36 +64,65 @@ func (m *Memory) fileIDs() map[mapID]bool {
 // own), so the maps are read once, from the first thread that still has
 // them (a process whose main thread has exited lives on in the others),
 // and the open files of every thread.
-func (m *Memory) reaches(pid int) (reach, known bool) {
+//
+// Threads that share one table of open files (all of a process's, as a
+// rule) have it read once: a process with many threads and many files
+// would otherwise cost threads × files reads. And a caller that cannot
+// wait gives a deadline (zero: none): done is false if it passed first,
+// and then reach and known say nothing.
+func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) {
 	dir := "/proc/" + strconv.Itoa(pid) + "/task/"
 	tasks, err := os.ReadDir(dir)
 	if err != nil {
-		return false, errors.Is(err, fs.ErrNotExist) // gone: it reaches nothing
+		return false, errors.Is(err, fs.ErrNotExist), true // gone: it reaches nothing
 	}
 	ids := m.fileIDs()
 	mounts, known := mountDevices("/proc/" + strconv.Itoa(pid) + "/mountinfo")
 	if !known {
-		return false, false
+		return false, false, true
 	}
 	mapsRead := false
+	var read []int // threads whose open files were read
 	for _, t := range tasks {
+		if late(deadline) {
+			return false, false, false
+		}
 		task := dir + t.Name()
 		if !mapsRead {
 			maps, empty, known := mapsAny(task+"/maps", ids)
 			switch {
 			case !known:
-				return false, false
+				return false, false, true
 			case maps:
-				return true, true
+				return true, true, true
 			}
 			mapsRead = !empty // empty: an exited thread, no memory to show
 		}
-		holds, known := holdsAny(task, ids, mounts)
-		if holds || !known {
-			return holds, known
+		tid, err := strconv.Atoi(t.Name())
+		if err == nil && slices.ContainsFunc(read, func(r int) bool { return sameFiles(r, tid) }) {
+			continue
+		}
+		holds, known, done := holdsAny(task, ids, mounts, deadline)
+		if holds || !known || !done {
+			return holds, known, done
+		}
+		if err == nil {
+			read = append(read, tid)
 		}
 	}
-	return false, true
+	return false, true, true
+}
+
+// late reports whether deadline, if there is one, has passed.
+func late(deadline time.Time) bool { return !deadline.IsZero() && time.Now().After(deadline) }
+
+// sameFiles reports whether threads a and b share one table of open files,
+// as kcmp says. Where it cannot say (no kcmp in this kernel, or a thread
+// gone), they do not.
+func sameFiles(a, b int) bool {
+	const kcmpFiles = 2
+	r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(a), uintptr(b), kcmpFiles, 0, 0, 0)
+	return e == 0 && r == 0
 }
 
 // mapsAny reports whether the maps file at path lists a mapping of one of
@@ -140,12 +172,15 @@ func mapsAny(path string, ids map[mapID]bool) (maps, empty, known bool) {
 // the process's mounts its device, so that a file opened through another
 // mount of the same file system (a bind mount, another mount namespace) is
 // still found.
-func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32) (holds, known bool) {
+func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, deadline time.Time) (holds, known, done bool) {
 	fds, err := os.ReadDir(task + "/fd")
 	if err != nil {
-		return false, errors.Is(err, fs.ErrNotExist)
+		return false, errors.Is(err, fs.ErrNotExist), true
 	}
-	for _, fd := range fds {
+	for i, fd := range fds {
+		if i%64 == 63 && late(deadline) {
+			return false, false, false
+		}
 		link, err := os.Readlink(task + "/fd/" + fd.Name())
 		if err != nil || !strings.HasPrefix(link, "/") {
 			continue // gone meanwhile, or a socket, pipe or anonymous inode
@@ -156,13 +191,13 @@ func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32) (hol
 		}
 		dev, found := mounts[mnt]
 		if !found {
-			return false, false // a mount that came after we looked: ask again later
+			return false, false, true // a mount that came after we looked: ask again later
 		}
 		if ids[mapID{dev[0], dev[1], ino}] {
-			return true, true
+			return true, true, true
 		}
 	}
-	return false, true
+	return false, true, true
 }
 
 // mountDevices reads a process's mountinfo: each mount's id and the
@@ -193,9 +228,13 @@ func mountDevices(path string) (map[uint64][2]uint32, bool) {
 	return out, true
 }
 
+// fdInfos counts the fdinfo entries read, for tests.
+var fdInfos atomic.Int64
+
 // fdInfo reads the mount and inode of an open file from its fdinfo entry,
 // which the kernel writes without asking the file's file system.
 func fdInfo(path string) (mnt, ino uint64, ok bool) {
+	fdInfos.Add(1)
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return 0, 0, false
@@ -222,7 +261,22 @@ func fdInfo(path string) (mnt, ino uint64, ok bool) {
 // this memory, by the kernel's word; known is false when the kernel will
 // not say (another user's process, or one that made itself undumpable).
 // Primary only; it takes no lock.
-func (m *Memory) Reaches(pid int) (reach, known bool) { return m.reaches(pid) }
+func (m *Memory) Reaches(pid int) (reach, known bool) {
+	reach, known, _ = m.reaches(pid, time.Time{})
+	return reach, known
+}
+
+// ReachesWithin is Reaches for a caller that cannot wait: done is false
+// if the kernel's description of the process took longer than d (a
+// process can hold a great many files open), and then reach and known say
+// nothing.
+func (m *Memory) ReachesWithin(pid int, d time.Duration) (reach, known, done bool) {
+	return m.reaches(pid, time.Now().Add(d))
+}
+
+// promptAsk bounds a question asked on a peer's request (ForgetHolder, on
+// a hello): it holds up that peer and the primary's Close.
+const promptAsk = 500 * time.Millisecond
 
 // mayReach reports whether holder h, fenced by the owner, is alive and may
 // still reach data memory. Where the kernel will not say, it may until it
@@ -233,7 +287,7 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 	if !shm.SameProcess(h.PID, h.Start) {
 		return false
 	}
-	reach, known := m.reaches(h.PID)
+	reach, known, _ := m.reaches(h.PID, time.Time{})
 	return reach || !known && m.seg.Alive(h.Slot)
 }
 
@@ -244,20 +298,21 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 // reaches before then is the old attachment's. Where the kernel will not
 // say (another user's process, or one that made itself undumpable), a
 // fence ends only once nobody holds the old claim's slot: a secondary lets
-// its slot go after it has unmapped its memory. Primary only; it takes no
-// lock.
+// its slot go after it has unmapped its memory. A process the kernel takes
+// longer than promptAsk to describe keeps its fences, for Housekeep to ask
+// about. Primary only; it takes no lock.
 func (m *Memory) ForgetHolder(pid int) bool {
 	free := true
-	asked, reach, known := false, false, false
+	asked, reach, known, done := false, false, false, false
 	for _, h := range m.seg.Holders() {
 		if h.PID != pid {
 			continue
 		}
 		if !asked { // once, however many fences the process has
-			reach, known = m.reaches(pid)
+			reach, known, done = m.reaches(pid, time.Now().Add(promptAsk))
 			asked = true
 		}
-		if reach || !known && m.seg.Alive(h.Slot) {
+		if !done || reach || !known && m.seg.Alive(h.Slot) {
 			free = false
 			continue
 		}

@@ -3,6 +3,7 @@ package primary
 import (
 	"context"
 	"log/slog"
+	"time"
 
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
@@ -18,4 +19,13 @@ func WithDeviceOpener(c *Config, f func(seg *shm.Segment, log *slog.Logger) (ver
 // request, as the server would after decoding it, with the request's ctx.
 func HandleRegisterMempool(ctx context.Context, p *Primary, m *ipc.RegisterMempool) (any, error) {
 	return (*handler)(p).registerMempool(ctx, m)
+}
+
+// SetDetachAsk sets how long a detach waits for the kernel's description
+// of the secondary, until restore is called. Set it before the primary
+// starts.
+func SetDetachAsk(d time.Duration) (restore func()) {
+	old := detachAsk
+	detachAsk = d
+	return func() { detachAsk = old }
 }

@@ -184,3 +184,23 @@ func TestCleanDetachIsNotFenced(t *testing.T) {
 	assert.Zero(t, p.Stats().Counters.Fenced, "a secondary that closed cleanly and lives on is fenced")
 	assert.Zero(t, p.Memory().Quarantined(), "a free after a clean detach waits in quarantine")
 }
+
+// A detaching secondary the kernel is slow to describe (it can hold a
+// great many files open) is not waited for: it is fenced, and the
+// questions Housekeep asks later, with no hurry, end the fence.
+func TestDetachOfAProcessTooSlowToDescribeIsFenced(t *testing.T) {
+	t.Cleanup(primary.SetDetachAsk(-time.Nanosecond)) // after the primary's Close
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	s := startSecondary(t, cfg)
+	parseKey(t, ask(t, s, "lookup %d", r.Addr))
+	require.Equal(t, "closed", ask(t, s, "close"))
+	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond,
+		"the secondary has left")
+	assert.Equal(t, uint64(1), p.Stats().Counters.Fenced)
+	require.NoError(t, p.Free(r))
+	assert.Equal(t, 1, p.Memory().Quarantined(), "the free waits for the process's description")
+	assert.Equal(t, 1, p.Memory().ReleaseQuarantine(), "which says it reaches nothing")
+	assert.Empty(t, p.Segment().Holders())
+}

@@ -97,14 +97,24 @@ func (p *Primary) aliveAfter(s *secondary, grace time.Duration) bool {
 // unless s has declared in its slot that it unmapped its memory. The
 // declaration alone could have been written by any process mapping the
 // segment; together with the detach, which comes on s's own connection,
-// it is s's word about itself.
+// it is s's word about itself. The kernel is given detachAsk to answer: a
+// detach holds up its peer's requests and the primary's Close, and a
+// process can hold a great many files open.
 func (p *Primary) mayReachAtDetach(s *secondary) bool {
-	if reach, known := p.mem.Reaches(s.peer.PID()); known {
+	reach, known, done := p.mem.ReachesWithin(s.peer.PID(), detachAsk)
+	switch {
+	case !done:
+		return true // too long to describe: fenced, and Housekeep asks again
+	case known:
 		return reach
 	}
 	pr := p.seg.Proc(s.slot)
 	return pr.Epoch != s.epoch || !pr.Unmapped
 }
+
+// detachAsk bounds the kernel's description of a detaching secondary. A
+// variable for tests.
+var detachAsk = 500 * time.Millisecond
 
 // fenceIfAlive fences s, if its process lives: it no longer follows memory
 // changes. Whether it still reaches data memory, and so how long what the
