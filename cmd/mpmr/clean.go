@@ -72,11 +72,13 @@ type hugepagesDiff struct {
 var errPrimaryLives = errors.New("its primary is alive")
 
 func runClean(e *env, args []string) error {
-	t, err := e.target(args[0])
-	if err != nil {
-		return err
-	}
-	out, err := clean(e, t)
+	out, err := answered(args[0], 0, func() (*cleanOut, error) {
+		t, err := e.target(args[0])
+		if err != nil {
+			return nil, err
+		}
+		return clean(e, t)
+	})
 	if err != nil {
 		return err
 	}

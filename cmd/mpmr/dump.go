@@ -66,11 +66,13 @@ type writerOut struct {
 }
 
 func runDump(e *env, args []string) error {
-	t, err := e.target(args[0])
-	if err != nil {
-		return err
-	}
-	d, err := collectDump(e, t)
+	d, err := answered(args[0], e.patience, func() (*dumpOut, error) {
+		t, err := e.target(args[0])
+		if err != nil {
+			return nil, err
+		}
+		return collectDump(e, t)
+	})
 	if err != nil {
 		return err
 	}

@@ -74,9 +74,20 @@ func (e *env) targets() (string, []*target, error) {
 		if !ent.IsDir() || ipc.ValidatePrefix(ent.Name()) != nil {
 			continue
 		}
-		// One this user may not look into is listed too, with why.
-		if dir := filepath.Join(root, ent.Name()); isInstanceDir(dir) || noAccess(dir) != nil {
-			out = append(out, look(ent.Name(), dir))
+		// One this user may not look into is listed too, with why, and
+		// so is one whose files do not answer.
+		name, dir := ent.Name(), filepath.Join(root, ent.Name())
+		t, err := answered(dir, 0, func() (*target, error) {
+			if isInstanceDir(dir) || noAccess(dir) != nil {
+				return look(name, dir), nil
+			}
+			return nil, nil
+		})
+		switch {
+		case err != nil:
+			out = append(out, &target{Prefix: name, Dir: dir, UID: -1, InfoErr: err, LiveErr: err})
+		case t != nil:
+			out = append(out, t)
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Prefix < out[j].Prefix })

@@ -14,6 +14,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
@@ -25,6 +26,7 @@ func TestMain(m *testing.M) {
 	testproc.Register("primary", helperPrimary)
 	testproc.Register("secondary", helperSecondary)
 	testproc.Register("segment", helperSegment)
+	testproc.Register("fuse", fusetest.Helper)
 	testproc.Main(m)
 }
 

@@ -62,12 +62,37 @@ type primaryStats struct {
 }
 
 func runStats(e *env, args []string) error {
-	t, err := e.target(args[0])
+	type gathered struct {
+		out    statsOut
+		askErr error
+	}
+	g, err := answered(args[0], e.timeout, func() (gathered, error) {
+		t, err := e.target(args[0])
+		if err != nil {
+			return gathered{}, err
+		}
+		out, askErr := gatherStats(e, t)
+		return gathered{out, askErr}, nil
+	})
 	if err != nil {
 		return err
 	}
-	out := statsOut{Prefix: t.Prefix, State: t.state()}
-	var askErr error
+	out, askErr := g.out, g.askErr
+	if e.json {
+		err = e.printJSON(out)
+	} else {
+		err = out.print(e)
+	}
+	if err == nil && askErr != nil {
+		err = fmt.Errorf("asking the primary: %w", askErr)
+	}
+	return err
+}
+
+// gatherStats reads what stats shows of t, and the error of asking its
+// primary, if that failed.
+func gatherStats(e *env, t *target) (out statsOut, askErr error) {
+	out = statsOut{Prefix: t.Prefix, State: t.state()}
 	if t.Live {
 		out.Primary, askErr = askPrimary(e, t)
 		if askErr != nil {
@@ -87,15 +112,7 @@ func runStats(e *env, args []string) error {
 		seg.Close()
 	}
 	out.Processes = orEmpty(out.Processes)
-	if e.json {
-		err = e.printJSON(out)
-	} else {
-		err = out.print(e)
-	}
-	if err == nil && askErr != nil {
-		err = fmt.Errorf("asking the primary: %w", askErr)
-	}
-	return err
+	return out, askErr
 }
 
 // askPrimary asks the primary for its counters. A stats request is served
