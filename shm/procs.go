@@ -265,11 +265,10 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // should unmap its data memory and say so with MarkUnmapped; until it has
 // unmapped it or died, the pages the primary frees are quarantined (see
 // hugetlb and Holders). Fence reports whether it fenced the claim now:
-// false if process pid is gone, or the claim was fenced already, or
-// another claim of the same slot by the same process was: the owner keeps
-// one record per process and slot (see SameHolder), which now names this
-// claim, so that a process that claims a slot and hangs up again and
-// again costs one record, not one a claim. Owner only.
+// false if process pid is gone, or the claim was fenced already. The owner
+// keeps one record per process and slot (see SameHolder), which names the
+// latest claim fenced, so that a process that claims a slot and hangs up
+// again and again costs one record, not one a claim. Owner only.
 //
 // The owner keeps its own record of what it fenced, naming the process by
 // its pid and start time: every word of the process table can be rewritten
@@ -288,8 +287,11 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
 	if i := slices.IndexFunc(s.fences, rec.SameHolder); i >= 0 {
-		s.fences[i].Epoch = epoch // fenced already, or for an earlier claim of the slot
-		return false
+		if s.fences[i].Epoch == epoch {
+			return false // fenced already
+		}
+		s.fences[i].Epoch = epoch // a later claim of the slot: the record names it now
+		return true
 	}
 	s.fences = append(s.fences, rec)
 	return true
@@ -297,12 +299,13 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 
 // Forget ends the fence of holder h (one of Holders): its process has let
 // go of the data memory, by the kernel's word, and whatever it maps later
-// it maps through a new attachment that follows the owner's changes.
-// Owner only.
+// it maps through a new attachment that follows the owner's changes. A
+// record that names a later claim than h's stays: that claim was fenced
+// after h was read, so the kernel's word may predate it. Owner only.
 func (s *Segment) Forget(h Proc) {
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
-	s.fences = slices.DeleteFunc(s.fences, h.SameHolder)
+	s.fences = slices.DeleteFunc(s.fences, func(f Proc) bool { return f.SameHolder(h) && f.Epoch == h.Epoch })
 }
 
 // SameHolder reports whether p and q are fences of one slot by one

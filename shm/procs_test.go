@@ -173,3 +173,32 @@ func TestProcessTableIgnoresHeaderRewrites(t *testing.T) {
 		})
 	}
 }
+
+// The owner keeps one fence record per process and slot, naming the
+// latest claim fenced. A holder read before a later claim of the slot was
+// fenced (a round of questions about the earlier claim, whose answer may
+// predate the later one) does not end the record when forgotten.
+func TestFenceRecordsOneProcessAndSlot(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 4 })
+	const slot = 2
+	pid := os.Getpid()
+	require.True(t, owner.Fence(slot, 1, pid), "claim 1 fenced")
+	assert.False(t, owner.Fence(slot, 1, pid), "the same claim again")
+	asked := owner.Holders()
+	require.Len(t, asked, 1)
+	assert.Equal(t, uint32(1), asked[0].Epoch)
+
+	require.True(t, owner.Fence(slot, 2, pid), "a later claim of the slot is fenced too")
+	now := owner.Holders()
+	require.Len(t, now, 1, "one record for the process and slot")
+	assert.Equal(t, uint32(2), now[0].Epoch, "naming the later claim")
+
+	owner.Forget(asked[0])
+	assert.Len(t, owner.Holders(), 1, "forgetting the earlier claim leaves the later one fenced")
+	owner.Forget(now[0])
+	assert.Empty(t, owner.Holders())
+
+	require.True(t, owner.Fence(slot+1, 1, pid), "another slot: a record of its own")
+	require.True(t, owner.Fence(slot, 3, pid))
+	assert.Len(t, owner.Holders(), 2)
+}
