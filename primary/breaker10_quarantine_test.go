@@ -17,6 +17,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
@@ -35,7 +36,7 @@ import (
 
 func init() {
 	testproc.Register("b10-sec", b10Sec)
-	testproc.Register("b10-fuse", b10Fuse)
+	testproc.Register("b10-fuse", fusetest.Helper)
 	testproc.Register("b10-primary-as", func(args []string) int {
 		uid, _ := strconv.Atoi(args[0])
 		if err := testenv.BecomeUser(uid); err != nil {
@@ -395,119 +396,12 @@ func TestBreaker10ReattachWhileTheDroppedAttachmentUnmaps(t *testing.T) {
 // ---------------------------------------------------------------------------
 // A file system that does not answer.
 
-// b10Fuse mounts a FUSE file system at args[0] and serves it: an empty
-// root directory whose attributes are never cached, so that every stat of
-// a file opened there asks this process. It says "ready" once mounted;
-// when its input ends it unmounts. Stopped (SIGSTOP), it answers nothing,
-// like the server of a hung network file system.
-func b10Fuse(args []string) int {
-	dev, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
-	if err != nil {
-		testproc.Say("mount-failed %v", err)
-		return 3
-	}
-	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other", dev.Fd())
-	if err := syscall.Mount("b10fuse", args[0], "fuse", syscall.MS_NOSUID|syscall.MS_NODEV, opts); err != nil {
-		testproc.Say("mount-failed %v", err)
-		return 3
-	}
-	go b10FuseServe(int(dev.Fd()))
-	testproc.Say("ready")
-	testproc.EachCommand(func(testproc.Line) {})
-	_ = syscall.Unmount(args[0], syscall.MNT_DETACH)
-	return 0
-}
-
-// FUSE protocol numbers (linux/fuse.h).
-const (
-	b10FuseGetattr    = 3
-	b10FuseForget     = 2
-	b10FuseRelease    = 18
-	b10FuseInit       = 26
-	b10FuseOpendir    = 27
-	b10FuseReleasedir = 29
-	b10FuseInterrupt  = 36
-	b10FuseDestroy    = 38
-	b10FuseBatchForg  = 42
-)
-
-func b10FuseServe(fd int) {
-	buf := make([]byte, 1<<20+4096)
-	le := func(b []byte, v ...any) []byte {
-		for _, x := range v {
-			switch x := x.(type) {
-			case uint16:
-				b = append(b, byte(x), byte(x>>8))
-			case uint32:
-				b = append(b, byte(x), byte(x>>8), byte(x>>16), byte(x>>24))
-			case uint64:
-				for i := range 8 {
-					b = append(b, byte(x>>(8*i)))
-				}
-			}
-		}
-		return b
-	}
-	u32 := func(b []byte) uint32 { return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24 }
-	u64 := func(b []byte) uint64 { return uint64(u32(b)) | uint64(u32(b[4:]))<<32 }
-	for {
-		n, err := syscall.Read(fd, buf)
-		if err == syscall.EINTR || err == syscall.ENOENT || err == syscall.EAGAIN {
-			continue
-		}
-		if err != nil || n < 40 {
-			return
-		}
-		op, unique := u32(buf[4:]), u64(buf[8:])
-		reply := func(errno int32, body []byte) {
-			out := le(nil, uint32(16+len(body)), uint32(errno), unique)
-			_, _ = syscall.Write(fd, append(out, body...))
-		}
-		switch op {
-		case b10FuseForget, b10FuseBatchForg, b10FuseInterrupt:
-		case b10FuseInit:
-			maxRA := u32(buf[40+8:])
-			body := le(nil, uint32(7), uint32(31), maxRA, uint32(0), uint16(16), uint16(12), uint32(1<<20), uint32(1),
-				uint16(0), uint16(0), uint32(0), uint32(0))
-			body = append(body, make([]byte, 64-len(body))...)
-			reply(0, body)
-		case b10FuseGetattr:
-			// attr_valid 0: never cached.
-			body := le(nil, uint64(0), uint32(0), uint32(0))
-			body = le(body, uint64(1), uint64(0), uint64(0), uint64(0), uint64(0), uint64(0), // ino size blocks a/m/ctime
-				uint32(0), uint32(0), uint32(0), uint32(syscall.S_IFDIR|0o755), uint32(2), // nsecs, mode, nlink
-				uint32(0), uint32(0), uint32(0), uint32(4096), uint32(0)) // uid gid rdev blksize flags
-			reply(0, body)
-		case b10FuseOpendir:
-			reply(0, le(nil, uint64(1), uint32(0), uint32(0)))
-		case b10FuseReleasedir, b10FuseRelease:
-			reply(0, nil)
-		case b10FuseDestroy:
-			reply(0, nil)
-			return
-		default:
-			reply(-int32(syscall.ENOSYS), nil)
-		}
-	}
-}
-
-// b10Mount mounts a b10-fuse file system on a fresh directory and returns
+// b10Mount mounts a fusetest file system on a fresh directory and returns
 // the directory and the server; the file system is unmounted at cleanup,
 // after the server was killed.
 func b10Mount(t *testing.T) (string, *testproc.Proc) {
 	t.Helper()
-	requireRoot(t)
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skipf("a FUSE file system stands in for a hung one here, and this machine has no /dev/fuse: %v", err)
-	}
-	dir := t.TempDir()
-	t.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
-	fuse := testproc.Start(t, "b10-fuse", []string{dir}, b9Env)
-	line := fuse.Expect("", 0)
-	require.Equal(t, "ready", line, "the FUSE server: %s", fuse.Stderr())
-	var st syscall.Stat_t
-	require.NoError(t, syscall.Stat(dir, &st), "the FUSE server answers")
-	return dir, fuse
+	return fusetest.Mount(t, "b10-fuse", b9Env)
 }
 
 // b10Stack returns the function names of the first goroutine of this

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
@@ -295,51 +296,17 @@ func TestBreaker11ReattachWhileOldAttachmentMapsDumpable(t *testing.T) {
 // b11Fuse mounts a FUSE file system at args[0] with one regular file, "f",
 // and serves it, except for FUSE_POLL, which it never answers (a hung
 // server). It says "ready" once mounted, and "poll" when a poll arrives.
-func b11Fuse(args []string) int {
-	dev, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
-	if err != nil {
-		testproc.Say("mount-failed %v", err)
-		return 3
-	}
-	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0,allow_other", dev.Fd())
-	if err := syscall.Mount("b11fuse", args[0], "fuse", syscall.MS_NOSUID|syscall.MS_NODEV, opts); err != nil {
-		testproc.Say("mount-failed %v", err)
-		return 3
-	}
-	go b11FuseServe(int(dev.Fd()))
-	testproc.Say("ready")
-	testproc.EachCommand(func(testproc.Line) {})
-	_ = syscall.Unmount(args[0], syscall.MNT_DETACH)
-	return 0
-}
+func b11Fuse(args []string) int { return fusetest.Serve(args, b11FuseServe) }
 
 func b11FuseServe(fd int) {
 	const (
-		opLookup  = 1
-		opGetattr = 3
-		opOpen    = 14
-		opRelease = 18
-		opFlush   = 25
-		opPoll    = 40
+		opLookup = 1
+		opOpen   = 14
+		opFlush  = 25
+		opPoll   = 40
 	)
 	buf := make([]byte, 1<<20+4096)
-	le := func(b []byte, v ...any) []byte {
-		for _, x := range v {
-			switch x := x.(type) {
-			case uint16:
-				b = append(b, byte(x), byte(x>>8))
-			case uint32:
-				b = append(b, byte(x), byte(x>>8), byte(x>>16), byte(x>>24))
-			case uint64:
-				for i := range 8 {
-					b = append(b, byte(x>>(8*i)))
-				}
-			}
-		}
-		return b
-	}
-	u32 := func(b []byte) uint32 { return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24 }
-	u64 := func(b []byte) uint64 { return uint64(u32(b)) | uint64(u32(b[4:]))<<32 }
+	le, u32, u64 := fusetest.LE, fusetest.U32, fusetest.U64
 	attr := func(b []byte, node uint64) []byte {
 		mode := uint32(syscall.S_IFDIR | 0o755)
 		if node != 1 {
@@ -357,18 +324,11 @@ func b11FuseServe(fd int) {
 			return
 		}
 		op, unique, node := u32(buf[4:]), u64(buf[8:]), u64(buf[16:])
-		reply := func(errno int32, body []byte) {
-			out := le(nil, uint32(16+len(body)), uint32(errno), unique)
-			_, _ = syscall.Write(fd, append(out, body...))
-		}
+		reply := func(errno int32, body []byte) { fusetest.Reply(fd, unique, errno, body) }
 		switch op {
-		case b10FuseForget, b10FuseBatchForg, b10FuseInterrupt:
-		case b10FuseInit:
-			maxRA := u32(buf[40+8:])
-			body := le(nil, uint32(7), uint32(31), maxRA, uint32(0), uint16(16), uint16(12), uint32(1<<20), uint32(1),
-				uint16(0), uint16(0), uint32(0), uint32(0))
-			body = append(body, make([]byte, 64-len(body))...)
-			reply(0, body)
+		case fusetest.OpForget, fusetest.OpBatchForget, fusetest.OpInterrupt:
+		case fusetest.OpInit:
+			reply(0, fusetest.InitReply(buf[:n]))
 		case opLookup:
 			name := string(buf[40:n])
 			if i := strings.IndexByte(name, 0); i >= 0 {
@@ -379,15 +339,15 @@ func b11FuseServe(fd int) {
 				continue
 			}
 			reply(0, attr(le(nil, uint64(2), uint64(0), uint64(0), uint64(0), uint32(0), uint32(0)), 2))
-		case opGetattr:
+		case fusetest.OpGetattr:
 			reply(0, attr(le(nil, uint64(0), uint32(0), uint32(0)), node))
-		case opOpen, b10FuseOpendir:
+		case opOpen, fusetest.OpOpendir:
 			reply(0, le(nil, uint64(1), uint32(0), uint32(0)))
 		case opPoll:
 			testproc.Say("poll") // and never answer it
-		case opFlush, opRelease, b10FuseReleasedir, b10FuseDestroy:
+		case opFlush, fusetest.OpRelease, fusetest.OpReleasedir, fusetest.OpDestroy:
 			reply(0, nil)
-			if op == b10FuseDestroy {
+			if op == fusetest.OpDestroy {
 				return
 			}
 		default:
@@ -406,14 +366,7 @@ func b11FuseServe(fd int) {
 // (the housekeeping goroutine also reaps dead secondaries and repairs the
 // global lock; a hello of that pid runs the same check).
 func TestBreaker11EpollFdinfoDoesNotHangHousekeeping(t *testing.T) {
-	requireRoot(t)
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skipf("no /dev/fuse: %v", err)
-	}
-	dir := t.TempDir()
-	t.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
-	fuse := testproc.Start(t, "b11-fuse", []string{dir}, b9Env)
-	require.Equal(t, "ready", fuse.Expect("", 0), "the FUSE server: %s", fuse.Stderr())
+	dir, fuse := fusetest.Mount(t, "b11-fuse", b9Env)
 	var st syscall.Stat_t
 	require.NoError(t, syscall.Stat(dir+"/f", &st), "the FUSE server answers")
 

@@ -34,7 +34,11 @@ const (
 // every stat under it asks this process. It says "ready" once mounted;
 // when its input ends it unmounts. Register it with testproc under a name
 // of the test binary's choosing, and give Mount that name.
-func Helper(args []string) int {
+func Helper(args []string) int { return Serve(args, serveEmpty) }
+
+// Serve is Helper with another server: serve answers the requests read
+// from the FUSE device fd (see Reply and the encoding helpers).
+func Serve(args []string, serve func(fd int)) int {
 	dev, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
 	if err != nil {
 		testproc.Say("mount-failed %v", err)
@@ -116,7 +120,7 @@ func Reply(fd int, unique uint64, errno int32, body []byte) {
 	_, _ = syscall.Write(fd, append(out, body...))
 }
 
-func serve(fd int) {
+func serveEmpty(fd int) {
 	buf := make([]byte, 1<<20+4096)
 	for {
 		n, err := syscall.Read(fd, buf)
