@@ -282,18 +282,26 @@ func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
 	if err != nil {
 		return false
 	}
-	atomic.StoreUint32(&slots[i].Fenced, epoch)
 	rec := Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true}
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
-	if i := slices.IndexFunc(s.fences, rec.SameHolder); i >= 0 {
-		if s.fences[i].Epoch == epoch {
-			return false // fenced already
-		}
-		s.fences[i].Epoch = epoch // a later claim of the slot: the record names it now
-		return true
+	j := slices.IndexFunc(s.fences, rec.SameHolder)
+	if j >= 0 && int32(epoch-s.fences[j].Epoch) < 0 {
+		// An earlier claim of the slot than the one the record names:
+		// the slot's word and the record stay with the later claim (a
+		// question asked about the earlier one must not end the later
+		// one's fence; see Forget).
+		return false
 	}
-	s.fences = append(s.fences, rec)
+	atomic.StoreUint32(&slots[i].Fenced, epoch) // again, if fenced already: any process can clear it
+	if j >= 0 && s.fences[j].Epoch == epoch {
+		return false // fenced already
+	}
+	if j >= 0 {
+		s.fences[j].Epoch = epoch // a later claim of the slot: the record names it now
+	} else {
+		s.fences = append(s.fences, rec)
+	}
 	return true
 }
 

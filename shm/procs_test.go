@@ -202,3 +202,26 @@ func TestFenceRecordsOneProcessAndSlot(t *testing.T) {
 	require.True(t, owner.Fence(slot, 3, pid))
 	assert.Len(t, owner.Holders(), 2)
 }
+
+// A fence of an earlier claim of a slot that comes after a later claim's
+// (the primary may see the earlier claim's connection end late) leaves
+// the record, and the slot's word, with the later claim: a round of
+// questions that read the record while it named the earlier claim must
+// not end the later one's fence.
+func TestALateFenceOfAnEarlierClaimLeavesTheRecordWithTheLater(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 4 })
+	const slot = 2
+	pid := os.Getpid()
+	require.True(t, owner.Fence(slot, 1, pid), "claim 1 fenced")
+	asked := owner.Holders() // a round of questions reads it; the kernel answers "nothing"
+	require.Len(t, asked, 1)
+
+	require.True(t, owner.Fence(slot, 2, pid), "claim 2 of the slot, which maps, is fenced")
+	assert.False(t, owner.Fence(slot, 1, pid), "claim 1's connection, seen late")
+	now := owner.Holders()
+	require.Len(t, now, 1)
+	assert.Equal(t, uint32(2), now[0].Epoch, "the record names the latest claim fenced")
+
+	owner.Forget(asked[0]) // the round's answer, about claim 1
+	assert.Len(t, owner.Holders(), 1, "forgetting the earlier claim leaves the later one fenced")
+}
