@@ -77,8 +77,21 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 		return false, errors.Is(err, fs.ErrNotExist), true // gone: it reaches nothing
 	}
 	ids := m.fileIDs()
-	mounts, known := mountDevices("/proc/" + strconv.Itoa(pid) + "/mountinfo")
-	if !known {
+	// The mounts as a thread that still runs sees them: those of a thread
+	// that has exited (the main thread of a process that lives on in its
+	// others, or every thread of a dead process not yet reaped) cannot be
+	// read.
+	var mounts map[uint64][2]uint32
+	for _, t := range tasks {
+		if mounts, known = mountDevices(dir + t.Name() + "/mountinfo"); known && mounts != nil {
+			break
+		}
+	}
+	switch {
+	case mounts != nil:
+	case exited(dir, tasks):
+		return false, true, true // dead, not yet reaped: it maps and holds nothing
+	default:
 		return false, false, true
 	}
 	mapsRead := false
@@ -200,8 +213,28 @@ func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, dead
 	return false, true, true
 }
 
-// mountDevices reads a process's mountinfo: each mount's id and the
-// major:minor of its file system. Reading it asks no file system.
+// exited reports whether every one of the tasks in /proc directory dir has
+// exited (a zombie, or dead) or gone.
+func exited(dir string, tasks []os.DirEntry) bool {
+	for _, t := range tasks {
+		b, err := os.ReadFile(dir + t.Name() + "/stat")
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		// pid (comm) state ...: comm may hold anything, the state
+		// follows its last ')'.
+		i := bytes.LastIndexByte(b, ')')
+		if err != nil || i < 0 || i+2 >= len(b) || b[i+2] != 'Z' && b[i+2] != 'X' {
+			return false
+		}
+	}
+	return true
+}
+
+// mountDevices reads a thread's mountinfo: each mount's id and the
+// major:minor of its file system. Reading it asks no file system. A thread
+// that is gone has nothing to name (nil, true); one whose mounts cannot be
+// read, nil and false.
 func mountDevices(path string) (map[uint64][2]uint32, bool) {
 	b, err := os.ReadFile(path)
 	if err != nil {

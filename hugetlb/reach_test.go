@@ -1,9 +1,13 @@
 package hugetlb_test
 
 import (
+	"bytes"
+	"fmt"
 	"os"
+	"os/exec"
 	"runtime"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -13,6 +17,7 @@ import (
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/shm"
 )
 
 func init() { testproc.Register("many-files", helperManyFiles) }
@@ -81,4 +86,104 @@ func TestReachesWithinGivesUpAtTheDeadline(t *testing.T) {
 	assert.True(t, done)
 	assert.True(t, known)
 	assert.True(t, reach, "this process maps the memory")
+}
+
+func init() {
+	testproc.Register("leader-exited", helperLeaderExited)
+	// The helper's main thread must be the one that exits: only init can
+	// keep the main goroutine on it.
+	if os.Getenv("MPMR_TEST_HELPER") == "leader-exited" {
+		runtime.LockOSThread()
+	}
+}
+
+// helperLeaderExited ends its main thread and lives on in its others; it maps
+// no data memory and holds no backing file. It says "ready" once the
+// main thread is gone, and waits for its input to end.
+func helperLeaderExited([]string) int {
+	go func() {
+		for {
+			b, _ := os.ReadFile(fmt.Sprintf("/proc/self/task/%d/stat", os.Getpid()))
+			if i := bytes.LastIndexByte(b, ')'); i < 0 || i+2 >= len(b) || b[i+2] == 'Z' {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		testproc.Say("ready")
+		testproc.Commands().Scan()
+		os.Exit(0)
+	}()
+	syscall.Syscall(syscall.SYS_EXIT, 0, 0, 0) // this thread only
+	select {}
+}
+
+// processState returns the state letter of /proc/PID.
+func processState(pid int) byte {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || i+2 >= len(b) {
+		return 0
+	}
+	return b[i+2]
+}
+
+// quarantineFor fences pid on the slot held by another attachment of the
+// segment (a slot the fenced claim let go of, claimed again: by the same
+// process re-attaching, or by anyone), and frees a page: it waits in
+// quarantine for pid.
+func quarantineFor(t *testing.T, in *instance, pid int) {
+	t.Helper()
+	r, err := in.mem.Alloc(in.mem.Lists()[0].PageSize)
+	require.NoError(t, err)
+	again, err := shm.Attach(in.opts) // holds a slot, as the claim after the fenced one does
+	require.NoError(t, err)
+	t.Cleanup(func() { again.Close() })
+	require.True(t, in.seg.Fence(again.Slot(), 1000, pid))
+	require.NoError(t, in.mem.Free(r))
+	require.Equal(t, 1, in.mem.Quarantined())
+}
+
+// A fenced secondary that died is a zombie until its parent reaps it. It
+// reaches nothing, and the kernel says so: its maps are empty, it has no
+// open files; only its mounts cannot be read. Were it taken for a process
+// the kernel will not describe, its fence would last for as long as
+// anyone holds its old slot: the next secondary to attach claims the
+// first free slot, which is the dead one's.
+func TestAZombieHolderReachesNothing(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	cmd := exec.Command("sleep", "1000")
+	require.NoError(t, cmd.Start())
+	pid := cmd.Process.Pid
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	quarantineFor(t, in, pid)
+
+	require.NoError(t, cmd.Process.Kill())
+	require.Eventually(t, func() bool { return processState(pid) == 'Z' }, 5*time.Second, time.Millisecond)
+
+	reach, known := in.mem.Reaches(pid)
+	assert.True(t, known, "a zombie is described: empty maps, no open files")
+	assert.False(t, reach)
+	assert.Equal(t, 1, in.mem.ReleaseQuarantine(), "the fenced process is dead (a zombie): the page goes back")
+	assert.Empty(t, in.seg.Holders())
+}
+
+// The same for a live process whose main thread has exited (pthread_exit
+// from main in a C host): its mounts are read from a thread that lives.
+// Re-attaching, such a process claims its old slot again (the first free
+// one); were it taken for one the kernel will not describe, its old fence
+// would last as long as the new attachment, which follows every change.
+func TestAHolderWhoseMainThreadExitedIsDescribed(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	h := testproc.Start(t, "leader-exited", nil)
+	h.Expect("ready", 0)
+	quarantineFor(t, in, h.PID())
+
+	reach, known := in.mem.Reaches(h.PID())
+	assert.True(t, known, "its live threads are described: maps and open files")
+	assert.False(t, reach, "it maps and holds nothing of the memory")
+	assert.Equal(t, 1, in.mem.ReleaseQuarantine(), "it reaches nothing: the page goes back")
+	assert.Empty(t, in.seg.Holders())
 }
