@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 )
 
 // Discovery errors. Choose wraps them with what exactly is missing.
@@ -85,7 +87,7 @@ func Mounts() ([]Mount, error) {
 		if len(fields) < 4 || fields[2] != "hugetlbfs" {
 			continue
 		}
-		m := Mount{Dir: unescapeMount(fields[1]), PageSize: DefaultPageSize()}
+		m := Mount{Dir: mounts.Unescape(fields[1]), PageSize: DefaultPageSize()}
 		for _, opt := range strings.Split(fields[3], ",") {
 			if v, ok := strings.CutPrefix(opt, "pagesize="); ok {
 				if n, err := ParseSize(v); err == nil {
@@ -97,26 +99,6 @@ func Mounts() ([]Mount, error) {
 		out = append(out, m)
 	}
 	return out, sc.Err()
-}
-
-// unescapeMount undoes the octal escapes /proc/mounts uses for spaces and
-// the like.
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // Pools reads the hugepage pools from /sys/kernel/mm/hugepages.

@@ -162,6 +162,9 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		before, _ = hugetlb.PoolFor(pageSize)
 	}
 
+	if err := t.backendErr(); err != nil {
+		out.Warnings = append(out.Warnings, err.Error()+": the instance's files there, if any, are left")
+	}
 	for _, dir := range t.backendDirs() {
 		t.cleanBackend(e, rd, dir, out)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
@@ -32,6 +33,9 @@ type target struct {
 	// primary does.
 	Live    bool
 	LiveErr error
+	// Unreachable says why the instance's runtime directory was not
+	// looked into (it might never answer), if it was not.
+	Unreachable error
 }
 
 // root returns the directory the instances' runtime directories are in:
@@ -75,8 +79,12 @@ func (e *env) targets() (string, []*target, error) {
 			continue
 		}
 		// One this user may not look into is listed too, with why, and
-		// so is one whose files do not answer.
+		// so is one whose files might not answer, or do not.
 		name, dir := ent.Name(), filepath.Join(root, ent.Name())
+		if err := mayHang(dir); err != nil {
+			out = append(out, &target{Prefix: name, Dir: dir, UID: -1, Unreachable: err})
+			continue
+		}
 		t, err := answered(dir, 0, func() (*target, error) {
 			if isInstanceDir(dir) || noAccess(dir) != nil {
 				return look(name, dir), nil
@@ -85,7 +93,7 @@ func (e *env) targets() (string, []*target, error) {
 		})
 		switch {
 		case err != nil:
-			out = append(out, &target{Prefix: name, Dir: dir, UID: -1, InfoErr: err, LiveErr: err})
+			out = append(out, &target{Prefix: name, Dir: dir, UID: -1, Unreachable: err})
 		case t != nil:
 			out = append(out, t)
 		}
@@ -98,6 +106,9 @@ func (e *env) targets() (string, []*target, error) {
 func (e *env) target(prefix string) (*target, error) {
 	dir, err := instance.Dir(prefix, e.rundir)
 	if err != nil {
+		return nil, err
+	}
+	if err := mayHang(dir); err != nil {
 		return nil, err
 	}
 	st, err := os.Stat(dir)
@@ -203,7 +214,7 @@ func primaryHeld(rd *ipc.RunDir) (bool, error) {
 
 func (t *target) state() string {
 	switch {
-	case t.LiveErr != nil:
+	case t.LiveErr != nil, t.Unreachable != nil:
 		return "unknown"
 	case t.Live:
 		return "live"
@@ -219,11 +230,16 @@ func (t *target) primaryPID() int {
 }
 
 // backendDirs returns where the instance's segment and memory files may
-// be: the directory the primary described, or, without a description,
-// every hugetlbfs mount and the tmpfs directory.
+// be: the directory the primary described, with its links followed, if
+// it is one (see backendDir), or, without a description, every hugetlbfs
+// mount and the tmpfs directory.
 func (t *target) backendDirs() []string {
 	if t.Info != nil && t.Info.BackendDir != "" {
-		return []string{t.Info.BackendDir}
+		dir, err := backendDir(t.Info.BackendDir)
+		if err != nil {
+			return nil
+		}
+		return []string{dir}
 	}
 	var dirs []string
 	if mounts, err := hugetlb.Mounts(); err == nil {
@@ -234,13 +250,65 @@ func (t *target) backendDirs() []string {
 	return append(dirs, hugetlb.DefaultTmpfsDir)
 }
 
+// mayHang says why the runtime directory dir is not looked into, if it is
+// on a file system that might not answer (see backendDir).
+func mayHang(dir string) error {
+	tab, err := mounts.Read()
+	if err != nil {
+		return nil // as before there was a table to ask
+	}
+	if m := tab.At(filepath.Clean(dir)); mounts.MayHang(m.Type) {
+		return fmt.Errorf("runtime directory %s: %w: it is on %s, mounted at %s; not looked into", dir, mounts.ErrMayHang, m.Type, m.Dir)
+	}
+	return nil
+}
+
+// backendDir resolves the backend directory an instance's description
+// names. The instance's user chooses it, so it must be what a primary's
+// backends use, a directory on tmpfs or hugetlbfs, found without asking a
+// file system that might not answer (FUSE, a network mount): a thread
+// waiting on one can wait for ever, past any deadline, and past SIGKILL.
+func backendDir(dir string) (string, error) {
+	tab, err := mounts.Read()
+	if err != nil {
+		return "", err
+	}
+	resolved, err := tab.Resolve(dir)
+	if err != nil {
+		return "", fmt.Errorf("backend directory %s: %w", dir, err)
+	}
+	if m := tab.At(resolved); m.Type != "tmpfs" && m.Type != "hugetlbfs" {
+		return "", fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
+	}
+	return resolved, nil
+}
+
+// backendErr says why the described backend directory is not looked
+// into, if it is not.
+func (t *target) backendErr() error {
+	if t.Info == nil || t.Info.BackendDir == "" {
+		return nil
+	}
+	_, err := backendDir(t.Info.BackendDir)
+	return err
+}
+
+// described reports whether path, the segment's name in a directory
+// backendDirs returned, is the segment the description names: that name,
+// or the name in the backend directory as described, before backendDirs
+// followed its links.
+func (t *target) described(path string) bool {
+	return t.Info.Segment == path ||
+		t.Info.BackendDir != "" && t.Info.Segment == instance.SegmentPath(t.Info.BackendDir, t.Name)
+}
+
 // segmentPath returns the instance's control segment file, and false when
 // none is found. The primary's description is believed only where it names
 // the file the instance's name gives, in a backend directory.
 func (t *target) segmentPath() (string, bool) {
 	for _, dir := range t.backendDirs() {
 		p := instance.SegmentPath(dir, t.Name)
-		if t.Info != nil && t.Info.Segment != "" && t.Info.Segment != p {
+		if t.Info != nil && t.Info.Segment != "" && !t.described(p) {
 			continue
 		}
 		if _, err := os.Lstat(p); err == nil {
@@ -257,7 +325,8 @@ func (t *target) segmentPath() (string, bool) {
 // belongs: its name in one of the backend directories.
 func (t *target) expectedSegment(path string) bool {
 	for _, dir := range t.backendDirs() {
-		if path == instance.SegmentPath(dir, t.Name) {
+		if path == instance.SegmentPath(dir, t.Name) ||
+			t.Info != nil && t.Info.BackendDir != "" && path == instance.SegmentPath(t.Info.BackendDir, t.Name) {
 			return true
 		}
 	}
@@ -268,6 +337,9 @@ func (t *target) expectedSegment(path string) bool {
 // must be a regular file of the instance's user (or root): a file of
 // anyone else's at that name is not this instance's, whatever it holds.
 func (t *target) open(e *env) (*shm.Segment, shm.Info, error) {
+	if err := t.backendErr(); err != nil {
+		return nil, shm.Info{}, err
+	}
 	path, ok := t.segmentPath()
 	if !ok && t.Info != nil && path == t.Info.Segment && path != "" && !t.expectedSegment(path) {
 		return nil, shm.Info{}, fmt.Errorf("%w: the instance's description names the segment %s, which is not the instance's "+

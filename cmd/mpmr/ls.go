@@ -99,6 +99,10 @@ func runLs(e *env, _ []string) error {
 // describeTarget gathers what ls shows of t.
 func describeTarget(e *env, t *target) lsEntry {
 	x := lsEntry{Prefix: t.Prefix, State: t.state(), Live: t.Live, RuntimeDir: t.Dir, UID: t.UID, PID: t.primaryPID()}
+	if t.Unreachable != nil {
+		x.Errors = []string{t.Unreachable.Error()}
+		return x
+	}
 	if t.LiveErr != nil {
 		x.Errors = append(x.Errors, "primary lock: "+t.LiveErr.Error())
 	}

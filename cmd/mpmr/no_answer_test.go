@@ -12,26 +12,47 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // An instance's user points its description's backend directory at a
 // file system that does not answer (here a FUSE mount whose server is
-// stopped; it could be a hung network mount). The tool gives that
-// instance's files a bounded time: ls lists it with why and every other
-// instance as usual, and dump, stats and clean of it end, saying so.
-func TestToolIsNotHeldByFilesThatDoNotAnswer(t *testing.T) {
+// stopped; it could be a hung network mount), directly or through a link.
+// The tool does not look there: ls lists the instance with why and every
+// other instance as usual, dump of it fails saying why, stats says why,
+// and clean removes the runtime files and says what it left.
+func TestToolDoesNotLookIntoFilesThatMightNotAnswer(t *testing.T) {
+	for _, link := range []bool{false, true} {
+		t.Run(map[bool]string{false: "mount", true: "link"}[link], func(t *testing.T) {
+			toolDoesNotLookIntoFilesThatMightNotAnswer(t, link)
+		})
+	}
+}
+
+func toolDoesNotLookIntoFilesThatMightNotAnswer(t *testing.T, link bool) {
 	rundir, dir, prefix, _ := hostileInstance(t)
 	fuseDir, fuse := fusetest.Mount(t, "fuse", "GORACE=atexit_sleep_ms=0")
 	name := instance.Name(prefix, hostileOwnerUID, dir)
-	info := instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(), BackendDir: fuseDir,
-		Segment: instance.SegmentPath(fuseDir, name)}
+	backend := fuseDir
+	if link {
+		backend = filepath.Join(testenv.Tmpfs(t).Dir, testenv.Prefix(t)+".backend")
+		require.NoError(t, os.Symlink(fuseDir, backend))
+		t.Cleanup(func() { os.Remove(backend) })
+	}
+	info := instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(), BackendDir: backend,
+		Segment: instance.SegmentPath(backend, name)}
 	js, err := json.Marshal(info)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(filepath.Join(dir, instance.InfoFile), js, 0o600))
 	require.NoError(t, os.Lchown(rundir, 0, 0)) // root's, so that a primary of root's lives there too
 	_, healthy := startPrimary(t, testenv.Tmpfs(t), rundir)
+	// And one whose runtime directory is itself such a mount.
+	hung := filepath.Join(rundir, "hung")
+	require.NoError(t, os.Mkdir(hung, 0o700))
+	hungFuse := fusetest.MountAt(t, hung, "fuse", "GORACE=atexit_sleep_ms=0")
+	hungFuse.Stop()
 	fuse.Stop()
 	old := fsWait
 	fsWait = 300 * time.Millisecond
@@ -66,16 +87,30 @@ func TestToolIsNotHeldByFilesThatDoNotAnswer(t *testing.T) {
 	}
 	require.Contains(t, byPrefix, prefix)
 	require.Contains(t, byPrefix, healthy.Prefix)
-	assert.Equal(t, "unknown", byPrefix[prefix].State)
+	assert.Equal(t, "dead", byPrefix[prefix].State)
 	if assert.Len(t, byPrefix[prefix].Errors, 1) {
-		assert.Contains(t, byPrefix[prefix].Errors[0], errNoAnswer.Error())
+		assert.Contains(t, byPrefix[prefix].Errors[0], mounts.ErrMayHang.Error())
+	}
+	require.Contains(t, byPrefix, "hung")
+	assert.Equal(t, "unknown", byPrefix["hung"].State)
+	if assert.Len(t, byPrefix["hung"].Errors, 1) {
+		assert.Contains(t, byPrefix["hung"].Errors[0], mounts.ErrMayHang.Error())
 	}
 	assert.Equal(t, "live", byPrefix[healthy.Prefix].State, "the other instance is listed as usual")
 	assert.Empty(t, byPrefix[healthy.Prefix].Errors)
 
 	for _, cmd := range []string{"dump", "stats", "clean"} {
-		r := within("-rundir", rundir, cmd, prefix)
+		r := within("-rundir", rundir, cmd, "hung")
 		assert.NotEqual(t, 0, r.status, cmd)
-		assert.Contains(t, r.errOut, errNoAnswer.Error(), cmd)
+		assert.Contains(t, r.errOut, mounts.ErrMayHang.Error(), cmd)
 	}
+	r = within("-rundir", rundir, "dump", prefix)
+	assert.NotEqual(t, 0, r.status)
+	assert.Contains(t, r.errOut, mounts.ErrMayHang.Error())
+	r = within("-rundir", rundir, "stats", prefix)
+	assert.Contains(t, r.out, mounts.ErrMayHang.Error())
+	r = within("-rundir", rundir, "clean", prefix)
+	assert.Equal(t, 0, r.status, r.errOut)
+	assert.Contains(t, r.out, mounts.ErrMayHang.Error(), "what clean left, and why")
+	assert.NoDirExists(t, dir, "the runtime files are removed")
 }

@@ -63,20 +63,26 @@ func Serve(args []string, serve func(fd int)) int {
 // the test without root or /dev/fuse.
 func Mount(t *testing.T, name string, env ...string) (string, *testproc.Proc) {
 	t.Helper()
+	dir := t.TempDir()
+	return dir, MountAt(t, dir, name, env...)
+}
+
+// MountAt is Mount on the directory dir, which must exist.
+func MountAt(t *testing.T, dir, name string, env ...string) *testproc.Proc {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: to mount a FUSE file system")
 	}
 	if _, err := os.Stat("/dev/fuse"); err != nil {
 		t.Skipf("a FUSE file system stands in for a hung one here, and this machine has no /dev/fuse: %v", err)
 	}
-	dir := t.TempDir()
 	t.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
 	fuse := testproc.Start(t, name, []string{dir}, env...)
 	line := fuse.Expect("", 0)
 	require.Equal(t, "ready", line, "the FUSE server: %s", fuse.Stderr())
 	var st syscall.Stat_t
 	require.NoError(t, syscall.Stat(dir, &st), "the FUSE server answers")
-	return dir, fuse
+	return fuse
 }
 
 // LE appends the little-endian encoding of each of v (uint16, uint32,
