@@ -66,6 +66,15 @@ func (e *env) targets() (string, []*target, error) {
 	if err != nil {
 		return "", nil, err
 	}
+	// Listing the directory reads only the file system that holds it
+	// (what is mounted on a name in it, each instance's check below).
+	tab, err := mounts.Read()
+	if err != nil {
+		return root, nil, err
+	}
+	if m := tab.At(filepath.Clean(root)); mounts.MayHang(m.Type) {
+		return root, nil, fmt.Errorf("%s: %w: %s is mounted at %s; not looked into", root, mounts.ErrMayHang, m.Type, m.Dir)
+	}
 	ents, err := os.ReadDir(root)
 	if errors.Is(err, os.ErrNotExist) {
 		return root, nil, nil
@@ -110,6 +119,11 @@ func (e *env) target(prefix string) (*target, error) {
 	}
 	if err := mayHang(dir); err != nil {
 		return nil, err
+	}
+	// Not followed: a link could lead anywhere, onto a file system that
+	// might not answer too (the runtimes make none, and refuse one).
+	if fi, err := os.Lstat(dir); err == nil && fi.Mode()&os.ModeSymlink != 0 {
+		return nil, fmt.Errorf("%w: %s is a symbolic link; not followed", ipc.ErrPermission, dir)
 	}
 	st, err := os.Stat(dir)
 	if errors.Is(err, fs.ErrPermission) {
@@ -250,15 +264,16 @@ func (t *target) backendDirs() []string {
 	return append(dirs, hugetlb.DefaultTmpfsDir)
 }
 
-// mayHang says why the runtime directory dir is not looked into, if it is
-// on a file system that might not answer (see backendDir).
+// mayHang says why the directory dir is not looked into, if it, or a name
+// in it or further down, is on a file system that might not answer (see
+// backendDir).
 func mayHang(dir string) error {
 	tab, err := mounts.Read()
 	if err != nil {
-		return nil // as before there was a table to ask
+		return err
 	}
-	if m := tab.At(filepath.Clean(dir)); mounts.MayHang(m.Type) {
-		return fmt.Errorf("runtime directory %s: %w: it is on %s, mounted at %s; not looked into", dir, mounts.ErrMayHang, m.Type, m.Dir)
+	if m, found := tab.Under(filepath.Clean(dir)); found {
+		return fmt.Errorf("%s: %w: %s is mounted at %s; not looked into", dir, mounts.ErrMayHang, m.Type, m.Dir)
 	}
 	return nil
 }
@@ -279,6 +294,9 @@ func backendDir(dir string) (string, error) {
 	}
 	if m := tab.At(resolved); m.Type != "tmpfs" && m.Type != "hugetlbfs" {
 		return "", fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
+	}
+	if m, found := tab.Under(resolved); found {
+		return "", fmt.Errorf("backend directory %s: %w: %s is mounted at %s; not looked into", dir, mounts.ErrMayHang, m.Type, m.Dir)
 	}
 	return resolved, nil
 }

@@ -114,3 +114,58 @@ func toolDoesNotLookIntoFilesThatMightNotAnswer(t *testing.T, link bool) {
 	assert.Contains(t, r.out, mounts.ErrMayHang.Error(), "what clean left, and why")
 	assert.NoDirExists(t, dir, "the runtime files are removed")
 }
+
+// A file system that might not answer mounted not at the directories the
+// tool checks but on a name inside one (the description in a runtime
+// directory; the segment's name in the backend directory, which on
+// /dev/shm any user can make), or reached through a runtime directory
+// that is a link, or holding the -rundir itself: none is looked into.
+func TestToolDoesNotLookBelowIntoFilesThatMightNotAnswer(t *testing.T) {
+	type setup func(t *testing.T, rundir, dir, prefix, seg string) (args []string, fuseAt string)
+	for _, c := range []struct {
+		name  string
+		setup setup
+		want  string
+	}{
+		{name: "mount on the description", want: mounts.ErrMayHang.Error(), setup: func(t *testing.T, rundir, dir, prefix, seg string) ([]string, string) {
+			p := filepath.Join(dir, instance.InfoFile)
+			require.NoError(t, os.Remove(p))
+			require.NoError(t, os.Mkdir(p, 0o700))
+			return []string{"-rundir", rundir, "dump", prefix}, p
+		}},
+		{name: "mount on the segment's name", want: mounts.ErrMayHang.Error(), setup: func(t *testing.T, rundir, dir, prefix, seg string) ([]string, string) {
+			require.NoError(t, os.Remove(seg))
+			require.NoError(t, os.Mkdir(seg, 0o700))
+			t.Cleanup(func() { os.Remove(seg) })
+			return []string{"-rundir", rundir, "clean", prefix}, seg
+		}},
+		{name: "runtime directory a link", want: "symbolic link; not followed", setup: func(t *testing.T, rundir, dir, prefix, seg string) ([]string, string) {
+			to := t.TempDir()
+			require.NoError(t, os.Rename(dir, dir+".real"))
+			require.NoError(t, os.Symlink(to, dir))
+			return []string{"-rundir", rundir, "dump", prefix}, to
+		}},
+		{name: "-rundir on it", want: mounts.ErrMayHang.Error(), setup: func(t *testing.T, rundir, dir, prefix, seg string) ([]string, string) {
+			other := filepath.Join(filepath.Dir(rundir), "other")
+			require.NoError(t, os.Mkdir(other, 0o700))
+			return []string{"-rundir", other, "ls"}, other
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rundir, dir, prefix, seg := hostileInstance(t)
+			args, at := c.setup(t, rundir, dir, prefix, seg)
+			fusetest.MountAt(t, at, "fuse", "GORACE=atexit_sleep_ms=0").Stop()
+			done := make(chan string, 1)
+			go func() {
+				out, errOut, _ := tool(t, args...)
+				done <- out + errOut
+			}()
+			select {
+			case out := <-done:
+				assert.Contains(t, out, c.want, "mpmr %v", args)
+			case <-time.After(time.Minute):
+				t.Fatalf("mpmr %v hangs", args)
+			}
+		})
+	}
+}

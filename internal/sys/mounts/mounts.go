@@ -67,6 +67,22 @@ func MayHang(typ string) bool {
 	return false
 }
 
+// Under returns the first mount of a file system that might hang (see
+// MayHang) at the clean absolute path dir or anywhere below it: one that
+// holds dir, or one mounted on a name inside it, which a lookup there
+// would enter.
+func (t Table) Under(dir string) (Entry, bool) {
+	if m := t.At(dir); MayHang(m.Type) {
+		return m, true
+	}
+	for _, e := range t {
+		if MayHang(e.Type) && (e.Dir == dir || dir == "/" || strings.HasPrefix(e.Dir, dir+"/")) {
+			return e, true
+		}
+	}
+	return Entry{}, false
+}
+
 // ErrMayHang means a path leads into a file system that might not answer.
 var ErrMayHang = errors.New("on a file system that might not answer")
 
