@@ -172,14 +172,7 @@ func TestStatsCountSelectiveFlushes(t *testing.T) {
 // the kernel shows it reaching no data memory, and what the primary frees
 // afterwards goes straight back.
 func TestCleanDetachIsNotFenced(t *testing.T) {
-	p, cfg := startPrimary(t, testenv.Tmpfs(t))
-	r, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
-	s := startSecondary(t, cfg)
-	parseKey(t, ask(t, s, "lookup %d", r.Addr))
-	require.Equal(t, "closed", ask(t, s, "close"))
-	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond,
-		"the secondary has left")
+	p, r := detachedCleanly(t)
 	require.NoError(t, p.Free(r))
 	assert.Zero(t, p.Stats().Counters.Fenced, "a secondary that closed cleanly and lives on is fenced")
 	assert.Zero(t, p.Memory().Quarantined(), "a free after a clean detach waits in quarantine")
@@ -190,6 +183,19 @@ func TestCleanDetachIsNotFenced(t *testing.T) {
 // questions Housekeep asks later, with no hurry, end the fence.
 func TestDetachOfAProcessTooSlowToDescribeIsFenced(t *testing.T) {
 	t.Cleanup(primary.SetDetachAsk(-time.Nanosecond)) // after the primary's Close
+	p, r := detachedCleanly(t)
+	assert.Equal(t, uint64(1), p.Stats().Counters.Fenced)
+	require.NoError(t, p.Free(r))
+	assert.Equal(t, 1, p.Memory().Quarantined(), "the free waits for the process's description")
+	assert.Equal(t, 1, p.Memory().ReleaseQuarantine(), "which says it reaches nothing")
+	assert.Empty(t, p.Segment().Holders())
+}
+
+// detachedCleanly starts a primary and a secondary that looks up a page
+// r of it, then closes (unmaps, detaches) and lives on; it returns once
+// the primary has let the secondary go.
+func detachedCleanly(t *testing.T) (*primary.Primary, hugetlb.Region) {
+	t.Helper()
 	p, cfg := startPrimary(t, testenv.Tmpfs(t))
 	r, err := p.Alloc(p.Backend().PageSize)
 	require.NoError(t, err)
@@ -198,9 +204,5 @@ func TestDetachOfAProcessTooSlowToDescribeIsFenced(t *testing.T) {
 	require.Equal(t, "closed", ask(t, s, "close"))
 	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond,
 		"the secondary has left")
-	assert.Equal(t, uint64(1), p.Stats().Counters.Fenced)
-	require.NoError(t, p.Free(r))
-	assert.Equal(t, 1, p.Memory().Quarantined(), "the free waits for the process's description")
-	assert.Equal(t, 1, p.Memory().ReleaseQuarantine(), "which says it reaches nothing")
-	assert.Empty(t, p.Segment().Holders())
+	return p, r
 }
