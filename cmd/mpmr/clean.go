@@ -119,6 +119,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		return nil, err
 	}
 	t = look(t.Prefix, t.Dir) // described again, now that nobody can change it
+	defer t.release()
 	// A primary whose lock file was removed under it still runs: it holds
 	// the lock on its segment, and its segment's creator is alive. Touch
 	// nothing of it.
@@ -183,6 +184,11 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	if pageSize != 0 {
 		after, _ := hugetlb.PoolFor(pageSize)
 		out.Hugepages = &hugepagesDiff{PageSize: pageSize, FreeBefore: before.Free, FreeAfter: after.Free, Total: after.Total}
+	}
+	for _, l := range [][]string{out.Removed, out.MarkedDead, out.Warnings} {
+		for i := range l {
+			l[i] = t.shown(l[i])
+		}
 	}
 	return out, nil
 }

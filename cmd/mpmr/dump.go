@@ -90,6 +90,7 @@ func runDump(e *env, args []string) error {
 // collectDump reads everything dump shows. A part that cannot be read is
 // noted in Errors and the rest still read.
 func collectDump(e *env, t *target) (*dumpOut, error) {
+	defer t.release()
 	seg, info, err := t.open(e)
 	if err != nil {
 		return nil, err

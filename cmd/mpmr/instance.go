@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -36,6 +37,7 @@ type target struct {
 	// Unreachable says why the instance's runtime directory was not
 	// looked into (it might never answer), if it was not.
 	Unreachable error
+	bk          *backendHandle // see backend
 }
 
 // root returns the directory the instances' runtime directories are in:
@@ -244,16 +246,15 @@ func (t *target) primaryPID() int {
 }
 
 // backendDirs returns where the instance's segment and memory files may
-// be: the directory the primary described, with its links followed, if
-// it is one (see backendDir), or, without a description, every hugetlbfs
-// mount and the tmpfs directory.
+// be: the directory the primary described, as held open (see backend),
+// if it is one the tool looks into, or, without a description, every
+// hugetlbfs mount and the tmpfs directory.
 func (t *target) backendDirs() []string {
 	if t.Info != nil && t.Info.BackendDir != "" {
-		dir, err := backendDir(t.Info.BackendDir)
-		if err != nil {
-			return nil
+		if bk := t.backend(); bk.err == nil {
+			return []string{bk.path}
 		}
-		return []string{dir}
+		return nil
 	}
 	var dirs []string
 	if mounts, err := hugetlb.Mounts(); err == nil {
@@ -266,7 +267,7 @@ func (t *target) backendDirs() []string {
 
 // mayHang says why the directory dir is not looked into, if it, or a name
 // in it or further down, is on a file system that might not answer (see
-// backendDir).
+// backend).
 func mayHang(dir string) error {
 	tab, err := mounts.Read()
 	if err != nil {
@@ -278,27 +279,82 @@ func mayHang(dir string) error {
 	return nil
 }
 
-// backendDir resolves the backend directory an instance's description
-// names. The instance's user chooses it, so it must be what a primary's
-// backends use, a directory on tmpfs or hugetlbfs, found without asking a
-// file system that might not answer (FUSE, a network mount): a thread
-// waiting on one can wait for ever, past any deadline, and past SIGKILL.
-func backendDir(dir string) (string, error) {
+// backendHandle is the backend directory an instance's description names,
+// opened once: path reaches the directory held (/proc/self/fd/N),
+// whatever is swapped in on the way to dir, its name, meanwhile.
+type backendHandle struct {
+	dir, path string
+	f         *os.File
+	err       error // why the directory is not looked into
+}
+
+// backend opens the described backend directory, the first time. The
+// instance's user chooses it, so it must be what a primary's backends
+// use, a directory on tmpfs or hugetlbfs, reached without asking a file
+// system that might not answer (FUSE, a network mount: a thread waiting
+// on one can wait for ever, past any deadline, and past SIGKILL), with
+// no such file system mounted below it.
+func (t *target) backend() *backendHandle {
+	if t.bk != nil {
+		return t.bk
+	}
+	dir := t.Info.BackendDir
+	t.bk = &backendHandle{}
+	f, resolved, m, err := mounts.OpenDir(dir)
+	if err != nil {
+		t.bk.err = fmt.Errorf("backend directory %s: %w", dir, err)
+		return t.bk
+	}
 	tab, err := mounts.Read()
-	if err != nil {
-		return "", err
+	switch {
+	case err != nil:
+		t.bk.err = err
+	case m.Type != "tmpfs" && m.Type != "hugetlbfs":
+		t.bk.err = fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
+	default:
+		if below, found := tab.Under(resolved); found {
+			t.bk.err = fmt.Errorf("backend directory %s: %w: %s is mounted at %s; not looked into", dir, mounts.ErrMayHang, below.Type, below.Dir)
+		}
 	}
-	resolved, err := tab.Resolve(dir)
-	if err != nil {
-		return "", fmt.Errorf("backend directory %s: %w", dir, err)
+	if t.bk.err != nil {
+		f.Close()
+		return t.bk
 	}
-	if m := tab.At(resolved); m.Type != "tmpfs" && m.Type != "hugetlbfs" {
-		return "", fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
+	t.bk.dir, t.bk.path, t.bk.f = resolved, fmt.Sprintf("/proc/self/fd/%d", f.Fd()), f
+	return t.bk
+}
+
+// release closes the backend directory, if it was opened.
+func (t *target) release() {
+	if t.bk != nil && t.bk.f != nil {
+		t.bk.f.Close()
 	}
-	if m, found := tab.Under(resolved); found {
-		return "", fmt.Errorf("backend directory %s: %w: %s is mounted at %s; not looked into", dir, mounts.ErrMayHang, m.Type, m.Dir)
+	t.bk = nil
+}
+
+// shown is s with the backend directory held named by its path.
+func (t *target) shown(s string) string {
+	if t.bk == nil || t.bk.path == "" {
+		return s
 	}
-	return resolved, nil
+	return strings.ReplaceAll(s, t.bk.path, t.bk.dir)
+}
+
+// shownError is an error whose message names the backend directory by its
+// path (see shown).
+type shownError struct {
+	msg string
+	err error
+}
+
+func (e *shownError) Error() string { return e.msg }
+func (e *shownError) Unwrap() error { return e.err }
+
+func (t *target) shownErr(err error) error {
+	if err == nil || t.shown(err.Error()) == err.Error() {
+		return err
+	}
+	return &shownError{t.shown(err.Error()), err}
 }
 
 // backendErr says why the described backend directory is not looked
@@ -307,8 +363,7 @@ func (t *target) backendErr() error {
 	if t.Info == nil || t.Info.BackendDir == "" {
 		return nil
 	}
-	_, err := backendDir(t.Info.BackendDir)
-	return err
+	return t.backend().err
 }
 
 // described reports whether path, the segment's name in a directory
@@ -355,6 +410,12 @@ func (t *target) expectedSegment(path string) bool {
 // must be a regular file of the instance's user (or root): a file of
 // anyone else's at that name is not this instance's, whatever it holds.
 func (t *target) open(e *env) (*shm.Segment, shm.Info, error) {
+	seg, info, err := t.openHeld(e)
+	info.Path = t.shown(info.Path)
+	return seg, info, t.shownErr(err)
+}
+
+func (t *target) openHeld(e *env) (*shm.Segment, shm.Info, error) {
 	if err := t.backendErr(); err != nil {
 		return nil, shm.Info{}, err
 	}

@@ -53,7 +53,10 @@ func runLs(e *env, _ []string) error {
 	out := make([]lsEntry, 0, len(ts))
 	for _, t := range ts {
 		tc := *t // the caller's is not touched if the files do not answer
-		x, err := answered(t.Dir, 0, func() (lsEntry, error) { return describeTarget(e, &tc), nil })
+		x, err := answered(t.Dir, 0, func() (lsEntry, error) {
+			defer tc.release()
+			return describeTarget(e, &tc), nil
+		})
 		if err != nil {
 			x = lsEntry{Prefix: t.Prefix, State: "unknown", RuntimeDir: t.Dir, UID: t.UID, Errors: []string{err.Error()}}
 		}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -167,5 +168,37 @@ func TestToolDoesNotLookBelowIntoFilesThatMightNotAnswer(t *testing.T) {
 				t.Fatalf("mpmr %v hangs", args)
 			}
 		})
+	}
+}
+
+// The backend directory is held once looked into: a directory on the way
+// to it swapped for a link to a file system that does not answer, after
+// the check, leads the tool nowhere new.
+func TestBackendDirectoryIsHeld(t *testing.T) {
+	fuseDir, fuse := fusetest.Mount(t, "fuse", "GORACE=atexit_sleep_ms=0")
+	base := filepath.Join(testenv.Tmpfs(t).Dir, testenv.Prefix(t)+".held")
+	require.NoError(t, os.MkdirAll(filepath.Join(base, "u", "backend"), 0o700))
+	t.Cleanup(func() { os.RemoveAll(base) })
+	tg := &target{Prefix: "x", Name: "x", Info: &instance.Info{BackendDir: filepath.Join(base, "u", "backend")}}
+	seg := instance.SegmentPath(filepath.Join(base, "u", "backend"), tg.Name)
+	require.NoError(t, os.WriteFile(seg, nil, 0o600))
+	require.Len(t, tg.backendDirs(), 1)
+	defer tg.release()
+
+	require.NoError(t, os.Rename(filepath.Join(base, "u"), filepath.Join(base, "u.old")))
+	require.NoError(t, os.Symlink(fuseDir, filepath.Join(base, "u")))
+	fuse.Stop()
+
+	done := make(chan string, 1)
+	go func() {
+		p, ok := tg.segmentPath()
+		done <- fmt.Sprint(tg.shown(p), ok)
+	}()
+	select {
+	case got := <-done:
+		assert.Equal(t, fmt.Sprint(filepath.Join(base, "u", "backend", filepath.Base(seg)), true), got,
+			"the segment in the directory held, named as it was found")
+	case <-time.After(time.Minute):
+		t.Fatal("the tool followed the link swapped in")
 	}
 }

@@ -92,6 +92,7 @@ func runStats(e *env, args []string) error {
 // gatherStats reads what stats shows of t, and the error of asking its
 // primary, if that failed.
 func gatherStats(e *env, t *target) (out statsOut, askErr error) {
+	defer t.release()
 	out = statsOut{Prefix: t.Prefix, State: t.state()}
 	if t.Live {
 		out.Primary, askErr = askPrimary(e, t)

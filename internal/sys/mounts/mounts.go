@@ -1,5 +1,5 @@
-// Package mounts reads the mount table and resolves paths without asking
-// the file systems that might not answer.
+// Package mounts reads the mount table and opens directories without
+// asking the file systems that might not answer.
 package mounts
 
 import (
@@ -10,7 +10,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Entry is one mount: where, and what type of file system.
@@ -86,55 +87,6 @@ func (t Table) Under(dir string) (Entry, bool) {
 // ErrMayHang means a path leads into a file system that might not answer.
 var ErrMayHang = errors.New("on a file system that might not answer")
 
-// Resolve returns p with every symbolic link on the way followed, asking
-// only file systems that cannot hang (see MayHang): before it looks up a
-// name, it finds in t the mount the name is on, and fails with ErrMayHang
-// if that one might. The path it returns names no link and lies on no such
-// file system, as the table says; what is mounted or linked afterwards,
-// it cannot say.
-func (t Table) Resolve(p string) (string, error) {
-	if !filepath.IsAbs(p) {
-		return "", fmt.Errorf("mounts: %s is not an absolute path", p)
-	}
-	rest := strings.Split(filepath.Clean(p), "/")[1:]
-	done := "/"
-	for links := 0; len(rest) > 0; {
-		name := rest[0]
-		rest = rest[1:]
-		switch name {
-		case "", ".":
-			continue
-		case "..":
-			done = filepath.Dir(done)
-			continue
-		}
-		next := filepath.Join(done, name)
-		if m := t.At(next); MayHang(m.Type) {
-			return "", fmt.Errorf("%w: %s is on %s, mounted at %s; not looked at", ErrMayHang, next, m.Type, m.Dir)
-		}
-		fi, err := os.Lstat(next)
-		if err != nil {
-			return "", err
-		}
-		if fi.Mode()&os.ModeSymlink == 0 {
-			done = next
-			continue
-		}
-		if links++; links > 40 {
-			return "", &os.PathError{Op: "resolve", Path: p, Err: syscall.ELOOP}
-		}
-		target, err := os.Readlink(next)
-		if err != nil {
-			return "", err
-		}
-		if filepath.IsAbs(target) {
-			done = "/"
-		}
-		rest = append(strings.Split(target, "/"), rest...)
-	}
-	return done, nil
-}
-
 // Unescape undoes the octal escapes the mount table uses for spaces and
 // the like.
 func Unescape(s string) string {
@@ -153,4 +105,143 @@ func Unescape(s string) string {
 		b.WriteByte(s[i])
 	}
 	return b.String()
+}
+
+// Of returns the type of the file system that holds the open file fd, and
+// where it is mounted, as the kernel's tables say (fdinfo's mount id in
+// /proc/self/mountinfo): the file system itself is not asked.
+func Of(fd int) (Entry, error) {
+	b, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(fd))
+	if err != nil {
+		return Entry{}, err
+	}
+	id := ""
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "mnt_id:"); ok {
+			id = strings.TrimSpace(v)
+		}
+	}
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return Entry{}, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// id parent major:minor root mount-point options [tags] - type source ...
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 5 || fields[0] != id {
+			continue
+		}
+		for i, x := range fields {
+			if x == "-" && i+1 < len(fields) {
+				return Entry{Dir: Unescape(fields[4]), Type: fields[i+1]}, nil
+			}
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return Entry{}, err
+	}
+	return Entry{}, fmt.Errorf("mounts: mount %q of descriptor %d not in the table", id, fd)
+}
+
+// OpenDir opens the directory at the absolute path p (O_PATH), one name
+// at a time, following links, and looks each name up only in a directory
+// whose file system the kernel's tables show cannot hang (see MayHang):
+// what a name leads to is opened without following links or crossing into
+// a mount, and a mount is crossed only once its type, read from the
+// tables, is one that answers. So nothing that might not answer is ever
+// asked, whatever is swapped in along the way meanwhile. It returns the
+// directory, the path it was reached by, links followed, and the file
+// system holding it.
+func OpenDir(p string) (*os.File, string, Entry, error) {
+	if !filepath.IsAbs(p) {
+		return nil, "", Entry{}, fmt.Errorf("mounts: %s is not an absolute path", p)
+	}
+	cur, err := unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, "", Entry{}, err
+	}
+	done := "/"
+	rest := strings.Split(filepath.Clean(p), "/")[1:]
+	fail := func(err error) (*os.File, string, Entry, error) {
+		unix.Close(cur)
+		return nil, "", Entry{}, err
+	}
+	for links := 0; len(rest) > 0; {
+		name := rest[0]
+		rest = rest[1:]
+		if name == "" || name == "." {
+			continue
+		}
+		if name == ".." {
+			name, done = "..", filepath.Dir(done)
+		} else {
+			done = filepath.Join(done, name)
+		}
+		how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV}
+		next, err := unix.Openat2(cur, name, how)
+		if err == unix.EXDEV {
+			// A mount point: its type first, from the tables, by the
+			// path; then the crossing, and the same question of what was
+			// reached.
+			if tab, err := Read(); err == nil {
+				if m := tab.At(done); MayHang(m.Type) {
+					return fail(fmt.Errorf("%w: %s is %s, mounted at %s; not looked at", ErrMayHang, done, m.Type, m.Dir))
+				}
+			}
+			how.Resolve &^= unix.RESOLVE_NO_XDEV
+			next, err = unix.Openat2(cur, name, how)
+		}
+		if err != nil {
+			return fail(&os.PathError{Op: "open", Path: done, Err: err})
+		}
+		m, err := Of(next)
+		if err == nil && MayHang(m.Type) {
+			err = fmt.Errorf("%w: %s is on %s, mounted at %s; not looked at", ErrMayHang, done, m.Type, m.Dir)
+		}
+		if err != nil {
+			unix.Close(next)
+			return fail(err)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(next, &st); err != nil {
+			unix.Close(next)
+			return fail(err)
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFLNK {
+			unix.Close(cur)
+			cur = next
+			continue
+		}
+		unix.Close(next)
+		if links++; links > 40 {
+			return fail(&os.PathError{Op: "open", Path: p, Err: unix.ELOOP})
+		}
+		buf := make([]byte, 4096)
+		n, err := unix.Readlinkat(cur, name, buf)
+		if err != nil {
+			return fail(&os.PathError{Op: "readlink", Path: done, Err: err})
+		}
+		target := string(buf[:n])
+		done = filepath.Dir(done)
+		if filepath.IsAbs(target) {
+			unix.Close(cur)
+			if cur, err = unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
+				return nil, "", Entry{}, err
+			}
+			done = "/"
+		}
+		rest = append(strings.Split(target, "/"), rest...)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(cur, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return fail(&os.PathError{Op: "open", Path: p, Err: unix.ENOTDIR})
+	}
+	m, err := Of(cur)
+	if err != nil {
+		return fail(err)
+	}
+	return os.NewFile(uintptr(cur), done), done, m, nil
 }

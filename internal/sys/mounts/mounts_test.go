@@ -21,10 +21,7 @@ func TestAtFindsTheLastLongestMount(t *testing.T) {
 	assert.Equal(t, "a b\\", Unescape(`a\040b\`))
 }
 
-// Resolve follows links, and looks nothing up on a file system that might
-// hang: here the table says the directory a link leads to is a FUSE
-// mount, and Resolve stops before it.
-func TestResolveStopsBeforeAFileSystemThatMightHang(t *testing.T) {
+func TestOpenDirFollowsLinksAndSaysWhereItIs(t *testing.T) {
 	dir, err := filepath.EvalSymlinks(t.TempDir())
 	require.NoError(t, err)
 	real := filepath.Join(dir, "real")
@@ -32,22 +29,29 @@ func TestResolveStopsBeforeAFileSystemThatMightHang(t *testing.T) {
 	require.NoError(t, os.Symlink(real, filepath.Join(dir, "abs")))
 	require.NoError(t, os.Symlink("real/sub/..", filepath.Join(dir, "rel")))
 	require.NoError(t, os.Symlink("loop", filepath.Join(dir, "loop")))
-	tab := Table{{"/", "ext4"}}
-
-	got, err := tab.Resolve(filepath.Join(dir, "abs", "sub"))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "file"), nil, 0o600))
+	want, err := Read()
 	require.NoError(t, err)
-	assert.Equal(t, filepath.Join(real, "sub"), got)
-	got, err = tab.Resolve(filepath.Join(dir, "rel"))
-	require.NoError(t, err)
-	assert.Equal(t, real, got)
-	_, err = tab.Resolve(filepath.Join(dir, "loop"))
-	assert.Error(t, err)
-	_, err = tab.Resolve("relative")
-	assert.Error(t, err)
 
-	tab = append(tab, Entry{real, "fuse"})
-	_, err = tab.Resolve(filepath.Join(dir, "abs", "sub"))
-	assert.ErrorIs(t, err, ErrMayHang, "the link leads into the mount")
-	_, err = tab.Resolve(real)
-	assert.ErrorIs(t, err, ErrMayHang, "the mount point itself is not looked at either")
+	for p, resolved := range map[string]string{
+		filepath.Join(dir, "abs", "sub"): filepath.Join(real, "sub"),
+		filepath.Join(dir, "rel"):        real,
+		dir + "/./real/../real":          real,
+	} {
+		f, got, m, err := OpenDir(p)
+		if assert.NoError(t, err, p) {
+			assert.Equal(t, resolved, got, p)
+			assert.Equal(t, want.At(resolved).Type, m.Type, p)
+			f.Close()
+		}
+	}
+	for _, p := range []string{filepath.Join(dir, "loop"), filepath.Join(dir, "file"), filepath.Join(dir, "none"), "relative"} {
+		_, _, _, err := OpenDir(p)
+		assert.Error(t, err, p)
+	}
+	f, got, m, err := OpenDir("/proc/self")
+	require.NoError(t, err, "a mount crossed, a link followed")
+	assert.Equal(t, "proc", m.Type)
+	assert.Contains(t, got, "/proc/")
+	f.Close()
 }
