@@ -116,6 +116,9 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 			continue
 		}
 		holds, known, done := holdsAny(task, ids, mounts, deadline)
+		if !known && exited(dir, []os.DirEntry{t}) {
+			continue // an exited thread (the main one, say) holds nothing
+		}
 		if holds || !known || !done {
 			return holds, known, done
 		}
@@ -307,10 +310,6 @@ func (m *Memory) ReachesWithin(pid int, d time.Duration) (reach, known, done boo
 	return m.reaches(pid, time.Now().Add(d))
 }
 
-// promptAsk bounds a question asked on a peer's request (ForgetHolder, on
-// a hello): it holds up that peer and the primary's Close.
-const promptAsk = 500 * time.Millisecond
-
 // mayReach reports whether holder h, fenced by the owner, is alive and may
 // still reach data memory. Where the kernel will not say, it may until it
 // dies or nobody holds its claim's slot (a secondary lets its slot go only
@@ -331,21 +330,22 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 // reaches before then is the old attachment's. Where the kernel will not
 // say (another user's process, or one that made itself undumpable), a
 // fence ends only once nobody holds the old claim's slot: a secondary lets
-// its slot go after it has unmapped its memory. A process the kernel takes
-// longer than promptAsk to describe keeps its fences, for Housekeep to ask
-// about. Primary only; it takes no lock.
+// its slot go after it has unmapped its memory. It waits for the whole
+// answer, however long the kernel takes to give it: once the new
+// attachment maps the memory, no answer could tell the two apart. Primary
+// only; it takes no lock.
 func (m *Memory) ForgetHolder(pid int) bool {
 	free := true
-	asked, reach, known, done := false, false, false, false
+	asked, reach, known := false, false, false
 	for _, h := range m.seg.Holders() {
 		if h.PID != pid {
 			continue
 		}
 		if !asked { // once, however many fences the process has
-			reach, known, done = m.reaches(pid, time.Now().Add(promptAsk))
+			reach, known, _ = m.reaches(pid, time.Time{})
 			asked = true
 		}
-		if !done || reach || !known && m.seg.Alive(h.Slot) {
+		if reach || !known && m.seg.Alive(h.Slot) {
 			free = false
 			continue
 		}
