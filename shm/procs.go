@@ -265,7 +265,9 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // should unmap its data memory and say so with MarkUnmapped; until it has
 // unmapped it or died, the pages the primary frees are quarantined (see
 // hugetlb and Holders). Fence reports whether it fenced the claim now:
-// false if process pid is gone, or the claim was fenced already. The owner
+// false if process pid is gone, or the claim was fenced already, or a
+// later claim of the slot by the same process was (then the slot's word
+// is left as it is: it belongs to the later claim). The owner
 // keeps one record per process and slot (see SameHolder), which names the
 // latest claim fenced, so that a process that claims a slot and hangs up
 // again and again costs one record, not one a claim. Owner only.

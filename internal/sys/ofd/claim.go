@@ -28,14 +28,20 @@ type Claim struct {
 	path string
 }
 
-// ClaimFile claims the file at path, which must be a regular file owned
-// by uid (else ErrNotOwned): it fails with ErrLocked while any other open
+// ClaimFile claims the file at path (a clean one: filepath.Clean leaves
+// it as it is), which must be a regular file owned by uid (else
+// ErrNotOwned): it fails with ErrLocked while any other open
 // file description holds a lock on byte 0 of it, that is, while the
 // process that made it lives.
 func ClaimFile(path string, uid int) (*Claim, error) {
 	name := filepath.Base(path)
 	if strings.HasSuffix(path, "/") || name == "." || name == ".." || name == "/" {
 		return nil, fmt.Errorf("%w: %s names a directory", ErrNotOwned, path)
+	}
+	if filepath.Clean(path) != path {
+		// The claim is made in filepath.Dir(path), which reads ".." as
+		// text where the kernel would resolve it after a link.
+		return nil, fmt.Errorf("%w: %s is not a clean path", ErrNotOwned, path)
 	}
 	dfd, err := unix.Open(filepath.Dir(path), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {

@@ -53,7 +53,9 @@ func TestClaimFile(t *testing.T) {
 	// A directory's path, even one that ends in a slash, is not the path
 	// of the file of the same name inside it.
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "d", "d"), nil, 0o600))
-	for _, p := range []string{dir + "/d/", dir + "/d/.", dir + "/d/d/.."} {
+	// Nor is a path whose ".." the kernel would resolve after a link.
+	require.NoError(t, os.Symlink(filepath.Join(dir, "d"), filepath.Join(dir, "l")))
+	for _, p := range []string{dir + "/d/", dir + "/d/.", dir + "/d/d/..", dir + "/l/../d/d", dir + "//d/d"} {
 		_, err = ClaimFile(p, me)
 		assert.ErrorIs(t, err, ErrNotOwned, p)
 	}
