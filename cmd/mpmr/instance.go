@@ -6,9 +6,12 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
@@ -256,13 +259,28 @@ func (t *target) backendDirs() []string {
 		}
 		return nil
 	}
-	var dirs []string
-	if mounts, err := hugetlb.Mounts(); err == nil {
-		for _, m := range mounts {
-			dirs = append(dirs, m.Dir)
+	dirs := append(hugetlbDirs(), hugetlb.DefaultTmpfsDir)
+	// These are root's, and shared: anyone may have mounted something on
+	// a name of the instance's in them (with a file system that might not
+	// answer). Such a directory is not looked into.
+	tab, err := mounts.Read()
+	if err != nil {
+		return nil
+	}
+	return slices.DeleteFunc(dirs, func(dir string) bool { return t.mountedOnName(tab, dir) != nil })
+}
+
+// mountedOnName returns a mount of a file system that might not answer on
+// one of the instance's names in dir, if there is one.
+func (t *target) mountedOnName(tab mounts.Table, dir string) *mounts.Entry {
+	prefix := filepath.Join(dir, "mpmr."+t.Name+".")
+	for _, m := range tab {
+		if mounts.MayHang(m.Type) && (strings.HasPrefix(m.Dir, prefix) || m.Dir == filepath.Clean(dir) ||
+			strings.HasPrefix(dir, m.Dir+"/")) {
+			return &m
 		}
 	}
-	return append(dirs, hugetlb.DefaultTmpfsDir)
+	return nil
 }
 
 // mayHang says why the directory dir is not looked into, if it, or a name
@@ -305,23 +323,50 @@ func (t *target) backend() *backendHandle {
 		t.bk.err = fmt.Errorf("backend directory %s: %w", dir, err)
 		return t.bk
 	}
-	tab, err := mounts.Read()
-	switch {
-	case err != nil:
-		t.bk.err = err
-	case m.Type != "tmpfs" && m.Type != "hugetlbfs":
+	held := fmt.Sprintf("/proc/self/fd/%d", f.Fd())
+	if m.Type != "tmpfs" && m.Type != "hugetlbfs" {
 		t.bk.err = fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
-	default:
-		if below, found := tab.Under(resolved); found {
-			t.bk.err = fmt.Errorf("backend directory %s: %w: %s is mounted at %s; not looked into", dir, mounts.ErrMayHang, below.Type, below.Dir)
-		}
+	} else if err := t.noMountOnNames(f); err != nil {
+		t.bk.err = fmt.Errorf("backend directory %s: %w", dir, err)
 	}
 	if t.bk.err != nil {
 		f.Close()
 		return t.bk
 	}
-	t.bk.dir, t.bk.path, t.bk.f = resolved, fmt.Sprintf("/proc/self/fd/%d", f.Fd()), f
+	t.bk.dir, t.bk.path, t.bk.f = resolved, held, f
 	return t.bk
+}
+
+// noMountOnNames says so if anything is mounted on one of the instance's
+// names in the directory held by dir (the only names the tool looks up
+// there): each is looked up in it without crossing into a mount. Listing
+// the directory, and this lookup, ask only the directory's own file
+// system; a rename cannot bring a mount point in, only a mount can.
+func (t *target) noMountOnNames(dir *os.File) error {
+	names := []string{filepath.Base(instance.SegmentPath("", t.Name))}
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/self/fd/%d", dir.Fd()))
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), "mpmr."+t.Name+".") {
+			names = append(names, e.Name())
+		}
+	}
+	for _, name := range names {
+		how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_NO_XDEV | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_BENEATH}
+		fd, err := unix.Openat2(int(dir.Fd()), name, how)
+		switch {
+		case err == nil:
+			unix.Close(fd)
+		case errors.Is(err, unix.EXDEV):
+			return fmt.Errorf("%w: something is mounted on %s there; not looked into", mounts.ErrMayHang, name)
+		case !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ELOOP):
+			return &os.PathError{Op: "open", Path: name, Err: err}
+		}
+	}
+	return nil
 }
 
 // release closes the backend directory, if it was opened.
@@ -337,7 +382,10 @@ func (t *target) shown(s string) string {
 	if t.bk == nil || t.bk.path == "" {
 		return s
 	}
-	return strings.ReplaceAll(s, t.bk.path, t.bk.dir)
+	if s == t.bk.path {
+		return t.bk.dir
+	}
+	return strings.ReplaceAll(s, t.bk.path+"/", t.bk.dir+"/")
 }
 
 // shownError is an error whose message names the backend directory by its
@@ -357,13 +405,33 @@ func (t *target) shownErr(err error) error {
 	return &shownError{t.shown(err.Error()), err}
 }
 
-// backendErr says why the described backend directory is not looked
-// into, if it is not.
+// backendErr says why the described backend directory, or one of those
+// searched without a description, is not looked into, if one is not.
 func (t *target) backendErr() error {
-	if t.Info == nil || t.Info.BackendDir == "" {
-		return nil
+	if t.Info != nil && t.Info.BackendDir != "" {
+		return t.backend().err
 	}
-	return t.backend().err
+	tab, err := mounts.Read()
+	if err != nil {
+		return err
+	}
+	for _, dir := range append(hugetlbDirs(), hugetlb.DefaultTmpfsDir) {
+		if m := t.mountedOnName(tab, dir); m != nil {
+			return fmt.Errorf("%s: %w: %s is mounted at %s; not looked into", dir, mounts.ErrMayHang, m.Type, m.Dir)
+		}
+	}
+	return nil
+}
+
+// hugetlbDirs lists the hugetlbfs mounts.
+func hugetlbDirs() []string {
+	var dirs []string
+	if ms, err := hugetlb.Mounts(); err == nil {
+		for _, m := range ms {
+			dirs = append(dirs, m.Dir)
+		}
+	}
+	return dirs
 }
 
 // described reports whether path, the segment's name in a directory

@@ -140,6 +140,13 @@ func TestToolDoesNotLookBelowIntoFilesThatMightNotAnswer(t *testing.T) {
 			t.Cleanup(func() { os.Remove(seg) })
 			return []string{"-rundir", rundir, "clean", prefix}, seg
 		}},
+		{name: "no description, a mount on the segment's name", want: mounts.ErrMayHang.Error(), setup: func(t *testing.T, rundir, dir, prefix, seg string) ([]string, string) {
+			require.NoError(t, os.Remove(filepath.Join(dir, instance.InfoFile)))
+			require.NoError(t, os.Remove(seg))
+			require.NoError(t, os.Mkdir(seg, 0o700))
+			t.Cleanup(func() { os.Remove(seg) })
+			return []string{"-rundir", rundir, "dump", prefix}, seg
+		}},
 		{name: "runtime directory a link", want: "symbolic link; not followed", setup: func(t *testing.T, rundir, dir, prefix, seg string) ([]string, string) {
 			to := t.TempDir()
 			require.NoError(t, os.Rename(dir, dir+".real"))
