@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/shm"
 )
 
@@ -239,27 +240,13 @@ func exited(dir string, tasks []os.DirEntry) bool {
 // that is gone has nothing to name (nil, true); one whose mounts cannot be
 // read, nil and false.
 func mountDevices(path string) (map[uint64][2]uint32, bool) {
-	b, err := os.ReadFile(path)
+	info, err := mounts.ReadInfo(path)
 	if err != nil {
 		return nil, errors.Is(err, fs.ErrNotExist) // gone: nothing to name
 	}
-	out := map[uint64][2]uint32{}
-	for line := range bytes.SplitSeq(b, []byte{'\n'}) {
-		// mount-id parent-id major:minor root mount-point ...
-		f := bytes.Fields(line)
-		if len(f) < 3 {
-			continue
-		}
-		id, err := strconv.ParseUint(string(f[0]), 10, 64)
-		maj, min, ok := bytes.Cut(f[2], []byte{':'})
-		if err != nil || !ok {
-			continue
-		}
-		a, err1 := strconv.ParseUint(string(maj), 10, 32)
-		b, err2 := strconv.ParseUint(string(min), 10, 32)
-		if err1 == nil && err2 == nil {
-			out[id] = [2]uint32{uint32(a), uint32(b)}
-		}
+	out := make(map[uint64][2]uint32, len(info))
+	for id, m := range info {
+		out[id] = m.Dev
 	}
 	return out, true
 }
@@ -267,30 +254,11 @@ func mountDevices(path string) (map[uint64][2]uint32, bool) {
 // fdInfos counts the fdinfo entries read, for tests.
 var fdInfos atomic.Int64
 
-// fdInfo reads the mount and inode of an open file from its fdinfo entry,
-// which the kernel writes without asking the file's file system.
+// fdInfo reads the mount and inode of an open file from its fdinfo entry
+// (see mounts.FDInfo), counting the reads.
 func fdInfo(path string) (mnt, ino uint64, ok bool) {
 	fdInfos.Add(1)
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0, 0, false
-	}
-	var haveMnt, haveIno bool
-	for line := range bytes.SplitSeq(b, []byte{'\n'}) {
-		k, v, found := bytes.Cut(line, []byte{':'})
-		if !found {
-			continue
-		}
-		n, err := strconv.ParseUint(string(bytes.TrimSpace(v)), 10, 64)
-		switch {
-		case err != nil:
-		case string(k) == "mnt_id":
-			mnt, haveMnt = n, true
-		case string(k) == "ino":
-			ino, haveIno = n, true
-		}
-	}
-	return mnt, ino, haveMnt && haveIno
+	return mounts.FDInfo(path)
 }
 
 // Reaches reports whether process pid maps or holds open a backing file of

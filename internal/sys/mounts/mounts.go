@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -111,38 +112,84 @@ func Unescape(s string) string {
 // where it is mounted, as the kernel's tables say (fdinfo's mount id in
 // /proc/self/mountinfo): the file system itself is not asked.
 func Of(fd int) (Entry, error) {
-	b, err := os.ReadFile("/proc/self/fdinfo/" + strconv.Itoa(fd))
+	mnt, _, ok := FDInfo("/proc/self/fdinfo/" + strconv.Itoa(fd))
+	if !ok {
+		return Entry{}, fmt.Errorf("mounts: no mount id in the fdinfo of descriptor %d", fd)
+	}
+	info, err := ReadInfo("/proc/self/mountinfo")
 	if err != nil {
 		return Entry{}, err
 	}
-	id := ""
+	m, found := info[mnt]
+	if !found {
+		return Entry{}, fmt.Errorf("mounts: mount %d of descriptor %d not in the table", mnt, fd)
+	}
+	return m.Entry, nil
+}
+
+// Mount is one line of a mountinfo file.
+type Mount struct {
+	Entry
+	Dev [2]uint32 // major and minor of the file system
+}
+
+// ReadInfo reads a mountinfo file (/proc/PID/task/TID/mountinfo, say),
+// which the kernel writes without asking any file system: each mount by
+// its id.
+func ReadInfo(path string) (map[uint64]Mount, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	out := map[uint64]Mount{}
 	for line := range strings.SplitSeq(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "mnt_id:"); ok {
-			id = strings.TrimSpace(v)
-		}
-	}
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return Entry{}, err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
 		// id parent major:minor root mount-point options [tags] - type source ...
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 || fields[0] != id {
+		f := strings.Fields(line)
+		if len(f) < 5 {
 			continue
 		}
-		for i, x := range fields {
-			if x == "-" && i+1 < len(fields) {
-				return Entry{Dir: Unescape(fields[4]), Type: fields[i+1]}, nil
-			}
+		id, err := strconv.ParseUint(f[0], 10, 64)
+		maj, min, ok := strings.Cut(f[2], ":")
+		if err != nil || !ok {
+			continue
+		}
+		a, err1 := strconv.ParseUint(maj, 10, 32)
+		b, err2 := strconv.ParseUint(min, 10, 32)
+		if err1 != nil || err2 != nil {
+			continue
+		}
+		m := Mount{Entry: Entry{Dir: Unescape(f[4])}, Dev: [2]uint32{uint32(a), uint32(b)}}
+		if i := slices.Index(f[5:], "-"); i >= 0 && 5+i+1 < len(f) {
+			m.Type = f[5+i+1]
+		}
+		out[id] = m
+	}
+	return out, nil
+}
+
+// FDInfo reads the mount id and inode of an open file from its fdinfo
+// entry, which the kernel writes without asking the file's file system.
+func FDInfo(path string) (mnt, ino uint64, ok bool) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, 0, false
+	}
+	var haveMnt, haveIno bool
+	for line := range strings.SplitSeq(string(b), "\n") {
+		k, v, found := strings.Cut(line, ":")
+		if !found {
+			continue
+		}
+		n, err := strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+		switch {
+		case err != nil:
+		case k == "mnt_id":
+			mnt, haveMnt = n, true
+		case k == "ino":
+			ino, haveIno = n, true
 		}
 	}
-	if err := sc.Err(); err != nil {
-		return Entry{}, err
-	}
-	return Entry{}, fmt.Errorf("mounts: mount %q of descriptor %d not in the table", id, fd)
+	return mnt, ino, haveMnt && haveIno
 }
 
 // OpenDir opens the directory at the absolute path p (O_PATH), one name

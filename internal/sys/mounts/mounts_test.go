@@ -3,6 +3,8 @@ package mounts
 import (
 	"os"
 	"path/filepath"
+	"strconv"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -54,4 +56,35 @@ func TestOpenDirFollowsLinksAndSaysWhereItIs(t *testing.T) {
 	assert.Equal(t, "proc", m.Type)
 	assert.Contains(t, got, "/proc/")
 	f.Close()
+}
+
+func TestReadInfoAndFDInfo(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "mountinfo")
+	require.NoError(t, os.WriteFile(p, []byte(
+		"22 1 0:21 / /proc rw,nosuid shared:5 - proc proc rw\n"+
+			"30 22 0:44 / /mnt/a\\040b rw shared:1 master:2 - fuse.sshfs host:/ rw\n"+
+			"31 22 0:45 / /x rw - tmpfs tmpfs rw\n"+
+			"garbage\n"), 0o600))
+	info, err := ReadInfo(p)
+	require.NoError(t, err)
+	assert.Equal(t, Mount{Entry{"/proc", "proc"}, [2]uint32{0, 21}}, info[22])
+	assert.Equal(t, Mount{Entry{"/mnt/a b", "fuse.sshfs"}, [2]uint32{0, 44}}, info[30], "optional fields before the separator")
+	assert.Equal(t, "tmpfs", info[31].Type)
+	assert.Len(t, info, 3)
+	_, err = ReadInfo(filepath.Join(t.TempDir(), "none"))
+	assert.ErrorIs(t, err, os.ErrNotExist)
+
+	f, err := os.Open(p)
+	require.NoError(t, err)
+	defer f.Close()
+	mnt, ino, ok := FDInfo("/proc/self/fdinfo/" + strconv.Itoa(int(f.Fd())))
+	require.True(t, ok)
+	var st syscall.Stat_t
+	require.NoError(t, syscall.Fstat(int(f.Fd()), &st))
+	assert.Equal(t, st.Ino, ino)
+	m, err := Of(int(f.Fd()))
+	require.NoError(t, err)
+	own, err := ReadInfo("/proc/self/mountinfo")
+	require.NoError(t, err)
+	assert.Equal(t, own[mnt].Entry, m)
 }
