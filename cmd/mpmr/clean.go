@@ -120,6 +120,14 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	}
 	t = look(t.Prefix, t.Dir) // described again, now that nobody can change it
 	defer t.release()
+	// Where the tool may not look, it cannot tell whether a primary still
+	// holds the instance's segment there: change nothing.
+	if err := t.backendErr(); err != nil {
+		if created {
+			_ = rd.Remove(instance.PrimaryLockFile)
+		}
+		return nil, fmt.Errorf("refusing to clean %q: %w", t.Prefix, err)
+	}
 	// A primary whose lock file was removed under it still runs: it holds
 	// the lock on its segment, and its segment's creator is alive. Touch
 	// nothing of it.
@@ -163,9 +171,6 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		before, _ = hugetlb.PoolFor(pageSize)
 	}
 
-	if err := t.backendErr(); err != nil {
-		out.Warnings = append(out.Warnings, err.Error()+": the instance's files there, if any, are left")
-	}
 	for _, dir := range t.backendDirs() {
 		t.cleanBackend(e, rd, dir, out)
 	}
