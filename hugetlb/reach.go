@@ -84,8 +84,10 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 	// read.
 	var mounts map[uint64][2]uint32
 	for _, t := range tasks {
-		if mounts, known = mountDevices(dir + t.Name() + "/mountinfo"); known && mounts != nil {
-			break
+		var err error
+		if mounts, err = mountDevices(dir + t.Name() + "/mountinfo"); err == nil ||
+			!errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ESRCH) {
+			break // read, or refused: every thread would say the same
 		}
 	}
 	switch {
@@ -236,19 +238,18 @@ func exited(dir string, tasks []os.DirEntry) bool {
 }
 
 // mountDevices reads a thread's mountinfo: each mount's id and the
-// major:minor of its file system. Reading it asks no file system. A thread
-// that is gone has nothing to name (nil, true); one whose mounts cannot be
-// read, nil and false.
-func mountDevices(path string) (map[uint64][2]uint32, bool) {
+// major:minor of its file system. Reading it asks no file system. That of
+// a thread that is gone (ENOENT) or has exited (EINVAL) cannot be read.
+func mountDevices(path string) (map[uint64][2]uint32, error) {
 	info, err := mounts.ReadInfo(path)
 	if err != nil {
-		return nil, errors.Is(err, fs.ErrNotExist) // gone: nothing to name
+		return nil, err
 	}
 	out := make(map[uint64][2]uint32, len(info))
 	for id, m := range info {
 		out[id] = m.Dev
 	}
-	return out, true
+	return out, nil
 }
 
 // fdInfos counts the fdinfo entries read, for tests.
