@@ -67,7 +67,11 @@ type SoftStats struct {
 //
 // The Soft returned by CreateSoft, in the segment's owner, is the only one
 // that may register and deregister (through its PDs); it alone writes the
-// shared state, serialised by a process-local mutex. A Soft from
+// shared state, serialised by a process-local mutex, and decides from its
+// own record of what it registered, never from what it reads back: any
+// process of the user may write the segment, and a word forged there
+// changes at most what readers see, never which slot, hole, key or PD
+// number the owner hands out next. A Soft from
 // AttachSoft, in any process, validates, copies and reads counters; its
 // PDs' RegMR and DeregMR fail with ErrPermission.
 //
@@ -91,16 +95,37 @@ type Soft struct {
 	own    *owner // nil unless made by CreateSoft
 }
 
-// owner is the creator's process-local registration state.
+// owner is the creator's process-local registration state. It is the
+// owner's only record of what it registered: the slots and holes in the
+// segment are written for readers and never read back, because every
+// process of the user maps the segment writable and may have changed
+// them.
 type owner struct {
 	mu        sync.Mutex
 	free      []uint32 // ring of free slots: reused oldest-freed first
 	head, n   int
+	slots     []ownSlot       // by slot index
+	holes     []holeRange     // by hole index: the range of a hole in use
 	pinned    map[uint32]span // MRs mlock pinned, by slot, in whole pages
 	resident  []span          // ranges the kernel keeps resident (Resident)
 	pinWarned bool
 	freeHoles []uint32 // stack of free hole indexes
+	nextPD    uint32   // last PD number handed out
 }
+
+// ownSlot is the owner's record of one slot: what it published there.
+type ownSlot struct {
+	key    uint32 // 0: free
+	pd     uint32
+	addr   uint64
+	len    uint64
+	uses   uint32   // keys the slot has handed out
+	pinned bool     // counted in PinnedBytes (else in UnpinnedMRs)
+	holes  []uint32 // hole indexes, oldest first; the segment's list runs newest first
+}
+
+// holeRange is the owner's record of a hole: [lo, hi).
+type holeRange struct{ lo, hi uint64 }
 
 // span is a page-rounded address range [lo, hi).
 type span struct{ lo, hi uintptr }
@@ -153,7 +178,8 @@ func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
 		_ = seg.Free(off)
 		return nil, fmt.Errorf("verbs: create soft device: %w", err)
 	}
-	own := &owner{free: make([]uint32, n), n: n, pinned: make(map[uint32]span), freeHoles: make([]uint32, nh)}
+	own := &owner{free: make([]uint32, n), n: n, slots: make([]ownSlot, n), holes: make([]holeRange, nh),
+		pinned: make(map[uint32]span), freeHoles: make([]uint32, nh)}
 	for i := range own.free {
 		own.free[i] = uint32(i)
 	}
@@ -222,8 +248,12 @@ func (d *Soft) AllocPD() (PD, error) {
 		return nil, fmt.Errorf("verbs: alloc PD: %w", ErrClosed)
 	}
 	p := &softPD{d: d}
-	if d.own != nil {
-		p.id = atomic.AddUint32(&d.hdr.NextPD, 1)
+	if o := d.own; o != nil {
+		o.mu.Lock()
+		o.nextPD++
+		p.id = o.nextPD
+		atomic.StoreUint32(&d.hdr.NextPD, p.id)
+		o.mu.Unlock()
 	}
 	return p, nil
 }
@@ -244,8 +274,8 @@ func (d *Soft) Close() error {
 		return nil
 	}
 	d.closed.Store(true)
-	for i := range d.table {
-		if atomic.LoadUint32(&d.table[i].Key) != 0 {
+	for i := range o.slots {
+		if o.slots[i].key != 0 {
 			d.invalidateLocked(uint32(i))
 		}
 	}
@@ -297,7 +327,8 @@ func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
 	o.n--
 
 	s := &d.table[idx]
-	uses := atomic.LoadUint32(&s.Uses) + 1
+	own := &o.slots[idx]
+	uses := own.uses + 1
 	key := idx<<variantBits | variantOf(uses)
 	var flags uint32
 	if pinned {
@@ -306,6 +337,7 @@ func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
 	if pin == pinMlock {
 		o.pinned[idx] = pageSpan(addr, length)
 	}
+	*own = ownSlot{key: key, pd: p.id, addr: uint64(addr), len: uint64(length), uses: uses, pinned: pinned, holes: own.holes[:0]}
 	atomic.AddUint32(&s.Seq, 1) // odd: readers back off
 	atomic.StoreUint64(&s.Addr, uint64(addr))
 	atomic.StoreUint64(&s.Len, uint64(length))
@@ -436,17 +468,17 @@ func (d *Soft) unpinLocked(idx uint32) {
 	unlock(cur, sp.hi)
 }
 
-// slotLocked returns the slot a key names, for the owner's operation op,
-// or why there is none. Called with the owner's mutex held.
-func (d *Soft) slotLocked(op string, key uint32) (uint32, *mrSlot, error) {
+// slotLocked returns the index of the slot a key names, for the owner's
+// operation op, or why there is none. Called with the owner's mutex held.
+func (d *Soft) slotLocked(op string, key uint32) (uint32, error) {
 	if d.closed.Load() {
-		return 0, nil, fmt.Errorf("verbs: %s key 0x%x: %w", op, key, ErrClosed)
+		return 0, fmt.Errorf("verbs: %s key 0x%x: %w", op, key, ErrClosed)
 	}
 	idx := key >> variantBits
 	if key&variantMask == 0 || idx >= uint32(len(d.table)) {
-		return 0, nil, fmt.Errorf("verbs: %s key 0x%x: %w", op, key, ErrInvalidKey)
+		return 0, fmt.Errorf("verbs: %s key 0x%x: %w", op, key, ErrInvalidKey)
 	}
-	return idx, &d.table[idx], nil
+	return idx, nil
 }
 
 // DeregMR deregisters mr, which must be a live MR of this PD with the
@@ -460,18 +492,18 @@ func (p *softPD) DeregMR(mr MR) error {
 	o := d.own
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	idx, s, err := d.slotLocked("dereg_mr", mr.LKey)
+	idx, err := d.slotLocked("dereg_mr", mr.LKey)
 	if err != nil {
 		return err
 	}
-	switch {
-	case atomic.LoadUint32(&s.Key) != mr.LKey:
+	switch s := &o.slots[idx]; {
+	case s.key != mr.LKey:
 		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w (deregistered twice?)", mr.LKey, ErrStaleKey)
-	case atomic.LoadUint32(&s.PD) != p.id:
+	case s.pd != p.id:
 		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w: registered by another protection domain", mr.LKey, ErrInvalidKey)
-	case atomic.LoadUint64(&s.Addr) != uint64(mr.Addr) || atomic.LoadUint64(&s.Len) != uint64(mr.Len):
+	case s.addr != uint64(mr.Addr) || s.len != uint64(mr.Len):
 		return fmt.Errorf("verbs: dereg_mr key 0x%x: %w: [0x%x, 0x%x) is not the registered [0x%x, +0x%x)",
-			mr.LKey, ErrBadRange, mr.Addr, mr.End(), atomic.LoadUint64(&s.Addr), atomic.LoadUint64(&s.Len))
+			mr.LKey, ErrBadRange, mr.Addr, mr.End(), s.addr, s.len)
 	}
 	d.invalidateLocked(idx)
 	if d.log.Enabled(context.Background(), slog.LevelDebug) {
@@ -487,17 +519,15 @@ func (p *softPD) DeregMR(mr MR) error {
 func (d *Soft) invalidateLocked(idx uint32) {
 	o := d.own
 	s := &d.table[idx]
-	pinned := atomic.LoadUint32(&s.Flags)&slotPinned != 0
-	length := atomic.LoadUint64(&s.Len)
+	own := &o.slots[idx]
+	pinned, length := own.pinned, own.len
 	atomic.AddUint32(&s.Seq, 1)
 	atomic.StoreUint32(&s.Key, 0)
 	atomic.StoreUint32(&s.Flags, 0)
-	holes := atomic.SwapUint32(&s.Holes, 0)
+	atomic.StoreUint32(&s.Holes, 0)
 	atomic.AddUint32(&s.Seq, 1)
-	for i, n := holes, 0; i != 0 && n < len(d.holes); n++ {
-		o.freeHoles = append(o.freeHoles, i-1)
-		i = atomic.LoadUint32(&d.holes[i-1].Next)
-	}
+	o.freeHoles = append(o.freeHoles, own.holes...)
+	own.key, own.holes = 0, own.holes[:0]
 	d.unpinLocked(idx)
 
 	h := d.hdr
@@ -533,41 +563,49 @@ func (p *softPD) TrimMR(mr MR, addr, length uintptr) error {
 	o := d.own
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	_, s, err := d.slotLocked("trim_mr", mr.LKey)
+	idx, err := d.slotLocked("trim_mr", mr.LKey)
 	if err != nil {
 		return err
 	}
-	if atomic.LoadUint32(&s.Key) != mr.LKey || atomic.LoadUint32(&s.PD) != p.id {
+	own := &o.slots[idx]
+	if own.key != mr.LKey || own.pd != p.id {
 		return fmt.Errorf("verbs: trim_mr key 0x%x: %w", mr.LKey, ErrStaleKey)
 	}
+	s := &d.table[idx]
 	// A range freed again (its pages reallocated and freed once more)
 	// takes no second hole; one next to a hole widens it.
-	for i, n := atomic.LoadUint32(&s.Holes), 0; i != 0 && n < len(d.holes); n++ {
-		h := &d.holes[i-1]
-		hs, he := atomic.LoadUint64(&h.Start), atomic.LoadUint64(&h.End)
-		if hs <= lo && hi <= he {
+	for _, i := range own.holes {
+		r := &o.holes[i]
+		if r.lo <= lo && hi <= r.hi {
 			return nil
 		}
-		if lo <= he && hs <= hi { // touching or overlapping: grow it
+		if lo <= r.hi && r.lo <= hi { // touching or overlapping: grow it
+			r.lo, r.hi = min(r.lo, lo), max(r.hi, hi)
+			h := &d.holes[i]
 			atomic.AddUint32(&s.Seq, 1)
-			atomic.StoreUint64(&h.Start, min(hs, lo))
-			atomic.StoreUint64(&h.End, max(he, hi))
+			atomic.StoreUint64(&h.Start, r.lo)
+			atomic.StoreUint64(&h.End, r.hi)
 			atomic.AddUint32(&s.Seq, 1)
 			return nil
 		}
-		i = atomic.LoadUint32(&h.Next)
 	}
 	if len(o.freeHoles) == 0 {
 		return fmt.Errorf("verbs: trim_mr key 0x%x [0x%x, 0x%x): %w: all %d holes in use", mr.LKey, lo, hi, ErrNoResources, len(d.holes))
 	}
-	hi2 := o.freeHoles[len(o.freeHoles)-1]
+	i := o.freeHoles[len(o.freeHoles)-1]
 	o.freeHoles = o.freeHoles[:len(o.freeHoles)-1]
-	h := &d.holes[hi2]
+	o.holes[i] = holeRange{lo, hi}
+	var next uint32 // the slot's list, newest first, as the owner made it
+	if n := len(own.holes); n > 0 {
+		next = own.holes[n-1] + 1
+	}
+	own.holes = append(own.holes, i)
+	h := &d.holes[i]
 	atomic.StoreUint64(&h.Start, lo)
 	atomic.StoreUint64(&h.End, hi)
-	atomic.StoreUint32(&h.Next, atomic.LoadUint32(&s.Holes))
+	atomic.StoreUint32(&h.Next, next)
 	atomic.AddUint32(&s.Seq, 1)
-	atomic.StoreUint32(&s.Holes, hi2+1)
+	atomic.StoreUint32(&s.Holes, i+1)
 	atomic.AddUint32(&s.Seq, 1)
 	return nil
 }
@@ -586,9 +624,8 @@ func (p *softPD) Close() error {
 	if p.closed.Swap(true) || d.closed.Load() {
 		return nil
 	}
-	for i := range d.table {
-		s := &d.table[i]
-		if atomic.LoadUint32(&s.Key) != 0 && atomic.LoadUint32(&s.PD) == p.id {
+	for i := range o.slots {
+		if s := &o.slots[i]; s.key != 0 && s.pd == p.id {
 			d.invalidateLocked(uint32(i))
 		}
 	}
