@@ -51,7 +51,10 @@
 //
 // A secondary (Attach) reads the descriptors, reserves each list at the
 // same address with MAP_FIXED_NOREPLACE (failing with ErrAddressInUse if
-// anything is there) and maps the allocated pages. It then follows the
+// anything is there) and maps the allocated pages, from the backing files
+// the primary handed it (AttachOptions.Files; BackingFiles in the
+// primary) rather than from the paths in the descriptors, which any
+// process of the primary's user may have rewritten. It then follows the
 // primary through MapPages and UnmapPages, which the IPC layer calls so that
 // the primary's Alloc and Free return only after every secondary followed;
 // Resync rebuilds a secondary's mappings from the descriptors. A secondary

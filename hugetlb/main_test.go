@@ -154,7 +154,25 @@ func helperSecondary(args []string) int {
 			return 3
 		}
 	}
-	mem, err := hugetlb.Attach(seg, hugetlb.AttachOptions{Logger: quiet})
+	o := hugetlb.AttachOptions{Logger: quiet}
+	if len(args) > 2 && args[1] == "files" {
+		// args[2] is how to open the backing files: "rdwr" or "rdonly";
+		// the rest are their paths, handed to Attach as open files.
+		flag := os.O_RDWR
+		if args[2] == "rdonly" {
+			flag = os.O_RDONLY
+		}
+		o.Files = []*os.File{}
+		for _, path := range args[3:] {
+			f, err := os.OpenFile(path, flag, 0)
+			if err != nil {
+				testproc.Say("open-error %v", err)
+				return 3
+			}
+			o.Files = append(o.Files, f)
+		}
+	}
+	mem, err := hugetlb.Attach(seg, o)
 	if err != nil {
 		testproc.Say("attach-error inuse=%v %v", errors.Is(err, hugetlb.ErrAddressInUse), err)
 		return 3

@@ -124,6 +124,15 @@ type Config struct {
 type AttachOptions struct {
 	// Logger receives diagnostics; default slog.Default().
 	Logger *slog.Logger
+	// Files are the lists' backing files in list order, as the primary
+	// handed them over (BackingFiles there). Attach maps from them instead
+	// of opening the paths the descriptors name, after the same checks;
+	// it takes them over, closing them when it fails or with the Memory.
+	// A process that does not own the segment's files should pass them:
+	// any process of the primary's user may write a descriptor's path
+	// (a link to a file of the attaching user, a file system that never
+	// answers), and opening it would do so as the attaching user.
+	Files []*os.File
 }
 
 // Memory is one process's view of an instance's data memory: its memseg
@@ -450,6 +459,15 @@ func Attach(seg *shm.Segment, o AttachOptions) (*Memory, error) {
 	if err != nil {
 		return nil, fmt.Errorf("hugetlb: attach: %w", err)
 	}
+	files := o.Files // those not yet a list's
+	defer func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}()
+	if files != nil && len(files) != len(specs) {
+		return nil, fmt.Errorf("hugetlb: attach: %w: %d lists, %d backing files handed over", ErrBadDescriptor, len(specs), len(files))
+	}
 	m := &Memory{seg: seg, log: logger(o.Logger), table: table}
 	fail := func(err error) (*Memory, error) {
 		m.release(false)
@@ -464,7 +482,11 @@ func Attach(seg *shm.Segment, o AttachOptions) (*Memory, error) {
 		if err := m.reserve(l, "start the primary with another base address (ListConfig.Base, the runtime's memory base setting)"); err != nil {
 			return fail(err)
 		}
-		f, err := openBacking(s)
+		var f *os.File
+		if files != nil {
+			f, files = files[0], files[1:]
+		}
+		f, err := openBacking(s, f)
 		if err != nil {
 			return fail(err)
 		}
@@ -479,20 +501,30 @@ func Attach(seg *shm.Segment, o AttachOptions) (*Memory, error) {
 	return m, nil
 }
 
-// openBacking opens a list's backing file and checks that it can back the
-// list.
-func openBacking(s spec) (*os.File, error) {
-	f, err := os.OpenFile(s.path, os.O_RDWR, 0)
-	if err != nil {
-		return nil, fmt.Errorf("open backing file: %w", err)
+// openBacking checks that f, or the file at the list's path when f is
+// nil, can back the list, and returns it open. f is closed if not.
+func openBacking(s spec, f *os.File) (*os.File, error) {
+	if f == nil {
+		var err error
+		if f, err = os.OpenFile(s.path, os.O_RDWR|unix.O_NOFOLLOW, 0); err != nil {
+			return nil, fmt.Errorf("open backing file: %w", err)
+		}
 	}
 	page, huge, err := falloc.BlockSize(int(f.Fd()))
 	var st unix.Stat_t
 	if err == nil {
 		err = unix.Fstat(int(f.Fd()), &st)
 	}
+	fl := 0
+	if err == nil {
+		fl, err = unix.FcntlInt(f.Fd(), unix.F_GETFL, 0)
+	}
 	switch {
 	case err != nil:
+	case st.Mode&unix.S_IFMT != unix.S_IFREG:
+		err = fmt.Errorf("%w: %s is not a regular file", ErrBadDescriptor, s.path)
+	case fl&unix.O_ACCMODE != unix.O_RDWR:
+		err = fmt.Errorf("%w: %s is not open for reading and writing", ErrBadDescriptor, s.path)
 	case (s.kind == Hugetlbfs) != huge:
 		err = fmt.Errorf("%w: %s: descriptor says %s, file is on %s", ErrBadDescriptor, s.path, s.kind, fsName(huge))
 	case huge && page != s.pageSize:
@@ -506,6 +538,31 @@ func openBacking(s spec) (*os.File, error) {
 		return nil, err
 	}
 	return f, nil
+}
+
+// BackingFiles returns new descriptors of the backing files of lists
+// first to first+max-1 (fewer past the last), for a primary to hand to a
+// secondary's Attach (AttachOptions.Files), and the number of lists. The
+// caller closes them.
+func (m *Memory) BackingFiles(first, max int) ([]*os.File, int, error) {
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
+	if m.closed.Load() {
+		return nil, 0, fmt.Errorf("hugetlb: backing files: %w", ErrClosed)
+	}
+	var out []*os.File
+	for i := first; i >= 0 && i < len(m.lists) && len(out) < max; i++ {
+		l := m.lists[i]
+		fd, err := unix.FcntlInt(l.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			for _, f := range out {
+				f.Close()
+			}
+			return nil, 0, fmt.Errorf("hugetlb: backing file of list %d: %w", i, err)
+		}
+		out = append(out, os.NewFile(uintptr(fd), l.path))
+	}
+	return out, len(m.lists), nil
 }
 
 func fsName(huge bool) string {

@@ -9,7 +9,7 @@ import (
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 4
+const ABI uint32 = 5
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
@@ -27,6 +27,7 @@ const (
 	KindRegisterMempool Kind = 18 // RegisterMempool → RegisterMempoolReply
 	KindStats           Kind = 19 // StatsRequest → StatsReply
 	KindDetach          Kind = 20 // Detach → DetachReply
+	KindMemoryFiles     Kind = 21 // MemoryFiles → MemoryFilesReply, with files
 
 	KindSync Kind = 32 // push: Sync → SyncAck
 )
@@ -45,6 +46,7 @@ var kinds = map[Kind]kindInfo{
 	KindRegisterMempool: {name: "register-mempool"},
 	KindStats:           {name: "stats"},
 	KindDetach:          {name: "detach"},
+	KindMemoryFiles:     {name: "memory-files"},
 	KindSync:            {name: "sync", push: true},
 }
 
@@ -289,6 +291,39 @@ func (m *StatsReply) Validate() error {
 		if name == "" || len(name) > maxName {
 			return fieldErr("counter name of %d bytes", len(name))
 		}
+	}
+	return nil
+}
+
+// MemoryFiles asks an attached secondary's primary for the backing files
+// of its memseg lists, from list First on. A secondary maps its data
+// memory from the descriptors the primary hands over, never from a path
+// the shared segment names: any process of the primary's user may write
+// that path, and a secondary of another user would open it as itself. A
+// plain value.
+type MemoryFiles struct {
+	First int `msgpack:"first"`
+}
+
+// Validate checks the list number.
+func (m *MemoryFiles) Validate() error {
+	if m.First < 0 {
+		return fieldErr("memory files from list %d", m.First)
+	}
+	return nil
+}
+
+// MemoryFilesReply comes with the backing files of lists First onwards,
+// in list order, as many as one message carries (at most MaxFiles), and
+// says how many lists there are. A plain value.
+type MemoryFilesReply struct {
+	Lists int `msgpack:"lists"`
+}
+
+// Validate checks the list count.
+func (m *MemoryFilesReply) Validate() error {
+	if m.Lists < 0 {
+		return fieldErr("%d memory lists", m.Lists)
 	}
 	return nil
 }

@@ -189,6 +189,16 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 			return h.strangerStats()
 		}
 		return h.stats(), nil
+	case ipc.KindMemoryFiles:
+		var m ipc.MemoryFiles
+		if err := body.Decode(&m); err != nil {
+			return nil, err
+		}
+		files, lists, err := p.mem.BackingFiles(m.First, ipc.MaxFiles)
+		if err != nil {
+			return nil, err
+		}
+		return ipc.WithFiles{Body: &ipc.MemoryFilesReply{Lists: lists}, Files: files, CloseAfterSend: true}, nil
 	case ipc.KindDetach:
 		var m ipc.Detach
 		if err := body.Decode(&m); err != nil {

@@ -301,8 +301,16 @@ func (s *Secondary) attach(ctx context.Context) error {
 		}
 	}
 	// Memory is mapped after the hello: from the hello on, the primary
-	// pushes every change, and pushes wait for s.ready.
-	if s.mem, err = hugetlb.Attach(s.seg, hugetlb.AttachOptions{Logger: s.log}); err != nil {
+	// pushes every change, and pushes wait for s.ready. It is mapped from
+	// files the primary hands over, not from paths in the segment.
+	files, err := s.memoryFiles(ctx)
+	if err != nil {
+		if errors.Is(err, ipc.ErrPeerGone) && !errors.Is(err, ipc.ErrLimit) && !errors.Is(err, ipc.ErrRefused) {
+			return &retryAttach{err} // dropped since the hello: start again, as below
+		}
+		return err
+	}
+	if s.mem, err = hugetlb.Attach(s.seg, hugetlb.AttachOptions{Logger: s.log, Files: files}); err != nil {
 		return err
 	}
 	holding.add(s)
@@ -620,6 +628,37 @@ func (r request) String() string {
 		s += fmt.Sprintf(" 0x%x", r.addr)
 	}
 	return s
+}
+
+// memoryFiles asks the primary for the backing files of every memseg
+// list, in list order, as many at a time as a message carries.
+func (s *Secondary) memoryFiles(ctx context.Context) (_ []*os.File, err error) {
+	var files []*os.File
+	defer func() {
+		if err != nil {
+			for _, f := range files {
+				f.Close()
+			}
+		}
+	}()
+	for {
+		var reply ipc.MemoryFilesReply
+		got := &ipc.WithFiles{Body: &reply}
+		if err := s.client.Call(ctx, ipc.KindMemoryFiles, &ipc.MemoryFiles{First: len(files)}, got); err != nil {
+			return nil, s.requestError(request{what: "memory files"}, err)
+		}
+		files = append(files, got.Files...)
+		switch {
+		case reply.Lists > hugetlb.MaxLists || len(files) > reply.Lists:
+			return nil, fmt.Errorf("%w: the primary handed over %d backing files of %d memseg lists (at most %d)",
+				hugetlb.ErrBadDescriptor, len(files), reply.Lists, hugetlb.MaxLists)
+		case len(files) == reply.Lists:
+			return files, nil
+		case len(got.Files) == 0:
+			return nil, fmt.Errorf("%w: the primary handed over no backing file for memseg list %d of %d",
+				hugetlb.ErrBadDescriptor, len(files), reply.Lists)
+		}
+	}
 }
 
 // requestError maps a failed request to ErrPrimaryGone when the connection
