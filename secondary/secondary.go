@@ -160,8 +160,13 @@ func Attach(cfg Config) (*Secondary, error) {
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		s := &Secondary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), ready: make(chan struct{}),
 			gone: make(chan struct{}), unmapped: make(chan struct{}), primarySlot: -1}
+		// One attempt at a time in a process, from its check of the
+		// process's other attachments (see attach) until it holds the
+		// memory or has let it go.
+		attachMu.Lock()
 		err := s.attach(ctx)
 		if err == nil {
+			attachMu.Unlock()
 			return s, nil
 		}
 		if terr := s.teardown(); terr != nil {
@@ -169,6 +174,7 @@ func Attach(cfg Config) (*Secondary, error) {
 			// (a segment still mapped holds its slot) is logged.
 			s.log.Error("cleaning up after a failed attach", "err", terr)
 		}
+		attachMu.Unlock()
 		if retried != nil && ctx.Err() != nil {
 			// Out of time while trying again: the reason to try again is
 			// the news, not the timeout.
@@ -253,6 +259,14 @@ func (s *Secondary) attach(ctx context.Context) error {
 			ErrNoPrimary, filepath.Join(rundir.Path(), instance.InfoFile), s.info.PID, cred.PID)
 	}
 	if err := checkOwner(s.info.Segment, cred.UID); err != nil {
+		return err
+	}
+	// The primary judges how an attachment of this process ended by
+	// asking the kernel whether the process reaches its data memory; it
+	// must not see another attachment's mappings then, or it fences the
+	// process for as long as it lives. So no hello while an attachment of
+	// this process to the instance maps its memory or waits for its detach.
+	if err := holding.waitForInstance(ctx, s.info.Segment); err != nil {
 		return err
 	}
 	// The slots' lock file is the one in the directory just checked,
@@ -508,9 +522,15 @@ func (s *Secondary) closeMem() error {
 // holding is this process's attachments that map data memory.
 var holding attachments
 
+// attachMu orders the attach attempts of a process (see Attach).
+var attachMu sync.Mutex
+
 type attachments struct {
 	mu  sync.Mutex
 	all map[*Secondary]struct{}
+	// leaving is the attachments closing now, each with a channel closed
+	// once the primary has answered its detach (or the request failed).
+	leaving map[*Secondary]chan struct{}
 }
 
 func (a *attachments) add(s *Secondary) {
@@ -528,14 +548,36 @@ func (a *attachments) remove(s *Secondary) {
 	delete(a.all, s)
 }
 
+// leave lists s as closing until the returned function is called, after
+// its detach.
+func (a *attachments) leave(s *Secondary) (left func()) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.leaving == nil {
+		a.leaving = map[*Secondary]chan struct{}{}
+	}
+	done := make(chan struct{})
+	a.leaving[s] = done
+	return func() {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		delete(a.leaving, s)
+		close(done)
+	}
+}
+
 // dropped returns the unmapped channel of an attachment of this process
 // that the primary dropped (or fenced, before it noticed) and that still
-// maps the data memory, or nil if there is none. One whose primary has
-// gone is not waited for: it keeps its memory until it is closed (and a
-// drop ends with gone closed, after the unmap).
+// maps the data memory, or the detached channel of one that is closing,
+// or nil if there is none. One whose primary has gone is not waited for:
+// it keeps its memory until it is closed (and a drop ends with gone
+// closed, after the unmap).
 func (a *attachments) dropped() chan struct{} {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	for _, done := range a.leaving {
+		return done
+	}
 	for s := range a.all {
 		// Its segment is mapped while it is listed: closeMem comes first.
 		if (s.dropped.Load() || s.seg.Fenced()) && !s.isGone() {
@@ -545,12 +587,49 @@ func (a *attachments) dropped() chan struct{} {
 	return nil
 }
 
+// waitForInstance waits until no attachment of this process to the
+// instance whose segment is seg is closing, and fails with
+// hugetlb.ErrAddressInUse if one maps its data memory.
+func (a *attachments) waitForInstance(ctx context.Context, seg string) error {
+	for {
+		a.mu.Lock()
+		var wait chan struct{}
+		for s, done := range a.leaving {
+			if s.info.Segment == seg {
+				wait = done
+			}
+		}
+		mapped := false
+		for s := range a.all {
+			mapped = mapped || s.info.Segment == seg
+		}
+		a.mu.Unlock()
+		switch {
+		case wait != nil:
+			select {
+			case <-wait:
+			case <-ctx.Done():
+				return fmt.Errorf("secondary: an attachment of this process to the instance waits for its detach: %w", ctx.Err())
+			}
+		case mapped:
+			return fmt.Errorf("secondary: this process is attached to the instance already (%s): close that attachment first: %w",
+				seg, hugetlb.ErrAddressInUse)
+		default:
+			return nil
+		}
+	}
+}
+
 // waitForDrops waits until no attachment of this process that the primary
 // dropped still maps the data memory: one that was, once its queues are
 // closed (dropGrace at most). The primary ends the dropped attachment's
 // fence at the new attachment's hello if the process then reaches no data
 // memory; once the new attachment has mapped it, the kernel can no longer
 // tell the two apart, and the fence would last as long as the process.
+// For the same reason it waits for attachments being closed until the
+// primary has answered their detach (RequestTimeout at most): the primary
+// judges a detach by asking the kernel whether the process still reaches
+// data memory, and must not see the new attachment's mappings then.
 func waitForDrops(ctx context.Context) error {
 	for {
 		wait := holding.dropped()
@@ -561,7 +640,7 @@ func waitForDrops(ctx context.Context) error {
 		case <-wait:
 		case <-ctx.Done():
 			return fmt.Errorf("secondary: an attachment of this process that the primary dropped still maps "+
-				"the data memory: %w", ctx.Err())
+				"the data memory, or one closing waits for its detach: %w", ctx.Err())
 		}
 	}
 }
@@ -989,6 +1068,10 @@ func (s *Secondary) Close() error {
 	s.dropping.Wait()
 	var errs []error
 	if s.client != nil && !s.isGone() {
+		// Another attachment of this process waits until the detach is
+		// answered (see waitForDrops).
+		left := holding.leave(s)
+		defer left()
 		// Unmapped first: from the moment the primary stops sending this
 		// process memory changes, it must map nothing.
 		if s.stop != nil {
