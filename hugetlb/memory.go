@@ -540,10 +540,10 @@ func openBacking(s spec, f *os.File) (*os.File, error) {
 	return f, nil
 }
 
-// BackingFiles returns new descriptors of the backing files of lists
-// first to first+max-1 (fewer past the last), for a primary to hand to a
-// secondary's Attach (AttachOptions.Files), and the number of lists. The
-// caller closes them.
+// BackingFiles opens again the backing files of lists first to
+// first+max-1 (fewer past the last), for a primary to hand to a
+// secondary's Attach (AttachOptions.Files), and returns them with the
+// number of lists. The caller closes them.
 func (m *Memory) BackingFiles(first, max int) ([]*os.File, int, error) {
 	m.qmu.RLock()
 	defer m.qmu.RUnlock()
@@ -552,15 +552,18 @@ func (m *Memory) BackingFiles(first, max int) ([]*os.File, int, error) {
 	}
 	var out []*os.File
 	for i := first; i >= 0 && i < len(m.lists) && len(out) < max; i++ {
+		// A new open file description of the same file, not a duplicate
+		// of this one: the creator's lock on the file is its description's,
+		// and must not outlive the creator in the processes it is handed to.
 		l := m.lists[i]
-		fd, err := unix.FcntlInt(l.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+		f, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(int(l.f.Fd())), os.O_RDWR, 0)
 		if err != nil {
 			for _, f := range out {
 				f.Close()
 			}
 			return nil, 0, fmt.Errorf("hugetlb: backing file of list %d: %w", i, err)
 		}
-		out = append(out, os.NewFile(uintptr(fd), l.path))
+		out = append(out, f)
 	}
 	return out, len(m.lists), nil
 }

@@ -120,7 +120,10 @@ type Secondary struct {
 	dropped      atomic.Bool
 	device       string   // the primary's device name
 	devFile      *os.File // a hardware device's command file, from the primary
-	pdHandle     uint32
+	// instanceUnlock lets the process's next attach attempt to the
+	// instance go (see lockInstance); nil before the lock is taken.
+	instanceUnlock func()
+	pdHandle       uint32
 
 	rtt      instance.Histogram
 	requests atomic.Uint64
@@ -160,13 +163,9 @@ func Attach(cfg Config) (*Secondary, error) {
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		s := &Secondary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), ready: make(chan struct{}),
 			gone: make(chan struct{}), unmapped: make(chan struct{}), primarySlot: -1}
-		// One attempt at a time in a process, from its check of the
-		// process's other attachments (see attach) until it holds the
-		// memory or has let it go.
-		attachMu.Lock()
 		err := s.attach(ctx)
 		if err == nil {
-			attachMu.Unlock()
+			s.unlockInstance()
 			return s, nil
 		}
 		if terr := s.teardown(); terr != nil {
@@ -174,7 +173,7 @@ func Attach(cfg Config) (*Secondary, error) {
 			// (a segment still mapped holds its slot) is logged.
 			s.log.Error("cleaning up after a failed attach", "err", terr)
 		}
-		attachMu.Unlock()
+		s.unlockInstance()
 		if retried != nil && ctx.Err() != nil {
 			// Out of time while trying again: the reason to try again is
 			// the news, not the timeout.
@@ -266,6 +265,11 @@ func (s *Secondary) attach(ctx context.Context) error {
 	// must not see another attachment's mappings then, or it fences the
 	// process for as long as it lives. So no hello while an attachment of
 	// this process to the instance maps its memory or waits for its detach.
+	// One attempt of the process at a time for the instance, from here
+	// until it holds the memory or has let it go (Attach unlocks).
+	if s.instanceUnlock, err = lockInstance(ctx, s.info.Segment); err != nil {
+		return err
+	}
 	if err := holding.waitForInstance(ctx, s.info.Segment); err != nil {
 		return err
 	}
@@ -522,8 +526,43 @@ func (s *Secondary) closeMem() error {
 // holding is this process's attachments that map data memory.
 var holding attachments
 
-// attachMu orders the attach attempts of a process (see Attach).
-var attachMu sync.Mutex
+// unlockInstance lets the process's next attach attempt to the instance
+// go, if this one held it up.
+func (s *Secondary) unlockInstance() {
+	if s.instanceUnlock != nil {
+		s.instanceUnlock()
+	}
+}
+
+// instanceLocks orders the attach attempts of a process to one instance,
+// by the instance's segment path (see attach).
+var instanceLocks struct {
+	mu sync.Mutex
+	m  map[string]chan struct{}
+}
+
+// lockInstance waits, until ctx ends, for the process's other attach
+// attempts to the instance whose segment is seg, and returns the function
+// that lets the next one go.
+func lockInstance(ctx context.Context, seg string) (unlock func(), err error) {
+	instanceLocks.mu.Lock()
+	if instanceLocks.m == nil {
+		instanceLocks.m = map[string]chan struct{}{}
+	}
+	c := instanceLocks.m[seg]
+	if c == nil {
+		c = make(chan struct{}, 1)
+		instanceLocks.m[seg] = c
+	}
+	instanceLocks.mu.Unlock()
+	select {
+	case c <- struct{}{}:
+		var once sync.Once
+		return func() { once.Do(func() { <-c }) }, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("secondary: another attach of this process to the instance is under way: %w", ctx.Err())
+	}
+}
 
 type attachments struct {
 	mu  sync.Mutex
@@ -568,16 +607,12 @@ func (a *attachments) leave(s *Secondary) (left func()) {
 
 // dropped returns the unmapped channel of an attachment of this process
 // that the primary dropped (or fenced, before it noticed) and that still
-// maps the data memory, or the detached channel of one that is closing,
-// or nil if there is none. One whose primary has gone is not waited for:
-// it keeps its memory until it is closed (and a drop ends with gone
-// closed, after the unmap).
+// maps the data memory, or nil if there is none. One whose primary has
+// gone is not waited for: it keeps its memory until it is closed (and a
+// drop ends with gone closed, after the unmap).
 func (a *attachments) dropped() chan struct{} {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for _, done := range a.leaving {
-		return done
-	}
 	for s := range a.all {
 		// Its segment is mapped while it is listed: closeMem comes first.
 		if (s.dropped.Load() || s.seg.Fenced()) && !s.isGone() {
@@ -588,8 +623,11 @@ func (a *attachments) dropped() chan struct{} {
 }
 
 // waitForInstance waits until no attachment of this process to the
-// instance whose segment is seg is closing, and fails with
-// hugetlb.ErrAddressInUse if one maps its data memory.
+// instance whose segment is seg is closing (until the primary has answered
+// its detach, RequestTimeout at most), and fails with
+// hugetlb.ErrAddressInUse if one maps its data memory. The primary judges
+// how an attachment ended by asking the kernel whether the process still
+// reaches data memory, and must not see another attachment's mappings.
 func (a *attachments) waitForInstance(ctx context.Context, seg string) error {
 	for {
 		a.mu.Lock()
@@ -626,10 +664,6 @@ func (a *attachments) waitForInstance(ctx context.Context, seg string) error {
 // fence at the new attachment's hello if the process then reaches no data
 // memory; once the new attachment has mapped it, the kernel can no longer
 // tell the two apart, and the fence would last as long as the process.
-// For the same reason it waits for attachments being closed until the
-// primary has answered their detach (RequestTimeout at most): the primary
-// judges a detach by asking the kernel whether the process still reaches
-// data memory, and must not see the new attachment's mappings then.
 func waitForDrops(ctx context.Context) error {
 	for {
 		wait := holding.dropped()
@@ -728,9 +762,9 @@ func (s *Secondary) memoryFiles(ctx context.Context) (_ []*os.File, err error) {
 		}
 		files = append(files, got.Files...)
 		switch {
-		case reply.Lists > hugetlb.MaxLists || len(files) > reply.Lists:
+		case reply.Lists < 1 || reply.Lists > hugetlb.MaxLists || len(files) > reply.Lists:
 			return nil, fmt.Errorf("%w: the primary handed over %d backing files of %d memseg lists (at most %d)",
-				hugetlb.ErrBadDescriptor, len(files), reply.Lists, hugetlb.MaxLists)
+				hugetlb.ErrBadDescriptor, len(files), reply.Lists, hugetlb.MaxLists) // 1..MaxLists
 		case len(files) == reply.Lists:
 			return files, nil
 		case len(got.Files) == 0:
