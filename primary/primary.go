@@ -111,6 +111,9 @@ type secondary struct {
 	slot  int
 	epoch uint32 // of its claim of the slot
 	start uint64 // its process's start time (shm.ProcessStart), read at hello
+	// files is the first memseg list whose backing file it has not been
+	// handed yet (see KindMemoryFiles), or -1 while a request hands some.
+	files int
 }
 
 // alive reports whether s's claim lives, by the kernel's word: its process

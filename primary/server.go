@@ -194,11 +194,7 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		if err := body.Decode(&m); err != nil {
 			return nil, err
 		}
-		files, lists, err := p.mem.BackingFiles(m.First, ipc.MaxFiles)
-		if err != nil {
-			return nil, err
-		}
-		return ipc.WithFiles{Body: &ipc.MemoryFilesReply{Lists: lists}, Files: files, CloseAfterSend: true}, nil
+		return h.memoryFiles(peer, m.First)
 	case ipc.KindDetach:
 		var m ipc.Detach
 		if err := body.Decode(&m); err != nil {
@@ -219,6 +215,40 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		return &ipc.DetachReply{}, nil
 	}
 	return nil, fmt.Errorf("primary: request kind %v not served", kind)
+}
+
+// memoryFiles hands an attached secondary the backing files of its memory
+// from list first on: each list's once per attachment, in order, one
+// request at a time. Each request opens the files again here, so a peer
+// that asked over and over would have this process open files without
+// end; a request out of turn is refused with ipc.ErrLimit.
+func (h *handler) memoryFiles(peer *ipc.Peer, first int) (any, error) {
+	p := h.p()
+	h.syncMu.Lock()
+	s := h.peers[peer]
+	ok := s != nil && s.files == first
+	if ok {
+		s.files = -1
+	}
+	h.syncMu.Unlock()
+	if s == nil {
+		return nil, instance.ErrNotAttached
+	}
+	if !ok {
+		return nil, fmt.Errorf("%w: memory files from list %d: an attachment is handed each list's file once, in order",
+			ipc.ErrLimit, first)
+	}
+	files, lists, err := p.mem.BackingFiles(first, ipc.MaxFiles)
+	if err == nil && len(files) == 0 {
+		err = fmt.Errorf("%w: memory files from list %d: there are %d lists", ipc.ErrLimit, first, lists)
+	}
+	h.syncMu.Lock()
+	s.files = first + len(files)
+	h.syncMu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	return ipc.WithFiles{Body: &ipc.MemoryFilesReply{Lists: lists}, Files: files, CloseAfterSend: true}, nil
 }
 
 func (h *handler) attached(peer *ipc.Peer) bool {
