@@ -674,7 +674,7 @@ func waitForDrops(ctx context.Context) error {
 		case <-wait:
 		case <-ctx.Done():
 			return fmt.Errorf("secondary: an attachment of this process that the primary dropped still maps "+
-				"the data memory, or one closing waits for its detach: %w", ctx.Err())
+				"the data memory: %w", ctx.Err())
 		}
 	}
 }
