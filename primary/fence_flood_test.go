@@ -71,43 +71,14 @@ func helperClaimAndHangUp(args []string) int {
 }
 
 func claimAndHangUp(prefix, rundir string) error {
-	dir, err := instance.Dir(prefix, rundir)
-	if err != nil {
-		return err
-	}
-	rd, err := ipc.OpenRunDir(dir, ipc.RunDirOptions{})
-	if err != nil {
-		return err
-	}
-	defer rd.Close()
-	info, err := instance.ReadInfoIn(rd)
-	if err != nil {
-		return err
-	}
-	lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDWR, 0)
-	if err != nil {
-		return err
-	}
-	seg, err := shm.Attach(shm.Options{Path: info.Segment, LockPath: lockf.Name(), LockFile: lockf,
-		LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: quiet})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	seg, client, err := claimAndSayHello(ctx, prefix, rundir)
 	if err != nil {
 		return err
 	}
 	defer seg.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	client, err := ipc.DialClient(ctx, filepath.Join(rd.Path(), ipc.SocketName), ipc.ClientConfig{Logger: quiet})
-	if err != nil {
-		return err
-	}
-	start, _ := shm.ProcessStart(os.Getpid())
-	var hello ipc.HelloReply
-	err = client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
-		Start: start, Role: "secondary", Slot: seg.Slot(), Epoch: seg.Epoch()}, &ipc.WithFiles{Body: &hello})
 	client.Close()
-	if err != nil {
-		return err
-	}
 	for !seg.Fenced() {
 		if ctx.Err() != nil {
 			return fmt.Errorf("claim of slot %d not fenced: %w", seg.Slot(), ctx.Err())
@@ -115,6 +86,48 @@ func claimAndHangUp(prefix, rundir string) error {
 		time.Sleep(time.Millisecond)
 	}
 	return nil
+}
+
+// claimAndSayHello does what Attach does before it maps anything: it
+// claims a slot in the process table of the instance prefix (runtime
+// directory rundir), connects, and says hello naming the slot. The caller
+// closes both.
+func claimAndSayHello(ctx context.Context, prefix, rundir string) (*shm.Segment, *ipc.Client, error) {
+	dir, err := instance.Dir(prefix, rundir)
+	if err != nil {
+		return nil, nil, err
+	}
+	rd, err := ipc.OpenRunDir(dir, ipc.RunDirOptions{})
+	if err != nil {
+		return nil, nil, err
+	}
+	defer rd.Close()
+	info, err := instance.ReadInfoIn(rd)
+	if err != nil {
+		return nil, nil, err
+	}
+	lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDWR, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	seg, err := shm.Attach(shm.Options{Path: info.Segment, LockPath: lockf.Name(), LockFile: lockf,
+		LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: quiet})
+	if err != nil {
+		return nil, nil, err
+	}
+	client, err := ipc.DialClient(ctx, filepath.Join(rd.Path(), ipc.SocketName), ipc.ClientConfig{Logger: quiet})
+	if err != nil {
+		seg.Close()
+		return nil, nil, err
+	}
+	start, _ := shm.ProcessStart(os.Getpid())
+	if err := client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
+		Start: start, Role: "secondary", Slot: seg.Slot(), Epoch: seg.Epoch()}, &ipc.WithFiles{Body: &ipc.HelloReply{}}); err != nil {
+		client.Close()
+		seg.Close()
+		return nil, nil, err
+	}
+	return seg, client, nil
 }
 
 // A process the primary must fence again and again costs it one record

@@ -3,8 +3,6 @@ package primary_test
 import (
 	"context"
 	"errors"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -12,11 +10,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
-	"github.com/mpmr/mpmr/shm"
 )
 
 func init() { testproc.Register("ask-memory-files", helperAskMemoryFiles) }
@@ -28,48 +24,15 @@ func init() { testproc.Register("ask-memory-files", helperAskMemoryFiles) }
 // "> files N refused R" for the burst, or "> err ..." for a request that
 // failed otherwise.
 func helperAskMemoryFiles(args []string) int {
-	dir, err := instance.Dir(args[0], args[1])
-	if err != nil {
-		testproc.Say("> err %v", err)
-		return 3
-	}
-	rd, err := ipc.OpenRunDir(dir, ipc.RunDirOptions{})
-	if err != nil {
-		testproc.Say("> err %v", err)
-		return 3
-	}
-	defer rd.Close()
-	info, err := instance.ReadInfoIn(rd)
-	if err != nil {
-		testproc.Say("> err %v", err)
-		return 3
-	}
-	lockf, err := rd.OpenFile(instance.SlotsLockFile, os.O_RDWR, 0)
-	if err != nil {
-		testproc.Say("> err %v", err)
-		return 3
-	}
-	seg, err := shm.Attach(shm.Options{Path: info.Segment, LockPath: lockf.Name(), LockFile: lockf,
-		LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: quiet})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	seg, client, err := claimAndSayHello(ctx, args[0], args[1])
 	if err != nil {
 		testproc.Say("> err %v", err)
 		return 3
 	}
 	defer seg.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	client, err := ipc.DialClient(ctx, filepath.Join(rd.Path(), ipc.SocketName), ipc.ClientConfig{Logger: quiet})
-	if err != nil {
-		testproc.Say("> err %v", err)
-		return 3
-	}
 	defer client.Close()
-	start, _ := shm.ProcessStart(os.Getpid())
-	if err := client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
-		Start: start, Role: "secondary", Slot: seg.Slot(), Epoch: seg.Epoch()}, &ipc.WithFiles{Body: &ipc.HelloReply{}}); err != nil {
-		testproc.Say("> err hello %v", err)
-		return 3
-	}
 	ask := func(first int) (int, error) {
 		got := &ipc.WithFiles{Body: &ipc.MemoryFilesReply{}}
 		err := client.Call(ctx, ipc.KindMemoryFiles, &ipc.MemoryFiles{First: first}, got)
