@@ -535,10 +535,16 @@ func (s *Secondary) unlockInstance() {
 }
 
 // instanceLocks orders the attach attempts of a process to one instance,
-// by the instance's segment path (see attach).
+// by the instance's segment path (see attach). An entry lives while an
+// attempt holds or waits for it.
 var instanceLocks struct {
 	mu sync.Mutex
-	m  map[string]chan struct{}
+	m  map[string]*instanceLock
+}
+
+type instanceLock struct {
+	c    chan struct{} // holds a token while an attempt holds the lock
+	refs int           // attempts holding or waiting
 }
 
 // lockInstance waits, until ctx ends, for the process's other attach
@@ -547,19 +553,28 @@ var instanceLocks struct {
 func lockInstance(ctx context.Context, seg string) (unlock func(), err error) {
 	instanceLocks.mu.Lock()
 	if instanceLocks.m == nil {
-		instanceLocks.m = map[string]chan struct{}{}
+		instanceLocks.m = map[string]*instanceLock{}
 	}
-	c := instanceLocks.m[seg]
-	if c == nil {
-		c = make(chan struct{}, 1)
-		instanceLocks.m[seg] = c
+	l := instanceLocks.m[seg]
+	if l == nil {
+		l = &instanceLock{c: make(chan struct{}, 1)}
+		instanceLocks.m[seg] = l
 	}
+	l.refs++
 	instanceLocks.mu.Unlock()
+	release := func() {
+		instanceLocks.mu.Lock()
+		defer instanceLocks.mu.Unlock()
+		if l.refs--; l.refs == 0 {
+			delete(instanceLocks.m, seg)
+		}
+	}
 	select {
-	case c <- struct{}{}:
+	case l.c <- struct{}{}:
 		var once sync.Once
-		return func() { once.Do(func() { <-c }) }, nil
+		return func() { once.Do(func() { <-l.c; release() }) }, nil
 	case <-ctx.Done():
+		release()
 		return nil, fmt.Errorf("secondary: another attach of this process to the instance is under way: %w", ctx.Err())
 	}
 }
