@@ -3,6 +3,7 @@ package primary_test
 import (
 	"context"
 	"errors"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/shm"
 )
 
 func init() { testproc.Register("ask-memory-files", helperAskMemoryFiles) }
@@ -20,7 +22,7 @@ func init() { testproc.Register("ask-memory-files", helperAskMemoryFiles) }
 // helperAskMemoryFiles claims a slot and says hello as a secondary does
 // (args: PREFIX RUNDIR), then asks for the memory files: once from list 0,
 // again from list 0, from list 1 (past the one list), and from list 0 in
-// 20 calls at once. It says "> files N" for each of the first three and
+// 20 calls at once; then says hello again and asks from list 0. It says "> files N" for each of the first three and
 // "> files N refused R" for the burst, or "> err ..." for a request that
 // failed otherwise.
 func helperAskMemoryFiles(args []string) int {
@@ -71,6 +73,16 @@ func helperAskMemoryFiles(args []string) int {
 		}
 	}
 	testproc.Say("> files %d refused %d", files, refused)
+	// The same hello again, on the same connection: still the same
+	// attachment, whose files went.
+	start, _ := shm.ProcessStart(os.Getpid())
+	if err := client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
+		Start: start, Role: "secondary", Slot: seg.Slot(), Epoch: seg.Epoch()}, &ipc.WithFiles{Body: &ipc.HelloReply{}}); err != nil {
+		testproc.Say("> err hello again %v", err)
+		return 0
+	}
+	n, err := ask(0)
+	testproc.Say("> after hello files %d refused %t", n, errors.Is(err, ipc.ErrLimit))
 	return 0
 }
 
@@ -78,15 +90,16 @@ func helperAskMemoryFiles(args []string) int {
 // opens them again in the primary, so a peer that asks over and over (or
 // many times at once) would make the primary open files without end. The
 // first ask gets the one list's file; asking again, past the last list,
-// or twenty times at once, is refused with ipc.ErrLimit and hands over
+// twenty times at once, or after saying hello again, is refused with ipc.ErrLimit and hands over
 // nothing.
 func TestMemoryFilesAreHandedOnce(t *testing.T) {
 	_, cfg := startPrimary(t, testenv.Tmpfs(t))
 	h := testproc.Start(t, "ask-memory-files", []string{cfg.Prefix, cfg.RuntimeDir})
 	var got []string
-	for range 4 {
+	for range 5 {
 		got = append(got, strings.TrimPrefix(h.Expect("> ", 0), "> "))
 	}
-	assert.Equal(t, []string{"files 1", "files 0 refused", "files 0 refused", "files 0 refused 20"}, got)
+	assert.Equal(t, []string{"files 1", "files 0 refused", "files 0 refused", "files 0 refused 20",
+		"after hello files 0 refused true"}, got)
 	require.NoError(t, h.Wait(0))
 }

@@ -319,7 +319,11 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	}
 	p.mem.RLock()
 	h.syncMu.Lock()
-	h.peers[peer] = &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
+	s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
+	if old := h.peers[peer]; old != nil {
+		s.files = old.files // a hello again is no new attachment: its files went
+	}
+	h.peers[peer] = s
 	h.syncMu.Unlock()
 	p.mem.RUnlock()
 	h.log.Info("secondary attached", "pid", m.PID, "slot", slot)
