@@ -99,7 +99,7 @@ type Secondary struct {
 	gone   chan struct{} // closed when the primary is gone
 	goneMu sync.Once
 	// unmapped is closed once the data memory has been let go of (see
-	// closeMem and waitForDrops).
+	// closeMem and waitForInstance).
 	unmapped   chan struct{}
 	unmappedMu sync.Once
 	bg         sync.WaitGroup
@@ -204,9 +204,6 @@ func (r *retryAttach) Error() string { return r.err.Error() }
 func (r *retryAttach) Unwrap() error { return r.err }
 
 func (s *Secondary) attach(ctx context.Context) error {
-	if err := waitForDrops(ctx); err != nil {
-		return err
-	}
 	dir, err := instance.Dir(s.cfg.Prefix, s.cfg.RuntimeDir)
 	if err != nil {
 		return err
@@ -620,76 +617,60 @@ func (a *attachments) leave(s *Secondary) (left func()) {
 	}
 }
 
-// dropped returns the unmapped channel of an attachment of this process
-// that the primary dropped (or fenced, before it noticed) and that still
-// maps the data memory, or nil if there is none. One whose primary has
-// gone is not waited for: it keeps its memory until it is closed (and a
-// drop ends with gone closed, after the unmap).
-func (a *attachments) dropped() chan struct{} {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for s := range a.all {
-		// Its segment is mapped while it is listed: closeMem comes first.
-		if (s.dropped.Load() || s.seg.Fenced()) && !s.isGone() {
-			return s.unmapped
-		}
-	}
-	return nil
-}
-
 // waitForInstance waits until no attachment of this process to the
-// instance whose segment is seg is closing (until the primary has answered
-// its detach, RequestTimeout at most), and fails with
-// hugetlb.ErrAddressInUse if one maps its data memory. The primary judges
-// how an attachment ended by asking the kernel whether the process still
-// reaches data memory, and must not see another attachment's mappings.
+// instance whose segment is seg is in the way of a new one: one closing,
+// until the primary has answered its detach (RequestTimeout at most); one
+// the primary dropped (or fenced, before it noticed), until it has let go
+// of the data memory once its queues are closed (dropGrace at most). It
+// fails with hugetlb.ErrAddressInUse if one maps the memory otherwise
+// (a live attachment, or one whose primary has gone, which keeps its
+// memory until it is closed).
+//
+// The primary judges how an attachment ended by asking the kernel whether
+// the process still reaches data memory, and ends a dropped attachment's
+// fence at the next hello if the process reaches none; once a new
+// attachment has mapped the memory, the kernel can no longer tell the two
+// apart, and the fence would last as long as the process.
 func (a *attachments) waitForInstance(ctx context.Context, seg string) error {
 	for {
 		a.mu.Lock()
-		var wait chan struct{}
+		var leaving, dropped chan struct{}
 		for s, done := range a.leaving {
 			if s.info.Segment == seg {
-				wait = done
+				leaving = done
 			}
 		}
 		mapped := false
 		for s := range a.all {
-			mapped = mapped || s.info.Segment == seg
+			// Its segment is mapped while it is listed: closeMem comes first.
+			switch {
+			case s.info.Segment != seg:
+			case (s.dropped.Load() || s.seg.Fenced()) && !s.isGone():
+				dropped = s.unmapped
+			default:
+				mapped = true
+			}
 		}
 		a.mu.Unlock()
 		switch {
-		case wait != nil:
+		case leaving != nil:
 			select {
-			case <-wait:
+			case <-leaving:
 			case <-ctx.Done():
 				return fmt.Errorf("secondary: an attachment of this process to the instance waits for its detach: %w", ctx.Err())
+			}
+		case dropped != nil:
+			select {
+			case <-dropped:
+			case <-ctx.Done():
+				return fmt.Errorf("secondary: an attachment of this process that the primary dropped still maps "+
+					"the data memory: %w", ctx.Err())
 			}
 		case mapped:
 			return fmt.Errorf("secondary: this process is attached to the instance already (%s): close that attachment first: %w",
 				seg, hugetlb.ErrAddressInUse)
 		default:
 			return nil
-		}
-	}
-}
-
-// waitForDrops waits until no attachment of this process that the primary
-// dropped still maps the data memory: one that was, once its queues are
-// closed (dropGrace at most). The primary ends the dropped attachment's
-// fence at the new attachment's hello if the process then reaches no data
-// memory; once the new attachment has mapped it, the kernel can no longer
-// tell the two apart, and the fence would last as long as the process.
-func waitForDrops(ctx context.Context) error {
-	for {
-		wait := holding.dropped()
-		if wait == nil {
-			return nil
-		}
-		select {
-		case <-wait:
-		case <-ctx.Done():
-			return fmt.Errorf("secondary: an attachment of this process that the primary dropped still maps "+
-				"the data memory: %w", ctx.Err())
 		}
 	}
 }
@@ -1118,7 +1099,7 @@ func (s *Secondary) Close() error {
 	var errs []error
 	if s.client != nil && !s.isGone() {
 		// Another attachment of this process waits until the detach is
-		// answered (see waitForDrops).
+		// answered (see waitForInstance).
 		left := holding.leave(s)
 		defer left()
 		// Unmapped first: from the moment the primary stops sending this
