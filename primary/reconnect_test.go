@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/sys/vm"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/secondary"
@@ -45,6 +46,10 @@ func init() {
 //	              data memory): "> swapped slot=N close=ERR took=D tries=T"
 //	lookup A   -> through the new attachment's queue: "> key K" / "> err E"
 //	again      -> attaches once more while attached: "> again ERR"
+//	blocked    -> closes the attachment, maps something where the data
+//	              memory goes, attaches (which fails after its hello),
+//	              unmaps it and attaches again at once:
+//	              "> blocked ERR reattached ERR slot=N"
 //	close      -> "> closed ERR"
 func reconnectSec(args []string) int {
 	cfg := secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet, AttachTimeout: 5 * time.Second}
@@ -107,6 +112,28 @@ func reconnectSec(args []string) int {
 			}
 			q = s.NewQueue()
 			testproc.Say("> swapped slot=%d %s tries=%d", s.Slot(), <-closed, tries)
+		case "blocked":
+			li := s.Memory().Lists()[0]
+			if err := s.Close(); err != nil {
+				testproc.Say("> err close %v", err)
+				return
+			}
+			blk, err := vm.Reserve(li.Base, uintptr(li.PageSize))
+			if err != nil {
+				testproc.Say("> err reserve %v", err)
+				return
+			}
+			_, blockedErr := secondary.Attach(cfg)
+			if err := vm.Unmap(blk, uintptr(li.PageSize)); err != nil {
+				testproc.Say("> err unmap %v", err)
+				return
+			}
+			s, err = secondary.Attach(cfg)
+			slot := -1
+			if err == nil {
+				q, slot = s.NewQueue(), s.Slot()
+			}
+			testproc.Say("> blocked %v reattached %v slot=%d", blockedErr, err, slot)
 		case "again":
 			s2, err := secondary.Attach(cfg)
 			if err == nil {
@@ -208,6 +235,37 @@ func TestReconnectsLeaveNoFence(t *testing.T) {
 	require.Eventually(t, func() bool { p.Memory().ReleaseQuarantine(); return p.Memory().Quarantined() == 0 },
 		3*time.Second, 10*time.Millisecond,
 		"a page freed while every secondary follows waits in quarantine for pid %d after %d plain reconnects", h.PID(), rounds)
+}
+
+// An attach that fails after its hello (something of the process's own
+// is where the data memory goes), tried again at once and succeeding,
+// again and again: the end of the failed attempt's claim is judged before
+// the new one says hello, so nothing is fenced for the process while its
+// new attachment follows every change, and what the primary frees goes
+// back.
+func TestAnAttachThatFailedAfterItsHelloLeavesNoFence(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	ps := p.Backend().PageSize
+	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h.Expect("ready", 0)
+	require.Contains(t, ask(t, h, "attach"), "attached")
+	for round := range 10 {
+		got := ask(t, h, "blocked")
+		require.Contains(t, got, "address range already in use", "round %d: %s", round, got)
+		require.Contains(t, got, "reattached <nil>", "round %d: %s", round, got)
+		// The failed attempt's connection is gone from the primary's
+		// sync set once its end has been judged.
+		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 1 }, 5*time.Second, time.Millisecond,
+			"round %d: the failed attempt's end is judged", round)
+		y, err := p.Alloc(ps)
+		require.NoError(t, err)
+		require.Contains(t, ask(t, h, "lookup %d", y.Addr), "key", "round %d: the new attachment maps and follows", round)
+		require.NoError(t, p.Free(y))
+		require.Eventually(t, func() bool { p.Memory().ReleaseQuarantine(); return p.Memory().Quarantined() == 0 },
+			3*time.Second, 10*time.Millisecond, "round %d: a page freed while the one attachment follows waits in quarantine (fence records %v)",
+			round, p.Segment().Holders())
+	}
+	require.Equal(t, "closed <nil>", ask(t, h, "close"))
 }
 
 // A process attached to an instance attaches to it once more, by mistake.

@@ -120,6 +120,7 @@ type Secondary struct {
 	dropped      atomic.Bool
 	device       string   // the primary's device name
 	devFile      *os.File // a hardware device's command file, from the primary
+	admitted     bool     // its hello was answered (attach only)
 	// instanceUnlock lets the process's next attach attempt to the
 	// instance go (see lockInstance); nil before the lock is taken.
 	instanceUnlock func()
@@ -167,6 +168,15 @@ func Attach(cfg Config) (*Secondary, error) {
 		if err == nil {
 			s.unlockInstance()
 			return s, nil
+		}
+		if s.admitted && !s.isGone() {
+			// The attempt failed after its hello: it leaves as Close
+			// does, so that its end is judged before the next says
+			// hello (within AttachTimeout: a primary that does not answer
+			// gets no more time for this than for the attach).
+			if derr := s.detach(ctx); derr != nil {
+				s.log.Error("unmapping the data memory after a failed attach", "err", derr)
+			}
 		}
 		if terr := s.teardown(); terr != nil {
 			// The attempt's error is the news; what could not be undone
@@ -298,6 +308,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 		}
 		return err
 	}
+	s.admitted = true
 	s.device, s.pdHandle = hello.Device, hello.PD
 	for i, f := range withFiles.Files {
 		if i == 0 {
@@ -1102,24 +1113,37 @@ func (s *Secondary) Close() error {
 		// answered (see waitForInstance).
 		left := holding.leave(s)
 		defer left()
-		// Unmapped first: from the moment the primary stops sending this
-		// process memory changes, it must map nothing.
-		if s.stop != nil {
-			s.stop()
-			s.bg.Wait()
-		}
-		if s.mem != nil {
-			err := s.closeMem()
-			if err == nil {
-				s.seg.MarkUnmapped() // only then may the primary reuse what it quarantined
-			}
+		if err := s.detach(context.Background()); err != nil {
 			errs = append(errs, err)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.RequestTimeout)
-		_ = s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
-		cancel()
 	}
 	return errors.Join(append(errs, s.teardown())...)
+}
+
+// detach unmaps the data memory, says so in the slot, and tells the
+// primary this attachment leaves, waiting RequestTimeout at most for its
+// answer, and no longer than ctx: the primary then judges the
+// attachment's end on its word, while the process maps nothing, before
+// any other attachment of the process says hello. It returns what the
+// unmap reported.
+func (s *Secondary) detach(ctx context.Context) error {
+	// Unmapped first: from the moment the primary stops sending this
+	// process memory changes, it must map nothing.
+	if s.stop != nil {
+		s.stop()
+		s.bg.Wait()
+	}
+	var err error
+	if s.mem != nil {
+		err = s.closeMem()
+	}
+	if err == nil {
+		s.seg.MarkUnmapped() // only then may the primary reuse what it quarantined
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	_ = s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
+	cancel()
+	return err
 }
 
 func (s *Secondary) teardown() error {
