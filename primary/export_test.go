@@ -29,3 +29,11 @@ func SetDetachAsk(d time.Duration) (restore func()) {
 	detachAsk = d
 	return func() { detachAsk = old }
 }
+
+// SetHousekeepEvery sets how often housekeeping runs, until restore is
+// called. Set it before the primary starts.
+func SetHousekeepEvery(d time.Duration) (restore func()) {
+	old := reapEvery
+	reapEvery = d
+	return func() { reapEvery = old }
+}

@@ -62,8 +62,11 @@ type Primary struct {
 	unsub   func()
 
 	// Secondaries that follow memory changes, by peer.
-	syncMu sync.Mutex // guards peers and unreaped; taken inside the memory lock
+	syncMu sync.Mutex // guards peers, detached and unreaped; taken inside the memory lock
 	peers  map[*ipc.Peer]*secondary
+	// detached holds the connections whose secondary detached: a claim
+	// that has left does not come back on them.
+	detached map[*ipc.Peer]struct{}
 	// unreaped holds the slots (and their claims' epochs) of secondaries
 	// whose connection ended while their slot was still held: housekeeping
 	// reclaims each once its process is gone.
@@ -146,7 +149,7 @@ func Start(cfg Config) (*Primary, error) {
 		return nil, fmt.Errorf("primary: %w", err)
 	}
 	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
-		unreaped: map[int]uint32{}}
+		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{}}
 	if err := p.start(); err != nil {
 		if terr := p.teardown(); terr != nil {
 			// The start's error is the news; what could not be undone
@@ -350,10 +353,9 @@ func (p *Primary) Name() string { return p.name }
 // publishEvery is how often the runtime publishes its counters into the
 // segment for tools; reapEvery how often it looks whether quarantined pages
 // can go back to the allocator.
-const (
-	publishEvery = 250 * time.Millisecond
-	reapEvery    = 20 * time.Millisecond
-)
+const publishEvery = 250 * time.Millisecond
+
+var reapEvery = 20 * time.Millisecond // a variable for tests that must not race housekeeping
 
 // housekeeping publishes the counters now and then, and returns quarantined
 // pages once the fenced processes they wait for are gone.
@@ -376,7 +378,7 @@ func (p *Primary) housekeeping(ctx context.Context) {
 		} else if repaired {
 			p.log.Warn("took the global cache lock over from a dead writer and rebuilt the table")
 		}
-		if n%int(publishEvery/reapEvery) == 0 {
+		if n%max(1, int(publishEvery/reapEvery)) == 0 {
 			p.Stats()
 			// Slots of processes that died where no disconnect told of it
 			// (killed while attaching, say).
