@@ -3,7 +3,6 @@ package primary_test
 import (
 	"context"
 	"errors"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -21,7 +20,6 @@ import (
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
-	"github.com/mpmr/mpmr/shm"
 )
 
 func init() {
@@ -30,40 +28,35 @@ func init() {
 }
 
 // b7MempoolFlood is a careless secondary of the primary's own user. It
-// attaches to instance args[0] (runtime directory args[1]), opens args[2]
-// connections to the socket args[6] that say hello for its own slot, and
-// from as many goroutines on each as a connection may have requests in
-// flight asks, over and over, for the registration of a mempool of args[5]
-// chunks, all [args[3], +args[4]) (one frame, well under MaxMessage). It
-// says "flooding conns=N", then answers each input line with
-// "> ok=N failed=N".
+// attaches to instance args[0] (runtime directory args[1]), makes args[2]
+// more claims of slots that each say hello on a connection of their own
+// (one connection speaks for a claim), and from as many goroutines on
+// each as a connection may have requests in flight asks, over and over,
+// for the registration of a mempool of args[5] chunks, all [args[3],
+// +args[4]) (one frame, well under MaxMessage). It says "flooding
+// conns=N", then answers each input line with "> ok=N failed=N".
 func b7MempoolFlood(args []string) int {
 	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
 	if err != nil {
 		testproc.Say("attach-failed %v", err)
 		return 3
 	}
+	defer s.Close()
 	conns, _ := strconv.Atoi(args[2])
 	addr, _ := strconv.ParseUint(args[3], 0, 64)
 	length, _ := strconv.ParseUint(args[4], 0, 64)
 	nchunks, _ := strconv.Atoi(args[5])
-	start, _ := shm.ProcessStart(os.Getpid())
-	hello := &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Start: start, Role: "secondary",
-		Slot: s.Slot(), Epoch: s.Segment().Epoch()}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	ack := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) { return &ipc.SyncAck{}, nil })
 	var clients []*ipc.Client
 	for range conns {
-		c, err := ipc.DialClient(ctx, args[6], ipc.ClientConfig{Logger: quiet, PushHandler: ack})
+		seg, c, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet, PushHandler: ack})
 		if err != nil {
-			testproc.Say("dial-failed %v", err)
-			return 3
-		}
-		if err := c.Call(ctx, ipc.KindHello, hello, &ipc.WithFiles{Body: &ipc.HelloReply{}}); err != nil {
 			testproc.Say("hello-failed %v", err)
 			return 3
 		}
+		defer seg.Close()
 		clients = append(clients, c)
 	}
 	chunks := make([]ipc.Chunk, nchunks)

@@ -73,7 +73,7 @@ func helperClaimAndHangUp(args []string) int {
 func claimAndHangUp(prefix, rundir string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	seg, client, err := claimAndSayHello(ctx, prefix, rundir)
+	seg, client, err := claimAndSayHello(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet})
 	if err != nil {
 		return err
 	}
@@ -90,9 +90,9 @@ func claimAndHangUp(prefix, rundir string) error {
 
 // claimAndSayHello does what Attach does before it maps anything: it
 // claims a slot in the process table of the instance prefix (runtime
-// directory rundir), connects, and says hello naming the slot. The caller
-// closes both.
-func claimAndSayHello(ctx context.Context, prefix, rundir string) (*shm.Segment, *ipc.Client, error) {
+// directory rundir), connects with cfg, and says hello naming the slot.
+// The caller closes both.
+func claimAndSayHello(ctx context.Context, prefix, rundir string, cfg ipc.ClientConfig) (*shm.Segment, *ipc.Client, error) {
 	dir, err := instance.Dir(prefix, rundir)
 	if err != nil {
 		return nil, nil, err
@@ -115,7 +115,7 @@ func claimAndSayHello(ctx context.Context, prefix, rundir string) (*shm.Segment,
 	if err != nil {
 		return nil, nil, err
 	}
-	client, err := ipc.DialClient(ctx, filepath.Join(rd.Path(), ipc.SocketName), ipc.ClientConfig{Logger: quiet})
+	client, err := ipc.DialClient(ctx, filepath.Join(rd.Path(), ipc.SocketName), cfg)
 	if err != nil {
 		seg.Close()
 		return nil, nil, err

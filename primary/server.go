@@ -58,6 +58,7 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	}
 	h.syncMu.Lock()
 	delete(h.peers, peer)
+	delete(h.detached, peer)
 	h.syncMu.Unlock()
 	if h.tearing.Load() {
 		return
@@ -211,6 +212,7 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		}
 		h.syncMu.Lock()
 		delete(h.peers, peer)
+		h.detached[peer] = struct{}{}
 		h.syncMu.Unlock()
 		return &ipc.DetachReply{}, nil
 	}
@@ -288,6 +290,12 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 		return nil, fmt.Errorf("%w: pid %d holds no slot %d (epoch %d) in the process table",
 			instance.ErrNotAttached, m.PID, m.Slot, m.Epoch)
 	}
+	h.syncMu.Lock()
+	refused := h.claimTaken(peer, slot, epoch)
+	h.syncMu.Unlock()
+	if refused != nil {
+		return nil, refused
+	}
 	// After the slot is found: while the process that made the connection
 	// lives, its pid is its own, so the slot found is its slot. Once it
 	// has exited, the pid may be another process's, and whoever kept the
@@ -319,18 +327,43 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	}
 	p.mem.RLock()
 	h.syncMu.Lock()
-	s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
-	if old := h.peers[peer]; old != nil {
-		s.files = old.files // a hello again is no new attachment: its files went
+	refused = h.claimTaken(peer, slot, epoch) // again: another hello may have run meanwhile
+	if refused == nil {
+		s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
+		if old := h.peers[peer]; old != nil {
+			s.files = old.files // a hello again is no new attachment: its files went
+		}
+		h.peers[peer] = s
 	}
-	h.peers[peer] = s
 	h.syncMu.Unlock()
 	p.mem.RUnlock()
+	if refused != nil {
+		for _, f := range files {
+			f.Close()
+		}
+		return nil, refused
+	}
 	h.log.Info("secondary attached", "pid", m.PID, "slot", slot)
 	if files == nil {
 		return reply, nil
 	}
 	return ipc.WithFiles{Body: reply, Files: files, CloseAfterSend: true}, nil
+}
+
+// claimTaken says why a hello on peer for the claim of slot with epoch is
+// refused, or nil: one connection speaks for a claim, and a claim that
+// detached has left; neither starts afresh (with its memory files, say)
+// by saying hello again. Call it with syncMu held.
+func (h *handler) claimTaken(peer *ipc.Peer, slot int, epoch uint32) error {
+	if _, ok := h.detached[peer]; ok {
+		return fmt.Errorf("%w: slot %d (epoch %d) detached on this connection", ipc.ErrLimit, slot, epoch)
+	}
+	for other, o := range h.peers {
+		if other != peer && o.slot == slot && o.epoch == epoch {
+			return fmt.Errorf("%w: slot %d (epoch %d) is attached on another connection", ipc.ErrLimit, slot, epoch)
+		}
+	}
+	return nil
 }
 
 // registerMempool registers each chunk of a secondary's mempool. Chunks
