@@ -15,6 +15,7 @@ import (
 	"github.com/mpmr/mpmr/internal/sys/vm"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
 )
 
@@ -65,6 +66,7 @@ func reconnectSec(args []string) int {
 				testproc.Say("> attach-failed %v", err)
 				return
 			}
+			q = s.NewQueue()
 			testproc.Say("> attached slot=%d", s.Slot())
 		case "fds":
 			n := int(c.Num(0))
@@ -218,7 +220,6 @@ func TestReattachDuringASlowDetachLeavesNoFence(t *testing.T) {
 // enough.
 func TestReconnectsLeaveNoFence(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	ps := p.Backend().PageSize
 	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
 	h.Expect("ready", 0)
 	require.Contains(t, ask(t, h, "attach"), "attached")
@@ -228,13 +229,21 @@ func TestReconnectsLeaveNoFence(t *testing.T) {
 		require.Contains(t, swapped, "close=<nil>", swapped)
 	}
 	t.Logf("reconnects until a fence record appeared: %d (records %v)", rounds, p.Segment().Holders())
-	y, err := p.Alloc(ps)
+	requireFreesGoBack(t, p, h, fmt.Sprintf("after %d plain reconnects", rounds))
+}
+
+// requireFreesGoBack has the secondary h look up a page the primary
+// allocates, frees the page and requires it back from quarantine: h's
+// attachment follows every change, and nothing is fenced for its process.
+func requireFreesGoBack(t *testing.T, p *primary.Primary, h *testproc.Proc, when string) {
+	t.Helper()
+	y, err := p.Alloc(p.Backend().PageSize)
 	require.NoError(t, err)
-	require.Contains(t, ask(t, h, "lookup %d", y.Addr), "key", "the new attachment maps and follows")
+	require.Contains(t, ask(t, h, "lookup %d", y.Addr), "key", "%s: the attachment maps and follows", when)
 	require.NoError(t, p.Free(y))
 	require.Eventually(t, func() bool { p.Memory().ReleaseQuarantine(); return p.Memory().Quarantined() == 0 },
-		3*time.Second, 10*time.Millisecond,
-		"a page freed while every secondary follows waits in quarantine for pid %d after %d plain reconnects", h.PID(), rounds)
+		3*time.Second, 10*time.Millisecond, "%s: a page freed while the attachment follows waits in quarantine "+
+			"for pid %d (fence records %v)", when, h.PID(), p.Segment().Holders())
 }
 
 // An attach that fails after its hello (something of the process's own
@@ -245,7 +254,6 @@ func TestReconnectsLeaveNoFence(t *testing.T) {
 // back.
 func TestAnAttachThatFailedAfterItsHelloLeavesNoFence(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	ps := p.Backend().PageSize
 	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
 	h.Expect("ready", 0)
 	require.Contains(t, ask(t, h, "attach"), "attached")
@@ -257,13 +265,7 @@ func TestAnAttachThatFailedAfterItsHelloLeavesNoFence(t *testing.T) {
 		// sync set once its end has been judged.
 		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 1 }, 5*time.Second, time.Millisecond,
 			"round %d: the failed attempt's end is judged", round)
-		y, err := p.Alloc(ps)
-		require.NoError(t, err)
-		require.Contains(t, ask(t, h, "lookup %d", y.Addr), "key", "round %d: the new attachment maps and follows", round)
-		require.NoError(t, p.Free(y))
-		require.Eventually(t, func() bool { p.Memory().ReleaseQuarantine(); return p.Memory().Quarantined() == 0 },
-			3*time.Second, 10*time.Millisecond, "round %d: a page freed while the one attachment follows waits in quarantine (fence records %v)",
-			round, p.Segment().Holders())
+		requireFreesGoBack(t, p, h, fmt.Sprintf("round %d", round))
 	}
 	require.Equal(t, "closed <nil>", ask(t, h, "close"))
 }
@@ -275,7 +277,6 @@ func TestAnAttachThatFailedAfterItsHelloLeavesNoFence(t *testing.T) {
 // for as long as it lives.
 func TestASecondAttachOfAProcessLeavesNoFence(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	ps := p.Backend().PageSize
 	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
 	h.Expect("ready", 0)
 	require.Contains(t, ask(t, h, "attach"), "attached")
@@ -283,10 +284,6 @@ func TestASecondAttachOfAProcessLeavesNoFence(t *testing.T) {
 	require.Contains(t, got, "attached to the instance already", got)
 	require.Contains(t, got, "address range already in use", got)
 	require.Empty(t, p.Segment().Holders(), "no fence record")
-	y, err := p.Alloc(ps)
-	require.NoError(t, err)
-	require.NoError(t, p.Free(y))
-	require.Eventually(t, func() bool { p.Memory().ReleaseQuarantine(); return p.Memory().Quarantined() == 0 },
-		3*time.Second, 10*time.Millisecond, "a page freed while the one attachment follows waits in quarantine")
+	requireFreesGoBack(t, p, h, "after a second attach")
 	require.Equal(t, "closed <nil>", ask(t, h, "close"))
 }
