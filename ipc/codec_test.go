@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"math"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -105,6 +106,8 @@ func TestUnmarshalIsStrict(t *testing.T) {
 		{"hello without role", enc(&ipc.Hello{ABI: ipc.ABI, PID: 1}), &ipc.Hello{}},
 		{"empty region", enc(&ipc.CreateMRReply{Start: 0x2000, End: 0x2000}), &ipc.CreateMRReply{}},
 		{"odd page size", enc(&ipc.HelloReply{PageSize: 3000}), &ipc.HelloReply{}},
+		{"negative hold", enc(&ipc.HelloReply{Hold: -1}), &ipc.HelloReply{}},
+		{"hold past the bound", enc(&ipc.HelloReply{Hold: int64(ipc.MaxHold) + 1}), &ipc.HelloReply{}},
 		{"field in an empty message", enc(map[string]any{"x": 1}), &ipc.Detach{}},
 	}
 	for _, c := range cases {
@@ -119,7 +122,7 @@ func TestMessagesRoundTrip(t *testing.T) {
 	msgs := []any{
 		&ipc.Hello{ABI: ipc.ABI, PID: 42, UID: 1000, Start: 123456, Role: "secondary"},
 		&ipc.HelloReply{Slot: 3, Segment: "/dev/hugepages/mpmr-x", LockFile: "/dev/hugepages/mpmr-x.lock",
-			LayoutTag: 0x5eed, Backend: "hugetlbfs", PageSize: 2 << 20, PrimaryPID: 7},
+			LayoutTag: 0x5eed, Backend: "hugetlbfs", PageSize: 2 << 20, PrimaryPID: 7, Hold: int64(2050 * time.Millisecond)},
 		&ipc.CreateMR{Addr: 0x7f12_3456_7000},
 		&ipc.CreateMRReply{Start: 0x7f12_3440_0000, End: 0x7f12_3460_0000, LKey: 0xabcdef},
 		&ipc.RegisterMempool{Name: "mbufs", Chunks: []ipc.Chunk{{Addr: 0x1000, Len: 0x2000}, {Addr: 0x9000, Len: 1}}},

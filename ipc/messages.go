@@ -4,12 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 )
 
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 5
+const ABI uint32 = 6
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
@@ -137,7 +138,15 @@ type HelloReply struct {
 	PrimaryPID int    `msgpack:"primary_pid"`
 	Device     string `msgpack:"device"` // the primary's device name
 	PD         uint32 `msgpack:"pd"`     // the handle of the primary's PD, for import
+	// Hold is how long, in nanoseconds, a change of the primary's memory
+	// may keep a request waiting while it waits for a stalled secondary
+	// (its sync timeout and its lock's fence time): a request may wait
+	// that long for its answer beyond the requester's own timeout.
+	Hold int64 `msgpack:"hold,omitempty"`
 }
+
+// MaxHold bounds HelloReply.Hold.
+const MaxHold = 10 * time.Minute
 
 // Validate checks the fields a receiver must be able to trust.
 func (m *HelloReply) Validate() error {
@@ -152,6 +161,8 @@ func (m *HelloReply) Validate() error {
 		return fieldErr("hello reply page size %d", m.PageSize)
 	case m.PrimaryPID < 0:
 		return fieldErr("hello reply primary pid %d", m.PrimaryPID)
+	case m.Hold < 0 || m.Hold > int64(MaxHold):
+		return fieldErr("hello reply hold %d", m.Hold)
 	}
 	return nil
 }

@@ -20,8 +20,10 @@ import (
 // miss, is answered from the thread its request woke, with no goroutine
 // hand-off, which would cost about as much again as the round trip. They
 // are short: at worst a create waits for the memory lock, which a memory
-// sync holds for at most SyncTimeout (acknowledgements travel on the
-// connection, so they are not stuck behind it). A mempool's registration,
+// change holds, while a secondary is stalled, for the global lock's fence
+// time and SyncTimeout (acknowledgements travel on the connection, so
+// they are not stuck behind it); the hello tells each secondary so, and
+// its requests wait that much longer. A mempool's registration,
 // which may create thousands of MRs, runs on a goroutine of its own.
 var inlineKinds = []ipc.Kind{ipc.KindCreateMR, ipc.KindStats, ipc.KindDetach}
 
@@ -311,7 +313,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	p.mem.ForgetHolder(m.PID)
 	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
 		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
-		PrimaryPID: os.Getpid(), Device: p.vdev.Name()}
+		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(p.cfg.SyncTimeout + shm.DefaultFenceAfter)}
 	if pd, ok := p.pd.(interface{ Handle() uint32 }); ok {
 		reply.PD = pd.Handle()
 	}

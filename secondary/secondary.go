@@ -67,7 +67,11 @@ type Config struct {
 	// AttachTimeout bounds Attach. Default 5 s.
 	AttachTimeout time.Duration
 	// RequestTimeout bounds each request to the primary (an MR creation).
-	// Default 2 s. A dead primary fails requests at once regardless.
+	// Default 2 s. A request may also wait for as long as the primary
+	// says, in its hello, that a change of its memory can hold requests up
+	// while it waits for a stalled secondary (its SyncTimeout and its
+	// lock's fence time): another process's stall makes a request wait,
+	// not fail. A dead primary fails requests at once regardless.
 	RequestTimeout time.Duration
 	// Spin is how long a request polls for the primary's answer before
 	// it blocks: an answer that comes within it needs no wake-up, at the
@@ -121,6 +125,9 @@ type Secondary struct {
 	device       string   // the primary's device name
 	devFile      *os.File // a hardware device's command file, from the primary
 	admitted     bool     // its hello was answered (attach only)
+	// requestTimeout bounds a request: RequestTimeout and the primary's
+	// hold (see Config.RequestTimeout); set by the hello.
+	requestTimeout time.Duration
 	// instanceUnlock lets the process's next attach attempt to the
 	// instance go (see lockInstance); nil before the lock is taken.
 	instanceUnlock func()
@@ -163,7 +170,7 @@ func Attach(cfg Config) (*Secondary, error) {
 	var retried error // why the last attempt was worth trying again
 	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
 		s := &Secondary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), ready: make(chan struct{}),
-			gone: make(chan struct{}), unmapped: make(chan struct{}), primarySlot: -1}
+			gone: make(chan struct{}), unmapped: make(chan struct{}), primarySlot: -1, requestTimeout: cfg.RequestTimeout}
 		err := s.attach(ctx)
 		if err == nil {
 			s.unlockInstance()
@@ -310,6 +317,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 	}
 	s.admitted = true
 	s.device, s.pdHandle = hello.Device, hello.PD
+	s.requestTimeout = s.cfg.RequestTimeout + time.Duration(hello.Hold)
 	for i, f := range withFiles.Files {
 		if i == 0 {
 			s.devFile = f
@@ -803,8 +811,9 @@ func (s *Secondary) requestError(what fmt.Stringer, err error) error {
 	return fmt.Errorf("secondary: %s: %w", what, err)
 }
 
-// call makes one request to the primary, bounded by RequestTimeout and
-// failing at once if the primary is gone.
+// call makes one request to the primary, bounded by RequestTimeout and the
+// primary's hold (see Config.RequestTimeout), and failing at once if the
+// primary is gone.
 func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 	s.useMu.RLock()
 	defer s.useMu.RUnlock()
@@ -821,7 +830,7 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 		return fmt.Errorf("%w: %s", ErrPrimaryGone, what)
 	}
 	start := time.Now()
-	err := s.client.CallTimeout(s.cfg.RequestTimeout, kind, req, reply)
+	err := s.client.CallTimeout(s.requestTimeout, kind, req, reply)
 	s.rtt.Record(time.Since(start))
 	s.requests.Add(1)
 	if err != nil {
@@ -1122,10 +1131,10 @@ func (s *Secondary) Close() error {
 
 // detach unmaps the data memory, says so in the slot, and tells the
 // primary this attachment leaves, waiting RequestTimeout at most for its
-// answer, and no longer than ctx: the primary then judges the
-// attachment's end on its word, while the process maps nothing, before
-// any other attachment of the process says hello. It returns what the
-// unmap reported.
+// answer (a detach does not wait for memory changes), and no longer than
+// ctx: the primary then judges the attachment's end on its word, while
+// the process maps nothing, before any other attachment of the process
+// says hello. It returns what the unmap reported.
 func (s *Secondary) detach(ctx context.Context) error {
 	// Unmapped first: from the moment the primary stops sending this
 	// process memory changes, it must map nothing.
