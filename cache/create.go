@@ -171,6 +171,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	if err != nil {
 		return Entry{}, false, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
 	}
+	g.own(off, vmr, false)
 	atomic.StoreUint64(&rec.Start, start)
 	atomic.StoreUint64(&rec.Len, length)
 	atomic.StoreUint64(&rec.PageSize, ps)

@@ -37,18 +37,8 @@ func (g *Global) CollectFor(addr, length uint64) error {
 	if err == nil {
 		return nil
 	}
-	if atomic.LoadUint32(&g.root.FreeCount) != 0 {
-		return err // not even detached: this free's MRs may be among them
-	}
-	g.gcMu.Lock()
-	ours := false
-	for _, m := range g.undone {
-		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
-		ours = ours || addr < s+n && s < addr+length
-	}
-	g.gcMu.Unlock()
-	if ours {
-		return err
+	if len(g.ownedFreedOver(addr, length)) != 0 {
+		return err // the device may still accept one of them there
 	}
 	g.logCollect(err)
 	return nil
@@ -93,12 +83,10 @@ func (g *Global) invalidate(addr, length uint64) error {
 		}
 		hits = append(hits, hit{m, uint32((page - atomic.LoadUint64(&m.rec.Start)) / atomic.LoadUint64(&m.rec.PageSize))})
 	}
-	// Also the MRs whose registered range covers the pages without their
-	// bitmap saying so (see trim): the device accepts their keys there.
-	over, err := g.overlapping(addr, length)
-	if err != nil {
-		return err
-	}
+	// Also every MR whose registered range covers the pages, their bitmap
+	// saying so or not (see trim): the device accepts their keys there.
+	// These come from this process's own record, not from the list.
+	over := g.ownedOver(addr, length)
 	if len(hits) == 0 && len(over) == 0 {
 		return nil
 	}
@@ -108,11 +96,15 @@ func (g *Global) invalidate(addr, length uint64) error {
 	atomic.AddUint64(&g.root.Invalidations, 1)
 	var errs []error
 	dropped := map[uint64]bool{}
-	for _, m := range g.trim(over, addr, length) {
-		start := atomic.LoadUint64(&m.rec.Start)
-		g.bumpGen(start, start+atomic.LoadUint64(&m.rec.Len))
-		dropped[m.off] = true
-		errs = append(errs, g.moveToFree(m))
+	for _, off := range g.trim(over, addr, length) {
+		o, _ := g.ownedAt(off)
+		g.bumpGen(uint64(o.mr.Addr), uint64(o.mr.Addr+o.mr.Len))
+		dropped[off] = true
+		m, err := g.mrAt(off)
+		if err == nil {
+			err = g.moveToFree(m)
+		}
+		errs = append(errs, err)
 	}
 	for _, h := range hits {
 		if dropped[h.m.off] || !h.m.bit(h.bit) {
@@ -136,39 +128,25 @@ func (g *Global) invalidate(addr, length uint64) error {
 	return nil
 }
 
-// overlapping returns the MRs on the list, external memory's excepted,
-// whose registered range overlaps [addr, addr+length). Call with the
-// write lock held.
-func (g *Global) overlapping(addr, length uint64) ([]mr, error) {
-	var out []mr
-	err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
-		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
-		if !m.external() && addr < s+n && s < addr+length {
-			out = append(out, m)
-		}
-		return true
-	})
-	return out, err
-}
-
-// trim tells the device that the MRs in over no longer cover [addr,
-// addr+length): an MR that lost some of its pages, or one registered over
-// pages another MR held (the create path registers a whole run and leaves
-// such pages out of its bitmap only). Without that, the device would keep
-// accepting their keys for freed memory. It returns the MRs the device
-// could not trim, which the caller must take off the list whole. Devices
-// that cannot trim at all (rdma-core) keep the pages registered, as DPDK's
-// drivers do. Call with the write lock held.
-func (g *Global) trim(over []mr, addr, length uint64) (failed []mr) {
+// trim tells the device that the MRs in over (the records' offsets) no
+// longer cover [addr, addr+length): an MR that lost some of its pages, or
+// one registered over pages another MR held (the create path registers a
+// whole run and leaves such pages out of its bitmap only). Without that,
+// the device would keep accepting their keys for freed memory. It returns
+// the MRs the device could not trim, which the caller must take off the
+// list whole. Devices that cannot trim at all (rdma-core) keep the pages
+// registered, as DPDK's drivers do. Call with the write lock held.
+func (g *Global) trim(over []uint64, addr, length uint64) (failed []uint64) {
 	t, ok := g.pd.(verbs.Trimmer)
 	if !ok {
 		return nil
 	}
-	for _, m := range over {
-		if err := t.TrimMR(m.verbsMR(), uintptr(addr), uintptr(length)); err != nil {
+	for _, off := range over {
+		o, _ := g.ownedAt(off)
+		if err := t.TrimMR(o.mr, uintptr(addr), uintptr(length)); err != nil {
 			g.log.Warn("the device cannot trim an MR; deregistering it whole",
-				"lkey", atomic.LoadUint32(&m.rec.LKey), "addr", addr, "len", length, "err", err)
-			failed = append(failed, m)
+				"lkey", o.mr.LKey, "addr", addr, "len", length, "err", err)
+			failed = append(failed, off)
 		}
 	}
 	return failed
@@ -200,6 +178,7 @@ func (g *Global) moveToFree(m mr) error {
 			atomic.StoreUint64(prev, atomic.LoadUint64(&m.rec.Next))
 			atomic.AddUint32(&g.root.MRCount, ^uint32(0))
 			g.push(&g.root.FreeList, &g.root.FreeCount, m)
+			g.markFreed(m.off)
 			return nil
 		}
 		next, err := g.mrAt(off)
@@ -247,28 +226,22 @@ func (g *Global) Collect() (int, error) {
 	}
 	g.gcMu.Lock()
 	defer g.gcMu.Unlock()
-	// First the MRs an earlier collection could not deregister.
+	// What is released is what this process moved to the free list (its
+	// own record says), whatever the list in the segment holds now; the
+	// list is emptied first, so that no record freed here stays on it.
 	var n int
 	var errs []error
-	undone := g.undone
-	g.undone = nil
-	for _, m := range undone {
-		n += g.release(m, &errs)
-	}
-	if atomic.LoadUint32(&g.root.FreeCount) != 0 {
+	if atomic.LoadUint64(&g.root.FreeList) != 0 || atomic.LoadUint32(&g.root.FreeCount) != 0 {
 		err := g.writeLock()
 		if err != nil {
-			errs = append(errs, err)
-		} else {
-			head := atomic.LoadUint64(&g.root.FreeList)
-			atomic.StoreUint64(&g.root.FreeList, 0)
-			atomic.StoreUint32(&g.root.FreeCount, 0)
-			g.writeUnlock()
-			errs = append(errs, g.eachMR(head, func(m mr) bool {
-				n += g.release(m, &errs)
-				return true
-			}))
+			return 0, fmt.Errorf("cache: collect freed MRs: %w", err)
 		}
+		atomic.StoreUint64(&g.root.FreeList, 0)
+		atomic.StoreUint32(&g.root.FreeCount, 0)
+		g.writeUnlock()
+	}
+	for _, off := range g.ownedFreedOver(0, ^uint64(0)) {
+		n += g.release(off, &errs)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return n, fmt.Errorf("cache: collect freed MRs: %w", err)
@@ -277,18 +250,20 @@ func (g *Global) Collect() (int, error) {
 	return n, nil
 }
 
-// release deregisters m and frees its record, and reports 1; or, if the
-// device refuses, keeps the record for the next collection (its key may
-// still be valid: a free waiting on this collection must be refused, and
-// its retry too, until the device lets go), appends why to errs and
-// reports 0. Call with gcMu held.
-func (g *Global) release(m mr, errs *[]error) int {
-	if err := g.pd.DeregMR(m.verbsMR()); err != nil && !errors.Is(err, verbs.ErrStaleKey) {
+// release deregisters the MR whose record is at off, as this process
+// registered it, and frees the record, and reports 1; or, if the device
+// refuses, keeps it for the next collection (its key may still be valid:
+// a free waiting on this collection must be refused, and its retry too,
+// until the device lets go), appends why to errs and reports 0. Call with
+// gcMu held.
+func (g *Global) release(off uint64, errs *[]error) int {
+	o, _ := g.ownedAt(off)
+	if err := g.pd.DeregMR(o.mr); err != nil && !errors.Is(err, verbs.ErrStaleKey) {
 		*errs = append(*errs, err)
-		g.undone = append(g.undone, m)
 		return 0
 	}
-	*errs = append(*errs, g.seg.Free(m.off))
+	g.disown(off)
+	*errs = append(*errs, g.seg.Free(off))
 	return 1
 }
 
@@ -325,6 +300,9 @@ func (g *Global) Close() error {
 			break
 		}
 	}
+	// And those this process registered that the list no longer names:
+	// their keys go with the cache too.
+	g.markAllFreed()
 	g.bumpGen(everything.start, everything.end)
 	if t, err := g.table(); err == nil {
 		t.Clear()
@@ -406,6 +384,7 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 		_ = g.seg.Free(off)
 		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): %w", addr, end, err)
 	}
+	g.own(off, vmr, true)
 	rec := shm.At[mrRecord](g.seg, off)
 	atomic.StoreInt32(&rec.List, -1)
 	atomic.StoreUint64(&rec.Start, addr)

@@ -128,8 +128,9 @@ type Global struct {
 	noExpand  bool
 	fullFlush bool
 	gcMu      sync.Mutex // one collection at a time (see Collect)
-	undone    []mr       // MRs the device would not deregister yet, under gcMu
-	lastGCErr string     // the collection failure last logged, under gcMu
+	ownMu     sync.Mutex
+	owned     map[uint64]ownedMR // what this process registered, by record (see owned.go)
+	lastGCErr string             // the collection failure last logged, under gcMu
 	closeMu   sync.Mutex
 	closed    atomic.Bool
 	// detached is set once this process lets go of the segment (see

@@ -5,7 +5,6 @@ import (
 	"sync/atomic"
 
 	"github.com/mpmr/mpmr/shm"
-	"github.com/mpmr/mpmr/verbs"
 )
 
 // mrRecord is one registered memory region, in the segment. The bitmap of
@@ -82,19 +81,6 @@ func (m mr) setBit(i uint32) {
 func (m mr) clearBit(i uint32) {
 	w := &m.bmp[i/64]
 	atomic.StoreUint64(w, atomic.LoadUint64(w)&^(1<<(i%64)))
-}
-
-// verbsMR rebuilds the verbs MR value the record was registered as.
-func (m mr) verbsMR() verbs.MR {
-	r := m.rec
-	return verbs.MR{
-		Addr:   uintptr(atomic.LoadUint64(&r.Start)),
-		Len:    uintptr(atomic.LoadUint64(&r.Len)),
-		LKey:   atomic.LoadUint32(&r.LKey),
-		RKey:   atomic.LoadUint32(&r.RKey),
-		Handle: atomic.LoadUint32(&r.Handle),
-		Access: verbs.Access(atomic.LoadUint32(&r.Access)),
-	}
 }
 
 // nextChunk returns the chunk of contiguous registered pages that starts at

@@ -1,0 +1,103 @@
+package cache
+
+import (
+	"slices"
+
+	"github.com/mpmr/mpmr/verbs"
+)
+
+// The owner's own record of what it registered.
+//
+// An MR's record in the segment (its range, key and page bitmap, its links
+// in the MR and free lists) can be rewritten by any process that maps the
+// segment. What the readers of the table are served is theirs to trust;
+// what the owner tells the device is not: a free trims the device's MRs
+// over the freed pages, and a collection deregisters MRs, from this
+// record, so that no rewritten word can keep a key valid over memory the
+// owner freed, or have it deregister an MR still in use.
+
+// ownedMR is one registration, kept by the owner under ownMu.
+type ownedMR struct {
+	mr       verbs.MR // as the device registered it
+	external bool     // external memory (RegisterExternal): frees do not touch it
+	freed    bool     // moved to the free list by the owner: the next collection deregisters it
+}
+
+// own records the registration of the MR whose record is at off.
+func (g *Global) own(off uint64, m verbs.MR, external bool) {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	if g.owned == nil {
+		g.owned = make(map[uint64]ownedMR, 64)
+	}
+	g.owned[off] = ownedMR{mr: m, external: external}
+}
+
+// ownedAt returns the registration the owner made at off, if any.
+func (g *Global) ownedAt(off uint64) (ownedMR, bool) {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	o, ok := g.owned[off]
+	return o, ok
+}
+
+// markFreed records that the MR at off went to the free list.
+func (g *Global) markFreed(off uint64) {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	if o, ok := g.owned[off]; ok {
+		o.freed = true
+		g.owned[off] = o
+	}
+}
+
+// disown forgets the MR at off, once the device let go of it.
+func (g *Global) disown(off uint64) {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	delete(g.owned, off)
+}
+
+// ownedOver returns, in record order, the offsets of the owner's live MRs
+// of pool memory whose registered range overlaps [addr, addr+length).
+func (g *Global) ownedOver(addr, length uint64) []uint64 {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	var out []uint64
+	for off, o := range g.owned {
+		s, n := uint64(o.mr.Addr), uint64(o.mr.Len)
+		if !o.external && !o.freed && addr < s+n && s < addr+length {
+			out = append(out, off)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// ownedFreedOver returns, in record order, the offsets of the MRs the
+// owner moved to the free list and the device has not let go of yet whose
+// registered range overlaps [addr, addr+length).
+func (g *Global) ownedFreedOver(addr, length uint64) []uint64 {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	var out []uint64
+	for off, o := range g.owned {
+		s, n := uint64(o.mr.Addr), uint64(o.mr.Len)
+		if o.freed && addr < s+n && s < addr+length {
+			out = append(out, off)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// markAllFreed marks every MR the owner registered for the next
+// collection (Close).
+func (g *Global) markAllFreed() {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	for off, o := range g.owned {
+		o.freed = true
+		g.owned[off] = o
+	}
+}

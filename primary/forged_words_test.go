@@ -1,0 +1,99 @@
+package primary_test
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Offsets of the global cache's words a peer rewrites (see
+// shm/layout_unsafe.go: the roots at +168, 8 bytes each; cache/global.go's
+// globalRoot: the lock's offset at +0, MRList at +8, MRCount at +24).
+const (
+	forgedRootCache = b9Roots + 8*1
+	forgedMRList    = 8
+	forgedMRCount   = 24
+)
+
+// cacheRoot returns the offset of the global cache's root.
+func (b *b9Inst) cacheRoot() int64 {
+	r := b.u64(forgedRootCache)
+	require.NotZero(b.t, r, "no cache root")
+	return int64(r)
+}
+
+// A process of the user unlinks the MR list in the segment (the global
+// root's MRList word set to 0). A free must still have the device refuse
+// the freed memory's key, there and over the next allocation at the same
+// address, and no lookup that starts after it may be served the key: the
+// primary takes what it registered from its own record, not from the list.
+// (A free refused instead fails closed, which is fine too.)
+func TestAnUnlinkedMRListKeepsNoFreedKeyValid(t *testing.T) {
+	b := b9Start(t)
+	sc := b9Two(t, b)
+	a, alen, sec, key := sc.a, sc.alen, sc.sec, sc.key
+	require.Equal(t, "ok", ask(t, sec, "validate %d %d", a, key), "the key is good before")
+
+	root := b.cacheRoot()
+	t.Logf("MRList %#x, MRCount %d", b.u64(root+forgedMRList), b.u32(root+forgedMRCount))
+	b.put64(root+forgedMRList, 0) // the other process's only write
+
+	ans := b.must("free %d %d", a, alen)
+	t.Logf("primary free: %s", ans)
+	if ans != "ok" {
+		return // refused: fail closed, fine
+	}
+	v1 := ask(t, sec, "validate %d %d", a, key)
+	l1 := ask(t, sec, "lookup %d", a)
+	t.Logf("after the free: device on the old key: %s; a secondary's fresh lookup: %s", v1, l1)
+	assert.NotEqual(t, "ok", v1, "the device accepts key %d over [%#x, +%#x), which the primary freed", key, a, alen)
+	assert.False(t, strings.HasPrefix(l1, "key "), "a lookup that starts after the free is served %s", l1)
+
+	na, _ := b.alloc(1)
+	t.Logf("the next alloc got %#x (freed region was %#x)", na, a)
+	if na == a {
+		v2 := ask(t, sec, "validate %d %d", a, key)
+		t.Logf("device on the old key over the new allocation: %s", v2)
+		assert.NotEqual(t, "ok", v2, "the old key %d validates over a NEW allocation at %#x: DMA into someone else's buffer", key, a)
+	}
+}
+
+// A process of the user writes, into the global lock's owner word, the
+// primary's own mark (its slot and epoch, both readable in the process
+// table) while the primary does not hold the lock. The primary's writers
+// must take the lock back rather than wait for a hold of their own that
+// does not exist: the next free and create work, each at once.
+func TestAnOwnerWordForgedWithThePrimarysMarkDoesNotShutItOut(t *testing.T) {
+	b := b9Start(t)
+	sc := b9Two(t, b)
+	a, alen := sc.a, sc.alen
+
+	root := b.cacheRoot()
+	lockOff := int64(b.u64(root + 0))
+	require.NotZero(t, lockOff)
+	// The primary's slot: the one whose pid is the primary helper's.
+	pslot := -1
+	for i := 0; i < 64; i++ {
+		if int(b.u32(b9Table+int64(i)*b9SlotSize+8)) == b.h.PID() {
+			pslot = i
+			break
+		}
+	}
+	if pslot < 0 {
+		for i := 0; i < 8; i++ {
+			t.Logf("slot %d: % x", i, b.read(b9Table+int64(i)*b9SlotSize, 40))
+		}
+		t.Fatalf("primary pid %d not found in the process table", b.h.PID())
+	}
+	epoch := b.u32(b9Table + int64(pslot)*b9SlotSize + b9SlotEpoch)
+	mark := uint64(epoch)<<32 | uint64(pslot+1)
+	t.Logf("primary slot %d epoch %d: owner word <- %#x (was %#x)", pslot, epoch, mark, b.u64(lockOff))
+	b.put64(lockOff, mark)
+
+	free := b.must("free %d %d", a, alen)
+	create := b.must("create %d", sc.other)
+	assert.Equal(t, "ok", free, "the free is refused: the primary did not get its own lock back")
+	assert.True(t, strings.HasPrefix(create, "key "), "the create failed: the primary did not get its own lock back: %s", create)
+}
