@@ -133,7 +133,11 @@ func TestCreateQueuedBehindCloseRegistersNothing(t *testing.T) {
 			release := p.holdLock(t)
 			var wg sync.WaitGroup
 			wg.Add(2)
-			waiters := func(n int) func() bool { return func() bool { return p.g.LockState().Waiters >= n } }
+			// Writers of this process beyond the first wait for its turn
+			// (Queued), the first in the lock's word (Waiters).
+			waiters := func(n int) func() bool {
+				return func() bool { st := p.g.LockState(); return st.Waiters+st.Queued >= n }
+			}
 			var createErr, closeErr error
 			go func() {
 				defer wg.Done()

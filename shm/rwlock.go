@@ -55,6 +55,14 @@ import (
 //     mark back, so the state stays marked as needing repair. Readers cannot
 //     repair, so RLock returns ErrOwnerDied without the lock while a dead
 //     writer's mark is in the word, and waits while a live writer repairs.
+//   - Any process mapping the segment can write the owner word. A process
+//     keeps its own record of whether one of its writers holds the lock
+//     (its writers take their turn in the process before the word), so a
+//     word that names it while none of its writers holds the lock was
+//     written by another, and is taken back as from a writer that died;
+//     a word rewritten while it holds the lock does not stop it letting
+//     go. A segment's owner that never left a lock unrecoverable takes an
+//     unrecoverable word back the same way.
 //
 // Waiting uses shared futexes after a brief spin. Every wait is bounded by
 // its context, or by a time limit (LockWithin, RLockWithin) that starts
@@ -77,6 +85,13 @@ type RWLock struct {
 	mine  *uint64 // this process's reader line
 	owner *uint64 // &head.Owner, one indirection less on the fast paths
 	fence atomic.Int64
+	// turn is this process's turn to write: a writer takes it before the
+	// owner word and gives it back after, so that while it is held here
+	// no other writer of this process holds the word.
+	turn chan struct{}
+	// abandoned says this process left the lock unrecoverable.
+	abandoned atomic.Bool
+	queued    atomic.Int32 // writers waiting for the turn
 }
 
 // ReadHold is a read hold taken by RLock or TryRLock; give it back to
@@ -185,7 +200,7 @@ func (s *Segment) RWLock(off uint64) (*RWLock, error) {
 		return nil, fmt.Errorf("shm: lock at 0x%x: this process has no slot", off)
 	}
 	l := &RWLock{seg: s, off: off, head: head, lines: lines, me: ownerMark(i, s.epoch),
-		mine: &lines[i].Count, owner: &head.Owner}
+		mine: &lines[i].Count, owner: &head.Owner, turn: make(chan struct{}, 1)}
 	l.fence.Store(int64(DefaultFenceAfter))
 	return l, nil
 }
@@ -408,12 +423,67 @@ func (l *RWLock) LockWithin(d time.Duration) error {
 }
 
 func (l *RWLock) lock(b *bound) error {
+	if err := l.takeTurn(b); err != nil {
+		return err
+	}
+	err := l.lockWord(b)
+	if err != nil && err != ErrOwnerDied {
+		<-l.turn
+	}
+	return err
+}
+
+// takeTurn takes this process's turn to write, waiting as b allows.
+func (l *RWLock) takeTurn(b *bound) error {
+	select {
+	case l.turn <- struct{}{}:
+		return nil
+	default:
+	}
+	l.queued.Add(1)
+	defer l.queued.Add(-1)
+	if b.ctx != nil {
+		select {
+		case l.turn <- struct{}{}:
+			return nil
+		case <-b.ctx.Done():
+			return b.ctx.Err()
+		}
+	}
+	at, _ := b.deadline()
+	t := time.NewTimer(time.Until(at))
+	defer t.Stop()
+	select {
+	case l.turn <- struct{}{}:
+		return nil
+	case <-t.C:
+		return context.DeadlineExceeded
+	}
+}
+
+// forged reports whether owner word w, read while this process holds its
+// turn, was written by another process: it names this process, whose
+// writers do not hold the word, or it says unrecoverable on a segment this
+// process owns and never left it so.
+func (l *RWLock) forged(w uint64) bool {
+	return w == l.me || w == ownerUnrecoverable && l.seg.Owner() && !l.abandoned.Load()
+}
+
+// lockWord takes the owner word, with this process's turn held.
+func (l *RWLock) lockWord(b *bound) error {
 	for spins := 0; ; {
 		w := atomic.LoadUint64(l.owner)
 		switch {
 		case w == 0:
 			if atomic.CompareAndSwapUint64(l.owner, 0, l.me) {
 				return l.drain(b, 0)
+			}
+			continue
+		case l.forged(w):
+			if atomic.CompareAndSwapUint64(l.owner, w, l.me) {
+				atomic.StoreUint32(&l.head.Flags, flagInconsistent)
+				l.seg.log.Warn("took back a lock whose owner word another process rewrote", "lock", l.off, "word", w)
+				return l.drain(b, w)
 			}
 			continue
 		case w == ownerUnrecoverable:
@@ -443,15 +513,32 @@ func (l *RWLock) lock(b *bound) error {
 // over as in Lock; if readers keep the takeover from finishing, the dead
 // writer's mark goes back.
 func (l *RWLock) TryLock() (bool, error) {
+	select {
+	case l.turn <- struct{}{}:
+	default:
+		return false, nil // another writer of this process has it
+	}
+	ok, err := l.tryLockWord()
+	if !ok {
+		<-l.turn
+	}
+	return ok, err
+}
+
+// tryLockWord is TryLock with this process's turn held.
+func (l *RWLock) tryLockWord() (bool, error) {
 	w := atomic.LoadUint64(l.owner)
 	switch {
+	case l.forged(w):
 	case w == ownerUnrecoverable:
 		return false, ErrNotRecoverable
 	case w != 0 && l.alive(w):
 		return false, nil
-	case !atomic.CompareAndSwapUint64(l.owner, w, l.me):
+	}
+	if !atomic.CompareAndSwapUint64(l.owner, w, l.me) {
 		return false, nil
-	case w != 0:
+	}
+	if w != 0 {
 		atomic.StoreUint32(&l.head.Flags, flagInconsistent)
 	}
 	// No waiting: drain fails at once if a live reader is in.
@@ -544,11 +631,17 @@ func (l *RWLock) MarkConsistent() {
 // after ErrOwnerDied, the lock becomes unrecoverable. On a segment closed
 // under the hold it does nothing.
 func (l *RWLock) Unlock() {
-	if atomic.LoadUint64(l.owner) != l.me {
-		if l.seg.closed.Load() {
-			return // the segment was vacated under the hold (CloseUnderReaders)
-		}
+	if len(l.turn) == 0 {
 		panic("shm: Unlock of an RWLock this process does not write-hold")
+	}
+	defer func() { <-l.turn }()
+	if l.seg.closed.Load() {
+		return // the segment was vacated under the hold (CloseUnderReaders)
+	}
+	if w := atomic.LoadUint64(l.owner); w != l.me {
+		// Another process rewrote the word under the hold: let go all
+		// the same.
+		l.seg.log.Warn("owner word rewritten by another process while this one held the lock", "lock", l.off, "word", w)
 	}
 	l.release(atomic.LoadUint32(&l.head.Flags)&flagInconsistent != 0)
 }
@@ -556,6 +649,7 @@ func (l *RWLock) Unlock() {
 func (l *RWLock) release(abandon bool) {
 	word := uint64(0)
 	if abandon {
+		l.abandoned.Store(true)
 		// The state stays half-written: optimistic readers must keep
 		// failing (Seq stays odd) and nobody may lock again.
 		word = ownerUnrecoverable
@@ -586,15 +680,18 @@ func (l *RWLock) Validate(stamp uint32) bool {
 
 // LockState is a snapshot of a lock, for operators.
 type LockState struct {
-	Offset         uint64      `json:"offset"`
-	WriterSlot     int         `json:"writer_slot"`  // -1: none
-	WriterEpoch    uint32      `json:"writer_epoch"` // the epoch of WriterSlot the writer claimed it with
-	Inconsistent   bool        `json:"inconsistent"`
-	NotRecoverable bool        `json:"not_recoverable"`
-	Waiters        int         `json:"waiters"`
-	Seq            uint32      `json:"seq"`
-	Fences         uint64      `json:"fences"`  // read holds fenced since the lock was made
-	Readers        map[int]int `json:"readers"` // slot -> read holds, for slots holding any
+	Offset         uint64 `json:"offset"`
+	WriterSlot     int    `json:"writer_slot"`  // -1: none
+	WriterEpoch    uint32 `json:"writer_epoch"` // the epoch of WriterSlot the writer claimed it with
+	Inconsistent   bool   `json:"inconsistent"`
+	NotRecoverable bool   `json:"not_recoverable"`
+	Waiters        int    `json:"waiters"`
+	// Queued counts the writers of the process that asked (State) waiting
+	// for its turn to write, behind another writer of its own.
+	Queued  int         `json:"queued,omitempty"`
+	Seq     uint32      `json:"seq"`
+	Fences  uint64      `json:"fences"`  // read holds fenced since the lock was made
+	Readers map[int]int `json:"readers"` // slot -> read holds, for slots holding any
 }
 
 // readHold is one slot's read holds, as LockState's JSON lists them.
@@ -637,7 +734,11 @@ func (s *LockState) UnmarshalJSON(b []byte) error {
 }
 
 // State returns a snapshot of the lock.
-func (l *RWLock) State() LockState { return lockState(l.off, l.head, l.lines) }
+func (l *RWLock) State() LockState {
+	st := lockState(l.off, l.head, l.lines)
+	st.Queued = int(l.queued.Load())
+	return st
+}
 
 // lockState reads the lock at off word by word.
 func lockState(off uint64, head *lockHead, lines []readerLine) LockState {

@@ -1,0 +1,84 @@
+package shm_test
+
+import (
+	"math"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/shm"
+)
+
+// ownerWord returns the fixture lock's owner word, which any process
+// mapping the segment can write.
+func (f *lockFixture) ownerWord() *uint64 {
+	data := f.seg.Root(shm.RootUser)
+	return shm.At[uint64](f.seg, atomic.LoadUint64(shm.At[uint64](f.seg, data+fixLock)))
+}
+
+// Another process writes this process's own mark (its slot and epoch,
+// which the process table shows) into the owner word while no writer of
+// this process holds the lock. The writers of this process must not take
+// the word for a hold of their own and wait for it to go, which it never
+// would: the lock is taken back, as from a writer that died, and the
+// writer told to repair what it guards.
+func TestRWLockTakesBackAnOwnerWordForgedWithItsOwnMark(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	word := f.ownerWord()
+	require.NoError(t, f.lock.Lock(ctxBound(t)))
+	mark := atomic.LoadUint64(word)
+	f.lock.Unlock()
+	require.NotZero(t, mark)
+
+	atomic.StoreUint64(word, mark) // the other process's write
+	require.ErrorIs(t, f.lock.LockWithin(time.Second), shm.ErrOwnerDied)
+	require.True(t, f.lock.State().Inconsistent)
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
+	require.NoError(t, f.lock.Lock(ctxBound(t)), "an ordinary lock again")
+	f.lock.Unlock()
+
+	atomic.StoreUint64(word, mark)
+	ok, err := f.lock.TryLock()
+	require.ErrorIs(t, err, shm.ErrOwnerDied, "TryLock takes it back too")
+	require.True(t, ok)
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
+}
+
+// The owner word rewritten while this process holds the lock: letting go
+// must not crash the process (a panic in Unlock would take the primary
+// down), and the lock works afterwards.
+func TestRWLockUnlockSurvivesARewrittenOwnerWord(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	word := f.ownerWord()
+	for _, forged := range []uint64{0, 7<<32 | 3} {
+		require.NoError(t, f.lock.Lock(ctxBound(t)))
+		atomic.StoreUint64(word, forged)
+		require.NotPanics(t, f.lock.Unlock)
+		require.NoError(t, f.lock.LockWithin(time.Second))
+		f.lock.Unlock()
+	}
+	require.Panics(t, f.lock.Unlock, "an Unlock without a Lock is still a bug of the caller")
+}
+
+// "Unrecoverable" written into the owner word of a lock whose segment this
+// process owns, which it never left so: the owner's writer takes it back
+// and repairs, instead of failing every write for good. A lock the owner
+// did leave unrecoverable stays so (TestRWLockAbandonedRepairIsNotRecoverable).
+func TestRWLockOwnerTakesBackAForgedUnrecoverableWord(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	atomic.StoreUint64(f.ownerWord(), math.MaxUint32)
+	require.ErrorIs(t, f.lock.LockWithin(time.Second), shm.ErrOwnerDied)
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
+	require.NoError(t, f.lock.Lock(ctxBound(t)))
+	f.lock.Unlock()
+	require.False(t, f.lock.State().NotRecoverable)
+}
