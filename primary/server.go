@@ -313,7 +313,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	p.mem.ForgetHolder(m.PID)
 	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
 		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
-		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(p.cfg.SyncTimeout + shm.DefaultFenceAfter)}
+		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(min(p.cfg.SyncTimeout+shm.DefaultFenceAfter, ipc.MaxHold))}
 	if pd, ok := p.pd.(interface{ Handle() uint32 }); ok {
 		reply.PD = pd.Handle()
 	}
