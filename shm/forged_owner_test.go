@@ -82,3 +82,32 @@ func TestRWLockOwnerTakesBackAForgedUnrecoverableWord(t *testing.T) {
 	f.lock.Unlock()
 	require.False(t, f.lock.State().NotRecoverable)
 }
+
+// flagsWord is the lock head's Flags word (right after the 8-byte owner
+// word), which any process mapping the segment can write just as it can
+// the owner word.
+func (f *lockFixture) flagsWord() *uint32 {
+	data := f.seg.Root(shm.RootUser)
+	return shm.At[uint32](f.seg, atomic.LoadUint64(shm.At[uint64](f.seg, data+fixLock))+8)
+}
+
+// Another process sets the "inconsistent" flag while this process holds
+// the lock in an ordinary hold (no ErrOwnerDied, no repair owed). Unlock
+// must not take it for a repair this process skipped and abandon the
+// lock: the next write takes it as ever.
+func TestRWLockForgedFlagUnderAHoldIsNoAbandonment(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	require.NoError(t, f.lock.Lock(ctxBound(t)), "an ordinary hold, no takeover")
+	atomic.StoreUint32(f.flagsWord(), 1) // the other process's only write
+	f.lock.Unlock()
+	t.Logf("after Unlock: %+v", f.lock.State())
+
+	err := f.lock.LockWithin(time.Second)
+	if err == shm.ErrOwnerDied {
+		f.lock.MarkConsistent()
+		f.lock.Unlock()
+		err = nil
+	}
+	require.NoError(t, err, "one forged flag word ended every write of the segment's owner")
+}

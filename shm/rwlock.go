@@ -89,6 +89,10 @@ type RWLock struct {
 	// owner word and gives it back after, so that while it is held here
 	// no other writer of this process holds the word.
 	turn chan struct{}
+	// owed says the writer of this process that holds the lock was told
+	// to repair (ErrOwnerDied) and has not said it did (MarkConsistent).
+	// Under the turn; the shared flag is only what readers are told.
+	owed bool
 	// abandoned says this process left the lock unrecoverable.
 	abandoned atomic.Bool
 	queued    atomic.Int32 // writers waiting for the turn
@@ -427,7 +431,11 @@ func (l *RWLock) lock(b *bound) error {
 		return err
 	}
 	err := l.lockWord(b)
-	if err != nil && err != ErrOwnerDied {
+	switch err {
+	case nil:
+	case ErrOwnerDied:
+		l.owed = true
+	default:
 		<-l.turn
 	}
 	return err
@@ -521,8 +529,10 @@ func (l *RWLock) TryLock() (bool, error) {
 	ok, err := l.tryLockWord()
 	if !ok {
 		<-l.turn
+		return false, err
 	}
-	return ok, err
+	l.owed = err == ErrOwnerDied
+	return true, err
 }
 
 // tryLockWord is TryLock with this process's turn held.
@@ -624,6 +634,7 @@ func (l *RWLock) OwnerDead() bool {
 // MarkConsistent declares the protected state repaired after Lock returned
 // ErrOwnerDied. Call it with the write lock held.
 func (l *RWLock) MarkConsistent() {
+	l.owed = false
 	atomic.StoreUint32(&l.head.Flags, 0)
 }
 
@@ -636,6 +647,7 @@ func (l *RWLock) Unlock() {
 	}
 	defer func() { <-l.turn }()
 	if l.seg.closed.Load() {
+		l.owed = false
 		return // the segment was vacated under the hold (CloseUnderReaders)
 	}
 	if w := atomic.LoadUint64(l.owner); w != l.me {
@@ -643,7 +655,14 @@ func (l *RWLock) Unlock() {
 		// the same.
 		l.seg.log.Warn("owner word rewritten by another process while this one held the lock", "lock", l.off, "word", w)
 	}
-	l.release(atomic.LoadUint32(&l.head.Flags)&flagInconsistent != 0)
+	// Abandoned only for a repair this process owes, whatever the shared
+	// flag says: another process may have written it.
+	abandon := l.owed
+	l.owed = false
+	if !abandon {
+		atomic.StoreUint32(&l.head.Flags, 0)
+	}
+	l.release(abandon)
 }
 
 func (l *RWLock) release(abandon bool) {
