@@ -23,9 +23,19 @@ func (g *Global) writeLock() error {
 		// The dead writer may have changed the list: every local cache
 		// must flush what it took from the table before.
 		g.bumpGen(everything.start, everything.end)
-		if err = g.rebuild(); err == nil {
-			g.lock.MarkConsistent()
-		} else {
+		if err = g.rebuild(); err != nil {
+			// The list cannot be read (another process may have rewritten
+			// it): the table is left empty and lookups go to the list,
+			// where they fail while it stays so. The lock is not
+			// abandoned: the list may be put right, and the primary's
+			// frees and creates work again then.
+			if t, terr := g.table(); terr == nil {
+				t.Clear()
+				atomic.StoreUint32(&t.hdr.Overflow, 1)
+			}
+		}
+		g.lock.MarkConsistent()
+		if err != nil {
 			g.lock.Unlock()
 		}
 	}
@@ -146,6 +156,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	ps := run.PageSize
 	first := -1
 	var last, set uint32
+	pages := newPageBits(n) // this process's own copy of the bitmap
 	for i := range n {
 		page := uint64(run.Start) + uint64(i)*ps
 		if _, found, err := g.find(page); err != nil {
@@ -157,6 +168,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 			first = int(i)
 		}
 		m.setBit(i - uint32(first))
+		pages.set(i - uint32(first))
 		last = i
 		set++
 	}
@@ -171,7 +183,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	if err != nil {
 		return Entry{}, false, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
 	}
-	g.own(off, vmr, false)
+	g.own(off, vmr, false, ps, pages, set)
 	atomic.StoreUint64(&rec.Start, start)
 	atomic.StoreUint64(&rec.Len, length)
 	atomic.StoreUint64(&rec.PageSize, ps)

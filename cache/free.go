@@ -3,6 +3,7 @@ package cache
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync/atomic"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -57,37 +58,22 @@ func (g *Global) CollectFor(addr, length uint64) error {
 // registration and are registered again on demand, which is safe, where
 // keeping it would leave its key valid over freed memory.
 //
-// The MRs holding the pages are found before anything changes, so a lock
-// that cannot be had or a list that cannot be read leaves everything as it
-// was. A failure after that (a corrupt list) still flushes every cache and
-// empties the table, so that no key is served for the range.
+// The MRs and the pages they hold come from this process's own record of
+// what it registered: the records in the segment, which any process
+// mapping it can rewrite, only receive the changes, and the table is
+// rebuilt from them. A failure to write them (a corrupt list) still
+// flushes every cache and empties the table, so that no key is served for
+// the range.
 func (g *Global) invalidate(addr, length uint64) error {
 	err := g.writeLock()
 	if err != nil {
 		return err
 	}
 	defer g.writeUnlock()
-	ps := g.pageSize(addr)
-	type hit struct {
-		m   mr
-		bit uint32
-	}
-	var hits []hit
-	for page := addr &^ (ps - 1); page < addr+length; page += ps {
-		_, m, found, err := g.findInList(page)
-		if err != nil {
-			return err
-		}
-		if !found || m.external() {
-			continue
-		}
-		hits = append(hits, hit{m, uint32((page - atomic.LoadUint64(&m.rec.Start)) / atomic.LoadUint64(&m.rec.PageSize))})
-	}
-	// Also every MR whose registered range covers the pages, their bitmap
-	// saying so or not (see trim): the device accepts their keys there.
-	// These come from this process's own record, not from the list.
+	// Every MR whose registered range covers the pages, holding them or
+	// not (see trim): the device accepts their keys there.
 	over := g.ownedOver(addr, length)
-	if len(hits) == 0 && len(over) == 0 {
+	if len(over) == 0 {
 		return nil
 	}
 	// Logged and bumped before the rebuild, so no local cache can miss the
@@ -95,26 +81,28 @@ func (g *Global) invalidate(addr, length uint64) error {
 	g.bumpGen(addr, addr+length)
 	atomic.AddUint64(&g.root.Invalidations, 1)
 	var errs []error
-	dropped := map[uint64]bool{}
-	for _, off := range g.trim(over, addr, length) {
+	drop := g.trim(over, addr, length)
+	for _, off := range drop {
 		o, _ := g.ownedAt(off)
 		g.bumpGen(uint64(o.mr.Addr), uint64(o.mr.Addr+o.mr.Len))
-		dropped[off] = true
-		m, err := g.mrAt(off)
-		if err == nil {
-			err = g.moveToFree(m)
-		}
-		errs = append(errs, err)
 	}
-	for _, h := range hits {
-		if dropped[h.m.off] || !h.m.bit(h.bit) {
+	var bits []uint32
+	for _, off := range over {
+		if slices.Contains(drop, off) {
 			continue
 		}
-		h.m.clearBit(h.bit)
-		if atomic.AddUint32(&h.m.rec.PagesSet, ^uint32(0)) == 0 {
-			dropped[h.m.off] = true
-			errs = append(errs, g.moveToFree(h.m))
+		var left uint32
+		bits, left = g.letGo(off, addr, length, bits[:0])
+		if len(bits) == 0 {
+			continue // it held none of the pages
 		}
+		errs = append(errs, g.clearBits(off, bits, left))
+		if left == 0 {
+			drop = append(drop, off)
+		}
+	}
+	for _, off := range drop {
+		errs = append(errs, g.moveToFree(off))
 	}
 	errs = append(errs, g.rebuild())
 	if err := errors.Join(errs...); err != nil {
@@ -125,6 +113,25 @@ func (g *Global) invalidate(addr, length uint64) error {
 		}
 		return err
 	}
+	return nil
+}
+
+// clearBits clears bits of the bitmap of the MR record at off, and says
+// it holds left pages. Call with the write lock held.
+func (g *Global) clearBits(off uint64, bits []uint32, left uint32) error {
+	m, err := g.mrAt(off)
+	if err != nil {
+		return err
+	}
+	if m.external() {
+		return fmt.Errorf("%w: MR record at 0x%x: external memory's, registered as pool memory's", ErrCorrupt, off)
+	}
+	for _, i := range bits {
+		if int(i/64) < len(m.bmp) {
+			m.clearBit(i)
+		}
+	}
+	atomic.StoreUint32(&m.rec.PagesSet, left)
 	return nil
 }
 
@@ -152,42 +159,31 @@ func (g *Global) trim(over []uint64, addr, length uint64) (failed []uint64) {
 	return failed
 }
 
-// pageSize returns the page size of the memseg list holding addr (the
-// smallest page size the lists use if none does).
-func (g *Global) pageSize(addr uint64) uint64 {
-	lists := g.mem.Lists()
-	if i, ok := g.mem.InList(uintptr(addr)); ok && i < len(lists) {
-		return lists[i].PageSize
-	}
-	ps := uint64(1) << 30
-	for _, l := range lists {
-		ps = min(ps, l.PageSize)
-	}
-	return ps
-}
-
-// moveToFree unlinks m from the MR list and pushes it on the free list.
-// Call with the write lock held.
-func (g *Global) moveToFree(m mr) error {
+// moveToFree unlinks the MR whose record is at off from the MR list and
+// pushes it on the free list; the owner's record marks it for the next
+// collection whatever the list says (one not on it any more is only
+// marked). Call with the write lock held.
+func (g *Global) moveToFree(off uint64) error {
+	g.markFreed(off)
 	prev := &g.root.MRList
-	for off, n := atomic.LoadUint64(prev), 0; off != 0; off, n = atomic.LoadUint64(prev), n+1 {
+	for cur, n := atomic.LoadUint64(prev), 0; cur != 0; cur, n = atomic.LoadUint64(prev), n+1 {
 		if n >= maxMRs {
 			return fmt.Errorf("%w: MR list does not end", ErrCorrupt)
 		}
-		if off == m.off {
-			atomic.StoreUint64(prev, atomic.LoadUint64(&m.rec.Next))
-			atomic.AddUint32(&g.root.MRCount, ^uint32(0))
-			g.push(&g.root.FreeList, &g.root.FreeCount, m)
-			g.markFreed(m.off)
-			return nil
-		}
-		next, err := g.mrAt(off)
+		m, err := g.mrAt(cur)
 		if err != nil {
 			return err
 		}
-		prev = &next.rec.Next
+		if cur == off {
+			atomic.StoreUint64(prev, atomic.LoadUint64(&m.rec.Next))
+			atomic.AddUint32(&g.root.MRCount, ^uint32(0))
+			g.push(&g.root.FreeList, &g.root.FreeCount, m)
+			return nil
+		}
+		prev = &m.rec.Next
 	}
-	return fmt.Errorf("%w: MR at 0x%x not on the list", ErrCorrupt, m.off)
+	g.log.Warn("a registration was not on the MR list; it is deregistered all the same", "record", off)
+	return nil
 }
 
 // GC deregisters the MRs on the free list and frees their records: the
@@ -291,11 +287,7 @@ func (g *Global) Close() error {
 	defer g.unsub()
 	var errs []error
 	for off := atomic.LoadUint64(&g.root.MRList); off != 0; off = atomic.LoadUint64(&g.root.MRList) {
-		m, err := g.mrAt(off)
-		if err == nil {
-			err = g.moveToFree(m)
-		}
-		if err != nil {
+		if err := g.moveToFree(off); err != nil {
 			errs = append(errs, err)
 			break
 		}
@@ -384,7 +376,7 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 		_ = g.seg.Free(off)
 		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): %w", addr, end, err)
 	}
-	g.own(off, vmr, true)
+	g.own(off, vmr, true, 0, pageBits{}, 0)
 	rec := shm.At[mrRecord](g.seg, off)
 	atomic.StoreInt32(&rec.List, -1)
 	atomic.StoreUint64(&rec.Start, addr)
@@ -422,15 +414,20 @@ func (g *Global) UnregisterExternal(addr uint64) error {
 		return err
 	}
 	_, m, found, err := g.findInList(addr)
-	if err == nil && (!found || !m.external()) {
+	var o ownedMR
+	if err == nil && found {
+		var ok bool
+		o, ok = g.ownedAt(m.off)
+		found = ok && o.external && !o.freed // as this process registered it
+	}
+	if err == nil && !found {
 		err = fmt.Errorf("%w: no external MR holds 0x%x", ErrNoMemory, addr)
 	}
 	if err == nil {
-		err = g.moveToFree(m)
+		err = g.moveToFree(m.off)
 	}
 	if err == nil {
-		s := atomic.LoadUint64(&m.rec.Start)
-		g.bumpGen(s, s+atomic.LoadUint64(&m.rec.Len))
+		g.bumpGen(uint64(o.mr.Addr), uint64(o.mr.Addr+o.mr.Len))
 		atomic.AddUint64(&g.root.Invalidations, 1)
 		err = g.rebuild()
 	}

@@ -21,16 +21,84 @@ type ownedMR struct {
 	mr       verbs.MR // as the device registered it
 	external bool     // external memory (RegisterExternal): frees do not touch it
 	freed    bool     // moved to the free list by the owner: the next collection deregisters it
+	// pages is the owner's copy of the record's bitmap: bit i is the page
+	// at mr.Addr + i*pageSize, set while the MR holds it; left counts them.
+	pages    pageBits
+	pageSize uint64
+	left     uint32
 }
 
-// own records the registration of the MR whose record is at off.
-func (g *Global) own(off uint64, m verbs.MR, external bool) {
+// pageBits is a set of page indexes: in one word for an MR of up to 64
+// pages, so that registering one allocates nothing; in more otherwise.
+type pageBits struct {
+	word uint64
+	more []uint64
+}
+
+func newPageBits(n uint32) pageBits {
+	if n <= 64 {
+		return pageBits{}
+	}
+	return pageBits{more: make([]uint64, (n+63)/64)}
+}
+
+func (b *pageBits) set(i uint32) {
+	if b.more == nil {
+		b.word |= 1 << i
+		return
+	}
+	b.more[i/64] |= 1 << (i % 64)
+}
+
+// clear clears bit i and reports whether it was set.
+func (b *pageBits) clear(i uint32) bool {
+	w := &b.word
+	if b.more != nil {
+		if int(i/64) >= len(b.more) {
+			return false
+		}
+		w = &b.more[i/64]
+	} else if i >= 64 {
+		return false
+	}
+	bit := uint64(1) << (i % 64)
+	was := *w&bit != 0
+	*w &^= bit
+	return was
+}
+
+// own records the registration of the MR whose record is at off: pages
+// of pageSize, set pages of them held (none for external memory).
+func (g *Global) own(off uint64, m verbs.MR, external bool, pageSize uint64, pages pageBits, set uint32) {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
 	if g.owned == nil {
 		g.owned = make(map[uint64]ownedMR, 64)
 	}
-	g.owned[off] = ownedMR{mr: m, external: external}
+	g.owned[off] = ownedMR{mr: m, external: external, pages: pages, pageSize: pageSize, left: set}
+}
+
+// letGo clears, in the owner's record of the MR at off, the pages of
+// [addr, addr+length) it held; it returns their bit indexes (appended to
+// dst) and how many pages the MR holds now.
+func (g *Global) letGo(off, addr, length uint64, dst []uint32) ([]uint32, uint32) {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	o, ok := g.owned[off]
+	if !ok || o.pageSize == 0 {
+		return dst, 0
+	}
+	s := max(addr, uint64(o.mr.Addr))
+	e := min(addr+length, uint64(o.mr.Addr+o.mr.Len))
+	for page := s; page < e; page += o.pageSize {
+		i := uint32((page - uint64(o.mr.Addr)) / o.pageSize)
+		if o.pages.clear(i) {
+			o.left--
+			dst = append(dst, i)
+		}
+	}
+	g.owned[off] = o
+	return dst, o.left
 }
 
 // ownedAt returns the registration the owner made at off, if any.

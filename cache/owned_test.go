@@ -39,3 +39,63 @@ func TestCollectReleasesOnlyWhatTheOwnerFreed(t *testing.T) {
 	assert.NoError(t, p.validates(r.Addr, e.LKey))
 	assert.NoError(t, p.validates(r.Addr+uintptr(p.pageSize()), e2.LKey))
 }
+
+// Another process rewrites one word of a live MR's record: its Start, so
+// that the record claims the pages of another region. A free of that
+// other region must leave the live MR alone: the device keeps accepting
+// its key over memory nobody freed, and a queue that cached it serves a
+// key the device accepts.
+func TestAFreeLeavesAnMRWhoseRecordWasRewrittenAlone(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{single: true})
+
+	a := p.alloc(t, 1)
+	b := p.alloc(t, 1)
+	_, err := p.g.Create(uint64(a.Addr))
+	require.NoError(t, err)
+	eb, err := p.g.Create(uint64(b.Addr))
+	require.NoError(t, err)
+	require.NoError(t, p.validates(b.Addr, eb.LKey))
+	q := NewLocal(p.g, p.g, 0)
+	k, err := q.Lookup(b.Addr)
+	require.NoError(t, err)
+	require.Equal(t, eb.LKey, k)
+
+	// The record of B's MR, as the list names it.
+	var recB *mrRecord
+	require.NoError(t, p.g.eachMR(atomic.LoadUint64(&p.g.root.MRList), func(m mr) bool {
+		if atomic.LoadUint32(&m.rec.LKey) == eb.LKey {
+			recB = m.rec
+		}
+		return true
+	}))
+	require.NotNil(t, recB)
+	atomic.StoreUint64(&recB.Start, uint64(a.Addr)) // the other process's only write
+
+	require.NoError(t, p.mem.Free(a))
+	_, err = p.g.Collect()
+	require.NoError(t, err)
+
+	assert.NoError(t, p.validates(b.Addr, eb.LKey), "the live MR over B (never freed) was deregistered")
+	k2, err := q.Lookup(b.Addr)
+	t.Logf("queue lookup of B after the free of A: key %#x err %v (B's MR key %#x)", k2, err, eb.LKey)
+	if err == nil {
+		assert.NoError(t, p.validates(b.Addr, k2), "the queue serves a key for B the device refuses")
+	}
+}
+
+// Another process unlinks the MR list (root MRList = 0) before each free.
+// An MR the free leaves without a page must still be deregistered: were
+// it kept until Close, every cycle would leave one more device slot
+// taken, until the device is full and every create fails.
+func TestAnUnlinkedListLeavesNoRegistrationBehind(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{single: true, maxMRs: 8})
+	for i := 0; i < 24; i++ {
+		r := p.alloc(t, 1)
+		_, err := p.g.Create(uint64(r.Addr))
+		require.NoError(t, err, "cycle %d: device stats %+v, owned %d", i, p.dev.Stats(), len(p.g.owned))
+		atomic.StoreUint64(&p.g.root.MRList, 0) // the other process's write
+		atomic.StoreUint32(&p.g.root.MRCount, 0)
+		require.NoError(t, p.mem.Free(r))
+		_, _ = p.g.Collect()
+	}
+}

@@ -1,8 +1,14 @@
 package primary_test
 
 import (
+	"fmt"
+	"os"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"testing"
+	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -96,4 +102,95 @@ func TestAnOwnerWordForgedWithThePrimarysMarkDoesNotShutItOut(t *testing.T) {
 	create := b.must("create %d", sc.other)
 	assert.Equal(t, "ok", free, "the free is refused: the primary did not get its own lock back")
 	assert.True(t, strings.HasPrefix(create, "key "), "the create failed: the primary did not get its own lock back: %s", create)
+}
+
+// A process of the user keeps writing 1 into the global lock's Flags word
+// (the word after the owner word: "inconsistent") for a second while the
+// primary allocates, frees and creates. Whatever those writes cost while
+// they last, once they stop the primary's creates and frees must work:
+// a flag written under one of its holds is no repair it owes, and must not
+// make it abandon the lock for good.
+func TestAForgedInconsistentFlagDoesNotEndThePrimarysWrites(t *testing.T) {
+	b := b9Start(t)
+	sc := b9Two(t, b)
+	root := b.cacheRoot()
+	lockOff := int64(b.u64(root + 0))
+	require.NotZero(t, lockOff)
+
+	f, err := os.OpenFile(b.seg, os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer f.Close()
+	st, err := f.Stat()
+	require.NoError(t, err)
+	mem, err := syscall.Mmap(int(f.Fd()), 0, int(st.Size()), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	require.NoError(t, err)
+	defer syscall.Munmap(mem)
+	flags := (*uint32)(unsafe.Pointer(&mem[lockOff+8]))
+
+	var stop atomic.Bool
+	done := make(chan struct{})
+	defer func() { stop.Store(true); <-done }()
+	go func() { // the other process's writes
+		defer close(done)
+		for !stop.Load() {
+			atomic.StoreUint32(flags, 1)
+		}
+	}()
+	deadline := time.Now().Add(time.Second)
+	var errs []string
+	for time.Now().Before(deadline) {
+		for _, cmd := range []string{fmt.Sprintf("create %d", sc.other), "alloc 1"} {
+			ans, err := b.do("%s", cmd)
+			require.NoError(t, err)
+			if strings.HasPrefix(ans, "region ") {
+				var a, l uint64
+				_, _ = fmt.Sscanf(ans, "region %d %d", &a, &l)
+				ans, err = b.do("free %d %d", a, l)
+				require.NoError(t, err)
+			}
+			if strings.HasPrefix(ans, "err") && len(errs) < 4 {
+				errs = append(errs, ans)
+			}
+		}
+	}
+	t.Logf("while the peer wrote, first errors: %q", errs)
+	stop.Store(true)
+	<-done
+	atomic.StoreUint32(flags, 0) // even cleaned up by the peer
+	t.Logf("owner word now %#x, flags %d", b.u64(lockOff), b.u32(lockOff+8))
+
+	create := b.must("create %d", sc.other)
+	free := b.must("free %d %d", sc.other, b.page)
+	t.Logf("after the peer stopped: create %q, free %q", create, free)
+	assert.True(t, strings.HasPrefix(create, "key "), "the primary's creates fail for good: %s", create)
+	assert.Equal(t, "ok", free, "the primary's frees are refused for good")
+}
+
+// The same without a race: a process of the user writes two words while
+// the primary holds nothing, the lock's Flags word ("inconsistent") and
+// the root's MRList (a record offset that does not fit the segment), and
+// puts both back after the primary's next write. That write is told to
+// repair and cannot rebuild from the list; the primary must not abandon
+// the lock for it: once the words are back, its creates and frees work.
+func TestTwoForgedWordsPutBackLeaveThePrimaryWorking(t *testing.T) {
+	b := b9Start(t)
+	sc := b9Two(t, b)
+	root := b.cacheRoot()
+	lockOff := int64(b.u64(root + 0))
+	list := b.u64(root + forgedMRList)
+	require.NotZero(t, lockOff)
+
+	b.put32(lockOff+8, 1)                // Flags: inconsistent
+	b.put64(root+forgedMRList, 1<<40+64) // a list head outside the segment
+	first := b.must("create %d", sc.other)
+	t.Logf("create while forged: %s", first)
+
+	b.put64(root+forgedMRList, list) // the peer undoes both writes
+	b.put32(lockOff+8, 0)
+	t.Logf("owner word now %#x, flags %d", b.u64(lockOff), b.u32(lockOff+8))
+	create := b.must("create %d", sc.other)
+	free := b.must("free %d %d", sc.a, sc.alen)
+	t.Logf("after the peer restored the words: create %q, free %q", create, free)
+	assert.True(t, strings.HasPrefix(create, "key "), "the primary's creates fail for good: %s", create)
+	assert.Equal(t, "ok", free, "the primary's frees are refused for good")
 }
