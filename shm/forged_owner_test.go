@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"context"
 	"math"
 	"sync/atomic"
 	"testing"
@@ -110,4 +111,20 @@ func TestRWLockForgedFlagUnderAHoldIsNoAbandonment(t *testing.T) {
 		err = nil
 	}
 	require.NoError(t, err, "one forged flag word ended every write of the segment's owner")
+}
+
+// Two handles on one lock in one process (Segment.RWLock called twice for
+// one offset): a writer of one must wait while a writer of the other
+// holds the lock, not take the process's own mark for a forged one.
+func TestRWLockHandlesOfOneProcessExcludeEachOther(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t))
+	f1 := newLockFixture(t, owner)
+	f2, err := openFixture(owner)
+	require.NoError(t, err)
+	require.NoError(t, f1.lock.Lock(ctxBound(t)))
+	err = f2.lock.LockWithin(200 * time.Millisecond)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "a second handle's writer got the lock while the first's held it")
+	f1.lock.Unlock()
+	require.NoError(t, f2.lock.LockWithin(time.Second), "and gets it once the first lets go")
+	f2.lock.Unlock()
 }

@@ -74,8 +74,8 @@ import (
 // sync/atomic and can tolerate retrying.
 //
 // An RWLock value belongs to one process (it is bound to the process's slot)
-// and is safe for use by many goroutines. A goroutine must not take the
-// lock recursively.
+// and is safe for use by many goroutines; a process's handles on one lock
+// share its writers' turn. A goroutine must not take the lock recursively.
 type RWLock struct {
 	seg   *Segment
 	off   uint64
@@ -85,6 +85,12 @@ type RWLock struct {
 	mine  *uint64 // this process's reader line
 	owner *uint64 // &head.Owner, one indirection less on the fast paths
 	fence atomic.Int64
+	*lockWriters
+}
+
+// lockWriters is what a process keeps of its own writers of one lock,
+// shared by all its handles on it.
+type lockWriters struct {
 	// turn is this process's turn to write: a writer takes it before the
 	// owner word and gives it back after, so that while it is held here
 	// no other writer of this process holds the word.
@@ -96,6 +102,22 @@ type RWLock struct {
 	// abandoned says this process left the lock unrecoverable.
 	abandoned atomic.Bool
 	queued    atomic.Int32 // writers waiting for the turn
+}
+
+// writersOf returns this process's record of the writers of the lock at
+// off.
+func (s *Segment) writersOf(off uint64) *lockWriters {
+	s.writersMu.Lock()
+	defer s.writersMu.Unlock()
+	if s.writers == nil {
+		s.writers = map[uint64]*lockWriters{}
+	}
+	w := s.writers[off]
+	if w == nil {
+		w = &lockWriters{turn: make(chan struct{}, 1)}
+		s.writers[off] = w
+	}
+	return w
 }
 
 // ReadHold is a read hold taken by RLock or TryRLock; give it back to
@@ -204,7 +226,7 @@ func (s *Segment) RWLock(off uint64) (*RWLock, error) {
 		return nil, fmt.Errorf("shm: lock at 0x%x: this process has no slot", off)
 	}
 	l := &RWLock{seg: s, off: off, head: head, lines: lines, me: ownerMark(i, s.epoch),
-		mine: &lines[i].Count, owner: &head.Owner, turn: make(chan struct{}, 1)}
+		mine: &lines[i].Count, owner: &head.Owner, lockWriters: s.writersOf(off)}
 	l.fence.Store(int64(DefaultFenceAfter))
 	return l, nil
 }

@@ -111,6 +111,10 @@ type Segment struct {
 	vacated bool // CloseUnderReaders left the range as zeros; under closeMu
 	// readOnly: mapped by OpenReadOnly, with no slot; lockf may be nil.
 	readOnly bool
+	// writers: this process's writers of each lock, by offset, shared by
+	// every handle on the lock (see RWLock).
+	writersMu sync.Mutex
+	writers   map[uint64]*lockWriters
 }
 
 func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
