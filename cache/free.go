@@ -223,20 +223,23 @@ func (g *Global) Collect() (int, error) {
 	g.gcMu.Lock()
 	defer g.gcMu.Unlock()
 	// What is released is what this process moved to the free list (its
-	// own record says), whatever the list in the segment holds now; the
-	// list is emptied first, so that no record freed here stays on it.
+	// own record says), whatever the list in the segment holds now. Both
+	// are taken under the write lock, so that no free is halfway through
+	// moving an MR, and the list is emptied, so that no record freed here
+	// stays on it.
+	if g.freedCount() == 0 && atomic.LoadUint64(&g.root.FreeList) == 0 && atomic.LoadUint32(&g.root.FreeCount) == 0 {
+		return 0, nil
+	}
+	if err := g.writeLock(); err != nil {
+		return 0, fmt.Errorf("cache: collect freed MRs: %w", err)
+	}
+	atomic.StoreUint64(&g.root.FreeList, 0)
+	atomic.StoreUint32(&g.root.FreeCount, 0)
+	freed := g.ownedFreedOver(0, ^uint64(0))
+	g.writeUnlock()
 	var n int
 	var errs []error
-	if atomic.LoadUint64(&g.root.FreeList) != 0 || atomic.LoadUint32(&g.root.FreeCount) != 0 {
-		err := g.writeLock()
-		if err != nil {
-			return 0, fmt.Errorf("cache: collect freed MRs: %w", err)
-		}
-		atomic.StoreUint64(&g.root.FreeList, 0)
-		atomic.StoreUint32(&g.root.FreeCount, 0)
-		g.writeUnlock()
-	}
-	for _, off := range g.ownedFreedOver(0, ^uint64(0)) {
+	for _, off := range freed {
 		n += g.release(off, &errs)
 	}
 	if err := errors.Join(errs...); err != nil {

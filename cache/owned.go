@@ -75,6 +75,9 @@ func (g *Global) own(off uint64, m verbs.MR, external bool, pageSize uint64, pag
 	if g.owned == nil {
 		g.owned = make(map[uint64]ownedMR, 64)
 	}
+	if g.owned[off].freed {
+		g.freed-- // a record offset used again: what it held is forgotten
+	}
 	g.owned[off] = ownedMR{mr: m, external: external, pages: pages, pageSize: pageSize, left: set}
 }
 
@@ -113,9 +116,10 @@ func (g *Global) ownedAt(off uint64) (ownedMR, bool) {
 func (g *Global) markFreed(off uint64) {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
-	if o, ok := g.owned[off]; ok {
+	if o, ok := g.owned[off]; ok && !o.freed {
 		o.freed = true
 		g.owned[off] = o
+		g.freed++
 	}
 }
 
@@ -123,7 +127,17 @@ func (g *Global) markFreed(off uint64) {
 func (g *Global) disown(off uint64) {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
+	if g.owned[off].freed {
+		g.freed--
+	}
 	delete(g.owned, off)
+}
+
+// freedCount returns how many MRs wait for a collection.
+func (g *Global) freedCount() int {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	return g.freed
 }
 
 // ownedOver returns, in record order, the offsets of the owner's live MRs
@@ -165,7 +179,10 @@ func (g *Global) markAllFreed() {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
 	for off, o := range g.owned {
-		o.freed = true
-		g.owned[off] = o
+		if !o.freed {
+			o.freed = true
+			g.owned[off] = o
+			g.freed++
+		}
 	}
 }

@@ -1,11 +1,15 @@
 package cache
 
 import (
+	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
 )
 
 // Another process links a live MR's record into the free list (any
@@ -98,4 +102,73 @@ func TestAnUnlinkedListLeavesNoRegistrationBehind(t *testing.T) {
 		require.NoError(t, p.mem.Free(r))
 		_, _ = p.g.Collect()
 	}
+}
+
+// Collections running beside frees (a Create's, on another goroutine, as
+// the IPC server runs them) must release nothing a free is still moving
+// to the free list: a record released there would be named by the free
+// list in the segment after it went back to the arena, for tools to show
+// as a free MR and, once reused, a live one.
+func TestCollectBesideFreesReleasesNothingTheFreeListStillNames(t *testing.T) {
+	const n = 3000
+	p := newPrimary(t, fixtureConfig{pages: n + 8, single: true, pageSize: 4096, tableSize: 2 * n})
+	ps := uintptr(p.pageSize())
+	r := p.alloc(t, n)
+	for i := 0; i < n; i++ { // page 0's MR ends up last on the list
+		_, err := p.g.Create(uint64(r.Addr + uintptr(i)*ps))
+		require.NoError(t, err)
+	}
+	var hits, frees int
+	var mu sync.Mutex
+	var firstHit string
+	// Runs after the cache's guard (the invalidation), before the
+	// primary's collection: what does the shared free list name now?
+	defer p.mem.GuardFree(func(ev hugetlb.Event) error {
+		head := atomic.LoadUint64(&p.g.root.FreeList)
+		if head == 0 {
+			return nil
+		}
+		_, owned := p.g.ownedAt(head)
+		_, blkErr := p.seg.BlockSize(head)
+		mu.Lock()
+		defer mu.Unlock()
+		frees++
+		if !owned || blkErr != nil {
+			hits++
+			if firstHit == "" {
+				firstHit = fmt.Sprintf("free list head %#x: owned=%t arena block error=%v", head, owned, blkErr)
+				if d, err := p.g.Dump(); err == nil {
+					for _, m := range d.FreeMRs {
+						if m.Offset == head {
+							firstHit += fmt.Sprintf("; Dump lists it as a free MR (lkey %#x)", m.LKey)
+						}
+					}
+				}
+			}
+		}
+		return nil
+	})()
+	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // a Create's GC on another goroutine, as the IPC server runs them
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_, _ = p.g.Collect()
+		}
+	}()
+	for i := 0; i < 400; i++ {
+		require.NoError(t, p.mem.Free(hugetlb.Region{Addr: r.Addr + uintptr(i)*ps, Len: uint64(ps)}))
+	}
+	close(stop)
+	wg.Wait()
+	t.Logf("%d of %d frees left the shared free list naming a record already released; first: %s", hits, frees, firstHit)
+	assert.Zero(t, hits, "Collect released a record while the shared free list named it")
 }
