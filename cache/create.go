@@ -11,6 +11,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/shm"
+	"github.com/mpmr/mpmr/verbs"
 )
 
 // writeLock takes the global write lock. Only the primary writes, so a dead
@@ -121,10 +122,17 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 		return Entry{}, false, fmt.Errorf("cache: create MR for 0x%x: %w", addr, err)
 	}
 	keep := false
+	var registered *verbs.MR
 	defer func() {
-		if !keep {
-			_ = g.seg.Free(off)
+		if keep {
+			return
 		}
+		if registered != nil {
+			// Registered, but never listed: nobody was given its key.
+			_ = g.pd.DeregMR(*registered)
+			g.disown(off)
+		}
+		_ = g.seg.Free(off)
 	}()
 
 	g.mem.RLock()
@@ -184,6 +192,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 		return Entry{}, false, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
 	}
 	g.own(off, vmr, false, ps, pages, set)
+	registered = &vmr
 	atomic.StoreUint64(&rec.Start, start)
 	atomic.StoreUint64(&rec.Len, length)
 	atomic.StoreUint64(&rec.PageSize, ps)
