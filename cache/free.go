@@ -61,9 +61,10 @@ func (g *Global) CollectFor(addr, length uint64) error {
 // The MRs and the pages they hold come from this process's own record of
 // what it registered: the records in the segment, which any process
 // mapping it can rewrite, only receive the changes, and the table is
-// rebuilt from them. A failure to write them (a corrupt list) still
-// flushes every cache and empties the table, so that no key is served for
-// the range.
+// rebuilt from them. A list or record that cannot be read when it starts
+// refuses the free with nothing changed; one that fails later (rewritten
+// meanwhile) still flushes every cache and empties the table, so that no
+// key is served for the range.
 func (g *Global) invalidate(addr, length uint64) error {
 	err := g.writeLock()
 	if err != nil {
@@ -75,6 +76,17 @@ func (g *Global) invalidate(addr, length uint64) error {
 	over := g.ownedOver(addr, length)
 	if len(over) == 0 {
 		return nil
+	}
+	// Before anything changes, the list and the records to write must
+	// read well: a free refused (a record another process rewrote) then
+	// leaves everything as it was, to be asked again once it is put back.
+	if err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(mr) bool { return true }); err != nil {
+		return err
+	}
+	for _, off := range over {
+		if _, err := g.mrAt(off); err != nil {
+			return err
+		}
 	}
 	// Logged and bumped before the rebuild, so no local cache can miss the
 	// flush.
@@ -93,11 +105,12 @@ func (g *Global) invalidate(addr, length uint64) error {
 		}
 		var left uint32
 		bits, left = g.letGo(off, addr, length, bits[:0])
-		if len(bits) == 0 {
-			continue // it held none of the pages
+		if len(bits) != 0 {
+			errs = append(errs, g.clearBits(off, bits, left))
 		}
-		errs = append(errs, g.clearBits(off, bits, left))
-		if left == 0 {
+		if left == 0 && g.holdsPages(off) {
+			// Left with none now, or by an earlier free whose move
+			// failed.
 			drop = append(drop, off)
 		}
 	}
@@ -162,9 +175,9 @@ func (g *Global) trim(over []uint64, addr, length uint64) (failed []uint64) {
 // moveToFree unlinks the MR whose record is at off from the MR list and
 // pushes it on the free list; the owner's record marks it for the next
 // collection whatever the list says (one not on it any more is only
-// marked). Call with the write lock held.
+// marked), unless the list cannot be read: then the record may still be
+// on it, and stays. Call with the write lock held.
 func (g *Global) moveToFree(off uint64) error {
-	g.markFreed(off)
 	prev := &g.root.MRList
 	for cur, n := atomic.LoadUint64(prev), 0; cur != 0; cur, n = atomic.LoadUint64(prev), n+1 {
 		if n >= maxMRs {
@@ -178,11 +191,13 @@ func (g *Global) moveToFree(off uint64) error {
 			atomic.StoreUint64(prev, atomic.LoadUint64(&m.rec.Next))
 			atomic.AddUint32(&g.root.MRCount, ^uint32(0))
 			g.push(&g.root.FreeList, &g.root.FreeCount, m)
+			g.markFreed(off)
 			return nil
 		}
 		prev = &m.rec.Next
 	}
 	g.log.Warn("a registration was not on the MR list; it is deregistered all the same", "record", off)
+	g.markFreed(off)
 	return nil
 }
 

@@ -133,6 +133,15 @@ func (g *Global) disown(off uint64) {
 	delete(g.owned, off)
 }
 
+// holdsPages reports whether the MR at off is one of pool memory's that
+// the owner has not freed: one whose pages it keeps count of.
+func (g *Global) holdsPages(off uint64) bool {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	o, ok := g.owned[off]
+	return ok && !o.freed && !o.external
+}
+
 // freedCount returns how many MRs wait for a collection.
 func (g *Global) freedCount() int {
 	g.ownMu.Lock()

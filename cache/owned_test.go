@@ -124,12 +124,21 @@ func TestCollectBesideFreesReleasesNothingTheFreeListStillNames(t *testing.T) {
 	// Runs after the cache's guard (the invalidation), before the
 	// primary's collection: what does the shared free list name now?
 	defer p.mem.GuardFree(func(ev hugetlb.Event) error {
-		head := atomic.LoadUint64(&p.g.root.FreeList)
+		// Looked at under the write lock, which a collection takes to
+		// empty the list and choose what to release.
+		var head uint64
+		var owned bool
+		var blkErr error
+		require.NoError(t, p.g.Exclusive(func() {
+			head = atomic.LoadUint64(&p.g.root.FreeList)
+			if head != 0 {
+				_, owned = p.g.ownedAt(head)
+				_, blkErr = p.seg.BlockSize(head)
+			}
+		}))
 		if head == 0 {
 			return nil
 		}
-		_, owned := p.g.ownedAt(head)
-		_, blkErr := p.seg.BlockSize(head)
 		mu.Lock()
 		defer mu.Unlock()
 		frees++
@@ -171,4 +180,58 @@ func TestCollectBesideFreesReleasesNothingTheFreeListStillNames(t *testing.T) {
 	wg.Wait()
 	t.Logf("%d of %d frees left the shared free list naming a record already released; first: %s", hits, frees, firstHit)
 	assert.Zero(t, hits, "Collect released a record while the shared free list named it")
+}
+
+// Another process zeroes one word of a live MR's record (its BitmapLen)
+// and puts it back after a free of the MR's page was refused. The refused
+// free must have changed nothing: the MR is still listed, registered and
+// served, the primary creates as before, and the free asked again works.
+func TestARefusedFreeChangesNothing(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{pages: 8, single: true})
+	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	r := p.alloc(t, 1)
+	e, err := p.g.Create(uint64(r.Addr))
+	require.NoError(t, err)
+	off := atomic.LoadUint64(&p.g.root.MRList)
+	m, err := p.g.mrAt(off)
+	require.NoError(t, err)
+	require.Equal(t, e.LKey, atomic.LoadUint32(&m.rec.LKey))
+
+	bl := atomic.LoadUint32(&m.rec.BitmapLen)
+	atomic.StoreUint32(&m.rec.BitmapLen, 0) // the other process's write
+	err = p.mem.Free(r)
+	t.Logf("free with the record rewritten: %v", err)
+	require.ErrorIs(t, err, hugetlb.ErrNotFreed)
+	o, _ := p.g.ownedAt(off)
+	t.Logf("after the refused free: owner's record freed=%t, freed count %d, MR list head %#x", o.freed, p.g.freedCount(), atomic.LoadUint64(&p.g.root.MRList))
+	atomic.StoreUint32(&m.rec.BitmapLen, bl) // and puts it back
+
+	// A create of other memory collects first.
+	r2 := p.alloc(t, 1)
+	for i := 0; i < 3; i++ {
+		_, err = p.g.Create(uint64(r2.Addr))
+		t.Logf("create %d of other memory after the word was put back: %v", i, err)
+	}
+	assert.NoError(t, err, "the primary does not create again once the record is put back")
+	st := p.dev.Stats()
+	t.Logf("device live MRs %d, owner's record %d", st.LiveMRs, len(p.g.owned))
+
+	_, blkErr := p.seg.BlockSize(off)
+	listed := atomic.LoadUint64(&p.g.root.MRList) == off
+	t.Logf("MR list head %#x (the MR's record: %t); its arena block: %v", atomic.LoadUint64(&p.g.root.MRList), listed, blkErr)
+	assert.False(t, listed && blkErr != nil, "the MR list names a record the owner freed")
+
+	// The memory was never freed: its key must still be served and valid.
+	got, found, err := p.g.Lookup(uint64(r.Addr))
+	t.Logf("lookup of the never-freed page: %+v found=%t err=%v", got, found, err)
+	if err == nil && found {
+		assert.NoError(t, p.validates(r.Addr, got.LKey), "a lookup serves a key the device deregistered")
+	}
+	q := NewLocal(p.g, p.g, 0)
+	k, err := q.Lookup(r.Addr)
+	t.Logf("queue lookup: key %#x err %v", k, err)
+	if err == nil {
+		assert.NoError(t, p.validates(r.Addr, k), "a queue serves a key the device refuses for memory nobody freed")
+	}
+	assert.NoError(t, p.mem.Free(r), "the free asked again")
 }
