@@ -122,17 +122,10 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 		return Entry{}, false, fmt.Errorf("cache: create MR for 0x%x: %w", addr, err)
 	}
 	keep := false
-	var registered *verbs.MR
 	defer func() {
-		if keep {
-			return
+		if !keep {
+			_ = g.seg.Free(off)
 		}
-		if registered != nil {
-			// Registered, but never listed: nobody was given its key.
-			_ = g.pd.DeregMR(*registered)
-			g.disown(off)
-		}
-		_ = g.seg.Free(off)
 	}()
 
 	g.mem.RLock()
@@ -192,7 +185,19 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 		return Entry{}, false, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
 	}
 	g.own(off, vmr, false, ps, pages, set)
-	registered = &vmr
+	defer func() {
+		// Run before the locks go. Registered, but never listed: nobody
+		// was given its key.
+		if keep {
+			return
+		}
+		if err := g.pd.DeregMR(vmr); err != nil && !errors.Is(err, verbs.ErrStaleKey) {
+			g.markFreed(off) // the next collection tries again, with the record
+			keep = true
+			return
+		}
+		g.disown(off)
+	}()
 	atomic.StoreUint64(&rec.Start, start)
 	atomic.StoreUint64(&rec.Len, length)
 	atomic.StoreUint64(&rec.PageSize, ps)
