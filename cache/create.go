@@ -184,7 +184,8 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	if err != nil {
 		return Entry{}, false, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
 	}
-	g.own(off, vmr, false, ps, pages, set)
+	g.own(off, vmr, false, recordShape{pageSize: ps, list: int32(run.List), baseIdx: uint32(run.First + first),
+		bitmapLen: last - uint32(first) + 1}, pages, set)
 	defer func() {
 		// Run before the locks go. Registered, but never listed: nobody
 		// was given its key.
@@ -290,7 +291,7 @@ func (g *Global) rebuild() error {
 	if err != nil {
 		return err
 	}
-	chunks := make([]Entry, 0, atomic.LoadUint32(&g.root.MRCount))
+	chunks := make([]Entry, 0, g.ownedCount()) // not the list's count, which any process can rewrite
 	err = g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
 		chunks = m.appendChunks(chunks)
 		return true

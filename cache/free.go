@@ -77,16 +77,16 @@ func (g *Global) invalidate(addr, length uint64) error {
 	if len(over) == 0 {
 		return nil
 	}
-	// Before anything changes, the list and the records to write must
-	// read well: a free refused (a record another process rewrote) then
-	// leaves everything as it was, to be asked again once it is put back.
+	// Before anything changes, the list and the table must read well: a
+	// free refused (another process rewrote a link or the table's header)
+	// then leaves everything as it was, to be asked again once it is put
+	// back. The records of the MRs are the owner's to write whatever they
+	// hold now.
 	if err := g.eachMR(atomic.LoadUint64(&g.root.MRList), func(mr) bool { return true }); err != nil {
 		return err
 	}
-	for _, off := range over {
-		if _, err := g.mrAt(off); err != nil {
-			return err
-		}
+	if _, err := g.table(); err != nil {
+		return err
 	}
 	// Logged and bumped before the rebuild, so no local cache can miss the
 	// flush.
@@ -98,16 +98,12 @@ func (g *Global) invalidate(addr, length uint64) error {
 		o, _ := g.ownedAt(off)
 		g.bumpGen(uint64(o.mr.Addr), uint64(o.mr.Addr+o.mr.Len))
 	}
-	var bits []uint32
 	for _, off := range over {
 		if slices.Contains(drop, off) {
 			continue
 		}
-		var left uint32
-		bits, left = g.letGo(off, addr, length, bits[:0])
-		if len(bits) != 0 {
-			errs = append(errs, g.clearBits(off, bits, left))
-		}
+		left := g.letGo(off, addr, length)
+		g.writeRecord(off) // its bitmap as the owner has it, and every other word
 		if left == 0 && g.holdsPages(off) {
 			// Left with none now, or by an earlier free whose move
 			// failed.
@@ -126,25 +122,6 @@ func (g *Global) invalidate(addr, length uint64) error {
 		}
 		return err
 	}
-	return nil
-}
-
-// clearBits clears bits of the bitmap of the MR record at off, and says
-// it holds left pages. Call with the write lock held.
-func (g *Global) clearBits(off uint64, bits []uint32, left uint32) error {
-	m, err := g.mrAt(off)
-	if err != nil {
-		return err
-	}
-	if m.external() {
-		return fmt.Errorf("%w: MR record at 0x%x: external memory's, registered as pool memory's", ErrCorrupt, off)
-	}
-	for _, i := range bits {
-		if int(i/64) < len(m.bmp) {
-			m.clearBit(i)
-		}
-	}
-	atomic.StoreUint32(&m.rec.PagesSet, left)
 	return nil
 }
 
@@ -394,7 +371,7 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 		_ = g.seg.Free(off)
 		return Entry{}, fmt.Errorf("cache: register external [0x%x, 0x%x): %w", addr, end, err)
 	}
-	g.own(off, vmr, true, 0, pageBits{}, 0)
+	g.own(off, vmr, true, recordShape{list: -1, bitmapLen: 1}, pageBits{}, 0)
 	rec := shm.At[mrRecord](g.seg, off)
 	atomic.StoreInt32(&rec.List, -1)
 	atomic.StoreUint64(&rec.Start, addr)

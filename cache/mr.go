@@ -78,11 +78,6 @@ func (m mr) setBit(i uint32) {
 	atomic.StoreUint64(w, atomic.LoadUint64(w)|1<<(i%64))
 }
 
-func (m mr) clearBit(i uint32) {
-	w := &m.bmp[i/64]
-	atomic.StoreUint64(w, atomic.LoadUint64(w)&^(1<<(i%64)))
-}
-
 // nextChunk returns the chunk of contiguous registered pages that starts at
 // or after bit i, and the bit to continue from; ok is false when there is
 // none. An external MR has exactly one chunk. (DPDK's

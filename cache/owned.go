@@ -2,7 +2,9 @@ package cache
 
 import (
 	"slices"
+	"sync/atomic"
 
+	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
 )
 
@@ -23,15 +25,24 @@ type ownedMR struct {
 	freed    bool     // moved to the free list by the owner: the next collection deregisters it
 	// pages is the owner's copy of the record's bitmap: bit i is the page
 	// at mr.Addr + i*pageSize, set while the MR holds it; left counts them.
-	pages    pageBits
-	pageSize uint64
-	left     uint32
+	pages pageBits
+	left  uint32
+	shape recordShape
+}
+
+// recordShape is what the owner wrote into an MR's record besides its
+// key, range and bitmap.
+type recordShape struct {
+	pageSize  uint64
+	list      int32
+	baseIdx   uint32
+	bitmapLen uint32 // bits of the bitmap the record holds
 }
 
 // pageBits is a set of page indexes: in one word for an MR of up to 64
 // pages, so that registering one allocates nothing; in more otherwise.
 type pageBits struct {
-	word uint64
+	bits uint64
 	more []uint64
 }
 
@@ -42,9 +53,20 @@ func newPageBits(n uint32) pageBits {
 	return pageBits{more: make([]uint64, (n+63)/64)}
 }
 
+// word returns word w of the set.
+func (b *pageBits) word(w int) uint64 {
+	switch {
+	case b.more != nil && w < len(b.more):
+		return b.more[w]
+	case b.more == nil && w == 0:
+		return b.bits
+	}
+	return 0
+}
+
 func (b *pageBits) set(i uint32) {
 	if b.more == nil {
-		b.word |= 1 << i
+		b.bits |= 1 << i
 		return
 	}
 	b.more[i/64] |= 1 << (i % 64)
@@ -52,7 +74,7 @@ func (b *pageBits) set(i uint32) {
 
 // clear clears bit i and reports whether it was set.
 func (b *pageBits) clear(i uint32) bool {
-	w := &b.word
+	w := &b.bits
 	if b.more != nil {
 		if int(i/64) >= len(b.more) {
 			return false
@@ -67,9 +89,9 @@ func (b *pageBits) clear(i uint32) bool {
 	return was
 }
 
-// own records the registration of the MR whose record is at off: pages
-// of pageSize, set pages of them held (none for external memory).
-func (g *Global) own(off uint64, m verbs.MR, external bool, pageSize uint64, pages pageBits, set uint32) {
+// own records the registration of the MR whose record is at off, shaped
+// so, set pages of it held (none for external memory).
+func (g *Global) own(off uint64, m verbs.MR, external bool, shape recordShape, pages pageBits, set uint32) {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
 	if g.owned == nil {
@@ -78,30 +100,55 @@ func (g *Global) own(off uint64, m verbs.MR, external bool, pageSize uint64, pag
 	if g.owned[off].freed {
 		g.freed-- // a record offset used again: what it held is forgotten
 	}
-	g.owned[off] = ownedMR{mr: m, external: external, pages: pages, pageSize: pageSize, left: set}
+	g.owned[off] = ownedMR{mr: m, external: external, pages: pages, left: set, shape: shape}
 }
 
 // letGo clears, in the owner's record of the MR at off, the pages of
-// [addr, addr+length) it held; it returns their bit indexes (appended to
-// dst) and how many pages the MR holds now.
-func (g *Global) letGo(off, addr, length uint64, dst []uint32) ([]uint32, uint32) {
+// [addr, addr+length) it held, and returns how many pages it holds now.
+func (g *Global) letGo(off, addr, length uint64) uint32 {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
 	o, ok := g.owned[off]
-	if !ok || o.pageSize == 0 {
-		return dst, 0
+	ps := o.shape.pageSize
+	if !ok || ps == 0 {
+		return 0
 	}
 	s := max(addr, uint64(o.mr.Addr))
 	e := min(addr+length, uint64(o.mr.Addr+o.mr.Len))
-	for page := s; page < e; page += o.pageSize {
-		i := uint32((page - uint64(o.mr.Addr)) / o.pageSize)
-		if o.pages.clear(i) {
+	for page := s; page < e; page += ps {
+		if o.pages.clear(uint32((page - uint64(o.mr.Addr)) / ps)) {
 			o.left--
-			dst = append(dst, i)
 		}
 	}
 	g.owned[off] = o
-	return dst, o.left
+	return o.left
+}
+
+// writeRecord writes the record of the MR at off, its links excepted, as
+// the owner's record has it: whatever another process rewrote there is
+// put right. The owner allocated the record, so its words are in the
+// segment. Call with the write lock held.
+func (g *Global) writeRecord(off uint64) {
+	o, ok := g.ownedAt(off)
+	if !ok || o.external {
+		return
+	}
+	rec := shm.At[mrRecord](g.seg, off)
+	atomic.StoreUint64(&rec.Start, uint64(o.mr.Addr))
+	atomic.StoreUint64(&rec.Len, uint64(o.mr.Len))
+	atomic.StoreUint64(&rec.PageSize, o.shape.pageSize)
+	atomic.StoreInt32(&rec.List, o.shape.list)
+	atomic.StoreUint32(&rec.BaseIdx, o.shape.baseIdx)
+	atomic.StoreUint32(&rec.PagesSet, o.left)
+	atomic.StoreUint32(&rec.BitmapLen, o.shape.bitmapLen)
+	atomic.StoreUint32(&rec.LKey, o.mr.LKey)
+	atomic.StoreUint32(&rec.RKey, o.mr.RKey)
+	atomic.StoreUint32(&rec.Handle, o.mr.Handle)
+	atomic.StoreUint32(&rec.Access, uint32(o.mr.Access))
+	words := shm.Slice[uint64](g.seg, off+mrRecordSize, int(o.shape.bitmapLen+63)/64)
+	for w := range words {
+		atomic.StoreUint64(&words[w], o.pages.word(w))
+	}
 }
 
 // ownedAt returns the registration the owner made at off, if any.
@@ -140,6 +187,13 @@ func (g *Global) holdsPages(off uint64) bool {
 	defer g.ownMu.Unlock()
 	o, ok := g.owned[off]
 	return ok && !o.freed && !o.external
+}
+
+// ownedCount returns how many MRs the owner has registered.
+func (g *Global) ownedCount() int {
+	g.ownMu.Lock()
+	defer g.ownMu.Unlock()
+	return len(g.owned)
 }
 
 // freedCount returns how many MRs wait for a collection.

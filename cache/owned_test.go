@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/verbs"
 )
 
 // Another process links a live MR's record into the free list (any
@@ -234,4 +235,142 @@ func TestARefusedFreeChangesNothing(t *testing.T) {
 		assert.NoError(t, p.validates(r.Addr, k), "a queue serves a key the device refuses for memory nobody freed")
 	}
 	assert.NoError(t, p.mem.Free(r), "the free asked again")
+}
+
+// hookPD runs hook (once) at the device's trim: the moment another
+// process's write lands between the free's pre-check and its writes.
+type hookPD struct {
+	verbs.PD
+	hook func()
+	done bool
+}
+
+func (p *hookPD) TrimMR(m verbs.MR, addr, length uintptr) error {
+	if !p.done && p.hook != nil {
+		p.done = true
+		p.hook()
+	}
+	return p.PD.(verbs.Trimmer).TrimMR(m, addr, length)
+}
+
+// afterAFreeOfPage0 checks the keys of a two-page MR over r after a free
+// of its first page that returned err, whichever way it went, while
+// another process rewrote words of the segment (put back since): if it
+// was refused, page 0's key is good still, and served and created; if it
+// went, the device refuses the key over page 0, no lookup is served it,
+// page 1 keeps its key, and page 0 allocated again gets a good one.
+func afterAFreeOfPage0(t *testing.T, p *primary, r hugetlb.Region, key uint32, err error) {
+	t.Helper()
+	ps := uintptr(p.pageSize())
+	page0 := hugetlb.Region{Addr: r.Addr, Len: uint64(ps)}
+	if err != nil {
+		require.ErrorIs(t, err, hugetlb.ErrNotFreed)
+		assert.NoError(t, p.validates(r.Addr, key), "a refused free trimmed the device over memory that stays allocated")
+		got, found, err := p.g.Lookup(uint64(r.Addr))
+		require.NoError(t, err)
+		if found {
+			assert.NoError(t, p.validates(r.Addr, got.LKey), "the cache serves a key the device refuses for memory nobody freed")
+		}
+		ce, err := p.g.Create(uint64(r.Addr))
+		require.NoError(t, err)
+		assert.NoError(t, p.validates(r.Addr, ce.LKey), "Create returns a key the device refuses")
+		require.NoError(t, p.mem.Free(page0), "the free asked again")
+	} else {
+		assert.Error(t, p.validates(r.Addr, key), "the device accepts the key over a freed page")
+		_, found, err := p.g.Lookup(uint64(r.Addr))
+		require.NoError(t, err)
+		assert.False(t, found, "a key is served for a freed page")
+	}
+	got, found, err := p.g.Lookup(uint64(r.Addr + ps))
+	require.NoError(t, err)
+	if found {
+		assert.NoError(t, p.validates(r.Addr+ps, got.LKey), "page 1, never freed, is served a key the device refuses")
+	}
+	ce, err := p.g.Create(uint64(r.Addr + ps))
+	require.NoError(t, err)
+	assert.NoError(t, p.validates(r.Addr+ps, ce.LKey), "Create of page 1 returns a key the device refuses")
+	r2 := p.alloc(t, 1)
+	for i := 0; i < 3; i++ {
+		_, _ = p.g.Collect()
+		ce, err = p.g.Create(uint64(r2.Addr))
+		require.NoError(t, err)
+		assert.NoError(t, p.validates(r2.Addr, ce.LKey), "Create of memory allocated again returns a key the device refuses")
+	}
+}
+
+// twoPageMR allocates two pages and registers them as one MR.
+func twoPageMR(t *testing.T, p *primary) (hugetlb.Region, Entry, mr) {
+	t.Helper()
+	r := p.alloc(t, 2)
+	e, err := p.g.Create(uint64(r.Addr))
+	require.NoError(t, err)
+	require.Equal(t, uint64(r.Addr)+2*p.pageSize(), e.End, "one MR over both pages")
+	m, err := p.g.mrAt(atomic.LoadUint64(&p.g.root.MRList))
+	require.NoError(t, err)
+	require.NoError(t, p.validates(r.Addr, e.LKey))
+	return r, e, m
+}
+
+// Another process rewrites the List word of a live MR's record to -1,
+// which marks external memory, during a free of one of its pages.
+func TestAFreeOverARecordRewrittenAsExternalKeepsKeysRight(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{pages: 8})
+	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	r, e, m := twoPageMR(t, p)
+	list := atomic.LoadInt32(&m.rec.List)
+	atomic.StoreInt32(&m.rec.List, -1) // the other process's write
+	err := p.mem.Free(hugetlb.Region{Addr: r.Addr, Len: p.pageSize()})
+	t.Logf("free with the record's List rewritten: %v", err)
+	atomic.StoreInt32(&m.rec.List, list) // put back
+	afterAFreeOfPage0(t, p, r, e.LKey, err)
+}
+
+// Another process rewrites the global table's header (Gen and Size)
+// during a free.
+func TestAFreeUnderARewrittenTableHeaderKeepsKeysRight(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{pages: 8})
+	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	r, e, _ := twoPageMR(t, p)
+	h := &p.g.root.Table
+	gen, size := atomic.LoadUint32(&h.Gen), atomic.LoadUint32(&h.Size)
+	atomic.StoreUint32(&h.Gen, gen+1) // the other process's writes
+	atomic.StoreUint32(&h.Size, 1)
+	err := p.mem.Free(hugetlb.Region{Addr: r.Addr, Len: p.pageSize()})
+	t.Logf("free with the table header rewritten: %v", err)
+	atomic.StoreUint32(&h.Size, size) // put back
+	atomic.StoreUint32(&h.Gen, gen)
+	afterAFreeOfPage0(t, p, r, e.LKey, err)
+}
+
+// Another process zeroes the record's BitmapLen in the middle of a free
+// (here: while the device trims), and puts it back after.
+func TestAWordRewrittenDuringAFreeKeepsKeysRight(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{pages: 8})
+	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	r, e, m := twoPageMR(t, p)
+	bl := atomic.LoadUint32(&m.rec.BitmapLen)
+	hp := &hookPD{PD: p.g.pd, hook: func() { atomic.StoreUint32(&m.rec.BitmapLen, 0) }}
+	p.g.pd = hp
+	err := p.mem.Free(hugetlb.Region{Addr: r.Addr, Len: p.pageSize()})
+	p.g.pd = hp.PD
+	t.Logf("free with BitmapLen zeroed during it: %v", err)
+	atomic.StoreUint32(&m.rec.BitmapLen, bl) // put back
+	afterAFreeOfPage0(t, p, r, e.LKey, err)
+}
+
+// Another process writes a root counter, MRCount, to 0 while the list
+// holds an MR. A free that moves the MR must not size anything by the
+// counter (decremented, it reads 4294967295): the primary would die of
+// an allocation of about 100 GB.
+func TestARewrittenMRCountDoesNotTakeThePrimaryDown(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{pages: 8, single: true})
+	r := p.alloc(t, 1)
+	_, err := p.g.Create(uint64(r.Addr))
+	require.NoError(t, err)
+	atomic.StoreUint32(&p.g.root.MRCount, 0) // the other process's write
+	require.NoError(t, p.mem.Free(r))
+	r2 := p.alloc(t, 1)
+	e, err := p.g.Create(uint64(r2.Addr))
+	require.NoError(t, err)
+	assert.NoError(t, p.validates(r2.Addr, e.LKey))
 }
