@@ -159,11 +159,18 @@ func TestAForgedInconsistentFlagDoesNotEndThePrimarysWrites(t *testing.T) {
 	atomic.StoreUint32(flags, 0) // even cleaned up by the peer
 	t.Logf("owner word now %#x, flags %d", b.u64(lockOff), b.u32(lockOff+8))
 
-	create := b.must("create %d", sc.other)
-	free := b.must("free %d %d", sc.other, b.page)
-	t.Logf("after the peer stopped: create %q, free %q", create, free)
+	primaryWorks(t, b, sc.other, sc.other, b.page)
+}
+
+// primaryWorks checks that the primary creates an MR for addr and frees
+// [free, free+length).
+func primaryWorks(t *testing.T, b *b9Inst, addr, free, length uint64) {
+	t.Helper()
+	create := b.must("create %d", addr)
+	freed := b.must("free %d %d", free, length)
+	t.Logf("create %q, free %q", create, freed)
 	assert.True(t, strings.HasPrefix(create, "key "), "the primary's creates fail for good: %s", create)
-	assert.Equal(t, "ok", free, "the primary's frees are refused for good")
+	assert.Equal(t, "ok", freed, "the primary's frees are refused for good")
 }
 
 // The same without a race: a process of the user writes two words while
@@ -188,9 +195,5 @@ func TestTwoForgedWordsPutBackLeaveThePrimaryWorking(t *testing.T) {
 	b.put64(root+forgedMRList, list) // the peer undoes both writes
 	b.put32(lockOff+8, 0)
 	t.Logf("owner word now %#x, flags %d", b.u64(lockOff), b.u32(lockOff+8))
-	create := b.must("create %d", sc.other)
-	free := b.must("free %d %d", sc.a, sc.alen)
-	t.Logf("after the peer restored the words: create %q, free %q", create, free)
-	assert.True(t, strings.HasPrefix(create, "key "), "the primary's creates fail for good: %s", create)
-	assert.Equal(t, "ok", free, "the primary's frees are refused for good")
+	primaryWorks(t, b, sc.other, sc.a, sc.alen)
 }
