@@ -156,8 +156,9 @@ func (g *Global) trim(over []uint64, addr, length uint64) (failed []uint64) {
 // on it, and stays. Call with the write lock held.
 func (g *Global) moveToFree(off uint64) error {
 	prev := &g.root.MRList
+	limit := g.walkLimit()
 	for cur, n := atomic.LoadUint64(prev), 0; cur != 0; cur, n = atomic.LoadUint64(prev), n+1 {
-		if n >= maxMRs {
+		if n >= limit {
 			return fmt.Errorf("%w: MR list does not end", ErrCorrupt)
 		}
 		m, err := g.mrAt(cur)
@@ -281,7 +282,12 @@ func (g *Global) Close() error {
 	// would otherwise leave keys served for its pages.
 	defer g.unsub()
 	var errs []error
-	for off := atomic.LoadUint64(&g.root.MRList); off != 0; off = atomic.LoadUint64(&g.root.MRList) {
+	limit := g.walkLimit()
+	for off, n := atomic.LoadUint64(&g.root.MRList), 0; off != 0; off, n = atomic.LoadUint64(&g.root.MRList), n+1 {
+		if n >= limit {
+			errs = append(errs, fmt.Errorf("%w: MR list does not end", ErrCorrupt))
+			break
+		}
 		if err := g.moveToFree(off); err != nil {
 			errs = append(errs, err)
 			break
@@ -337,28 +343,21 @@ func (g *Global) RegisterExternal(addr, length uint64) (Entry, error) {
 		_ = g.seg.Free(off)
 		return Entry{}, ErrClosed // Close swept the list while we waited
 	}
+	// What is registered already is this process's own record's word.
 	var same *Entry
-	var clash error
-	err = g.eachMR(atomic.LoadUint64(&g.root.MRList), func(m mr) bool {
-		if !m.external() {
-			return true
-		}
-		s, n := atomic.LoadUint64(&m.rec.Start), atomic.LoadUint64(&m.rec.Len)
+	g.ownMu.Lock()
+	for _, o := range g.owned {
+		s, n := uint64(o.mr.Addr), uint64(o.mr.Len)
 		switch {
+		case !o.external || o.freed:
 		case s == addr && n == length:
-			e := Entry{Start: s, End: s + n, LKey: atomic.LoadUint32(&m.rec.LKey)}
-			same = &e
-			return false
+			same = &Entry{Start: s, End: s + n, LKey: o.mr.LKey}
 		case addr < s+n && s < end:
-			clash = fmt.Errorf("%w: external [0x%x, 0x%x) overlaps the registered external [0x%x, 0x%x) (lkey 0x%x)",
-				ErrOverlap, addr, end, s, s+n, atomic.LoadUint32(&m.rec.LKey))
-			return false
+			err = fmt.Errorf("%w: external [0x%x, 0x%x) overlaps the registered external [0x%x, 0x%x) (lkey 0x%x)",
+				ErrOverlap, addr, end, s, s+n, o.mr.LKey)
 		}
-		return true
-	})
-	if err == nil {
-		err = clash
 	}
+	g.ownMu.Unlock()
 	if err != nil || same != nil {
 		_ = g.seg.Free(off)
 		if same != nil {
@@ -408,18 +407,12 @@ func (g *Global) UnregisterExternal(addr uint64) error {
 	if err != nil {
 		return err
 	}
-	_, m, found, err := g.findInList(addr)
-	var o ownedMR
-	if err == nil && found {
-		var ok bool
-		o, ok = g.ownedAt(m.off)
-		found = ok && o.external && !o.freed // as this process registered it
-	}
-	if err == nil && !found {
+	off, o, found := g.ownedExternal(addr) // as this process registered it
+	if !found {
 		err = fmt.Errorf("%w: no external MR holds 0x%x", ErrNoMemory, addr)
 	}
 	if err == nil {
-		err = g.moveToFree(m.off)
+		err = g.moveToFree(off)
 	}
 	if err == nil {
 		g.bumpGen(uint64(o.mr.Addr), uint64(o.mr.Addr+o.mr.Len))

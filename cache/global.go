@@ -394,11 +394,22 @@ func (g *Global) findInList(addr uint64) (Entry, mr, bool, error) {
 // maxMRs bounds list walks, so that a corrupt list cannot loop forever.
 const maxMRs = 1 << 20
 
+// walkLimit bounds a walk of a list of MRs: in the owner, by how many it
+// registered, so that a list another process rewrote into a loop costs
+// no more than the real one.
+func (g *Global) walkLimit() int {
+	if g.owner {
+		return g.ownedCount() + 1
+	}
+	return maxMRs
+}
+
 // eachMR calls fn for every record of the list starting at head until fn
 // returns false. Call it with the lock held.
 func (g *Global) eachMR(head uint64, fn func(mr) bool) error {
+	limit := g.walkLimit()
 	for off, n := head, 0; off != 0; n++ {
-		if n >= maxMRs {
+		if n >= limit {
 			return fmt.Errorf("%w: MR list does not end", ErrCorrupt)
 		}
 		m, err := g.mrAt(off)

@@ -58,13 +58,24 @@ func (g *Global) mrAt(off uint64) (mr, error) {
 	m := mr{off: off, rec: rec}
 	if atomic.LoadInt32(&rec.List) >= 0 {
 		n := atomic.LoadUint32(&rec.BitmapLen)
-		words := uint64(n+63) / 64
-		if n == 0 || g.seg.CheckRange(off+mrRecordSize, words*8) != nil {
+		words := (uint64(n) + 63) / 64
+		if n == 0 || g.seg.CheckRange(off+mrRecordSize, words*8) != nil || !g.recordHolds(off, words) {
 			return mr{}, fmt.Errorf("%w: MR record at 0x%x: bitmap of %d bits", ErrCorrupt, off, n)
 		}
 		m.bmp = shm.Slice[uint64](g.seg, off+mrRecordSize, int(words))
 	}
 	return m, nil
+}
+
+// recordHolds reports whether the record at off has room for a bitmap of
+// words words: in the owner, which knows its blocks, the block it
+// allocated must; elsewhere the segment bounds it (checked by the caller).
+func (g *Global) recordHolds(off, words uint64) bool {
+	if !g.owner {
+		return true
+	}
+	size, err := g.seg.BlockSize(off)
+	return err == nil && size >= mrRecordSize+words*8
 }
 
 func (m mr) external() bool { return m.bmp == nil }

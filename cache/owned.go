@@ -205,13 +205,21 @@ func (g *Global) freedCount() int {
 
 // ownedOver returns, in record order, the offsets of the owner's live MRs
 // of pool memory whose registered range overlaps [addr, addr+length).
-func (g *Global) ownedOver(addr, length uint64) []uint64 {
+func (g *Global) ownedOver(addr, length uint64) []uint64 { return g.ownedIn(addr, length, false) }
+
+// ownedFreedOver returns, in record order, the offsets of the MRs the
+// owner moved to the free list and the device has not let go of yet whose
+// registered range overlaps [addr, addr+length).
+func (g *Global) ownedFreedOver(addr, length uint64) []uint64 { return g.ownedIn(addr, length, true) }
+
+func (g *Global) ownedIn(addr, length uint64, freed bool) []uint64 {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
 	var out []uint64
 	for off, o := range g.owned {
 		s, n := uint64(o.mr.Addr), uint64(o.mr.Len)
-		if !o.external && !o.freed && addr < s+n && s < addr+length {
+		live := !o.external && !o.freed
+		if (freed && o.freed || !freed && live) && addr < s+n && s < addr+length {
 			out = append(out, off)
 		}
 	}
@@ -219,21 +227,17 @@ func (g *Global) ownedOver(addr, length uint64) []uint64 {
 	return out
 }
 
-// ownedFreedOver returns, in record order, the offsets of the MRs the
-// owner moved to the free list and the device has not let go of yet whose
-// registered range overlaps [addr, addr+length).
-func (g *Global) ownedFreedOver(addr, length uint64) []uint64 {
+// ownedExternal returns the live external-memory MR the owner registered
+// over addr.
+func (g *Global) ownedExternal(addr uint64) (uint64, ownedMR, bool) {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
-	var out []uint64
 	for off, o := range g.owned {
-		s, n := uint64(o.mr.Addr), uint64(o.mr.Len)
-		if o.freed && addr < s+n && s < addr+length {
-			out = append(out, off)
+		if o.external && !o.freed && uint64(o.mr.Addr) <= addr && addr-uint64(o.mr.Addr) < uint64(o.mr.Len) {
+			return off, o, true
 		}
 	}
-	slices.Sort(out)
-	return out
+	return 0, ownedMR{}, false
 }
 
 // markAllFreed marks every MR the owner registered for the next
