@@ -19,6 +19,11 @@ import (
 // the MR list is the truth, and the table is rebuilt from it.
 func (g *Global) writeLock() error {
 	err := g.lock.LockWithin(g.timeout)
+	if (err == nil || errors.Is(err, shm.ErrOwnerDied)) && g.owner {
+		if t := g.tbl.Load(); t.Stale() || t.Size() != int(atomic.LoadUint32(&t.hdr.Size)) {
+			t.writeHeader() // another process rewrote it
+		}
+	}
 	if errors.Is(err, shm.ErrOwnerDied) {
 		g.log.Warn("global cache lock owner died; rebuilding the table from the MR list")
 		// The dead writer may have changed the list: every local cache

@@ -269,7 +269,10 @@ func (g *Global) DevGen() uint32 { return atomic.LoadUint32(g.devGen) }
 // but is always in bounds).
 func (g *Global) table() (*Table, error) {
 	t := g.tbl.Load()
-	if !t.Stale() {
+	if g.owner || !t.Stale() {
+		// The owner's view is the table: it replaces it itself when it
+		// expands it, and puts the header right under the write lock
+		// (writeLock) if another process rewrote it.
 		return t, nil
 	}
 	nt, err := openSegmentTable(g.seg, g.rootOff+tableHeaderOff)

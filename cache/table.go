@@ -165,11 +165,25 @@ func tableBlockSize(size int) uint64 {
 	return entriesSize(size) + tableIndexSize + uint64(dirCap(size))*4
 }
 
-// Len returns the number of entries in use, the sentinel included.
-func (t *Table) Len() int { return int(atomic.LoadUint32(&t.hdr.Len)) }
+// Len returns the number of entries in use, the sentinel included. In a
+// segment table the word can be rewritten by any process mapping it: it
+// is bounded by the array this view has, and the sentinel.
+func (t *Table) Len() int {
+	return max(1, min(int(atomic.LoadUint32(&t.hdr.Len)), len(t.ents)))
+}
 
-// Size returns the capacity.
-func (t *Table) Size() int { return int(atomic.LoadUint32(&t.hdr.Size)) }
+// Size returns the capacity: that of the array this view has, whatever
+// the header says now.
+func (t *Table) Size() int { return len(t.ents) }
+
+// writeHeader writes the header's words that name the array as this
+// view has them (the owner's view, put right after another process
+// rewrote them).
+func (t *Table) writeHeader() {
+	atomic.StoreUint32(&t.hdr.Size, uint32(len(t.ents)))
+	atomic.StoreUint64(&t.hdr.Entries, t.off)
+	atomic.StoreUint32(&t.hdr.Gen, t.gen)
+}
 
 // Overflowed reports whether an insert found the table full since the last
 // Clear: the table then misses entries and lookups must fall back to the
