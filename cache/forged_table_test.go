@@ -68,3 +68,43 @@ func TestATableSizeRewrittenToZeroDoesNotHangAFree(t *testing.T) {
 	assert.Equal(t, e2, got)
 	assert.Equal(t, uint32(p.g.tbl.Load().Size()), atomic.LoadUint32(&p.g.root.Table.Size), "the primary put the header right")
 }
+
+// Another process rewrites only the table header's Size. The primary puts
+// it right at its next write section. A view opened from the header
+// meanwhile (a secondary attaching then) has an entry array and an index
+// sized and placed by the rewritten Size: once the header is right again
+// it must follow the real table, and no lookup may answer with an entry
+// that does not hold the address.
+func TestAViewOpenedOnARewrittenSizeFollowsTheRepair(t *testing.T) {
+	p := newPrimary(t, fixtureConfig{pages: 64, single: true, tableSize: 64})
+	var addrs []uint64
+	for range 20 {
+		r := p.alloc(t, 2) // the second page stays unregistered
+		_, err := p.g.Create(uint64(r.Addr))
+		require.NoError(t, err)
+		addrs = append(addrs, uint64(r.Addr))
+	}
+	atomic.StoreUint32(&p.g.root.Table.Size, 4) // the other process's write
+	v := p.attachView(t)                        // a secondary attaching meanwhile
+	// The primary's next write section puts the header right.
+	require.NoError(t, p.g.Exclusive(func() {}))
+	require.Equal(t, uint32(p.g.tbl.Load().Size()), atomic.LoadUint32(&p.g.root.Table.Size),
+		"the primary put the header right")
+	tb, err := v.table()
+	require.NoError(t, err)
+	t.Logf("view: %d entries of %d, header says %d", tb.Len(), tb.Size(), atomic.LoadUint32(&p.g.root.Table.Size))
+	missed, wrong := 0, 0
+	for _, a := range addrs {
+		e, found, err := v.Lookup(a + 9)
+		require.NoError(t, err)
+		if !found || !e.Contains(a+9) {
+			missed++
+		}
+		if found && !e.Contains(a+9) {
+			wrong++
+			t.Logf("0x%x: found %v, which does not hold it", a+9, e)
+		}
+	}
+	assert.Zero(t, wrong, "answers naming an entry that does not hold the address")
+	assert.Zero(t, missed, "lookups of registered addresses the repaired view still misses (of %d)", len(addrs))
+}

@@ -144,7 +144,8 @@ func openSegmentTable(seg *shm.Segment, hdrOff uint64) (*Table, error) {
 // the header names: the owner replaced it (expanded the table), even if the
 // new array happens to sit where the old one did.
 func (t *Table) Stale() bool {
-	return t.seg != nil && (atomic.LoadUint32(&t.hdr.Gen) != t.gen || atomic.LoadUint64(&t.hdr.Entries) != t.off)
+	return t.seg != nil && (atomic.LoadUint32(&t.hdr.Gen) != t.gen || atomic.LoadUint64(&t.hdr.Entries) != t.off ||
+		int(atomic.LoadUint32(&t.hdr.Size)) != len(t.ents))
 }
 
 func (t *Table) remap(off uint64, size int) {
@@ -229,7 +230,7 @@ func (t *Table) find(addr uint64) (e Entry, idx int, hit bool) {
 		idx = t.locate(addr, n)
 		e = t.At(idx)
 	}
-	return e, idx, addr < e.End
+	return e, idx, e.Start <= addr && addr < e.End
 }
 
 // At returns entry i (0 <= i < Len()).
