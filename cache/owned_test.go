@@ -158,7 +158,7 @@ func TestCollectBesideFreesReleasesNothingTheFreeListStillNames(t *testing.T) {
 		}
 		return nil
 	})()
-	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	defer collectOnFree(p)()
 
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
@@ -189,7 +189,7 @@ func TestCollectBesideFreesReleasesNothingTheFreeListStillNames(t *testing.T) {
 // served, the primary creates as before, and the free asked again works.
 func TestARefusedFreeChangesNothing(t *testing.T) {
 	p := newPrimary(t, fixtureConfig{pages: 8, single: true})
-	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	defer collectOnFree(p)()
 	r := p.alloc(t, 1)
 	e, err := p.g.Create(uint64(r.Addr))
 	require.NoError(t, err)
@@ -315,7 +315,7 @@ func twoPageMR(t *testing.T, p *primary) (hugetlb.Region, Entry, mr) {
 // which marks external memory, during a free of one of its pages.
 func TestAFreeOverARecordRewrittenAsExternalKeepsKeysRight(t *testing.T) {
 	p := newPrimary(t, fixtureConfig{pages: 8})
-	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	defer collectOnFree(p)()
 	r, e, m := twoPageMR(t, p)
 	list := atomic.LoadInt32(&m.rec.List)
 	atomic.StoreInt32(&m.rec.List, -1) // the other process's write
@@ -329,7 +329,7 @@ func TestAFreeOverARecordRewrittenAsExternalKeepsKeysRight(t *testing.T) {
 // during a free.
 func TestAFreeUnderARewrittenTableHeaderKeepsKeysRight(t *testing.T) {
 	p := newPrimary(t, fixtureConfig{pages: 8})
-	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	defer collectOnFree(p)()
 	r, e, _ := twoPageMR(t, p)
 	h := &p.g.root.Table
 	gen, size := atomic.LoadUint32(&h.Gen), atomic.LoadUint32(&h.Size)
@@ -346,7 +346,7 @@ func TestAFreeUnderARewrittenTableHeaderKeepsKeysRight(t *testing.T) {
 // (here: while the device trims), and puts it back after.
 func TestAWordRewrittenDuringAFreeKeepsKeysRight(t *testing.T) {
 	p := newPrimary(t, fixtureConfig{pages: 8})
-	defer p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })()
+	defer collectOnFree(p)()
 	r, e, m := twoPageMR(t, p)
 	bl := atomic.LoadUint32(&m.rec.BitmapLen)
 	hp := &hookPD{PD: p.g.pd, hook: func() { atomic.StoreUint32(&m.rec.BitmapLen, 0) }}
@@ -373,4 +373,11 @@ func TestARewrittenMRCountDoesNotTakeThePrimaryDown(t *testing.T) {
 	e, err := p.g.Create(uint64(r2.Addr))
 	require.NoError(t, err)
 	assert.NoError(t, p.validates(r2.Addr, e.LKey))
+}
+
+// collectOnFree has every free of p's memory collect the MRs it dropped
+// before the pages go, as the primary's guard does; call what it returns
+// to stop.
+func collectOnFree(p *primary) func() {
+	return p.mem.GuardFree(func(ev hugetlb.Event) error { return p.g.CollectFor(uint64(ev.Addr), ev.Len) })
 }
