@@ -726,3 +726,32 @@ func TestMappedMatchesAPageByPageModel(t *testing.T) {
 		check(l.End-1, 2)
 	}
 }
+
+// The primary allocates and frees by its own record of what it allocated,
+// not by the shared page state, which any process mapping the segment can
+// write: a page another process marks free there is not handed out again
+// while allocated, and a page it marks allocated is not freed.
+func TestAllocAndFreeGoByThePrimarysOwnRecord(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	ps := b.PageSize
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
+	r, err := in.mem.Alloc(ps)
+	require.NoError(t, err)
+	r.Bytes()[0] = 0x5a
+
+	// (The table: a 64-byte header, then the lists' descriptors, each
+	// with its bitmap's offset at byte 32.)
+	table := in.seg.Root(shm.RootMemory)
+	bitsOff := atomic.LoadUint64(&shm.Slice[uint64](in.seg, table+64+32, 1)[0])
+	bits := &shm.Slice[uint64](in.seg, bitsOff, 1)[0]
+	atomic.StoreUint64(bits, 0) // the other process's write: page 0 free
+
+	r2, err := in.mem.Alloc(ps)
+	require.NoError(t, err)
+	assert.NotEqual(t, r.Addr, r2.Addr, "an allocated page was handed out again")
+	assert.Equal(t, byte(0x5a), r.Bytes()[0], "the first allocation's memory was replaced")
+
+	free := hugetlb.Region{Addr: r2.Addr + uintptr(ps), Len: ps}
+	atomic.StoreUint64(bits, 0xf) // the other process's write: every page allocated
+	assert.ErrorIs(t, in.mem.Free(free), hugetlb.ErrDoubleFree, "a page never allocated was freed")
+}

@@ -300,7 +300,7 @@ func (m *Memory) Free(r Region) error {
 	if err != nil {
 		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w", r.Addr, r.Addr+uintptr(r.Len), err)
 	}
-	if i := l.state.next(first, first+n, false); i < first+n {
+	if i := l.mapped.next(first, first+n, false); i < first+n { // its own record, not the shared state
 		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x is free",
 			r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i))
 	}

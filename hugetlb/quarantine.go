@@ -240,13 +240,15 @@ func stillHeld(holders, now []shm.Proc) bool {
 }
 
 // freeMask returns what the allocator must treat as taken in l: the
-// allocated pages, and the quarantined ones if there are any. Called with
-// m.mu held.
+// allocated pages, and the quarantined ones if there are any. The
+// allocated pages are the ones the primary mapped, by its own record: the
+// shared page state is any process's to rewrite, and a page marked free
+// there must not be handed out twice. Called with m.mu held.
 func (l *list) freeMask() bitmap {
 	if l.heldPages == 0 {
-		return l.state
+		return l.mapped
 	}
-	b := l.state.snapshot()
+	b := l.mapped.snapshot()
 	for i := range b {
 		b[i] |= atomic.LoadUint64(&l.held[i])
 	}
