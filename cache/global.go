@@ -130,7 +130,7 @@ type Global struct {
 	gcMu      sync.Mutex // one collection at a time (see Collect)
 	ownMu     sync.Mutex
 	owned     map[uint64]ownedMR // what this process registered, by record (see owned.go)
-	freed     int                // how many of them are freed, under ownMu
+	freed     atomic.Int64       // how many of them are freed, changed under ownMu
 	lastGCErr string             // the collection failure last logged, under gcMu
 	closeMu   sync.Mutex
 	closed    atomic.Bool

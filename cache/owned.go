@@ -98,7 +98,7 @@ func (g *Global) own(off uint64, m verbs.MR, external bool, shape recordShape, p
 		g.owned = make(map[uint64]ownedMR, 64)
 	}
 	if g.owned[off].freed {
-		g.freed-- // a record offset used again: what it held is forgotten
+		g.freed.Add(-1) // a record offset used again: what it held is forgotten
 	}
 	g.owned[off] = ownedMR{mr: m, external: external, pages: pages, left: set, shape: shape}
 }
@@ -166,7 +166,7 @@ func (g *Global) markFreed(off uint64) {
 	if o, ok := g.owned[off]; ok && !o.freed {
 		o.freed = true
 		g.owned[off] = o
-		g.freed++
+		g.freed.Add(1)
 	}
 }
 
@@ -175,7 +175,7 @@ func (g *Global) disown(off uint64) {
 	g.ownMu.Lock()
 	defer g.ownMu.Unlock()
 	if g.owned[off].freed {
-		g.freed--
+		g.freed.Add(-1)
 	}
 	delete(g.owned, off)
 }
@@ -196,12 +196,9 @@ func (g *Global) ownedCount() int {
 	return len(g.owned)
 }
 
-// freedCount returns how many MRs wait for a collection.
-func (g *Global) freedCount() int {
-	g.ownMu.Lock()
-	defer g.ownMu.Unlock()
-	return g.freed
-}
+// freedCount returns how many MRs wait for a collection: read without
+// ownMu, since every create asks.
+func (g *Global) freedCount() int { return int(g.freed.Load()) }
 
 // ownedOver returns, in record order, the offsets of the owner's live MRs
 // of pool memory whose registered range overlaps [addr, addr+length).
@@ -249,7 +246,7 @@ func (g *Global) markAllFreed() {
 		if !o.freed {
 			o.freed = true
 			g.owned[off] = o
-			g.freed++
+			g.freed.Add(1)
 		}
 	}
 }
