@@ -12,7 +12,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
-	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // A secondary maps its data memory from the files the primary hands
@@ -26,15 +25,7 @@ import (
 func TestSecondaryMapsTheFilesThePrimaryHandsOver(t *testing.T) {
 	requireRoot(t)
 	const primaryUID, secondaryUID = victimUID, squatterUID // the primary's user is the attacker here
-	tmp := sharedTmp(t)
-	prefix := testenv.Prefix(t)
-	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
-	shared := filepath.Join(tmp, "shared")
-	_, res := userProc(t, "user-mkdir", nil, strconv.Itoa(primaryUID), shared, "711")
-	require.Equal(t, "<nil>", res)
-	home := filepath.Join(tmp, "home-of-"+strconv.Itoa(secondaryUID))
-	_, res = userProc(t, "user-mkdir", nil, strconv.Itoa(secondaryUID), home, "700")
-	require.Equal(t, "<nil>", res)
+	prefix, shared, home := twoUserInstance(t, primaryUID, secondaryUID)
 
 	p, res := userProc(t, "user-primary", nil, strconv.Itoa(primaryUID), prefix, shared,
 		strconv.Itoa(secondaryUID), "open")

@@ -113,17 +113,9 @@ func TestBreaker3SecSquattersPrivateFileAtABackendNameIsNotErrPermission(t *test
 // wherever the link points (and takes its locks in it).
 func TestBreaker3SecSecondaryFollowsALinkAtSlotsLock(t *testing.T) {
 	requireRoot(t)
-	tmp := sharedTmp(t)
-	prefix := testenv.Prefix(t)
-	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
-	shared := filepath.Join(tmp, "shared")
-	_, res := userProc(t, "user-mkdir", nil, strconv.Itoa(victimUID), shared, "711")
-	require.Equal(t, "<nil>", res)
-	home := filepath.Join(tmp, "home-of-"+strconv.Itoa(squatterUID))
-	_, res = userProc(t, "user-mkdir", nil, strconv.Itoa(squatterUID), home, "700")
-	require.Equal(t, "<nil>", res)
+	prefix, shared, home := twoUserInstance(t, victimUID, squatterUID)
 	// The primary of uid victimUID lets uid squatterUID in ...
-	_, res = userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+	_, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
 		strconv.Itoa(squatterUID), "open")
 	require.Equal(t, "<nil>", res)
 	// ... and its user points slots.lock into the secondary's home.

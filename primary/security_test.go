@@ -455,12 +455,7 @@ func TestRestartLeavesALivePrimarysFilesAlone(t *testing.T) {
 // trusts it, work together; without the trust, the secondary refuses.
 func TestTrustedUserAttaches(t *testing.T) {
 	requireRoot(t)
-	tmp := sharedTmp(t)
-	prefix := testenv.Prefix(t)
-	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
-	shared := filepath.Join(tmp, "shared")
-	_, res := userProc(t, "user-mkdir", nil, strconv.Itoa(victimUID), shared, "711")
-	require.Equal(t, "<nil>", res)
+	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
 	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
 		strconv.Itoa(squatterUID), "open")
 	require.Equal(t, "<nil>", res)
@@ -480,4 +475,24 @@ func TestTrustedUserAttaches(t *testing.T) {
 	assert.Contains(t, askProc(t, s, "lookup %d", addr), "key ")
 	assert.Equal(t, "byte 9", askProc(t, p, "read %d", addr))
 	assert.Equal(t, "secondaries 1", askProc(t, p, "secondaries"))
+}
+
+// twoUserInstance prepares an instance named prefix shared between users:
+// a directory shared, of primaryUID, that others may enter, and, when
+// homeUID is not -1, a private directory home of homeUID beside it. The
+// instance's files are removed at cleanup.
+func twoUserInstance(t *testing.T, primaryUID, homeUID int) (prefix, shared, home string) {
+	t.Helper()
+	tmp := sharedTmp(t)
+	prefix = testenv.Prefix(t)
+	t.Cleanup(func() { removeInstanceFiles(t, prefix) })
+	shared = filepath.Join(tmp, "shared")
+	_, res := userProc(t, "user-mkdir", nil, strconv.Itoa(primaryUID), shared, "711")
+	require.Equal(t, "<nil>", res)
+	if homeUID != -1 {
+		home = filepath.Join(tmp, "home-of-"+strconv.Itoa(homeUID))
+		_, res = userProc(t, "user-mkdir", nil, strconv.Itoa(homeUID), home, "700")
+		require.Equal(t, "<nil>", res)
+	}
+	return prefix, shared, home
 }
