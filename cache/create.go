@@ -62,8 +62,8 @@ func (g *Global) writeUnlock() { g.lock.Unlock() }
 //  3. find the run of allocated, contiguous pages around addr — or just its
 //     page, in single-page mode;
 //  4. allocate the record and its bitmap;
-//  5. under the memory read lock, check the run is unchanged (else retry
-//     with one page);
+//  5. under the memory read lock, check the run is unchanged and no free
+//     is letting go of its pages (else retry with one page);
 //  6. under the write lock, return the existing entry if another goroutine
 //     or process created one meanwhile;
 //  7. mark the pages of the run not yet registered by other MRs (the bitmap
@@ -138,6 +138,14 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	if again, ok := g.runAround(addr, run.Pages == 1); !ok {
 		return Entry{}, false, fmt.Errorf("%w: 0x%x (freed meanwhile)", ErrNoMemory, addr)
 	} else if again != run {
+		return Entry{}, true, nil
+	}
+	if g.mem.Freeing(run.Start, uint64(run.End-run.Start)) {
+		// A free has let go of pages of the run, and waits for the
+		// secondaries to unmap them before they go.
+		if run.Pages == 1 {
+			return Entry{}, false, fmt.Errorf("%w: 0x%x (being freed)", ErrNoMemory, addr)
+		}
 		return Entry{}, true, nil
 	}
 

@@ -155,6 +155,10 @@ type Memory struct {
 	lists   []*list // fixed after Create/Attach
 
 	mu sync.RWMutex // the memory lock; see RLock
+	// chMu is held for reading by each Alloc and Free of the primary from
+	// start to end, its events included, and for writing by Close and
+	// HoldChanges. Lock order: chMu, then mu.
+	chMu sync.RWMutex
 	// qmu orders the queries, which take no memory lock (event callbacks
 	// call them), against Close: they read the descriptors under it, and
 	// Close marks the memory closed under it, so that none is still
@@ -197,6 +201,10 @@ type list struct {
 	// Primary only, under Memory.mu: quarantined pages.
 	held      bitmap
 	heldPages int
+	// Primary only, under Memory.mu: the pages of the Alloc and Free
+	// calls whose events are being delivered, outside the memory lock
+	// (see Subscribe).
+	allocating, freeing bitmap
 }
 
 func (l *list) end() uintptr       { return l.base + uintptr(l.size()) }
@@ -394,7 +402,7 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 		blocks = append(blocks, bitsOff)
 		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path,
 			desc: &descs[i], state: shm.Slice[uint64](seg, bitsOff, words(s.pages)), mapped: make(bitmap, words(s.pages)),
-			held: make(bitmap, words(s.pages))}
+			held: make(bitmap, words(s.pages)), allocating: make(bitmap, words(s.pages)), freeing: make(bitmap, words(s.pages))}
 		m.lists = append(m.lists, l)
 		f, err := os.OpenFile(s.path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		if errors.Is(err, os.ErrExist) {
@@ -709,27 +717,67 @@ func logger(l *slog.Logger) *slog.Logger {
 // Primary reports whether this process created the memory.
 func (m *Memory) Primary() bool { return m.primary }
 
-// RLock takes the memory read lock: while it is held, no Alloc or Free (in
-// the primary) and no MapPages, UnmapPages or Resync (in a secondary) runs,
-// so the allocated pages and the answers of the queries stay as they are.
-// The MR cache takes it to re-check a contiguous chunk before registering
-// it. The lock is process-local. Lock order: the memory lock before the
-// cache's locks. Do not call RLock from an event callback: the write lock is
-// held there.
+// RLock takes the memory read lock: while it is held, no page changes
+// state, no Alloc or Free (in the primary) is in its checks or its
+// changes, and no MapPages, UnmapPages or Resync (in a secondary) runs, so
+// the allocated pages and the answers of the queries stay as they are. In
+// the primary an Alloc or a Free may be delivering its events meanwhile
+// (that runs outside the lock): the pages of such a Free are still
+// allocated, and Freeing reports them. The MR cache takes it to re-check a
+// contiguous chunk before registering it. The lock is process-local. Lock
+// order: the memory lock before the cache's locks. Do not call RLock from
+// an event callback in a secondary: the write lock is held there.
 func (m *Memory) RLock() { m.mu.RLock() }
 
 // RUnlock releases the memory read lock.
 func (m *Memory) RUnlock() { m.mu.RUnlock() }
 
+// Freeing reports whether any page of [addr, addr+n) is being freed: a
+// Free of the primary has taken it and is delivering EventFree (its
+// secondaries unmapping it) before the page goes. Such pages are still
+// allocated to the queries; nothing may come to refer to them. Call it
+// with RLock held for an answer that stays true until RUnlock. Always
+// false in a secondary.
+func (m *Memory) Freeing(addr uintptr, n uint64) bool {
+	if !m.primary || n == 0 {
+		return false
+	}
+	for _, l := range m.lists {
+		if addr >= l.end() || addr+uintptr(n) <= l.base {
+			continue
+		}
+		first := int(uint64(max(addr, l.base)-l.base) / l.pageSize)
+		last := int((uint64(min(addr+uintptr(n), l.end())-l.base) - 1) / l.pageSize)
+		if l.freeing.next(first, last+1, true) <= last {
+			return true
+		}
+	}
+	return false
+}
+
+// HoldChanges waits until no Alloc or Free of the primary is under way,
+// events included, and keeps new ones from starting until release is
+// called. The primary's hello takes it: a secondary that joins then maps
+// what the shared descriptors say, and follows every change from there.
+// It may wait as long as a subscriber takes (a secondary's
+// acknowledgement, in the primary). Do not call it from an event callback.
+func (m *Memory) HoldChanges() (release func()) {
+	m.chMu.Lock()
+	return m.chMu.Unlock
+}
+
 // Close releases this process's view: it unmaps every list (pages and
 // reservation) and closes the backing files. The primary also marks the
 // descriptors closed, so later attaches fail, and removes the backing files,
 // so the hugepages go back to the kernel once no process maps them any
-// more. No events are delivered. Close the Memory before its segment. Close
+// more. No events are delivered; the Alloc and Free calls under way finish
+// first, events included. Close the Memory before its segment. Close
 // is idempotent (a later call reports what the first one did: a mapping it
 // could not undo stays an error); other methods fail with ErrClosed
 // afterwards and the queries report nothing.
 func (m *Memory) Close() error {
+	m.chMu.Lock() // the Alloc and Free calls under way finish first
+	defer m.chMu.Unlock()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed.Load() {

@@ -76,10 +76,17 @@ type subscriber struct {
 // pages whose mapping they change in this process.
 //
 // Events are delivered synchronously, in subscription order, on the
-// goroutine that changes the memory, with the memory write lock held: fn
-// must not call Alloc, Free, MapPages, UnmapPages, Resync, RLock,
-// ReleaseQuarantine or Close. It may call the queries and take other locks
-// (lock order: the memory lock, then the cache's locks).
+// goroutine that changes the memory. In a secondary the memory write lock
+// is held meanwhile: fn must not call MapPages, UnmapPages, Resync, RLock
+// or Close. In the primary it is not, so that a subscriber that waits
+// (for secondaries to follow the change) holds up only the changes of
+// memory, not the MR cache's creates: events of different calls may be
+// delivered at once, the pages of the event stay allocated and mapped
+// meanwhile, no other Free takes them and no Alloc hands them out, and a
+// Free's pages are reported by Freeing. There fn must not call Alloc,
+// Free, ReleaseQuarantine, HoldChanges or Close. Either way it may call the
+// queries and take other locks (lock order: the memory lock, then the
+// cache's locks).
 func (m *Memory) Subscribe(fn func(Event)) (cancel func()) {
 	return m.subscribe(&m.subs, fn, nil)
 }
@@ -129,7 +136,8 @@ func (m *Memory) guard(l *list, first, n int) error {
 	return nil
 }
 
-// deliver calls the subscribers. Called with m.mu held for writing.
+// deliver calls the subscribers. Called with m.mu held for writing in a
+// secondary; in the primary, without it, with m.chMu held for reading.
 func (m *Memory) deliver(kind EventKind, l *list, first, n int) {
 	p := m.subs.Load()
 	if p == nil {
@@ -162,8 +170,25 @@ func (m *Memory) Alloc(size uint64) (Region, error) {
 	if size == 0 {
 		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrZeroLength)
 	}
+	m.chMu.RLock()
+	defer m.chMu.RUnlock()
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	r, err := m.allocLocked(size)
+	m.mu.Unlock()
+	if err != nil {
+		return Region{}, err
+	}
+	l, first, n, _ := m.locate(r)
+	m.deliver(EventAlloc, l, first, n)
+	m.mu.Lock()
+	l.allocating.clearRange(first, n)
+	m.mu.Unlock()
+	return r, nil
+}
+
+// allocLocked allocates and maps the pages of an Alloc, marking them as
+// being allocated until its events are delivered. Called with m.mu held.
+func (m *Memory) allocLocked(size uint64) (Region, error) {
 	if m.closed.Load() {
 		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrClosed)
 	}
@@ -243,11 +268,11 @@ func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w", FormatSize(r.Len), l.index, err)
 	}
 	l.mapped.setRange(first, n)
+	l.allocating.setRange(first, n)
 	l.state.setRange(first, n)
 	atomic.AddUint64(&l.desc.Allocated, uint64(n))
 	m.endChange()
 	m.debug("pages allocated", l, first, n)
-	m.deliver(EventAlloc, l, first, n)
 	return r, nil
 }
 
@@ -274,8 +299,9 @@ func freeHugepages(l *list) uint64 {
 
 // Free frees r, any page-aligned part of allocated memory inside one list.
 // It first asks the guards (GuardFree): if one refuses, Free changes
-// nothing and returns an error matching ErrNotFreed. Otherwise it delivers
-// EventFree, while the range is still mapped, then turns the range back into
+// nothing and returns an error matching ErrNotFreed. Otherwise it marks the
+// pages as being freed (see Freeing) and delivers EventFree, outside the
+// memory lock, while the range is still mapped; then it turns the range back into
 // an inaccessible reservation (a later touch faults) and marks the pages
 // free in the shared descriptor. The pages themselves go back to the kernel
 // (punched out of the backing file; on hugetlbfs to the pool) and to the
@@ -291,23 +317,18 @@ func (m *Memory) Free(r Region) error {
 	if r.Len == 0 {
 		return fmt.Errorf("hugetlb: free [0x%x, +0): %w", r.Addr, ErrZeroLength)
 	}
+	m.chMu.RLock()
+	defer m.chMu.RUnlock()
+	l, first, n, err := m.takeForFree(r)
+	if err != nil {
+		return err
+	}
+	// Outside the memory lock: the subscribers may wait for secondaries
+	// to unmap the pages, and creates of other memory go on meanwhile.
+	m.deliver(EventFree, l, first, n)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.closed.Load() {
-		return fmt.Errorf("hugetlb: free: %w", ErrClosed)
-	}
-	l, first, n, err := m.locate(r)
-	if err != nil {
-		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w", r.Addr, r.Addr+uintptr(r.Len), err)
-	}
-	if i := l.mapped.next(first, first+n, false); i < first+n { // its own record, not the shared state
-		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x is free",
-			r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i))
-	}
-	if err := m.guard(l, first, n); err != nil {
-		return fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: %w", r.Addr, r.End(), ErrNotFreed, err)
-	}
-	m.deliver(EventFree, l, first, n)
+	l.freeing.clearRange(first, n)
 	m.beginChange()
 	defer m.endChange()
 	if err := vm.Release(r.Addr, uintptr(r.Len)); err != nil {
@@ -328,6 +349,35 @@ func (m *Memory) Free(r Region) error {
 		return fmt.Errorf("hugetlb: free: the memory is free but its blocks were not returned: %w", punchErr)
 	}
 	return nil
+}
+
+// takeForFree checks a Free, asks the guards and marks the pages as being
+// freed, all under m.mu.
+func (m *Memory) takeForFree(r Region) (l *list, first, n int, err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed.Load() {
+		return nil, 0, 0, fmt.Errorf("hugetlb: free: %w", ErrClosed)
+	}
+	l, first, n, err = m.locate(r)
+	if err != nil {
+		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w", r.Addr, r.Addr+uintptr(r.Len), err)
+	}
+	for _, c := range []struct {
+		pages bitmap
+		set   bool
+		is    string
+	}{{l.mapped, false, "free"}, {l.freeing, true, "being freed"}, {l.allocating, true, "being allocated"}} {
+		if i := c.pages.next(first, first+n, c.set); i < first+n { // its own record, not the shared state
+			return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x is %s",
+				r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i), c.is)
+		}
+	}
+	if err := m.guard(l, first, n); err != nil {
+		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: %w", r.Addr, r.End(), ErrNotFreed, err)
+	}
+	l.freeing.setRange(first, n)
+	return l, first, n, nil
 }
 
 // locate maps a range to its list and pages.

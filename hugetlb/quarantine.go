@@ -46,10 +46,13 @@ type batch struct {
 // GuardFree registers fn to be consulted by Free before it changes
 // anything: an error refuses the free (Free then returns it, wrapped with
 // ErrNotFreed, with the memory still allocated and mapped). Guards run in
-// registration order, on Free's goroutine, with the memory write lock held,
-// under the same rules as subscribers (see Subscribe); they run before the
-// subscribers' EventFree. The returned function cancels the guard. Primary
-// only: a secondary never frees.
+// registration order, on Free's goroutine, with the memory write lock held
+// (fn must not call Alloc, Free, RLock, ReleaseQuarantine, HoldChanges or
+// Close; it may call the queries and take the cache's locks); they run
+// before the subscribers' EventFree, and once they have let the free go
+// ahead, no create can come to refer to its pages (see Freeing). The
+// returned function cancels the guard. Primary only: a secondary never
+// frees.
 func (m *Memory) GuardFree(fn func(Event) error) (cancel func()) {
 	return m.subscribe(&m.guards, func(Event) {}, fn)
 }

@@ -139,9 +139,9 @@ type HelloReply struct {
 	Device     string `msgpack:"device"` // the primary's device name
 	PD         uint32 `msgpack:"pd"`     // the handle of the primary's PD, for import
 	// Hold is how long, in nanoseconds, a change of the primary's memory
-	// may keep a request waiting while it waits for a stalled secondary
-	// (its sync timeout and its lock's fence time): a request may wait
-	// that long for its answer beyond the requester's own timeout.
+	// may keep a request waiting while a secondary is stalled (the global
+	// lock's fence time, twice): a request may wait that long for its
+	// answer beyond the requester's own timeout.
 	Hold int64 `msgpack:"hold,omitempty"`
 }
 

@@ -346,7 +346,7 @@ func TestBreaker10ReattachedProcessIsNotFencedForever(t *testing.T) {
 // The same when the application attaches again at once, on the dropped
 // attachment's ErrDropped, while that one still maps the data memory (its
 // queue still open), and the new attachment's hello waits in the primary
-// (for the memory lock, behind an Alloc) until the old one has unmapped:
+// (for the changes under way, behind an Alloc) until the old one has unmapped:
 // the fence must still end with the old attachment. Were it judged at a
 // hello that came while the old attachment mapped, the new attachment's
 // mappings would keep it for as long as the process lives, and every page
@@ -370,7 +370,7 @@ func TestBreaker10ReattachWhileTheDroppedAttachmentUnmaps(t *testing.T) {
 	require.Equal(t, "started", ask(t, s, "attach-bg"))
 	// The hello waits in the primary, or the attach waits in the
 	// secondary for the dropped attachment to let go.
-	for !b3Waiting("(*handler).hello", "sync.(*RWMutex).RLock") &&
+	for !b3Waiting("(*handler).hello", "(*Memory).HoldChanges") &&
 		ask(t, s, "stack-has secondary.waitForDrops") != "true" {
 		runtime.Gosched()
 	}
@@ -378,7 +378,7 @@ func TestBreaker10ReattachWhileTheDroppedAttachmentUnmaps(t *testing.T) {
 	for b10MapsAt(t, s.PID(), li.File, r.Addr) {
 		runtime.Gosched() // the dropped attachment unmaps once its queue is closed
 	}
-	for !b3Waiting("(*handler).hello", "sync.(*RWMutex).RLock") {
+	for !b3Waiting("(*handler).hello", "(*Memory).HoldChanges") {
 		runtime.Gosched()
 	}
 	m.RUnlock()

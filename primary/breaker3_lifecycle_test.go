@@ -4,6 +4,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -171,24 +172,29 @@ func b3ResumeMidCreate(t *testing.T, p *primary.Primary, cfg primary.Config, ps 
 	r, err := p.Alloc(ps)
 	require.NoError(t, err)
 	s1 := startSecondary(t, cfg)
-	s2 := startSecondary(t, cfg)
-	defer s2.Kill()
 	defer s1.Kill()
 	require.Equal(t, "wrote", ask(t, s1, "poke %d 1", r.Addr), "r is mapped in the secondary")
 
-	// A free that waits for the stopped s2 holds the memory lock for a
-	// while: creates wait behind it.
-	s2.Stop()
-	syncs := p.Stats().Counters.Syncs
+	// A free whose guard takes a while holds the memory lock meanwhile:
+	// creates wait behind it.
+	entered, release := make(chan struct{}), make(chan struct{})
+	var first atomic.Bool
+	defer p.Memory().GuardFree(func(hugetlb.Event) error {
+		if !first.Swap(true) {
+			close(entered)
+			<-release
+		}
+		return nil
+	})()
 	freed := make(chan error, 1)
 	go func() { freed <- p.Free(other) }()
-	require.Eventually(t, func() bool { return p.Stats().Counters.Syncs > syncs }, 5*time.Second, time.Millisecond,
-		"s1 followed the first free")
+	<-entered
 
 	s1.Send("lookup %d", r.Addr)
 	require.Eventually(t, func() bool { return b3Waiting("(*Global).createIn", "RLock") }, 5*time.Second, time.Millisecond,
 		"s1's create waits in the primary")
 	s1.Stop()
+	close(release)
 	require.NoError(t, <-freed)
 	require.Eventually(t, func() bool {
 		_, found, err := p.Global().Lookup(uint64(r.Addr))

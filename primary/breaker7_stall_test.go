@@ -164,7 +164,7 @@ func TestBreaker7SecondaryStoppedMidHelloIsDroppedAndResumesSafely(t *testing.T)
 	require.Eventually(t, func() bool { return b7Waiting("syncSecondaries") }, 5*time.Second, time.Millisecond,
 		"the free waits for the stopped secondary")
 	s3.Send("attach")
-	require.Eventually(t, func() bool { return b7Waiting("(*handler).hello", "RLock") }, 5*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return b7Waiting("(*handler).hello", "(*Memory).HoldChanges") }, 5*time.Second, time.Millisecond,
 		"the hello waits behind the free")
 	s3.Stop()
 	t.Cleanup(s3.Continue)

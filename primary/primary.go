@@ -117,6 +117,10 @@ type secondary struct {
 	// files is the first memseg list whose backing file it has not been
 	// handed yet (see KindMemoryFiles), or -1 while a request hands some.
 	files int
+	// drop runs once, for the first of the syncs under way at once that
+	// finds it not following; the others wait for it to end (see
+	// syncSecondaries).
+	drop sync.Once
 }
 
 // alive reports whether s's claim lives, by the kernel's word: its process

@@ -19,13 +19,19 @@ import (
 // itself (see ipc.ServerConfig.Inline): a create, the question on every
 // miss, is answered from the thread its request woke, with no goroutine
 // hand-off, which would cost about as much again as the round trip. They
-// are short: at worst a create waits for the memory lock, which a memory
-// change holds, while a secondary is stalled, for the global lock's fence
-// time and SyncTimeout (acknowledgements travel on the connection, so
-// they are not stuck behind it); the hello tells each secondary so, and
-// its requests wait that much longer. A mempool's registration,
-// which may create thousands of MRs, runs on a goroutine of its own.
+// are short: a memory change holds the memory lock only for its checks,
+// guards and changes, never while it waits for secondaries to follow it,
+// so a stalled secondary holds a create up for the global lock's fence
+// time at worst (memoryHold; acknowledgements travel on the connection,
+// so they are not stuck behind it). A mempool's registration, which may
+// create thousands of MRs, runs on a goroutine of its own.
 var inlineKinds = []ipc.Kind{ipc.KindCreateMR, ipc.KindStats, ipc.KindDetach}
+
+// memoryHold is how long a change of memory may hold a create up while a
+// secondary is stalled (ipc.HelloReply.Hold): the free's guard waits for
+// the stalled process's read hold of the global lock up to the lock's
+// fence time, and the create's own write lock may wait as long again.
+const memoryHold = 2 * shm.DefaultFenceAfter
 
 // handler serves the secondaries' requests.
 type handler Primary
@@ -313,7 +319,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	p.mem.ForgetHolder(m.PID)
 	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
 		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
-		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(min(p.cfg.SyncTimeout+shm.DefaultFenceAfter, ipc.MaxHold))}
+		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(memoryHold)}
 	if pd, ok := p.pd.(interface{ Handle() uint32 }); ok {
 		reply.PD = pd.Handle()
 	}
@@ -327,7 +333,10 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 		}
 		files = append(files, os.NewFile(uintptr(fd), p.vdev.Name()))
 	}
-	p.mem.RLock()
+	// No change of memory is under way meanwhile: the secondary either
+	// follows a change (it is in the sync set before the change's sync
+	// begins) or maps what the change left (it maps after this).
+	release := p.mem.HoldChanges()
 	h.syncMu.Lock()
 	refused = h.claimTaken(peer, slot, epoch) // again: another hello may have run meanwhile
 	if refused == nil {
@@ -338,7 +347,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 		h.peers[peer] = s
 	}
 	h.syncMu.Unlock()
-	p.mem.RUnlock()
+	release()
 	if refused != nil {
 		for _, f := range files {
 			f.Close()
@@ -424,14 +433,16 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (
 }
 
 // syncSecondaries is subscribed to the data memory's events, after the
-// cache's guard. It runs with the memory write lock held: it has every
-// secondary map (after an allocation) or unmap (before a free completes)
-// the pages, and waits for them all. A secondary that does not answer
-// within SyncTimeout — or whose connection fails while it is still alive —
-// is dropped: its connection is closed and its slot fenced, so that the
-// pages freed from now on wait in quarantine until it is gone (the memory
-// layer does that once the event returns), and the secondary, when it
-// resumes, finds out and stops.
+// cache's guard. It runs without the memory lock (creates go on
+// meanwhile), one call per Alloc or Free, several at once if they come at
+// once, while no hello is under way: it has every secondary map (after an
+// allocation) or unmap (before a free completes) the pages, and waits for
+// them all. A secondary that does not answer within SyncTimeout — or whose
+// connection fails while it is still alive — is dropped: its connection
+// is closed and its slot fenced, so that the pages freed from now on wait
+// in quarantine until it is gone (the memory layer does that once the
+// event returns), and the secondary, when it resumes, finds out and
+// stops.
 func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 	op := ipc.SyncMap
 	if ev.Kind == hugetlb.EventFree {
@@ -462,19 +473,24 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 				p.syncs.Add(1)
 				return
 			}
-			if s.alive(p.seg) {
-				p.drops.Add(1)
-				p.log.Warn("dropping secondary that did not follow a memory change",
-					"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
-				// Fenced before it leaves the sync set and before its
-				// connection closes, so that it finds the fence when it
-				// sees the end.
-				p.fenceIfAlive(s, fmt.Sprintf("it did not acknowledge a %s sync: %v", op, err))
-			} // else it died: its mappings went with it
-			p.syncMu.Lock()
-			delete(p.peers, s.peer)
-			p.syncMu.Unlock()
-			s.peer.Close()
+			// Once, however many syncs found it wanting; each returns
+			// only after the fence, so that the pages of each free
+			// wait for it.
+			s.drop.Do(func() {
+				if s.alive(p.seg) {
+					p.drops.Add(1)
+					p.log.Warn("dropping secondary that did not follow a memory change",
+						"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
+					// Fenced before it leaves the sync set and before its
+					// connection closes, so that it finds the fence when it
+					// sees the end.
+					p.fenceIfAlive(s, fmt.Sprintf("it did not acknowledge a %s sync: %v", op, err))
+				} // else it died: its mappings went with it
+				p.syncMu.Lock()
+				delete(p.peers, s.peer)
+				p.syncMu.Unlock()
+				s.peer.Close()
+			})
 		}()
 	}
 	wg.Wait()

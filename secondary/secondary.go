@@ -69,9 +69,9 @@ type Config struct {
 	// RequestTimeout bounds each request to the primary (an MR creation).
 	// Default 2 s. A request may also wait for as long as the primary
 	// says, in its hello, that a change of its memory can hold requests up
-	// while it waits for a stalled secondary (its SyncTimeout and its
-	// lock's fence time): another process's stall makes a request wait,
-	// not fail. A dead primary fails requests at once regardless.
+	// while another secondary is stalled (the global lock's fence time,
+	// twice): another process's stall makes a request wait, not fail. A
+	// dead primary fails requests at once regardless.
 	RequestTimeout time.Duration
 	// Spin is how long a request polls for the primary's answer before
 	// it blocks: an answer that comes within it needs no wake-up, at the
