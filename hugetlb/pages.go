@@ -299,11 +299,11 @@ func freeHugepages(l *list) uint64 {
 
 // Free frees r, any page-aligned part of allocated memory inside one list.
 // It first asks the guards (GuardFree): if one refuses, Free changes
-// nothing and returns an error matching ErrNotFreed. Otherwise it marks the
-// pages as being freed (see Freeing) and delivers EventFree, outside the
-// memory lock, while the range is still mapped; then it turns the range back into
-// an inaccessible reservation (a later touch faults) and marks the pages
-// free in the shared descriptor. The pages themselves go back to the kernel
+// nothing and returns an error matching ErrNotFreed. Otherwise it marks
+// the pages as being freed (see Freeing) and delivers EventFree, outside
+// the memory lock, while the range is still mapped; then it turns the
+// range back into an inaccessible reservation (a later touch faults) and
+// marks the pages free in the shared descriptor. The pages themselves go back to the kernel
 // (punched out of the backing file; on hugetlbfs to the pool) and to the
 // allocator — unless a fenced process may still map them: then they wait in
 // quarantine (see GuardFree's neighbour, ReleaseQuarantine, and the

@@ -62,7 +62,7 @@ type Primary struct {
 	unsub   func()
 
 	// Secondaries that follow memory changes, by peer.
-	syncMu sync.Mutex // guards peers, detached and unreaped; taken inside the memory lock
+	syncMu sync.Mutex // guards peers, detached and unreaped; taken inside the memory lock and the change hold
 	peers  map[*ipc.Peer]*secondary
 	// detached holds the connections whose secondary detached: a claim
 	// that has left does not come back on them.
