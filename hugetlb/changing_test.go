@@ -1,12 +1,14 @@
 package hugetlb_test
 
 import (
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/sys/vm"
@@ -143,4 +145,33 @@ func TestCloseWaitsForAFreeUnderWay(t *testing.T) {
 	require.NoError(t, <-closed)
 	_, err = in.mem.Alloc(b.PageSize)
 	assert.ErrorIs(t, err, hugetlb.ErrClosed)
+}
+
+// New pages read as zeros even when the backing file holds blocks at
+// their place (a hole punch that failed, a write through a mapping the
+// primary does not know of): Alloc punches before it allocates.
+func TestNewPagesReadAsZerosOverLeftoverBlocks(t *testing.T) {
+	testenv.ForEachBackend(t, 2, func(t *testing.T, b hugetlb.Backend) {
+		in := newInstance(t, b, hugetlb.ListConfig{Pages: 2})
+		r0, err := in.mem.Alloc(b.PageSize)
+		require.NoError(t, err)
+		f, err := os.OpenFile(in.mem.Lists()[0].File, os.O_RDWR, 0)
+		require.NoError(t, err)
+		defer f.Close()
+		if b.Kind == hugetlb.Hugetlbfs {
+			// A hugetlbfs file is written only through a mapping.
+			at, err := vm.MapShared(int(f.Fd()), uintptr(2*b.PageSize), true)
+			require.NoError(t, err)
+			require.NoError(t, unix.Fallocate(int(f.Fd()), 0, int64(b.PageSize), int64(b.PageSize)))
+			vm.Bytes(at+uintptr(b.PageSize), 1)[0] = 0x42
+			require.NoError(t, vm.Unmap(at, uintptr(2*b.PageSize)))
+		} else {
+			_, err = f.WriteAt([]byte{0x42}, int64(b.PageSize))
+			require.NoError(t, err)
+		}
+		r1, err := in.mem.Alloc(b.PageSize)
+		require.NoError(t, err)
+		require.Equal(t, r0.End(), r1.Addr, "the page written behind the allocator's back")
+		assert.Equal(t, byte(0), r1.Bytes()[0])
+	})
 }

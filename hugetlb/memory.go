@@ -733,9 +733,10 @@ func (m *Memory) RLock() { m.mu.RLock() }
 func (m *Memory) RUnlock() { m.mu.RUnlock() }
 
 // Freeing reports whether any page of [addr, addr+n) is being freed: a
-// Free of the primary has taken it and is delivering EventFree (its
-// secondaries unmapping it) before the page goes. Such pages are still
-// allocated to the queries; nothing may come to refer to them. Call it
+// Free of the primary has taken it and not yet returned. While Free
+// delivers EventFree (its secondaries unmapping the page) the page is
+// still allocated to the queries, but nothing may come to refer to it;
+// then it is free, and Free punches it out of its backing file. Call it
 // with RLock held for an answer that stays true until RUnlock. Always
 // false in a secondary.
 func (m *Memory) Freeing(addr uintptr, n uint64) bool {

@@ -172,27 +172,33 @@ func (m *Memory) Alloc(size uint64) (Region, error) {
 	}
 	m.chMu.RLock()
 	defer m.chMu.RUnlock()
+	if m.closed.Load() {
+		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrClosed)
+	}
+	m.releaseQuarantine()
 	m.mu.Lock()
-	r, err := m.allocLocked(size)
+	l, first, n, err := m.choose(size)
 	m.mu.Unlock()
 	if err != nil {
 		return Region{}, err
 	}
-	l, first, n, _ := m.locate(r)
-	m.deliver(EventAlloc, l, first, n)
+	r, err := m.allocPages(l, first, n)
+	if err == nil {
+		m.deliver(EventAlloc, l, first, n)
+	}
 	m.mu.Lock()
 	l.allocating.clearRange(first, n)
 	m.mu.Unlock()
-	return r, nil
+	return r, err
 }
 
-// allocLocked allocates and maps the pages of an Alloc, marking them as
-// being allocated until its events are delivered. Called with m.mu held.
-func (m *Memory) allocLocked(size uint64) (Region, error) {
+// choose finds the pages of an Alloc and marks them as being allocated,
+// which keeps them from every other Alloc and Free until it returns.
+// Called with m.mu held.
+func (m *Memory) choose(size uint64) (l *list, first, n int, err error) {
 	if m.closed.Load() {
-		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrClosed)
+		return nil, 0, 0, fmt.Errorf("hugetlb: alloc: %w", ErrClosed)
 	}
-	m.releaseQuarantineLocked()
 	var best struct {
 		bytes    uint64
 		pages    int
@@ -207,13 +213,14 @@ func (m *Memory) allocLocked(size uint64) (Region, error) {
 		n := int(min(pages, uint64(l.pages)+1))
 		first, longest := l.freeMask().firstFit(n, l.pages)
 		if first >= 0 {
-			return m.allocPages(l, first, n)
+			l.allocating.setRange(first, n)
+			return l, first, n, nil
 		}
 		if b := uint64(longest) * l.pageSize; b > best.bytes || best.pageSize == 0 {
 			best.bytes, best.pages, best.list, best.pageSize = b, longest, l.index, l.pageSize
 		}
 	}
-	return Region{}, fmt.Errorf("hugetlb: alloc %s (%d bytes): %w: the largest free run is %s (%d pages of %s in list %d)%s",
+	return nil, 0, 0, fmt.Errorf("hugetlb: alloc %s (%d bytes): %w: the largest free run is %s (%d pages of %s in list %d)%s",
 		FormatSize(size), size, ErrNoFreeRun, FormatSize(best.bytes), best.pages, FormatSize(best.pageSize), best.list,
 		m.quarantineNote())
 }
@@ -244,18 +251,31 @@ func (m *Memory) holderNames() string {
 	return strings.Join(out, ", ")
 }
 
-// allocPages allocates pages [first, first+n) of l. Called with m.mu held.
+// allocPages allocates pages [first, first+n) of l, which choose marked
+// as being allocated: it allocates their blocks and maps them without the
+// memory lock (on tmpfs that writes every byte, seconds for gigabytes,
+// and creates of other memory must not wait for it), then records them
+// and marks them allocated in the shared descriptor under it.
 func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 	r := Region{Addr: l.addr(first), Len: uint64(n) * l.pageSize}
 	off := int64(uint64(first) * l.pageSize)
-	m.beginChange()
-	if err := falloc.Allocate(l.fd(), off, int64(r.Len)); err != nil {
+	// Punched first: blocks an earlier life of the pages left behind (a
+	// punch that failed, a write through a mapping this process does not
+	// know of) would come back with their contents. New pages read as
+	// zeros.
+	err := falloc.PunchHole(l.fd(), off, int64(r.Len))
+	if err == nil {
+		err = falloc.Allocate(l.fd(), off, int64(r.Len))
+	}
+	if err != nil {
 		// A partial allocation keeps what it got: give it back.
 		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
-		m.endChange()
 		if errors.Is(err, falloc.ErrNoSpace) && l.kind == Hugetlbfs {
+			m.mu.Lock()
+			note := m.quarantineNote()
+			m.mu.Unlock()
 			return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w: asked %d pages of %s, %d free%s",
-				FormatSize(r.Len), l.index, ErrNoHugepages, n, FormatSize(l.pageSize), freeHugepages(l), m.quarantineNote())
+				FormatSize(r.Len), l.index, ErrNoHugepages, n, FormatSize(l.pageSize), freeHugepages(l), note)
 		}
 		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d (%s): %w", FormatSize(r.Len), l.index, l.path, err)
 	}
@@ -264,14 +284,15 @@ func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 	if err := vm.MapFilePopulated(r.Addr, uintptr(r.Len), l.fd(), off); err != nil {
 		_ = vm.Release(r.Addr, uintptr(r.Len))
 		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
-		m.endChange()
 		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w", FormatSize(r.Len), l.index, err)
 	}
+	m.mu.Lock()
+	m.beginChange()
 	l.mapped.setRange(first, n)
-	l.allocating.setRange(first, n)
 	l.state.setRange(first, n)
 	atomic.AddUint64(&l.desc.Allocated, uint64(n))
 	m.endChange()
+	m.mu.Unlock()
 	m.debug("pages allocated", l, first, n)
 	return r, nil
 }
@@ -326,29 +347,49 @@ func (m *Memory) Free(r Region) error {
 	// Outside the memory lock: the subscribers may wait for secondaries
 	// to unmap the pages, and creates of other memory go on meanwhile.
 	m.deliver(EventFree, l, first, n)
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	l.freeing.clearRange(first, n)
-	m.beginChange()
-	defer m.endChange()
-	if err := vm.Release(r.Addr, uintptr(r.Len)); err != nil {
-		return fmt.Errorf("hugetlb: free: %w", err)
+	quarantined, err := m.unmapFreed(l, first, n)
+	if err != nil {
+		return err
 	}
-	l.mapped.clearRange(first, n)
 	var punchErr error
-	if holders := m.holdersLocked(); len(holders) > 0 {
-		m.quarantineLocked(l, first, n, holders)
-	} else {
+	if !quarantined {
+		// Without the memory lock (seconds for gigabytes on tmpfs); the
+		// pages stay out of the allocator until it is done.
 		punchErr = falloc.PunchHole(l.fd(), int64(uint64(first)*l.pageSize), int64(r.Len))
+		m.mu.Lock()
+		l.freeing.clearRange(first, n)
+		m.mu.Unlock()
 	}
-	l.state.clearRange(first, n)
-	atomic.AddUint64(&l.desc.Allocated, -uint64(n))
 	m.debug("pages freed", l, first, n)
 	if punchErr != nil {
 		// The pages are unmapped and free; only their blocks linger.
 		return fmt.Errorf("hugetlb: free: the memory is free but its blocks were not returned: %w", punchErr)
 	}
 	return nil
+}
+
+// unmapFreed unmaps a Free's pages here and marks them free in the shared
+// descriptor, under m.mu. Pages a fenced process may still map go into
+// quarantine; the others stay marked as being freed, for the caller to
+// punch. If the unmap fails, nothing changes but the mark, which goes.
+func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.beginChange()
+	defer m.endChange()
+	if err := vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize)); err != nil {
+		l.freeing.clearRange(first, n)
+		return false, fmt.Errorf("hugetlb: free: %w", err)
+	}
+	l.mapped.clearRange(first, n)
+	if holders := m.holdersLocked(); len(holders) > 0 {
+		m.quarantineLocked(l, first, n, holders)
+		l.freeing.clearRange(first, n)
+		quarantined = true
+	}
+	l.state.clearRange(first, n)
+	atomic.AddUint64(&l.desc.Allocated, -uint64(n))
+	return quarantined, nil
 }
 
 // takeForFree checks a Free, asks the guards and marks the pages as being

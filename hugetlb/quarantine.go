@@ -197,37 +197,58 @@ func (m *Memory) releaseGone() int {
 	if m.qpages.Load() == 0 {
 		return 0
 	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.releaseQuarantineLocked()
+	m.chMu.RLock() // Close does not release the files under the punches
+	defer m.chMu.RUnlock()
+	return m.releaseQuarantine()
 }
 
-// releaseQuarantineLocked is ReleaseQuarantine with m.mu held.
-func (m *Memory) releaseQuarantineLocked() int {
-	if len(m.quarantine) == 0 || m.closed.Load() {
+// releaseQuarantine returns to the allocator the quarantined pages whose
+// holders are all gone: it takes them out of the quarantine under m.mu,
+// punches them out of their backing files without it (they stay out of
+// the allocator meanwhile), and gives them back under it. Called with
+// m.chMu held for reading.
+func (m *Memory) releaseQuarantine() int {
+	if m.qpages.Load() == 0 {
 		return 0
 	}
-	released := 0
-	now := m.seg.Holders()
-	keep := m.quarantine[:0]
-	for _, b := range m.quarantine {
-		if stillHeld(b.holders, now) {
-			keep = append(keep, b)
-			continue
+	m.mu.Lock()
+	var gone []batch
+	if !m.closed.Load() {
+		now := m.seg.Holders()
+		keep := m.quarantine[:0]
+		for _, b := range m.quarantine {
+			if stillHeld(b.holders, now) {
+				keep = append(keep, b)
+			} else {
+				gone = append(gone, b)
+			}
 		}
+		clear(m.quarantine[len(keep):])
+		m.quarantine = keep
+	}
+	m.mu.Unlock()
+	if len(gone) == 0 {
+		return 0
+	}
+	for _, b := range gone {
 		l := b.list
 		if err := falloc.PunchHole(l.fd(), int64(uint64(b.first)*l.pageSize), int64(uint64(b.n)*l.pageSize)); err != nil {
-			// The pages are no use to anyone; only their blocks linger.
+			// The pages are no use to anyone; only their blocks linger
+			// (Alloc punches before it allocates).
 			m.log.Error("quarantined pages released, but their blocks were not returned", "list", l.index, "err", err)
 		}
+	}
+	released := 0
+	m.mu.Lock()
+	for _, b := range gone {
+		l := b.list
 		l.held.clearRange(b.first, b.n)
 		l.heldPages -= b.n
 		released += b.n
 		m.log.Info("quarantined pages released", "list", l.index, "first", b.first, "pages", b.n)
 	}
-	clear(m.quarantine[len(keep):])
-	m.quarantine = keep
 	m.qpages.Add(-int64(released))
+	m.mu.Unlock()
 	return released
 }
 
@@ -243,17 +264,16 @@ func stillHeld(holders, now []shm.Proc) bool {
 }
 
 // freeMask returns what the allocator must treat as taken in l: the
-// allocated pages, and the quarantined ones if there are any. The
+// allocated pages, the quarantined ones, and those an Alloc or a Free
+// works on without the memory lock. The
 // allocated pages are the ones the primary mapped, by its own record: the
 // shared page state is any process's to rewrite, and a page marked free
 // there must not be handed out twice. Called with m.mu held.
 func (l *list) freeMask() bitmap {
-	if l.heldPages == 0 {
-		return l.mapped
-	}
 	b := l.mapped.snapshot()
 	for i := range b {
-		b[i] |= atomic.LoadUint64(&l.held[i])
+		// Quarantined, being allocated, and being freed (until punched).
+		b[i] |= atomic.LoadUint64(&l.held[i]) | l.allocating[i] | l.freeing[i]
 	}
 	return b
 }

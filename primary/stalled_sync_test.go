@@ -1,6 +1,7 @@
 package primary_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/cache"
+	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/primary"
 )
@@ -76,4 +78,83 @@ func TestACreateIsNotHeldUpByAFreeWaitingForAStoppedSecondary(t *testing.T) {
 	_, found, err = p.Global().Lookup(uint64(r1.Addr))
 	require.NoError(t, err)
 	assert.False(t, found, "nothing registered the freed memory meanwhile")
+}
+
+// An Alloc of a gigabyte on tmpfs writes every byte of it, which takes a
+// second or more; a create of other memory asked meanwhile must not wait
+// for it (a secondary's create waits a hundred milliseconds beyond its own
+// RequestTimeout for a memory change, see ipc.HelloReply.Hold). Here the
+// create must be answered while the Alloc is still allocating or mapping
+// its pages, in one of a few tries.
+func TestACreateIsNotHeldUpByALargeAlloc(t *testing.T) {
+	const bigPages, tries = 512, 3
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.MemoryPages = bigPages + 2*tries })
+	ps := p.Backend().PageSize
+	b := startSecondary(t, cfg)
+	populating := func() bool {
+		return b3Waiting("(*Memory).allocPages", "vm.mapFile") || b3Waiting("(*Memory).allocPages", "falloc.")
+	}
+	var answers []string
+	for try := range tries {
+		r, err := p.Alloc(2 * ps) // new memory, no MR over it yet
+		require.NoError(t, err)
+		allocated := make(chan error, 1)
+		var big hugetlb.Region
+		go func() {
+			var err error
+			big, err = p.Alloc(bigPages * ps)
+			allocated <- err
+		}()
+		require.Eventually(t, populating, 20*time.Second, 100*time.Microsecond, "the large Alloc populates its pages")
+		answer := ask(t, b, "create %d", r.Addr)
+		during := populating()
+		require.True(t, strings.HasPrefix(answer, "key "), "try %d: a create during a large Alloc: %q", try, answer)
+		require.NoError(t, <-allocated)
+		require.NoError(t, p.Free(big))
+		answers = append(answers, fmt.Sprintf("during=%v", during))
+		if during {
+			return
+		}
+	}
+	t.Fatalf("no create was answered while the Alloc populated its pages: %v", answers)
+}
+
+// When a stopped secondary that kept a gigabyte of freed memory in
+// quarantine dies, the primary's housekeeping punches the pages out of
+// their file, which takes a while on tmpfs; a create of other memory asked
+// meanwhile must not wait for it. As above, the create must be answered
+// while the pages are still being punched, in one of a few tries.
+func TestACreateIsNotHeldUpByAQuarantineRelease(t *testing.T) {
+	const bigPages, tries = 512, 3
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.MemoryPages = bigPages + 2*tries
+		c.SyncTimeout = 300 * time.Millisecond
+	})
+	ps := p.Backend().PageSize
+	b := startSecondary(t, cfg)
+	punching := func() bool { return b3Waiting("(*Memory).releaseQuarantine", "falloc.PunchHole") }
+	var answers []string
+	for try := range tries {
+		r, err := p.Alloc(2 * ps)
+		require.NoError(t, err)
+		big, err := p.Alloc(bigPages * ps)
+		require.NoError(t, err)
+		s := startSecondary(t, cfg)
+		s.Stop()
+		require.NoError(t, p.Free(big))
+		require.Equal(t, bigPages, p.Memory().Quarantined(), "the pages wait for the stopped secondary")
+		s.Kill()
+		require.Eventually(t, func() bool { return punching() || p.Memory().Quarantined() == 0 }, 20*time.Second,
+			100*time.Microsecond, "the quarantine's release")
+		answer := ask(t, b, "create %d", r.Addr)
+		during := punching()
+		require.True(t, strings.HasPrefix(answer, "key "), "try %d: a create during the release: %q", try, answer)
+		require.Eventually(t, func() bool { return p.Memory().Quarantined() == 0 }, 20*time.Second, time.Millisecond,
+			"the quarantine released")
+		answers = append(answers, fmt.Sprintf("during=%v", during))
+		if during {
+			return
+		}
+	}
+	t.Fatalf("no create was answered while the quarantine's pages were punched: %v", answers)
 }
