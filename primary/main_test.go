@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -80,6 +81,8 @@ func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 //	                        has dropped this process: "dropped=BOOL"
 //	regpool ADDR LEN     -> registers a mempool of the one chunk [ADDR, +LEN):
 //	                        "ok" or "err TEXT"
+//	fork                 -> forks a child that only pauses (raw system
+//	                        calls, no runtime): "child PID"
 //	close                -> "closed"
 func helperSecondary(args []string) int {
 	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
@@ -148,6 +151,18 @@ func helperSecondary(args []string) int {
 			} else {
 				testproc.Say("> fault")
 			}
+		case "fork":
+			pid, _, errno := syscall.RawSyscall(syscall.SYS_FORK, 0, 0, 0)
+			if errno != 0 {
+				testproc.Say("> err fork: %v", errno)
+				break
+			}
+			if pid == 0 {
+				for {
+					syscall.RawSyscall(syscall.SYS_PAUSE, 0, 0, 0)
+				}
+			}
+			testproc.Say("> child %d", pid)
 		case "peek":
 			if b, ok := peek(uintptr(c.Num(0))); ok {
 				testproc.Say("> byte %d", b)

@@ -1,6 +1,7 @@
 package vm
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -83,4 +84,43 @@ func mapPerms(t *testing.T, addr uintptr) string {
 	}
 	t.Fatalf("no mapping at 0x%x", addr)
 	return ""
+}
+
+// vmFlags returns the VmFlags line of this process's mapping holding addr.
+func vmFlags(t *testing.T, addr uintptr) []string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/smaps")
+	require.NoError(t, err)
+	in := false
+	for _, l := range strings.Split(string(b), "\n") {
+		var lo, hi uint64
+		if n, _ := fmt.Sscanf(l, "%x-%x", &lo, &hi); n == 2 && !strings.HasPrefix(l, "VmFlags") {
+			in = uint64(addr) >= lo && uint64(addr) < hi
+		}
+		if in && strings.HasPrefix(l, "VmFlags:") {
+			return strings.Fields(strings.TrimPrefix(l, "VmFlags:"))
+		}
+	}
+	t.Fatalf("no mapping holds 0x%x", addr)
+	return nil
+}
+
+// File mappings are not inherited by a forked child ("dc": do not copy);
+// the reservation around them is.
+func TestMappedFilesAreNotInheritedByAFork(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "data"))
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(int64(2*PageSize)))
+	base, err := Reserve(0, 4*PageSize)
+	require.NoError(t, err)
+	defer Unmap(base, 4*PageSize)
+
+	require.NoError(t, MapFile(base, PageSize, int(f.Fd()), 0))
+	require.NoError(t, MapFilePopulated(base+PageSize, PageSize, int(f.Fd()), int64(PageSize)))
+	assert.Contains(t, vmFlags(t, base), "dc", "MapFile")
+	assert.Contains(t, vmFlags(t, base+PageSize), "dc", "MapFilePopulated")
+	assert.NotContains(t, vmFlags(t, base+2*PageSize), "dc", "the reservation")
+	require.NoError(t, Release(base, PageSize))
+	assert.NotContains(t, vmFlags(t, base), "dc", "released")
 }

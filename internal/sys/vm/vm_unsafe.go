@@ -64,10 +64,22 @@ func Reserve(addr, length uintptr) (uintptr, error) {
 
 // MapFile maps length bytes of fd at off, shared and read-write, at exactly
 // addr, replacing whatever part of a reservation is there (MAP_FIXED). The
-// caller must own [addr, addr+length).
+// caller must own [addr, addr+length). A child this process forks does not
+// inherit the mapping (MADV_DONTFORK): the process that made it follows
+// what happens to the memory, and a child, which nobody asks to unmap it,
+// would keep it after it was freed and handed to someone else.
 func MapFile(addr, length uintptr, fd int, off int64) error {
-	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE,
-		unix.MAP_SHARED|unix.MAP_FIXED, fd, off)
+	return mapFile(addr, length, fd, off, 0)
+}
+
+func mapFile(addr, length uintptr, fd int, off int64, flags int) error {
+	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED|flags, fd, off)
+	if err == nil {
+		err = unix.Madvise(Bytes(addr, length), unix.MADV_DONTFORK)
+		if err != nil {
+			_ = Release(addr, length)
+		}
+	}
 	if err != nil {
 		return fmt.Errorf("vm: map fd %d at 0x%x (+0x%x, off 0x%x): %w", fd, addr, length, off, err)
 	}
@@ -135,12 +147,7 @@ func Vacate(addr, length uintptr) error {
 // memory would anyway: on tmpfs, where a 2 MiB page is 512 small ones,
 // that moves the work from the first registration to the mapping.
 func MapFilePopulated(addr, length uintptr, fd int, off int64) error {
-	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE,
-		unix.MAP_SHARED|unix.MAP_FIXED|unix.MAP_POPULATE, fd, off)
-	if err != nil {
-		return fmt.Errorf("vm: map fd %d populated at 0x%x (+0x%x, off 0x%x): %w", fd, addr, length, off, err)
-	}
-	return nil
+	return mapFile(addr, length, fd, off, unix.MAP_POPULATE)
 }
 
 // Unmap removes [addr, addr+length) from the address space.

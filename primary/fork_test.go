@@ -1,0 +1,42 @@
+package primary_test
+
+import (
+	"fmt"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+)
+
+// A secondary's application forks a child (a helper, a daemonizing
+// library). The child must not inherit the data memory: nobody asks it to
+// unmap what the primary frees, so it would keep a freed page mapped, and
+// a write through it would land in the page's next owner. It inherits
+// none of it.
+func TestAForkedChildMapsNoDataMemory(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	file := p.Memory().Lists()[0].File
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	s := startSecondary(t, cfg)
+	require.Contains(t, ask(t, s, "lookup %d", r.Addr), "key")
+	require.True(t, b10MapsAt(t, s.PID(), file, r.Addr), "the secondary maps r")
+
+	var child int
+	_, err = fmt.Sscanf(ask(t, s, "fork"), "child %d", &child)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(child, syscall.SIGKILL)
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(child, &ws, 0, nil) // reaped by the secondary, if it still lives; else init
+	})
+	assert.False(t, b10MapsAt(t, child, file, r.Addr), "the secondary's child maps r")
+	assert.True(t, b10MapsAt(t, s.PID(), file, r.Addr), "the secondary still maps r")
+
+	require.NoError(t, p.Free(r))
+	assert.Zero(t, p.Memory().Quarantined(), "nothing waits for the child")
+	assert.False(t, b10MapsAt(t, child, file, r.Addr), "nobody maps the freed page")
+}
