@@ -339,6 +339,14 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	release := p.mem.HoldChanges()
 	h.syncMu.Lock()
 	refused = h.claimTaken(peer, slot, epoch) // again: another hello may have run meanwhile
+	select {
+	case <-peer.Done():
+		// It gave up while the hello waited, and Disconnected has run or
+		// will find nothing: admitted, the connection would stay in the
+		// sync set, and the next change would fence the process for it.
+		refused = fmt.Errorf("%w: the connection ended while its hello waited", ipc.ErrPeerGone)
+	default:
+	}
 	if refused == nil {
 		s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
 		if old := h.peers[peer]; old != nil {
