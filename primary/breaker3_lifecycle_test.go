@@ -1,7 +1,6 @@
 package primary_test
 
 import (
-	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -118,20 +117,7 @@ func TestBreaker3FailedSecondAttachInOneProcessFencesTheFirst(t *testing.T) {
 // b3Waiting reports whether some goroutine of this process is in every
 // one of frames: the primary runs in the test process, so its goroutines'
 // stacks say where a request it serves waits.
-func b3Waiting(frames ...string) bool {
-	buf := make([]byte, 4<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		all := true
-		for _, f := range frames {
-			all = all && strings.Contains(g, f)
-		}
-		if all {
-			return true
-		}
-	}
-	return false
-}
+func b3Waiting(frames ...string) bool { return goroutinesIn(frames...) > 0 }
 
 // A secondary stopped while its lookup waits for the primary's answer to
 // a create: the create completes, the memory is freed, the secondary does
