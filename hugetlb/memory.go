@@ -173,6 +173,7 @@ type Memory struct {
 
 	// Primary only, under mu: freed pages a fenced process may still map.
 	quarantine []batch
+	relMu      sync.Mutex // one quarantine release at a time; after chMu, before mu
 	// Primary only: when the holders that still reached data memory
 	// are asked again (see Housekeep).
 	askMu   sync.Mutex

@@ -118,8 +118,8 @@ func (m *Memory) subscribe(to *atomic.Pointer[[]*subscriber], fn func(Event), gu
 	}
 }
 
-// guard asks the guards whether a free may go ahead. Called with m.mu held
-// for writing.
+// guard asks the guards whether a free may go ahead. Called without m.mu,
+// with the pages marked as being freed.
 func (m *Memory) guard(l *list, first, n int) error {
 	p := m.guards.Load()
 	if p == nil {
@@ -182,13 +182,17 @@ func (m *Memory) Alloc(size uint64) (Region, error) {
 	if err != nil {
 		return Region{}, err
 	}
+	defer func() {
+		// Also if a subscriber panics: the pages stay allocated, the
+		// caller's to free.
+		m.mu.Lock()
+		l.allocating.clearRange(first, n)
+		m.mu.Unlock()
+	}()
 	r, err := m.allocPages(l, first, n)
 	if err == nil {
 		m.deliver(EventAlloc, l, first, n)
 	}
-	m.mu.Lock()
-	l.allocating.clearRange(first, n)
-	m.mu.Unlock()
 	return r, err
 }
 
@@ -346,7 +350,16 @@ func (m *Memory) Free(r Region) error {
 	}
 	// Outside the memory lock: the subscribers may wait for secondaries
 	// to unmap the pages, and creates of other memory go on meanwhile.
+	delivered := false
+	defer func() {
+		if !delivered { // a subscriber panicked: the pages stay allocated
+			m.mu.Lock()
+			l.freeing.clearRange(first, n)
+			m.mu.Unlock()
+		}
+	}()
 	m.deliver(EventFree, l, first, n)
+	delivered = true
 	quarantined, err := m.unmapFreed(l, first, n)
 	if err != nil {
 		return err
@@ -368,19 +381,21 @@ func (m *Memory) Free(r Region) error {
 	return nil
 }
 
-// unmapFreed unmaps a Free's pages here and marks them free in the shared
-// descriptor, under m.mu. Pages a fenced process may still map go into
-// quarantine; the others stay marked as being freed, for the caller to
-// punch. If the unmap fails, nothing changes but the mark, which goes.
+// unmapFreed unmaps a Free's pages here (without m.mu: tearing down the
+// page tables of gigabytes takes a while) and marks them free in the
+// shared descriptor, under m.mu. Pages a fenced process may still map go
+// into quarantine; the others stay marked as being freed, for the caller
+// to punch. If the unmap fails, nothing changes but the mark, which goes.
 func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error) {
+	err = vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize))
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.beginChange()
-	defer m.endChange()
-	if err := vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize)); err != nil {
+	if err != nil {
 		l.freeing.clearRange(first, n)
 		return false, fmt.Errorf("hugetlb: free: %w", err)
 	}
+	m.beginChange()
+	defer m.endChange()
 	l.mapped.clearRange(first, n)
 	if holders := m.holdersLocked(); len(holders) > 0 {
 		m.quarantineLocked(l, first, n, holders)
@@ -392,9 +407,26 @@ func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error)
 	return quarantined, nil
 }
 
-// takeForFree checks a Free, asks the guards and marks the pages as being
-// freed, all under m.mu.
+// takeForFree checks a Free and marks the pages as being freed, under
+// m.mu, then asks the guards without it: from the mark on no create
+// registers the pages (see Freeing), and a guard's work (deregistering
+// the MRs of gigabytes) holds no create of other memory up. If a guard
+// refuses, the mark goes and nothing else has changed.
 func (m *Memory) takeForFree(r Region) (l *list, first, n int, err error) {
+	if l, first, n, err = m.markFreeing(r); err != nil {
+		return nil, 0, 0, err
+	}
+	if err := m.guard(l, first, n); err != nil {
+		m.mu.Lock()
+		l.freeing.clearRange(first, n)
+		m.mu.Unlock()
+		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: %w", r.Addr, r.End(), ErrNotFreed, err)
+	}
+	return l, first, n, nil
+}
+
+// markFreeing is takeForFree's part under m.mu.
+func (m *Memory) markFreeing(r Region) (l *list, first, n int, err error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed.Load() {
@@ -413,9 +445,6 @@ func (m *Memory) takeForFree(r Region) (l *list, first, n int, err error) {
 			return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x is %s",
 				r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i), c.is)
 		}
-	}
-	if err := m.guard(l, first, n); err != nil {
-		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: %w", r.Addr, r.End(), ErrNotFreed, err)
 	}
 	l.freeing.setRange(first, n)
 	return l, first, n, nil

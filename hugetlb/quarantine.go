@@ -46,13 +46,14 @@ type batch struct {
 // GuardFree registers fn to be consulted by Free before it changes
 // anything: an error refuses the free (Free then returns it, wrapped with
 // ErrNotFreed, with the memory still allocated and mapped). Guards run in
-// registration order, on Free's goroutine, with the memory write lock held
-// (fn must not call Alloc, Free, RLock, ReleaseQuarantine, HoldChanges or
-// Close; it may call the queries and take the cache's locks); they run
-// before the subscribers' EventFree, and once they have let the free go
-// ahead, no create can come to refer to its pages (see Freeing). The
-// returned function cancels the guard. Primary only: a secondary never
-// frees.
+// registration order, on Free's goroutine, without the memory lock but
+// with the pages marked as being freed (see Freeing): no create comes to
+// refer to them from then on, and no other Alloc or Free takes them. fn
+// must not call Alloc, Free, ReleaseQuarantine, HoldChanges or Close; it
+// may call the queries, RLock, and take the cache's locks. Guards run
+// before the subscribers' EventFree; those of different frees may run at
+// once. The returned function cancels the guard. Primary only: a
+// secondary never frees.
 func (m *Memory) GuardFree(fn func(Event) error) (cancel func()) {
 	return m.subscribe(&m.guards, func(Event) {}, fn)
 }
@@ -205,12 +206,15 @@ func (m *Memory) releaseGone() int {
 // releaseQuarantine returns to the allocator the quarantined pages whose
 // holders are all gone: it takes them out of the quarantine under m.mu,
 // punches them out of their backing files without it (they stay out of
-// the allocator meanwhile), and gives them back under it. Called with
-// m.chMu held for reading.
+// the allocator meanwhile), and gives them back under it. One release
+// runs at a time: an Alloc that comes during another's punches waits for
+// them, and finds the pages free. Called with m.chMu held for reading.
 func (m *Memory) releaseQuarantine() int {
 	if m.qpages.Load() == 0 {
 		return 0
 	}
+	m.relMu.Lock()
+	defer m.relMu.Unlock()
 	m.mu.Lock()
 	var gone []batch
 	if !m.closed.Load() {

@@ -69,14 +69,25 @@ func Reserve(addr, length uintptr) (uintptr, error) {
 // what happens to the memory, and a child, which nobody asks to unmap it,
 // would keep it after it was freed and handed to someone else.
 func MapFile(addr, length uintptr, fd int, off int64) error {
-	return mapFile(addr, length, fd, off, 0)
+	return mapFile(addr, length, fd, off, false)
 }
 
-func mapFile(addr, length uintptr, fd int, off int64, flags int) error {
-	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED|flags, fd, off)
+// mapFile maps, marks the mapping DONTFORK, and only then populates it:
+// populating a gigabyte takes long enough for a fork to come in between,
+// and the child would keep what it inherited.
+func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
+	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED, fd, off)
 	if err == nil {
 		err = unix.Madvise(Bytes(addr, length), unix.MADV_DONTFORK)
 		if err != nil {
+			_ = Release(addr, length)
+		}
+	}
+	if err == nil && populate {
+		if perr := unix.Madvise(Bytes(addr, length), unix.MADV_POPULATE_WRITE); perr != nil && !errors.Is(perr, unix.EINVAL) {
+			// EINVAL: a kernel before 5.14, which cannot; the pages are
+			// then faulted in at their first touch.
+			err = perr
 			_ = Release(addr, length)
 		}
 	}
@@ -143,11 +154,11 @@ func Vacate(addr, length uintptr) error {
 }
 
 // MapFilePopulated is MapFile that also sets up the page tables for the
-// whole range at once (MAP_POPULATE), as a registration that pins the
+// whole range at once (MADV_POPULATE_WRITE), as a registration that pins the
 // memory would anyway: on tmpfs, where a 2 MiB page is 512 small ones,
 // that moves the work from the first registration to the mapping.
 func MapFilePopulated(addr, length uintptr, fd int, off int64) error {
-	return mapFile(addr, length, fd, off, unix.MAP_POPULATE)
+	return mapFile(addr, length, fd, off, true)
 }
 
 // Unmap removes [addr, addr+length) from the address space.
