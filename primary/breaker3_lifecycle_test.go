@@ -3,7 +3,6 @@ package primary_test
 import (
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -153,39 +152,28 @@ func TestBreaker3SecondaryResumedMidCreateServesFreedKey(t *testing.T) {
 // one, and the region freed under it.
 func b3ResumeMidCreate(t *testing.T, p *primary.Primary, cfg primary.Config, ps uint64) (string, *uint32, hugetlb.Region) {
 	t.Helper()
-	other, err := p.Alloc(ps)
-	require.NoError(t, err)
 	r, err := p.Alloc(ps)
 	require.NoError(t, err)
 	s1 := startSecondary(t, cfg)
 	defer s1.Kill()
 	require.Equal(t, "wrote", ask(t, s1, "poke %d 1", r.Addr), "r is mapped in the secondary")
 
-	// A free whose guard takes a while holds the memory lock meanwhile:
-	// creates wait behind it.
-	entered, release := make(chan struct{}), make(chan struct{})
-	var first atomic.Bool
-	defer p.Memory().GuardFree(func(hugetlb.Event) error {
-		if !first.Swap(true) {
-			close(entered)
-			<-release
-		}
-		return nil
-	})()
-	freed := make(chan error, 1)
-	go func() { freed <- p.Free(other) }()
+	// The global write lock, held here for a while, keeps s1's request to
+	// create the MR waiting in the primary (s1 asks the primary directly:
+	// a lookup would wait for the lock in s1 itself).
+	entered, release, held := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	go func() { held <- p.Global().Exclusive(func() { close(entered); <-release }) }()
 	<-entered
-
-	s1.Send("lookup %d", r.Addr)
-	require.Eventually(t, func() bool { return b3Waiting("(*Global).createIn", "RLock") }, 5*time.Second, time.Millisecond,
+	s1.Send("create %d", r.Addr)
+	require.Eventually(t, func() bool { return b3Waiting("(*Global).Create(") }, 5*time.Second, time.Millisecond,
 		"s1's create waits in the primary")
 	s1.Stop()
 	close(release)
-	require.NoError(t, <-freed)
+	require.NoError(t, <-held)
 	require.Eventually(t, func() bool {
 		_, found, err := p.Global().Lookup(uint64(r.Addr))
 		return err == nil && found
-	}, 5*time.Second, time.Millisecond, "the create went ahead once the first free was done")
+	}, 5*time.Second, time.Millisecond, "the create went ahead once the lock was let go")
 
 	require.NoError(t, p.Free(r), "Free completes without the stopped s1")
 	fenced := false

@@ -304,8 +304,9 @@ func TestMemoryQueriesRacingCloseDoNotFault(t *testing.T) {
 }
 
 // A secondary whose connection ends while Close waits for a Free under
-// way is fenced as at any other time: the Free (and an Alloc queued
-// behind it) still run, and must not hand out pages it maps.
+// way is fenced as at any other time: the Free still runs, and neither it
+// nor an Alloc made meanwhile (which does not wait for the Free: its
+// pages are kept from it) hands out pages the secondary maps.
 func TestConnectionLostWhileCloseWaitsIsFenced(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
 	ps := p.Backend().PageSize
@@ -336,9 +337,7 @@ func TestConnectionLostWhileCloseWaitsIsFenced(t *testing.T) {
 		y, err := p.Alloc(ps)
 		allocated <- alloc{y, err}
 	}()
-	for !b3Waiting("(*Memory).Alloc", "sync.(*RWMutex).Lock") {
-		runtime.Gosched()
-	}
+	a := <-allocated
 	closed := make(chan error, 1)
 	go func() { closed <- p.Close() }()
 	for !b3Waiting("(*Primary).Close", "sync.(*RWMutex).Lock") {
@@ -352,7 +351,6 @@ func TestConnectionLostWhileCloseWaitsIsFenced(t *testing.T) {
 	}, 5*time.Second, time.Millisecond, "the secondary whose connection ended is fenced")
 	let()
 	require.NoError(t, <-freed)
-	a := <-allocated
 	require.NoError(t, a.err)
 	assert.False(t, b10Overlap(r, a.r), "r handed out again while the secondary, not fenced, maps it")
 	require.NoError(t, <-closed)
