@@ -21,24 +21,6 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
-// goroutinesIn counts the goroutines whose stack holds every one of frames
-// (as primary/stall_changes_test.go's goroutinesIn).
-func goroutinesIn(frames ...string) int {
-	buf := make([]byte, 8<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		all := true
-		for _, f := range frames {
-			all = all && strings.Contains(g, f)
-		}
-		if all {
-			n++
-		}
-	}
-	return n
-}
-
 // pollUntil polls cond, yielding between looks, until it holds or done is
 // closed; it reports whether cond held.
 func pollUntil(t *testing.T, done <-chan struct{}, cond func() bool) bool {
@@ -97,13 +79,13 @@ func TestAnAllocDuringAnotherQuarantineReleaseGetsThePages(t *testing.T) {
 	done := make(chan struct{})
 	go func() { released <- in.mem.ReleaseQuarantine(); close(done) }()
 	seen := pollUntil(t, done, func() bool {
-		return goroutinesIn("releaseQuarantine", "falloc.PunchHole") > 0
+		return testenv.GoroutinesIn("releaseQuarantine", "falloc.PunchHole") > 0
 	})
 	if !seen {
 		t.Skip("the release finished before its punch could be seen")
 	}
 	got, err := in.mem.Alloc(b.PageSize)
-	punching := goroutinesIn("releaseQuarantine", "falloc.PunchHole") > 0
+	punching := testenv.GoroutinesIn("releaseQuarantine", "falloc.PunchHole") > 0
 	t.Logf("alloc while another release punched (still punching after: %v): %v", punching, err)
 	assert.NoError(t, err, "the holder is dead: Alloc must get the pages (it releases the quarantine itself)")
 	if err == nil {
@@ -230,7 +212,7 @@ func TestAForkDuringAnAllocsPopulateInheritsNothing(t *testing.T) {
 	// In the mmap system call, with its mapping in place (the populate
 	// runs): then fork.
 	seen := pollUntil(t, done, func() bool {
-		return goroutinesIn("vm.mapFile") > 0 && mapsFileAt(t, os.Getpid(), file, base)
+		return testenv.GoroutinesIn("vm.mapFile") > 0 && mapsFileAt(t, os.Getpid(), file, base)
 	})
 	if !seen {
 		t.Skip("the populate ended before it could be seen")
@@ -248,7 +230,7 @@ func TestAForkDuringAnAllocsPopulateInheritsNothing(t *testing.T) {
 	}
 	child := forkPausing(t)
 	stop.Store(true)
-	t.Logf("forked child %d; the Alloc still in mmap: %v", child, goroutinesIn("vm.mapFile") > 0)
+	t.Logf("forked child %d; the Alloc still in mmap: %v", child, testenv.GoroutinesIn("vm.mapFile") > 0)
 	got := <-res
 	require.NoError(t, got.err)
 	r := got.r

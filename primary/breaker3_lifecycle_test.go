@@ -116,7 +116,7 @@ func TestBreaker3FailedSecondAttachInOneProcessFencesTheFirst(t *testing.T) {
 // b3Waiting reports whether some goroutine of this process is in every
 // one of frames: the primary runs in the test process, so its goroutines'
 // stacks say where a request it serves waits.
-func b3Waiting(frames ...string) bool { return goroutinesIn(frames...) > 0 }
+func b3Waiting(frames ...string) bool { return testenv.GoroutinesIn(frames...) > 0 }
 
 // A secondary stopped while its lookup waits for the primary's answer to
 // a create: the create completes, the memory is freed, the secondary does

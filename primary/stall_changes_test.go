@@ -18,23 +18,6 @@ import (
 	"github.com/mpmr/mpmr/verbs"
 )
 
-// goroutinesIn counts this process's goroutines that are in every frame.
-func goroutinesIn(frames ...string) int {
-	buf := make([]byte, 8<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		all := true
-		for _, f := range frames {
-			all = all && strings.Contains(g, f)
-		}
-		if all {
-			n++
-		}
-	}
-	return n
-}
-
 // waitUntil polls cond until it holds, failing the test after 20 s.
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
@@ -46,6 +29,30 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 		runtime.Gosched()
 		time.Sleep(200 * time.Microsecond) // polling
 	}
+}
+
+// freeHeldByAStoppedSecondary stops s and frees r in the background; it
+// returns once the free waits for s, with the channel the free's result
+// comes on.
+func freeHeldByAStoppedSecondary(t *testing.T, p *primary.Primary, s *testproc.Proc, r hugetlb.Region) <-chan error {
+	t.Helper()
+	s.Stop()
+	t.Cleanup(s.Continue)
+	freed := make(chan error, 1)
+	go func() { freed <- p.Free(r) }()
+	waitUntil(t, "the free waiting for the stopped secondary", func() bool {
+		return testenv.GoroutinesIn("(*Primary).syncSecondaries", "(*Memory).Free") == 1
+	})
+	return freed
+}
+
+// helloWaitingForTheFree starts a secondary and returns once its hello
+// waits in the primary for the memory changes under way.
+func helloWaitingForTheFree(t *testing.T, cfg primary.Config) *testproc.Proc {
+	t.Helper()
+	tp := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
+	waitUntil(t, "the hello waiting", func() bool { return testenv.GoroutinesIn("(*handler).hello", "HoldChanges") == 1 })
+	return tp
 }
 
 // overlaps reports whether two regions share memory.
@@ -93,7 +100,7 @@ func TestThreeFreesOneStalledSecondary(t *testing.T) {
 	}
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
-	waitUntil(t, "three frees waiting for S", func() bool { return goroutinesIn("(*Primary).syncSecondaries", "(*Memory).Free") == 3 })
+	waitUntil(t, "three frees waiting for S", func() bool { return testenv.GoroutinesIn("(*Primary).syncSecondaries", "(*Memory).Free") == 3 })
 	inWindow := func(what string) {
 		t.Helper()
 		select {
@@ -137,7 +144,7 @@ func TestThreeFreesOneStalledSecondary(t *testing.T) {
 		}
 		close(allocs)
 	}()
-	waitUntil(t, "an alloc waiting", func() bool { return goroutinesIn("(*Primary).syncSecondaries") >= 4 })
+	waitUntil(t, "an alloc waiting", func() bool { return testenv.GoroutinesIn("(*Primary).syncSecondaries") >= 4 })
 	inWindow("the alloc started")
 
 	<-done
@@ -192,14 +199,8 @@ func TestHelloDuringAStalledFree(t *testing.T) {
 	require.NoError(t, err)
 	s := startSecondary(t, cfg)
 	require.Contains(t, ask(t, s, "lookup %d", r1.Addr), "key")
-	s.Stop()
-	t.Cleanup(s.Continue)
-
-	freed := make(chan error, 1)
-	go func() { freed <- p.Free(r1) }()
-	waitUntil(t, "the free waiting for S", func() bool { return goroutinesIn("(*Primary).syncSecondaries", "(*Memory).Free") == 1 })
-	tp := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
-	waitUntil(t, "T's hello waiting", func() bool { return goroutinesIn("(*handler).hello", "HoldChanges") == 1 })
+	freed := freeHeldByAStoppedSecondary(t, p, s, r1)
+	tp := helloWaitingForTheFree(t, cfg)
 	select {
 	case err := <-freed:
 		t.Fatalf("free ended early: %v", err)
@@ -239,24 +240,18 @@ func TestCloseDuringAStalledFreeWithHelloAndAllocQueued(t *testing.T) {
 	s := startSecondary(t, cfg)
 	b := startSecondary(t, cfg)
 	require.Contains(t, ask(t, s, "lookup %d", r1.Addr), "key")
-	s.Stop()
-	t.Cleanup(s.Continue)
-
-	freed := make(chan error, 1)
-	go func() { freed <- p.Free(r1) }()
-	waitUntil(t, "the free waiting for S", func() bool { return goroutinesIn("(*Primary).syncSecondaries", "(*Memory).Free") == 1 })
-	tp := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
-	waitUntil(t, "T's hello waiting", func() bool { return goroutinesIn("(*handler).hello", "HoldChanges") == 1 })
+	freed := freeHeldByAStoppedSecondary(t, p, s, r1)
+	tp := helloWaitingForTheFree(t, cfg)
 	allocd := make(chan error, 1)
 	go func() { _, err := p.Alloc(ps); allocd <- err }()
-	waitUntil(t, "the alloc waiting", func() bool { return goroutinesIn("(*Memory).Alloc", "RLock") == 1 })
+	waitUntil(t, "the alloc waiting", func() bool { return testenv.GoroutinesIn("(*Memory).Alloc", "RLock") == 1 })
 	pooled := make(chan error, 1)
 	go func() { _, err := p.CreatePool("pool", 64, 16); pooled <- err }()
-	waitUntil(t, "the pool waiting", func() bool { return goroutinesIn("CreatePool", "RLock") == 1 })
+	waitUntil(t, "the pool waiting", func() bool { return testenv.GoroutinesIn("CreatePool", "RLock") == 1 })
 	closed := make(chan error, 1)
 	start := time.Now()
 	go func() { closed <- p.Close() }()
-	waitUntil(t, "Close waiting", func() bool { return goroutinesIn("(*Primary).Close") == 1 })
+	waitUntil(t, "Close waiting", func() bool { return testenv.GoroutinesIn("(*Primary).Close") == 1 })
 	t.Logf("B create during close: %s", ask(t, b, "create %d", r1.Addr))
 
 	_, err = testenv.Bounded(t, "Close", 15*time.Second, func() error { return <-closed })
@@ -281,19 +276,14 @@ func TestAllocWaitAndPoolsAndDetachDuringAStall(t *testing.T) {
 	b := startSecondary(t, cfg)
 	c := startSecondary(t, cfg)
 	require.Contains(t, ask(t, s, "lookup %d", r1.Addr), "key")
-	s.Stop()
-	t.Cleanup(s.Continue)
-
-	freed := make(chan error, 1)
-	go func() { freed <- p.Free(r1) }()
-	waitUntil(t, "the free waiting", func() bool { return goroutinesIn("(*Primary).syncSecondaries", "(*Memory).Free") == 1 })
+	freed := freeHeldByAStoppedSecondary(t, p, s, r1)
 	type res struct {
 		r   hugetlb.Region
 		err error
 	}
 	allocd := make(chan res, 1)
 	go func() { r, err := p.Alloc(2 * ps); allocd <- res{r, err} }()
-	waitUntil(t, "the alloc waiting", func() bool { return goroutinesIn("(*Primary).syncSecondaries", "(*Memory).Alloc") == 1 })
+	waitUntil(t, "the alloc waiting", func() bool { return testenv.GoroutinesIn("(*Primary).syncSecondaries", "(*Memory).Alloc") == 1 })
 	// The alloc's pages: the first pages after r1 (r1 is being freed).
 	var na hugetlb.Region
 	for a := r1.End(); ; a += uintptr(ps) {
