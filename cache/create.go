@@ -63,7 +63,8 @@ func (g *Global) writeUnlock() { g.lock.Unlock() }
 //     page, in single-page mode;
 //  4. allocate the record and its bitmap;
 //  5. under the memory read lock, check the run is unchanged and no free
-//     is letting go of its pages (else retry with one page);
+//     is letting go of its pages (else retry with one page; wait first if
+//     the free's guards have not answered yet);
 //  6. under the write lock, return the existing entry if another goroutine
 //     or process created one meanwhile;
 //  7. mark the pages of the run not yet registered by other MRs (the bitmap
@@ -91,7 +92,16 @@ func (g *Global) Create(addr uint64) (Entry, error) {
 		return Entry{}, fmt.Errorf("%w: 0x%x", ErrNoMemory, addr)
 	}
 	for {
-		e, retry, err := g.createIn(addr, run)
+		e, retry, undecided, err := g.createIn(addr, run)
+		if undecided != nil {
+			// A free of pages of the run asks its guards, which may
+			// refuse it: wait for their answer, then start again.
+			<-undecided
+			if run, ok = g.runAround(addr, g.single); !ok {
+				return Entry{}, fmt.Errorf("%w: 0x%x (freed meanwhile)", ErrNoMemory, addr)
+			}
+			continue
+		}
 		if !retry {
 			return e, err
 		}
@@ -118,13 +128,14 @@ func (g *Global) runAround(addr uint64, onePage bool) (hugetlb.Run, bool) {
 }
 
 // createIn does steps 4 to 8 for one candidate run; retry reports that the
-// run changed before the lock was taken.
-func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, err error) {
+// run changed before the lock was taken, undecided that a free of some of
+// its pages waits for its guards' answer (see hugetlb.Memory.Freeing).
+func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, undecided <-chan struct{}, err error) {
 	n := uint32(run.Pages)
 	words := uint64(n+63) / 64
 	off, err := g.seg.Alloc(mrRecordSize+words*8, 64)
 	if err != nil {
-		return Entry{}, false, fmt.Errorf("cache: create MR for 0x%x: %w", addr, err)
+		return Entry{}, false, nil, fmt.Errorf("cache: create MR for 0x%x: %w", addr, err)
 	}
 	keep := false
 	defer func() {
@@ -136,28 +147,30 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	g.mem.RLock()
 	defer g.mem.RUnlock()
 	if again, ok := g.runAround(addr, run.Pages == 1); !ok {
-		return Entry{}, false, fmt.Errorf("%w: 0x%x (freed meanwhile)", ErrNoMemory, addr)
+		return Entry{}, false, nil, fmt.Errorf("%w: 0x%x (freed meanwhile)", ErrNoMemory, addr)
 	} else if again != run {
-		return Entry{}, true, nil
+		return Entry{}, true, nil, nil
 	}
-	if g.mem.Freeing(run.Start, uint64(run.End-run.Start)) {
+	if freeing, undecided := g.mem.Freeing(run.Start, uint64(run.End-run.Start)); undecided != nil {
+		return Entry{}, false, undecided, nil
+	} else if freeing {
 		// A free has let go of pages of the run, and waits for the
 		// secondaries to unmap them before they go.
 		if run.Pages == 1 {
-			return Entry{}, false, fmt.Errorf("%w: 0x%x (being freed)", ErrNoMemory, addr)
+			return Entry{}, false, nil, fmt.Errorf("%w: 0x%x (being freed)", ErrNoMemory, addr)
 		}
-		return Entry{}, true, nil
+		return Entry{}, true, nil, nil
 	}
 
 	if err := g.writeLock(); err != nil {
-		return Entry{}, false, err
+		return Entry{}, false, nil, err
 	}
 	defer g.writeUnlock()
 	if g.closed.Load() {
-		return Entry{}, false, ErrClosed // Close swept the list while we waited
+		return Entry{}, false, nil, ErrClosed // Close swept the list while we waited
 	}
 	if e, found, err := g.find(addr); err != nil || found {
-		return e, false, err
+		return e, false, nil, err
 	}
 
 	rec := shm.At[mrRecord](g.seg, off)
@@ -165,7 +178,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	atomic.StoreUint32(&rec.BitmapLen, n)
 	m, err := g.mrAt(off)
 	if err != nil {
-		return Entry{}, false, err
+		return Entry{}, false, nil, err
 	}
 	ps := run.PageSize
 	first := -1
@@ -174,7 +187,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	for i := range n {
 		page := uint64(run.Start) + uint64(i)*ps
 		if _, found, err := g.find(page); err != nil {
-			return Entry{}, false, err
+			return Entry{}, false, nil, err
 		} else if found {
 			continue // registered by another MR
 		}
@@ -189,13 +202,13 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	if first < 0 {
 		// Every page is covered by other MRs, but not addr: impossible
 		// unless the table lost entries.
-		return Entry{}, false, fmt.Errorf("%w: 0x%x missing though its pages are registered", ErrCorrupt, addr)
+		return Entry{}, false, nil, fmt.Errorf("%w: 0x%x missing though its pages are registered", ErrCorrupt, addr)
 	}
 	start := uint64(run.Start) + uint64(first)*ps
 	length := uint64(last-uint32(first)+1) * ps
 	vmr, err := g.pd.RegMR(uintptr(start), uintptr(length), g.access)
 	if err != nil {
-		return Entry{}, false, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
+		return Entry{}, false, nil, fmt.Errorf("cache: register [0x%x, 0x%x) for 0x%x: %w", start, start+length, addr, err)
 	}
 	g.own(off, vmr, false, recordShape{pageSize: ps, list: int32(run.List), baseIdx: uint32(run.First + first),
 		bitmapLen: last - uint32(first) + 1}, pages, set)
@@ -223,13 +236,13 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	atomic.StoreUint32(&rec.Handle, vmr.Handle)
 	atomic.StoreUint32(&rec.Access, uint32(vmr.Access))
 	if m, err = g.mrAt(off); err != nil {
-		return Entry{}, false, err
+		return Entry{}, false, nil, err
 	}
 	g.push(&g.root.MRList, &g.root.MRCount, m)
 	keep = true
 	atomic.AddUint64(&g.root.Creates, 1)
 	if err := g.insertChunks(m); err != nil {
-		return Entry{}, false, err
+		return Entry{}, false, nil, err
 	}
 	e, found, err := g.find(addr)
 	if err == nil && !found {
@@ -238,7 +251,7 @@ func (g *Global) createIn(addr uint64, run hugetlb.Run) (e Entry, retry bool, er
 	if g.log.Enabled(context.Background(), slog.LevelDebug) { // the arguments cost allocations
 		g.log.Debug("MR created", "addr", addr, "start", start, "len", length, "lkey", vmr.LKey, "pages", set)
 	}
-	return e, false, err
+	return e, false, nil, err
 }
 
 // Repair takes the global lock over if a writer died holding it (the

@@ -12,7 +12,9 @@ import (
 )
 
 // guardFree is the memory's free guard: it runs before the pages of a free
-// are unmapped, with the memory write lock held. If the registrations
+// are unmapped, once they are marked as being freed (no create registers
+// them meanwhile: see hugetlb.Memory.Freeing), without the memory lock;
+// the guards of two frees may run at once. If the registrations
 // cannot be invalidated (the global lock cannot be had, the MR list is
 // corrupt), it refuses the free, so that no memory is freed that a key is
 // still served for.

@@ -15,6 +15,14 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
+// freeing is Memory.Freeing for pages whose free is past its guards.
+func freeing(t *testing.T, m *hugetlb.Memory, addr uintptr, n uint64) bool {
+	t.Helper()
+	f, undecided := m.Freeing(addr, n)
+	require.Nil(t, undecided, "a free's guards have not answered")
+	return f
+}
+
 // blockEvents subscribes a subscriber that, for the first event of kind,
 // says so on entered and waits until release is closed, as the primary's
 // sync waits for a secondary that does not answer.
@@ -56,11 +64,11 @@ func TestAFreeWaitingForItsSubscribersHoldsNoLock(t *testing.T) {
 		run, ok := in.mem.ContigRun(r.Addr)
 		assert.True(t, ok, "still allocated")
 		assert.Equal(t, r.Addr, run.Start)
-		assert.True(t, in.mem.Freeing(r.Addr, r.Len))
-		assert.True(t, in.mem.Freeing(r.End()-1, 1))
-		assert.True(t, in.mem.Freeing(r.Addr-uintptr(ps), 2*ps), "a range that overlaps it")
-		assert.False(t, in.mem.Freeing(other.Addr, other.Len), "other memory")
-		assert.False(t, in.mem.Freeing(r.Addr, 0))
+		assert.True(t, freeing(t, in.mem, r.Addr, r.Len))
+		assert.True(t, freeing(t, in.mem, r.End()-1, 1))
+		assert.True(t, freeing(t, in.mem, r.Addr-uintptr(ps), 2*ps), "a range that overlaps it")
+		assert.False(t, freeing(t, in.mem, other.Addr, other.Len), "other memory")
+		assert.False(t, freeing(t, in.mem, r.Addr, 0))
 		return nil
 	})
 	require.NoError(t, err)
@@ -81,7 +89,7 @@ func TestAFreeWaitingForItsSubscribersHoldsNoLock(t *testing.T) {
 
 	close(release)
 	require.NoError(t, <-freed)
-	assert.False(t, in.mem.Freeing(r.Addr, r.Len))
+	assert.False(t, freeing(t, in.mem, r.Addr, r.Len))
 	assert.ErrorIs(t, vm.CheckReadable(r.Addr, uintptr(r.Len)), vm.ErrNotMapped)
 	_, ok := in.mem.PageOf(r.Addr)
 	assert.False(t, ok)
@@ -111,7 +119,7 @@ func TestAnAllocWaitingForItsSubscribersKeepsItsPages(t *testing.T) {
 	})
 	assert.ErrorIs(t, err, hugetlb.ErrDoubleFree)
 	assert.ErrorContains(t, err, "being allocated")
-	assert.False(t, in.mem.Freeing(e.Addr, e.Len))
+	assert.False(t, freeing(t, in.mem, e.Addr, e.Len))
 
 	close(release)
 	res := <-done

@@ -174,6 +174,9 @@ type Memory struct {
 	// Primary only, under mu: freed pages a fenced process may still map.
 	quarantine []batch
 	relMu      sync.Mutex // one quarantine release at a time; after chMu, before mu
+	// decided is closed, under mu, whenever the guards of a free have
+	// answered, and replaced (see Freeing).
+	decided chan struct{}
 	// Primary only: when the holders that still reached data memory
 	// are asked again (see Housekeep).
 	askMu   sync.Mutex
@@ -206,6 +209,9 @@ type list struct {
 	// calls whose events are being delivered, outside the memory lock
 	// (see Subscribe).
 	allocating, freeing bitmap
+	// Primary only, under Memory.mu: the pages of the frees whose guards
+	// have not answered yet (a subset of freeing).
+	guarding bitmap
 }
 
 func (l *list) end() uintptr       { return l.base + uintptr(l.size()) }
@@ -403,7 +409,8 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 		blocks = append(blocks, bitsOff)
 		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path,
 			desc: &descs[i], state: shm.Slice[uint64](seg, bitsOff, words(s.pages)), mapped: make(bitmap, words(s.pages)),
-			held: make(bitmap, words(s.pages)), allocating: make(bitmap, words(s.pages)), freeing: make(bitmap, words(s.pages))}
+			held: make(bitmap, words(s.pages)), allocating: make(bitmap, words(s.pages)), freeing: make(bitmap, words(s.pages)),
+			guarding: make(bitmap, words(s.pages))}
 		m.lists = append(m.lists, l)
 		f, err := os.OpenFile(s.path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		if errors.Is(err, os.ErrExist) {
@@ -734,15 +741,18 @@ func (m *Memory) RLock() { m.mu.RLock() }
 func (m *Memory) RUnlock() { m.mu.RUnlock() }
 
 // Freeing reports whether any page of [addr, addr+n) is being freed: a
-// Free of the primary has taken it and not yet returned. While Free
-// delivers EventFree (its secondaries unmapping the page) the page is
-// still allocated to the queries, but nothing may come to refer to it;
-// then it is free, and Free punches it out of its backing file. Call it
-// with RLock held for an answer that stays true until RUnlock. Always
-// false in a secondary.
-func (m *Memory) Freeing(addr uintptr, n uint64) bool {
+// Free of the primary has taken it, its guards have let it go ahead, and
+// it has not yet returned. While Free delivers EventFree (its secondaries
+// unmapping the page) the page is still allocated to the queries, but
+// nothing may come to refer to it; then it is free, and Free punches it
+// out of its backing file. While the guards of such a Free have not
+// answered yet (they may refuse it, and then nothing changes), Freeing
+// returns a channel instead, closed once they have: release the read
+// lock, wait for it, and ask again. Call it with RLock held for an answer
+// that stays true until RUnlock. Always false in a secondary.
+func (m *Memory) Freeing(addr uintptr, n uint64) (freeing bool, undecided <-chan struct{}) {
 	if !m.primary || n == 0 {
-		return false
+		return false, nil
 	}
 	for _, l := range m.lists {
 		if addr >= l.end() || addr+uintptr(n) <= l.base {
@@ -750,11 +760,14 @@ func (m *Memory) Freeing(addr uintptr, n uint64) bool {
 		}
 		first := int(uint64(max(addr, l.base)-l.base) / l.pageSize)
 		last := int((uint64(min(addr+uintptr(n), l.end())-l.base) - 1) / l.pageSize)
+		if l.guarding.next(first, last+1, true) <= last {
+			return false, m.decided
+		}
 		if l.freeing.next(first, last+1, true) <= last {
-			return true
+			freeing = true
 		}
 	}
-	return false
+	return freeing, nil
 }
 
 // HoldChanges waits until no Alloc or Free of the primary is under way,

@@ -409,19 +409,30 @@ func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error)
 
 // takeForFree checks a Free and marks the pages as being freed, under
 // m.mu, then asks the guards without it: from the mark on no create
-// registers the pages (see Freeing), and a guard's work (deregistering
-// the MRs of gigabytes) holds no create of other memory up. If a guard
-// refuses, the mark goes and nothing else has changed.
-func (m *Memory) takeForFree(r Region) (l *list, first, n int, err error) {
-	if l, first, n, err = m.markFreeing(r); err != nil {
+// registers the pages (a create of them waits for the guards' answer, see
+// Freeing), and a guard's work (deregistering the MRs of gigabytes) holds
+// no create of other memory up. If a guard refuses, the mark goes and
+// nothing else has changed.
+func (m *Memory) takeForFree(r Region) (*list, int, int, error) {
+	l, first, n, err := m.markFreeing(r)
+	if err != nil {
 		return nil, 0, 0, err
 	}
-	if err := m.guard(l, first, n); err != nil {
+	refused := true // until the guards let it go ahead; a guard that panics refuses
+	defer func() {
 		m.mu.Lock()
-		l.freeing.clearRange(first, n)
+		l.guarding.clearRange(first, n)
+		if refused {
+			l.freeing.clearRange(first, n)
+		}
+		close(m.decided)
+		m.decided = make(chan struct{})
 		m.mu.Unlock()
+	}()
+	if err := m.guard(l, first, n); err != nil {
 		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: %w", r.Addr, r.End(), ErrNotFreed, err)
 	}
+	refused = false
 	return l, first, n, nil
 }
 
@@ -447,6 +458,10 @@ func (m *Memory) markFreeing(r Region) (l *list, first, n int, err error) {
 		}
 	}
 	l.freeing.setRange(first, n)
+	l.guarding.setRange(first, n)
+	if m.decided == nil {
+		m.decided = make(chan struct{})
+	}
 	return l, first, n, nil
 }
 

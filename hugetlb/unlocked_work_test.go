@@ -119,7 +119,7 @@ func TestAPanickingFreeSubscriberLeavesThePagesFreeable(t *testing.T) {
 	_, err1 := in.mem.Alloc(b.PageSize)
 	_, err2 := in.mem.Alloc(b.PageSize)
 	assert.NoError(t, errors.Join(err1, err2), "both pages can be allocated again")
-	t.Logf("free again: %v; freeing=%v", err, in.mem.Freeing(r.Addr, r.Len))
+	t.Logf("free again: %v; freeing=%v", err, freeing(t, in.mem, r.Addr, r.Len))
 }
 
 // The same for an Alloc: the pages are allocated, mapped and counted, and
