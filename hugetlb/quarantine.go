@@ -94,7 +94,7 @@ func (m *Memory) ReleaseQuarantine() int {
 		return 0
 	}
 	m.ask(m.seg.Holders(), time.Time{})
-	return m.releaseGone()
+	return m.releaseGone(true)
 }
 
 // Housekeep is ReleaseQuarantine for a caller that runs it often (the
@@ -119,7 +119,7 @@ func (m *Memory) Housekeep(now time.Time) int {
 			m.ask(holders, now)
 		}()
 	}
-	return m.releaseGone()
+	return m.releaseGone(false)
 }
 
 // askWait bounds how long Close waits for a round of Housekeep's questions:
@@ -194,11 +194,22 @@ func (m *Memory) ask(holders []shm.Proc, now time.Time) {
 }
 
 // releaseGone returns the quarantined pages whose holders are all gone.
-func (m *Memory) releaseGone() int {
+// Without wait it releases nothing if the memory changes are held back
+// (a hello or Close waits for a change under way, which may wait for a
+// stalled secondary): Housekeep comes again soon, and the rest of the
+// primary's housekeeping must not wait meanwhile.
+func (m *Memory) releaseGone(wait bool) int {
 	if m.qpages.Load() == 0 {
 		return 0
 	}
-	m.chMu.RLock() // Close does not release the files under the punches
+	// Close does not release the files under the punches.
+	if !wait {
+		if !m.chMu.TryRLock() {
+			return 0
+		}
+	} else {
+		m.chMu.RLock()
+	}
 	defer m.chMu.RUnlock()
 	return m.releaseQuarantine()
 }

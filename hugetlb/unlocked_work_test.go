@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -335,4 +336,33 @@ func TestConcurrentHugepageAllocsRunningDryStayConsistent(t *testing.T) {
 	r, err := in.mem.Alloc(4 * b.PageSize)
 	require.NoError(t, err)
 	assert.Equal(t, in.region(0, 4), r)
+}
+
+// Housekeep runs often, beside the primary's other housekeeping, and must
+// not wait: while the memory changes are held back (a hello waiting for a
+// free that waits for a stalled secondary), it releases nothing and
+// returns; a later round releases the pages.
+func TestHousekeepDoesNotWaitBehindHeldChanges(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 2})
+	kill := fenceASleeper(t, in)
+	r, err := in.mem.Alloc(b.PageSize)
+	require.NoError(t, err)
+	require.NoError(t, in.mem.Free(r))
+	require.Equal(t, 1, in.mem.Quarantined())
+	kill() // the holder is gone: its page may go back
+
+	var once sync.Once
+	held := in.mem.HoldChanges()
+	release := func() { once.Do(held) }
+	defer release()
+	_, err = testenv.Bounded(t, "Housekeep while the changes are held", 20*time.Second, func() error {
+		in.mem.Housekeep(time.Now())
+		return nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, 1, in.mem.Quarantined(), "nothing released while the changes are held")
+	release()
+	assert.Equal(t, 1, in.mem.Housekeep(time.Now()))
+	assert.Zero(t, in.mem.Quarantined())
 }
