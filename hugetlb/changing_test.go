@@ -141,6 +141,10 @@ func TestCloseWaitsForAFreeUnderWay(t *testing.T) {
 	<-entered
 	closed := make(chan error, 1)
 	go func() { closed <- in.mem.Close() }()
+	// Close waits for the free (a Close that did not would return, and
+	// never be seen waiting), and the free for its subscriber.
+	require.Eventually(t, func() bool { return testenv.GoroutinesIn("(*Memory).Close", "sync.(*RWMutex).Lock") == 1 },
+		20*time.Second, 100*time.Microsecond, "Close waits for the free under way")
 	select {
 	case err := <-closed:
 		t.Fatalf("Close returned (%v) while a free's subscriber waited", err)

@@ -328,9 +328,9 @@ func freeHugepages(l *list) uint64 {
 // the pages as being freed (see Freeing) and delivers EventFree, outside
 // the memory lock, while the range is still mapped; then it turns the
 // range back into an inaccessible reservation (a later touch faults) and
-// marks the pages free in the shared descriptor. The pages themselves go back to the kernel
-// (punched out of the backing file; on hugetlbfs to the pool) and to the
-// allocator — unless a fenced process may still map them: then they wait in
+// marks the pages free in the shared descriptor. The pages themselves go
+// back to the kernel (punched out of the backing file; on hugetlbfs to
+// the pool) and to the allocator — unless a fenced process may still map them: then they wait in
 // quarantine (see GuardFree's neighbour, ReleaseQuarantine, and the
 // package's notes on quarantine). If the unmap itself fails, the pages stay
 // allocated (the subscribers have already let go of them, which does no

@@ -22,15 +22,22 @@ func TestReserveAtTakenAddressFails(t *testing.T) {
 	assert.ErrorIs(t, err, ErrRangeTaken)
 }
 
-func TestMapFileReleaseAndCheck(t *testing.T) {
+// fileAndReservation returns a file of two pages and a reservation of
+// four, both gone at the end of the test.
+func fileAndReservation(t *testing.T) (*os.File, uintptr) {
+	t.Helper()
 	f, err := os.Create(filepath.Join(t.TempDir(), "data"))
 	require.NoError(t, err)
-	defer f.Close()
+	t.Cleanup(func() { f.Close() })
 	require.NoError(t, f.Truncate(int64(2*PageSize)))
-
 	base, err := Reserve(0, 4*PageSize)
 	require.NoError(t, err)
-	defer Unmap(base, 4*PageSize)
+	t.Cleanup(func() { Unmap(base, 4*PageSize) })
+	return f, base
+}
+
+func TestMapFileReleaseAndCheck(t *testing.T) {
+	f, base := fileAndReservation(t)
 
 	assert.ErrorIs(t, CheckReadable(base, PageSize), ErrNotMapped, "a bare reservation is not readable")
 
@@ -41,7 +48,7 @@ func TestMapFileReleaseAndCheck(t *testing.T) {
 	b := Bytes(base+PageSize, 2*PageSize)
 	b[0], b[len(b)-1] = 0xa5, 0x5a
 	got := make([]byte, 1)
-	_, err = f.ReadAt(got, int64(2*PageSize-1))
+	_, err := f.ReadAt(got, int64(2*PageSize-1))
 	require.NoError(t, err)
 	assert.Equal(t, byte(0x5a), got[0], "writes go to the file")
 
@@ -108,13 +115,7 @@ func vmFlags(t *testing.T, addr uintptr) []string {
 // File mappings are not inherited by a forked child ("dc": do not copy);
 // the reservation around them is.
 func TestMappedFilesAreNotInheritedByAFork(t *testing.T) {
-	f, err := os.Create(filepath.Join(t.TempDir(), "data"))
-	require.NoError(t, err)
-	defer f.Close()
-	require.NoError(t, f.Truncate(int64(2*PageSize)))
-	base, err := Reserve(0, 4*PageSize)
-	require.NoError(t, err)
-	defer Unmap(base, 4*PageSize)
+	f, base := fileAndReservation(t)
 
 	require.NoError(t, MapFile(base, PageSize, int(f.Fd()), 0))
 	require.NoError(t, MapFilePopulated(base+PageSize, PageSize, int(f.Fd()), int64(PageSize)))
