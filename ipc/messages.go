@@ -10,7 +10,7 @@ import (
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 6
+const ABI uint32 = 7
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
@@ -98,16 +98,30 @@ type Channel struct{}
 // compares ABI with its own; Start is the process start time (see
 // shm.ProcessStart), which tells a reused pid from the original; Slot and
 // Epoch name the process-table slot the secondary claimed, so that a
-// process attached twice is told from itself. A plain value.
+// process attached twice is told from itself. Left names earlier claims
+// of the same process whose detach had no answer (MaxLeft at most): they
+// unmapped their memory and asked to detach, and the server may not have
+// heard it. A plain value.
 type Hello struct {
-	ABI   uint32 `msgpack:"abi"`
-	PID   int    `msgpack:"pid"`
-	UID   int    `msgpack:"uid"`
-	Start uint64 `msgpack:"start"` // process start time, to tell a reused pid
-	Role  string `msgpack:"role"`
+	ABI   uint32  `msgpack:"abi"`
+	PID   int     `msgpack:"pid"`
+	UID   int     `msgpack:"uid"`
+	Start uint64  `msgpack:"start"` // process start time, to tell a reused pid
+	Role  string  `msgpack:"role"`
+	Slot  int     `msgpack:"slot"`
+	Epoch uint32  `msgpack:"epoch"`
+	Left  []Claim `msgpack:"left,omitempty"`
+}
+
+// Claim names a claim of a process-table slot: the slot, and the epoch the
+// claim gave it. A plain value.
+type Claim struct {
 	Slot  int    `msgpack:"slot"`
 	Epoch uint32 `msgpack:"epoch"`
 }
+
+// MaxLeft is how many earlier claims a Hello may name in Left.
+const MaxLeft = 4
 
 // Validate checks the fields a receiver must be able to trust.
 func (m *Hello) Validate() error {
@@ -120,6 +134,8 @@ func (m *Hello) Validate() error {
 		return fieldErr("hello role of %d bytes", len(m.Role))
 	case m.Slot < 0:
 		return fieldErr("hello slot %d", m.Slot)
+	case len(m.Left) > MaxLeft:
+		return fieldErr("hello names %d claims left", len(m.Left))
 	}
 	return nil
 }

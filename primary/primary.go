@@ -121,6 +121,11 @@ type secondary struct {
 	// finds it not following; the others wait for it to end (see
 	// syncSecondaries).
 	drop sync.Once
+	// detached says it detached, on its connection or by a later hello of
+	// its process (ipc.Hello.Left), and was judged then (fenced if it may
+	// still reach data memory): a sync under way that no longer reaches it,
+	// and the end of its connection, need no fence. Guarded by syncMu.
+	detached bool
 }
 
 // alive reports whether s's claim lives, by the kernel's word: its process

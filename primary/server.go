@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -61,7 +62,13 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 		// and fences it there), and leaves it only once fenced or dead:
 		// at no moment does a free neither sync it nor quarantine for it.
 		if h.p().aliveAfter(s, deathGrace) {
-			h.p().fenceIfAlive(s, "its connection ended")
+			// Unless a hello of the process said meanwhile that this
+			// attachment had detached (ordered with it by syncMu).
+			h.syncMu.Lock()
+			if !s.detached {
+				h.p().fenceIfAlive(s, "its connection ended")
+			}
+			h.syncMu.Unlock()
 		}
 	}
 	h.syncMu.Lock()
@@ -212,11 +219,8 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		h.syncMu.Lock()
 		s := h.peers[peer]
 		h.syncMu.Unlock()
-		if s != nil && p.mayReachAtDetach(s) {
-			// A secondary unmaps its data memory before it detaches; one
-			// that did not is fenced like one that stopped answering —
-			// before it leaves the sync set, so that no free falls between.
-			p.fenceIfAlive(s, "it detached without unmapping its memory")
+		if s != nil {
+			h.detach(s, p.mayReachAtDetach(s))
 		}
 		h.syncMu.Lock()
 		delete(h.peers, peer)
@@ -225,6 +229,53 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		return &ipc.DetachReply{}, nil
 	}
 	return nil, fmt.Errorf("primary: request kind %v not served", kind)
+}
+
+// detach takes s out of the sync set as detached: a secondary unmaps its
+// data memory before it detaches; one that may still reach it (reach) is
+// fenced like one that stopped answering — before it leaves the sync set,
+// so that no free falls between. It reports whether s was still there.
+func (h *handler) detach(s *secondary, reach bool) bool {
+	h.syncMu.Lock()
+	defer h.syncMu.Unlock()
+	if h.peers[s.peer] != s {
+		return false // dropped, or gone, meanwhile: judged then
+	}
+	if reach {
+		h.p().fenceIfAlive(s, "it detached without unmapping its memory")
+	}
+	s.detached = true
+	delete(h.peers, s.peer)
+	h.detached[s.peer] = struct{}{}
+	return true
+}
+
+// detachLeft detaches the earlier attachments of a hello's process that
+// the hello names as left: each unmapped its memory and asked to detach,
+// and had no answer in time (its primary was stopped, say), so that its
+// detach may still wait behind other requests when the end of its
+// connection is seen, or never come. Judged now, as a detach is, while
+// the process maps nothing (its new attachment maps after the hello),
+// they are not fenced as attachments whose connection ended while they
+// lived — a fence the kernel could no longer end once the new attachment
+// maps the memory. Only attachments of the hello's own process (pid and
+// start time) are looked at.
+func (h *handler) detachLeft(pid int, start uint64, left []ipc.Claim) {
+	p := h.p()
+	var olds []*secondary
+	h.syncMu.Lock()
+	for _, s := range h.peers {
+		if s.peer.PID() == pid && s.start == start && slices.Contains(left, ipc.Claim{Slot: s.slot, Epoch: s.epoch}) {
+			olds = append(olds, s)
+		}
+	}
+	h.syncMu.Unlock()
+	for _, s := range olds {
+		if h.detach(s, p.mayReachAtDetach(s)) {
+			h.log.Info("secondary detached, said a later hello of its process", "pid", pid, "slot", s.slot)
+			s.peer.Close() // its process has let it go
+		}
+	}
 }
 
 // memoryFiles hands an attached secondary the backing files of its memory
@@ -313,6 +364,10 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 		return nil, fmt.Errorf("%w: the process that made this connection (pid %d) has exited; pid %d may now be another's",
 			ipc.ErrRefused, m.PID, m.PID)
 	}
+	// Earlier attachments whose detach went unanswered, judged before
+	// the fences are looked at: one fenced meanwhile as alive is then
+	// forgotten below.
+	h.detachLeft(m.PID, start, m.Left)
 	// A process attaching again after it was fenced: its old attachment
 	// has let go of the data memory if the kernel shows it reaching none
 	// now, before the new one maps it; then nothing need wait for it.
@@ -485,7 +540,12 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 			// only after the fence, so that the pages of each free
 			// wait for it.
 			s.drop.Do(func() {
-				if s.alive(p.seg) {
+				p.syncMu.Lock()
+				switch {
+				case s.detached:
+					// It detached since the sync began, and closed its
+					// connection: judged then.
+				case s.alive(p.seg):
 					p.drops.Add(1)
 					p.log.Warn("dropping secondary that did not follow a memory change",
 						"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
@@ -494,7 +554,6 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 					// sees the end.
 					p.fenceIfAlive(s, fmt.Sprintf("it did not acknowledge a %s sync: %v", op, err))
 				} // else it died: its mappings went with it
-				p.syncMu.Lock()
 				delete(p.peers, s.peer)
 				p.syncMu.Unlock()
 				s.peer.Close()

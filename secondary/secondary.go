@@ -306,8 +306,9 @@ func (s *Secondary) attach(ctx context.Context) error {
 	start, _ := shm.ProcessStart(os.Getpid())
 	var hello ipc.HelloReply
 	withFiles := &ipc.WithFiles{Body: &hello}
+	left := holding.leftUnanswered(s.info.Segment)
 	if err := s.client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
-		Start: start, Role: "secondary", Slot: s.seg.Slot(), Epoch: s.seg.Epoch()}, withFiles); err != nil {
+		Start: start, Role: "secondary", Slot: s.seg.Slot(), Epoch: s.seg.Epoch(), Left: left}, withFiles); err != nil {
 		err = s.requestError(request{what: "hello"}, err)
 		transient := errors.Is(err, ipc.ErrLimit) && !errors.Is(err, ipc.ErrConnsInUse)
 		if transient || errors.Is(err, ipc.ErrPeerGone) && !errors.Is(err, ipc.ErrLimit) && !errors.Is(err, ipc.ErrRefused) {
@@ -316,6 +317,7 @@ func (s *Secondary) attach(ctx context.Context) error {
 		return err
 	}
 	s.admitted = true
+	holding.heard(s.info.Segment, left)
 	s.device, s.pdHandle = hello.Device, hello.PD
 	s.requestTimeout = s.cfg.RequestTimeout + time.Duration(hello.Hold)
 	for i, f := range withFiles.Files {
@@ -601,6 +603,46 @@ type attachments struct {
 	// leaving is the attachments closing now, each with a channel closed
 	// once the primary has answered its detach (or the request failed).
 	leaving map[*Secondary]chan struct{}
+	// left is, by instance (its segment's path), the claims of this
+	// process's attachments whose detach had no answer, oldest first, for
+	// the next hello to name (ipc.Hello.Left): ipc.MaxLeft at most.
+	left map[string][]ipc.Claim
+}
+
+// unanswered notes that the detach of claim c, attached to the instance
+// whose segment is seg, had no answer.
+func (a *attachments) unanswered(seg string, c ipc.Claim) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.left == nil {
+		a.left = map[string][]ipc.Claim{}
+	}
+	l := append(a.left[seg], c)
+	a.left[seg] = l[max(0, len(l)-ipc.MaxLeft):]
+}
+
+// leftUnanswered returns the claims a hello to the instance whose segment
+// is seg names as left.
+func (a *attachments) leftUnanswered(seg string) []ipc.Claim {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return slices.Clone(a.left[seg])
+}
+
+// heard forgets the claims an admitted hello named: the primary has judged
+// them.
+func (a *attachments) heard(seg string, named []ipc.Claim) {
+	if len(named) == 0 {
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	l := slices.DeleteFunc(a.left[seg], func(c ipc.Claim) bool { return slices.Contains(named, c) })
+	if len(l) == 0 {
+		delete(a.left, seg)
+	} else {
+		a.left[seg] = l
+	}
 }
 
 func (a *attachments) add(s *Secondary) {
@@ -1150,7 +1192,11 @@ func (s *Secondary) detach(ctx context.Context) error {
 		s.seg.MarkUnmapped() // only then may the primary reuse what it quarantined
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-	_ = s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
+	if cerr := s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{}); cerr != nil {
+		// The primary may not have heard it (it was stopped, say): the
+		// process's next hello to the instance says it again.
+		holding.unanswered(s.info.Segment, ipc.Claim{Slot: s.seg.Slot(), Epoch: s.seg.Epoch()})
+	}
 	cancel()
 	return err
 }
