@@ -1140,7 +1140,9 @@ func (s *Secondary) Segment() *shm.Segment { return s.seg }
 func (s *Secondary) Slot() int { return s.seg.Slot() }
 
 // Close unmaps the data memory, tells the primary this secondary leaves,
-// and releases everything else, its slot last. Idempotent. Close the
+// and releases everything else, its slot last. A primary that does not
+// answer within RequestTimeout is told again by the process's next Attach
+// to the instance. Idempotent. Close the
 // queues first. A lookup after Close fails with ErrClosed (Hit reports
 // false), in a queue made before Close or after it; one that races Close
 // gets a key or an error, never a fault: while queues are open, Close
