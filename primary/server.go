@@ -216,17 +216,19 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		if err := body.Decode(&m); err != nil {
 			return nil, err
 		}
-		h.syncMu.Lock()
-		s := h.peers[peer]
-		h.syncMu.Unlock()
-		if s != nil {
-			h.detach(s, p.mayReachAtDetach(s))
+		for {
+			h.syncMu.Lock()
+			s := h.peers[peer]
+			if s == nil {
+				h.detached[peer] = struct{}{} // no hello on it from now on
+			}
+			h.syncMu.Unlock()
+			// Judged outside the lock; a hello again on this connection
+			// may replace the record meanwhile: then that one is judged.
+			if s == nil || h.detach(s, p.mayReachAtDetach(s)) {
+				return &ipc.DetachReply{}, nil
+			}
 		}
-		h.syncMu.Lock()
-		delete(h.peers, peer)
-		h.detached[peer] = struct{}{}
-		h.syncMu.Unlock()
-		return &ipc.DetachReply{}, nil
 	}
 	return nil, fmt.Errorf("primary: request kind %v not served", kind)
 }
@@ -234,7 +236,9 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 // detach takes s out of the sync set as detached: a secondary unmaps its
 // data memory before it detaches; one that may still reach it (reach) is
 // fenced like one that stopped answering — before it leaves the sync set,
-// so that no free falls between. It reports whether s was still there.
+// so that no free falls between. It reports whether s was still there:
+// if not, it was dropped or gone meanwhile (judged then), or a hello
+// again on its connection replaced it.
 func (h *handler) detach(s *secondary, reach bool) bool {
 	h.syncMu.Lock()
 	defer h.syncMu.Unlock()
@@ -259,9 +263,18 @@ func (h *handler) detach(s *secondary, reach bool) bool {
 // they are not fenced as attachments whose connection ended while they
 // lived — a fence the kernel could no longer end once the new attachment
 // maps the memory. Only attachments of the hello's own process (pid and
-// start time) are looked at.
+// start time) are looked at. Where the kernel will not describe the
+// process, the hello is its word, as a detach on its own connection is
+// (the claims' slots may be claimed again by now, and their words with
+// them): a claim fenced already as one whose connection ended while it
+// lived is forgotten too.
 func (h *handler) detachLeft(pid int, start uint64, left []ipc.Claim) {
+	if len(left) == 0 {
+		return
+	}
 	p := h.p()
+	reach, known, done := p.mem.ReachesWithin(pid, detachAsk)
+	mayReach := !done || known && reach
 	var olds []*secondary
 	h.syncMu.Lock()
 	for _, s := range h.peers {
@@ -271,9 +284,14 @@ func (h *handler) detachLeft(pid int, start uint64, left []ipc.Claim) {
 	}
 	h.syncMu.Unlock()
 	for _, s := range olds {
-		if h.detach(s, p.mayReachAtDetach(s)) {
+		if h.detach(s, mayReach) {
 			h.log.Info("secondary detached, said a later hello of its process", "pid", pid, "slot", s.slot)
 			s.peer.Close() // its process has let it go
+		}
+	}
+	if done && !known && !mayReach {
+		for _, c := range left {
+			p.seg.Forget(shm.Proc{Slot: c.Slot, PID: pid, Start: start, Epoch: c.Epoch})
 		}
 	}
 }

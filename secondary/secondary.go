@@ -1194,9 +1194,10 @@ func (s *Secondary) detach(ctx context.Context) error {
 		s.seg.MarkUnmapped() // only then may the primary reuse what it quarantined
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-	if cerr := s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{}); cerr != nil {
+	if cerr := s.client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{}); cerr != nil && err == nil {
 		// The primary may not have heard it (it was stopped, say): the
-		// process's next hello to the instance says it again.
+		// process's next hello to the instance says it again — that this
+		// claim unmapped its memory, which is why not after a failed unmap.
 		holding.unanswered(s.info.Segment, ipc.Claim{Slot: s.seg.Slot(), Epoch: s.seg.Epoch()})
 	}
 	cancel()
