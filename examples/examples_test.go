@@ -266,8 +266,12 @@ func TestMainJobStopsASecondaryThatDoesNotEnd(t *testing.T) {
 		}
 	}
 	require.NotZero(t, pid, "a progress line from the secondary:\n%s", out.String())
-	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGKILL) }) // if the primary did not
-	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	// A handle on the process itself (a pidfd), not its number: once the
+	// primary has reaped it, the number may be another process's.
+	proc, err := os.FindProcess(pid)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proc.Kill() }) // if the primary did not
+	require.NoError(t, proc.Signal(syscall.SIGSTOP))
 	for sc.Scan() {
 		out.WriteString(sc.Text() + "\n")
 	}
