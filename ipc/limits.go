@@ -32,8 +32,9 @@ var errSlowReader = errors.New("peer is not reading")
 
 // ErrConnsInUse is the ErrLimit of a connection refused because every
 // connection the cap allows belongs to a peer that said hello: unlike a cap
-// filled by connections that never speak (the oldest of which makes room
-// for a newcomer) or that are closing, it does not pass by itself.
+// filled by connections that never speak (each closed at its hello
+// deadline, the oldest first) or that are closing, it does not pass by
+// itself.
 var ErrConnsInUse = fmt.Errorf("%w: every connection allowed is in use by a peer that said hello", ErrLimit)
 
 func init() {
