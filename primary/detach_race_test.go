@@ -3,11 +3,13 @@ package primary_test
 import (
 	"context"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -114,4 +116,68 @@ func TestADetachRacingAHelloAgainIsJudged(t *testing.T) {
 		_ = h.Wait(0)                  // killed
 		p.Memory().ReleaseQuarantine() // its process is gone
 	}
+}
+
+func init() { testproc.Register("hello-naming", helperHelloNaming) }
+
+// helperHelloNaming (args: PREFIX RUNDIR SLOT EPOCH [N]) claims a slot of
+// its own and says hello naming, as left, the claim SLOT/EPOCH, N times
+// (1 if not given); it says "> hello ERR" and waits for its input to end,
+// acknowledging the primary's syncs (it maps nothing).
+func helperHelloNaming(args []string) int {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	slot, _ := strconv.Atoi(args[2])
+	epoch, _ := strconv.ParseUint(args[3], 10, 32)
+	n := 1
+	if len(args) > 4 {
+		n, _ = strconv.Atoi(args[4])
+	}
+	left := make([]ipc.Claim, n)
+	for i := range left {
+		left[i] = ipc.Claim{Slot: slot, Epoch: uint32(epoch)}
+	}
+	ack := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) { return &ipc.SyncAck{}, nil })
+	seg, client, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet, PushHandler: ack}, left...)
+	testproc.Say("> hello %v", err)
+	if err == nil {
+		defer seg.Close()
+		defer client.Close()
+	}
+	testproc.EachCommand(func(testproc.Line) {})
+	return 0
+}
+
+// A hello that names, as left, the claim of another process's attachment
+// (a peer guessing, or lying) detaches nothing: that secondary stays in
+// the sync set, unfenced, and follows the next free. A hello that names
+// more claims than ipc.MaxLeft is refused (a malformed frame: the
+// connection ends), and changes nothing.
+func TestAHelloNamingAnotherProcessesClaimDetachesNothing(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	victim := startSecondary(t, cfg)
+	require.Contains(t, ask(t, victim, "lookup %d", r.Addr), "key")
+	i := slices.IndexFunc(p.Segment().Procs(), func(pr shm.Proc) bool { return pr.PID == victim.PID() && pr.Live })
+	require.GreaterOrEqual(t, i, 0, "the victim's claim")
+	claim := p.Segment().Procs()[i]
+	fenced := p.Stats().Counters.Fenced
+
+	h := testproc.Start(t, "hello-naming", []string{cfg.Prefix, cfg.RuntimeDir,
+		strconv.Itoa(claim.Slot), strconv.FormatUint(uint64(claim.Epoch), 10)}, b9Env)
+	require.Equal(t, "> hello <nil>", h.Expect("> hello", 0))
+	st := p.Stats()
+	assert.Equal(t, 2, st.Counters.Secondaries, "both attachments in the sync set")
+	assert.Equal(t, fenced, st.Counters.Fenced, "nobody fenced")
+
+	tooMany := testproc.Start(t, "hello-naming", []string{cfg.Prefix, cfg.RuntimeDir,
+		strconv.Itoa(claim.Slot), strconv.FormatUint(uint64(claim.Epoch), 10), strconv.Itoa(ipc.MaxLeft + 1)}, b9Env)
+	assert.NotEqual(t, "> hello <nil>", tooMany.Expect("> hello", 0), "a hello naming more than MaxLeft claims")
+	assert.Equal(t, 2, p.Stats().Counters.Secondaries, "the hello naming too many was not admitted")
+
+	require.NoError(t, p.Free(r))
+	assert.Zero(t, p.Memory().Quarantined(), "the free waited for nobody")
+	assert.False(t, b10MapsAt(t, victim.PID(), p.Memory().Lists()[0].File, r.Addr), "the victim followed the free")
+	assert.Equal(t, fenced, p.Stats().Counters.Fenced, "nobody fenced")
 }

@@ -90,9 +90,10 @@ func claimAndHangUp(prefix, rundir string) error {
 
 // claimAndSayHello does what Attach does before it maps anything: it
 // claims a slot in the process table of the instance prefix (runtime
-// directory rundir), connects with cfg, and says hello naming the slot.
+// directory rundir), connects with cfg, and says hello naming the slot
+// (and, as left, the claims in left).
 // The caller closes both.
-func claimAndSayHello(ctx context.Context, prefix, rundir string, cfg ipc.ClientConfig) (*shm.Segment, *ipc.Client, error) {
+func claimAndSayHello(ctx context.Context, prefix, rundir string, cfg ipc.ClientConfig, left ...ipc.Claim) (*shm.Segment, *ipc.Client, error) {
 	dir, err := instance.Dir(prefix, rundir)
 	if err != nil {
 		return nil, nil, err
@@ -122,7 +123,7 @@ func claimAndSayHello(ctx context.Context, prefix, rundir string, cfg ipc.Client
 	}
 	start, _ := shm.ProcessStart(os.Getpid())
 	if err := client.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(),
-		Start: start, Role: "secondary", Slot: seg.Slot(), Epoch: seg.Epoch()}, &ipc.WithFiles{Body: &ipc.HelloReply{}}); err != nil {
+		Start: start, Role: "secondary", Slot: seg.Slot(), Epoch: seg.Epoch(), Left: left}, &ipc.WithFiles{Body: &ipc.HelloReply{}}); err != nil {
 		client.Close()
 		seg.Close()
 		return nil, nil, err

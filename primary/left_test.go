@@ -44,12 +44,8 @@ func helperLeftSecondary(args []string) int {
 	testproc.Say("ready pid=%d", syscall.Getpid())
 	testproc.EachCommand(func(c testproc.Line) {
 		switch c.Name {
-		case "nodump", "dump":
-			v := 0
-			if c.Name == "dump" {
-				v = 1
-			}
-			if err := b10Prctl(syscall.PR_SET_DUMPABLE, v); err != nil {
+		case "nodump":
+			if err := b10Prctl(syscall.PR_SET_DUMPABLE, 0); err != nil {
 				testproc.Say("> err %v", err)
 			} else {
 				testproc.Say("> ok")

@@ -289,7 +289,7 @@ func (h *handler) detachLeft(pid int, start uint64, left []ipc.Claim) {
 			s.peer.Close() // its process has let it go
 		}
 	}
-	if done && !known && !mayReach {
+	if done && !known {
 		for _, c := range left {
 			p.seg.Forget(shm.Proc{Slot: c.Slot, PID: pid, Start: start, Epoch: c.Epoch})
 		}
