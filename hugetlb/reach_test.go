@@ -187,3 +187,14 @@ func TestAHolderWhoseMainThreadExitedIsDescribed(t *testing.T) {
 	assert.Equal(t, 1, in.mem.ReleaseQuarantine(), "it reaches nothing: the page goes back")
 	assert.Empty(t, in.seg.Holders())
 }
+
+// Such a process runs: its main thread is a zombie, its other threads are
+// not, and they share its memory.
+func TestAProcessWhoseMainThreadExitedRuns(t *testing.T) {
+	h := testproc.Start(t, "leader-exited", nil)
+	h.Expect("ready", 0)
+	require.Equal(t, byte('Z'), processState(h.PID()))
+	st, err := shm.ProcessStart(h.PID())
+	require.NoError(t, err)
+	assert.True(t, shm.Running(h.PID(), st))
+}

@@ -94,22 +94,37 @@ var selfStart = func() uint64 {
 // boot (field 22 of /proc/PID/stat). Together with the pid it names one
 // process for its whole life.
 func ProcessStart(pid int) (uint64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	f, err := statFields(pid)
 	if err != nil {
 		return 0, err
 	}
-	// The command name (field 2) may hold spaces and parentheses; fields
-	// after the last ')' are plain.
+	return strconv.ParseUint(string(f[startField]), 10, 64)
+}
+
+// Fields of /proc/PID/stat, as indexes into what statFields returns.
+const (
+	stateField   = 3 - 3 // field 3 is the first after the command name
+	threadsField = 20 - 3
+	startField   = 22 - 3
+)
+
+// statFields returns the fields of /proc/PID/stat after the command name
+// (field 2, which may hold spaces and parentheses; the fields after the
+// last ')' are plain), at least up to the start time.
+func statFields(pid int) ([][]byte, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return nil, err
+	}
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
-		return 0, fmt.Errorf("shm: unexpected /proc/%d/stat", pid)
+		return nil, fmt.Errorf("shm: unexpected /proc/%d/stat", pid)
 	}
-	fields := bytes.Fields(b[i+1:])
-	const startField = 22 - 3 // field 3 is fields[0]
-	if len(fields) <= startField {
-		return 0, fmt.Errorf("shm: short /proc/%d/stat", pid)
+	f := bytes.Fields(b[i+1:])
+	if len(f) <= startField {
+		return nil, fmt.Errorf("shm: short /proc/%d/stat", pid)
 	}
-	return strconv.ParseUint(string(fields[startField]), 10, 64)
+	return f, nil
 }
 
 func (s *Segment) slots() []procSlot { return s.procs }
@@ -332,6 +347,30 @@ func (p Proc) SameHolder(q Proc) bool {
 func SameProcess(pid int, start uint64) bool {
 	now, err := ProcessStart(pid)
 	return err == nil && now == start
+}
+
+// Running reports whether process pid, started at start, runs still: it is
+// the same process (see SameProcess) and not a zombie whose threads have
+// all ended. By then the kernel has taken its memory and closed its files;
+// a process that has only let its slot go may map a file it kept open at
+// any time. A zombie main thread whose other threads run counts as
+// running: they share the process's memory.
+func Running(pid int, start uint64) bool {
+	f, err := statFields(pid)
+	if err != nil {
+		return false
+	}
+	if now, err := strconv.ParseUint(string(f[startField]), 10, 64); err != nil || now != start {
+		return false
+	}
+	switch string(f[stateField]) {
+	case "X", "x": // dead, being released
+		return false
+	case "Z":
+		threads, err := strconv.Atoi(string(f[threadsField]))
+		return err != nil || threads > 1
+	}
+	return true
 }
 
 // Fenced reports whether the primary fenced this process's claim.

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
+	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
@@ -111,6 +112,26 @@ func TestProcessStart(t *testing.T) {
 	parent, err := shm.ProcessStart(os.Getppid())
 	require.NoError(t, err)
 	assert.LessOrEqual(t, parent, st, "a parent starts before its child")
+}
+
+// A process runs until it is a zombie, and not under another start time;
+// a zombie is the same process still, for fences, but runs no more.
+func TestRunning(t *testing.T) {
+	cmd := exec.Command("sleep", "1000")
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	pid := cmd.Process.Pid
+	st, err := shm.ProcessStart(pid)
+	require.NoError(t, err)
+	assert.True(t, shm.Running(pid, st))
+	assert.False(t, shm.Running(pid, st+1), "another start time names another process")
+
+	require.NoError(t, cmd.Process.Kill())
+	require.Eventually(t, func() bool { return !shm.Running(pid, st) }, 5*time.Second, time.Millisecond,
+		"killed, it ends")
+	assert.True(t, shm.SameProcess(pid, st), "a zombie, not yet reaped")
+	_ = cmd.Wait()
+	assert.False(t, shm.Running(pid, st), "reaped")
 }
 
 // Any process that maps a segment can write its header. The process table's
