@@ -128,13 +128,12 @@ type secondary struct {
 	detached bool
 }
 
-// alive reports whether s's claim lives, by the kernel's word: its process
-// runs and someone holds its slot's lock (the process table's other words
-// can be rewritten by any process mapping it). A process attached twice
-// lives on when one attachment has let its slot go; that one is dead.
-func (s *secondary) alive(seg *shm.Segment) bool {
-	return shm.SameProcess(s.peer.PID(), s.start) && seg.Alive(s.slot)
-}
+// running reports whether s's process runs, by the kernel's word
+// (shm.Running): whatever its slot says, it may still reach data memory.
+// A process that dies lets its slot go once its memory is gone, and ends a
+// moment later; one that lets its slot go and lives on may map a backing
+// file it kept open at any time.
+func (s *secondary) running() bool { return shm.Running(s.peer.PID(), s.start) }
 
 // Start starts the primary of cfg.Prefix: it takes the instance's primary
 // lock (failing with ErrPrimaryRunning if a live primary holds it), cleans

@@ -45,19 +45,20 @@ func (h *handler) Connected(peer *ipc.Peer) {
 
 // Disconnected drops the peer from the sync set and tidies the process
 // table: a secondary that died leaves its slot live but unlocked. A
-// secondary whose connection ended while it lives, and that has not
-// declared its data memory unmapped, no longer hears of memory changes: it
-// is fenced, and what the primary frees from now on waits in quarantine
-// until it is gone (see hugetlb).
+// secondary whose connection ended while its process runs, and that was
+// not judged by a detach, no longer hears of memory changes: it is fenced,
+// whether it holds its slot or has let it go, and what the primary frees
+// from now on waits in quarantine until the kernel says it reaches no data
+// memory (see hugetlb).
 func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	h.syncMu.Lock()
 	s, ok := h.peers[peer]
 	h.syncMu.Unlock()
 	if ok && !h.tearing.Load() {
 		h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
-		// A process that dies closes its socket a moment before the
-		// kernel drops its slot's lock (and has unmapped its memory by
-		// then): give its death that moment before fencing it as alive.
+		// A process that dies closes its socket (its memory unmapped by
+		// then) a moment before it ends: give its death that moment
+		// before fencing it as alive.
 		// It stays in the sync set meanwhile (a free's push to it fails
 		// and fences it there), and leaves it only once fenced or dead:
 		// at no moment does a free neither sync it nor quarantine for it.
@@ -97,9 +98,9 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 // before it treats the secondary as alive.
 const deathGrace = 100 * time.Millisecond
 
-// aliveAfter reports whether s is still alive after up to grace.
+// aliveAfter reports whether s's process still runs after up to grace.
 func (p *Primary) aliveAfter(s *secondary, grace time.Duration) bool {
-	for deadline := time.Now().Add(grace); s.alive(p.seg); {
+	for deadline := time.Now().Add(grace); s.running(); {
 		if time.Now().After(deadline) {
 			return true
 		}
@@ -558,12 +559,13 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 			// only after the fence, so that the pages of each free
 			// wait for it.
 			s.drop.Do(func() {
+				live := p.aliveAtDrop(s)
 				p.syncMu.Lock()
 				switch {
 				case s.detached:
 					// It detached since the sync began, and closed its
 					// connection: judged then.
-				case s.alive(p.seg):
+				case live:
 					p.drops.Add(1)
 					p.log.Warn("dropping secondary that did not follow a memory change",
 						"pid", s.peer.PID(), "slot", s.slot, "op", op, "err", err)
@@ -579,6 +581,25 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 		}()
 	}
 	wg.Wait()
+}
+
+// aliveAtDrop reports whether s, which failed a sync, is alive to be
+// fenced: its process runs and holds its slot (stalled, say), or still
+// runs once it has had deathGrace to end (a process that dies closes its
+// connection and lets its slot go a moment before it ends; one that has
+// let its slot go and lives on may map a backing file it kept open). A
+// secondary that detached meanwhile is not looked at.
+func (p *Primary) aliveAtDrop(s *secondary) bool {
+	p.syncMu.Lock()
+	detached := s.detached
+	p.syncMu.Unlock()
+	switch {
+	case detached:
+		return false
+	case s.running() && p.seg.Alive(s.slot):
+		return true
+	}
+	return p.aliveAfter(s, deathGrace)
 }
 
 // reapDisconnected reclaims the slots of secondaries whose connection
