@@ -53,18 +53,16 @@ func (h *handler) Connected(peer *ipc.Peer) {
 func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	h.syncMu.Lock()
 	s, ok := h.peers[peer]
-	judged := ok && s.detached
 	h.syncMu.Unlock()
 	if ok && !h.tearing.Load() {
 		h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
-		// A secondary whose detach was judged needs nothing more (its
-		// process lives on, as a rule). A process that dies closes its
-		// socket (its memory unmapped by then) a moment before it ends:
-		// give its death that moment before fencing it as alive.
+		// A process that dies closes its socket (its memory unmapped by
+		// then) a moment before it ends: give its death that moment
+		// before fencing it as alive.
 		// It stays in the sync set meanwhile (a free's push to it fails
 		// and fences it there), and leaves it only once fenced or dead:
 		// at no moment does a free neither sync it nor quarantine for it.
-		if !judged && h.p().aliveAfter(s, deathGrace) {
+		if h.p().aliveAfter(s, deathGrace) {
 			// Unless a hello of the process said meanwhile that this
 			// attachment had detached (ordered with it by syncMu).
 			h.syncMu.Lock()
