@@ -364,7 +364,10 @@ func TestBreaker10ReattachWhileTheDroppedAttachmentUnmaps(t *testing.T) {
 		_, err := p.Alloc(ps)
 		allocated <- err
 	}()
-	for !b3Waiting("(*Memory).Alloc", "sync.(*RWMutex).Lock") {
+	// (Or for a quarantine release under way, which waits for it: the
+	// primary's housekeeping may be releasing r's batch.)
+	for !b3Waiting("(*Memory).Alloc", "sync.(*RWMutex).Lock") &&
+		!b3Waiting("(*Memory).Alloc", "(*Memory).releaseQuarantine", "sync.(*Mutex).Lock") {
 		runtime.Gosched()
 	}
 	require.Equal(t, "started", ask(t, s, "attach-bg"))
