@@ -2,6 +2,7 @@ package primary
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"slices"
@@ -46,10 +47,11 @@ func (h *handler) Connected(peer *ipc.Peer) {
 // Disconnected drops the peer from the sync set and tidies the process
 // table: a secondary that died leaves its slot live but unlocked. A
 // secondary whose connection ended while its process runs, and that was
-// not judged by a detach, no longer hears of memory changes: it is fenced,
-// whether it holds its slot or has let it go, and what the primary frees
-// from now on waits in quarantine until the kernel says it reaches no data
-// memory (see hugetlb).
+// not judged by a detach, no longer hears of memory changes: if it may
+// still reach data memory (mayReachAfterEnd: it holds its slot, or has let
+// it go but maps or holds a backing file), it is fenced, and what the
+// primary frees from now on waits in quarantine until the kernel says it
+// reaches no data memory (see hugetlb).
 func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	h.syncMu.Lock()
 	s, ok := h.peers[peer]
@@ -62,7 +64,7 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 		// It stays in the sync set meanwhile (a free's push to it fails
 		// and fences it there), and leaves it only once fenced or dead:
 		// at no moment does a free neither sync it nor quarantine for it.
-		if h.p().aliveAfter(s, deathGrace) {
+		if h.p().mayReachAfterEnd(s, time.Now().Add(deathGrace+detachAsk)) {
 			// Unless a hello of the process said meanwhile that this
 			// attachment had detached (ordered with it by syncMu).
 			h.syncMu.Lock()
@@ -548,7 +550,8 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ctx, cancel := context.WithTimeout(context.Background(), p.cfg.SyncTimeout)
+			deadline := time.Now().Add(p.cfg.SyncTimeout)
+			ctx, cancel := context.WithDeadline(context.Background(), deadline)
 			defer cancel()
 			err := s.peer.Push(ctx, ipc.KindSync, msg, &ipc.SyncAck{})
 			if err == nil {
@@ -559,7 +562,7 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 			// only after the fence, so that the pages of each free
 			// wait for it.
 			s.drop.Do(func() {
-				live := p.aliveAtDrop(s)
+				live := p.aliveAtDrop(s, err, deadline)
 				p.syncMu.Lock()
 				switch {
 				case s.detached:
@@ -583,23 +586,44 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 	wg.Wait()
 }
 
-// aliveAtDrop reports whether s, which failed a sync, is alive to be
-// fenced: its process runs and holds its slot (stalled, say), or still
-// runs once it has had deathGrace to end (a process that dies closes its
-// connection and lets its slot go a moment before it ends; one that has
-// let its slot go and lives on may map a backing file it kept open). A
-// secondary that detached meanwhile is not looked at.
-func (p *Primary) aliveAtDrop(s *secondary) bool {
+// aliveAtDrop reports whether s, which failed a sync, is to be fenced.
+// One that did not answer in time, or answered with an error, is if its
+// process runs: stalled, or not following. One whose connection ended is
+// judged as the end of a connection is (mayReachAfterEnd), by the sync's
+// deadline. A secondary that detached meanwhile is not looked at.
+func (p *Primary) aliveAtDrop(s *secondary, err error, deadline time.Time) bool {
 	p.syncMu.Lock()
 	detached := s.detached
 	p.syncMu.Unlock()
 	switch {
 	case detached:
 		return false
-	case s.running() && p.seg.Alive(s.slot):
+	case !errors.Is(err, ipc.ErrPeerGone):
+		return s.running()
+	}
+	return p.mayReachAfterEnd(s, deadline)
+}
+
+// mayReachAfterEnd reports whether s, whose connection ended and which was
+// not judged by a detach, may still reach data memory, asking no later
+// than deadline. A process that dies closes its connection, its memory
+// gone by then, a moment before it ends: it has deathGrace to end. One
+// that runs on and holds its claim's slot may: it has not let go
+// (stalled, or its connection was closed for it). One that has let its
+// slot go (as a secondary does after its connection, once its detach had
+// no answer) may if the kernel says it maps or holds open a backing file,
+// or does not answer by the deadline. Where the kernel will not describe
+// the process, the slot's release is its word that it unmapped, as
+// hugetlb takes it for the holders it fenced.
+func (p *Primary) mayReachAfterEnd(s *secondary, deadline time.Time) bool {
+	if !p.aliveAfter(s, min(deathGrace, time.Until(deadline))) {
+		return false
+	}
+	if p.seg.AliveAs(s.slot, s.epoch) {
 		return true
 	}
-	return p.aliveAfter(s, deathGrace)
+	reach, known, done := p.mem.ReachesWithin(s.peer.PID(), time.Until(deadline))
+	return !done || known && reach
 }
 
 // reapDisconnected reclaims the slots of secondaries whose connection

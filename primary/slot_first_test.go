@@ -3,7 +3,12 @@ package primary_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
+	"runtime"
 	"strconv"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -11,29 +16,69 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/shm"
 )
 
-func init() { testproc.Register("slot-first", helperSlotFirst) }
+func init() {
+	testproc.Register("slot-games", helperSlotGames)
+	// slot-games may end its main thread: it must run there.
+	if os.Getenv("MPMR_TEST_HELPER") == "slot-games" {
+		runtime.LockOSThread()
+	}
+}
 
-// helperSlotFirst (args: PREFIX RUNDIR MODE OFF LEN) claims a slot, says
-// hello, takes the memory files and keeps the first open; then it lets its
-// slot go, as a process that dies does, while it lives on. MODE "hangup"
-// then closes its connection; MODE "nack" keeps it and answers every sync
-// with an error. It maps [OFF, +LEN) of the backing file and says
-// "> left"; "peek" then reads the first byte of the mapping ("> byte B").
-func helperSlotFirst(args []string) int {
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+// helperSlotGames (args: PREFIX RUNDIR OFF LEN) claims a slot, says hello,
+// takes the memory files, keeps the first open and maps [OFF, +LEN) of it:
+// "> mapped B". Its commands run on a goroutine of their own:
+//
+//	push nack|block     -> how it answers syncs from now on: with an error
+//	                       (the first way), or holding the sync until
+//	                       "answer": "> ok"
+//	wait-sync           -> waits for a held sync: "> sync"
+//	answer              -> answers the held sync with an error: "> ok"
+//	release             -> lets its slot go (shm Close): "> ok"
+//	reclaim             -> claims a slot again: "> slot N epoch E"
+//	detach              -> sends a Detach: "> detach ERR"
+//	hangup              -> closes its connection: "> ok"
+//	leader-exit         -> "> leaving"; its main thread exits
+//	peek                -> "> byte B", the first of the mapping
+func helperSlotGames(args []string) int {
+	leave := make(chan struct{})
+	go func() {
+		os.Exit(slotGames(args, leave))
+	}()
+	<-leave
+	syscall.Syscall(syscall.SYS_EXIT, 0, 0, 0)
+	select {}
+}
+
+func slotGames(args []string, leave chan struct{}) int {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	mode := args[2]
-	off, _ := strconv.ParseInt(args[3], 10, 64)
-	length, _ := strconv.Atoi(args[4])
-	nack := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
+	off, _ := strconv.ParseInt(args[2], 10, 64)
+	length, _ := strconv.Atoi(args[3])
+	var mu sync.Mutex
+	mode := "nack"
+	held := make(chan struct{}, 16)
+	release := make(chan struct{}, 16)
+	push := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
+		mu.Lock()
+		m := mode
+		mu.Unlock()
+		switch m {
+		case "block":
+			held <- struct{}{}
+			<-release
+		}
 		return nil, errors.New("not following")
 	})
-	seg, client, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet, PushHandler: nack})
+	seg, client, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet, PushHandler: push})
 	if err != nil {
 		testproc.Say("> err %v", err)
 		return 3
@@ -44,59 +89,182 @@ func helperSlotFirst(args []string) int {
 		return 3
 	}
 	f := got.Files[0]
-	seg.Close()
-	if mode == "hangup" {
-		client.Close()
-	} else {
-		defer client.Close()
-	}
 	mem, err := unix.Mmap(int(f.Fd()), off, length, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		testproc.Say("> err mmap %v", err)
 		return 3
 	}
-	testproc.Say("> left")
+	testproc.Say("> mapped %d", mem[0])
+	var segs []*shm.Segment
 	testproc.EachCommand(func(c testproc.Line) {
-		if c.Name == "peek" {
+		switch c.Name {
+		case "push":
+			mu.Lock()
+			mode = c.Args[0]
+			mu.Unlock()
+			testproc.Say("> ok")
+		case "wait-sync":
+			<-held
+			testproc.Say("> sync")
+		case "answer":
+			release <- struct{}{}
+			testproc.Say("> ok")
+		case "release":
+			seg.Close()
+			testproc.Say("> ok")
+		case "reclaim":
+			dir, _ := instance.Dir(args[0], args[1])
+			rd, err := ipc.OpenRunDir(dir, ipc.RunDirOptions{})
+			if err != nil {
+				testproc.Say("> err %v", err)
+				return
+			}
+			defer rd.Close()
+			info, _ := instance.ReadInfoIn(rd)
+			lockf, _ := rd.OpenFile(instance.SlotsLockFile, os.O_RDWR, 0)
+			s2, err := shm.Attach(shm.Options{Path: info.Segment, LockPath: lockf.Name(), LockFile: lockf,
+				LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: quiet})
+			if err != nil {
+				testproc.Say("> err %v", err)
+				return
+			}
+			segs = append(segs, s2)
+			testproc.Say("> slot %d epoch %d", s2.Slot(), s2.Epoch())
+		case "detach":
+			err := client.Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
+			testproc.Say("> detach %v", err)
+		case "hangup":
+			client.Close()
+			testproc.Say("> ok")
+		case "leader-exit":
+			testproc.Say("> leaving")
+			close(leave)
+		case "peek":
 			testproc.Say("> byte %d", mem[0])
+		default:
+			testproc.Say("> err unknown command %q", c.Name)
 		}
 	})
 	return 0
 }
 
-// A secondary that lets its slot go while it lives on, and then hangs up
-// or fails a sync, is not taken for dead: a process that dies lets its
-// slot go only once its memory is unmapped, one that lives may map a
-// backing file it kept open at any time. It is fenced, and a page freed
-// while it could reach it waits in quarantine until it is gone.
-func TestASecondaryThatLetsItsSlotGoFirstIsFenced(t *testing.T) {
-	for _, mode := range []string{"hangup", "nack"} {
-		t.Run(mode, func(t *testing.T) {
-			p, cfg := startPrimary(t, testenv.Tmpfs(t))
-			r, err := p.Alloc(p.Backend().PageSize)
-			require.NoError(t, err)
-			li := p.Memory().Lists()[0]
-			fenced := p.Stats().Counters.Fenced
-			h := testproc.Start(t, "slot-first", []string{cfg.Prefix, cfg.RuntimeDir, mode,
-				strconv.FormatUint(uint64(r.Addr-li.Base), 10), strconv.FormatUint(r.Len, 10)}, b9Env)
-			require.Equal(t, "> left", h.Expect("> ", 0))
-			if mode == "hangup" {
-				require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond,
-					"the primary saw the end of its connection")
-			}
-			r.Bytes()[0] = 0x5a
-			require.Equal(t, "byte 90", ask(t, h, "peek"), "the helper maps the page")
+// slotGamesOverPage starts a primary, allocates a page r (first byte
+// 0x11) and a slot-games helper mapping it.
+func slotGamesOverPage(t *testing.T) (*primary.Primary, *testproc.Proc, hugetlb.Region) {
+	t.Helper()
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	li := p.Memory().Lists()[0]
+	r.Bytes()[0] = 0x11
+	h := testproc.Start(t, "slot-games", []string{cfg.Prefix, cfg.RuntimeDir,
+		strconv.FormatUint(uint64(r.Addr-li.Base), 10), strconv.FormatUint(r.Len, 10)}, b9Env)
+	require.Equal(t, "> mapped 17", h.Expect("> ", 0))
+	return p, h, r
+}
 
-			require.NoError(t, p.Free(r))
-			assert.Greater(t, p.Stats().Counters.Fenced, fenced, "the process that lives on is fenced")
-			assert.Equal(t, 1, p.Memory().Quarantined(), "a page freed while it maps it waits in quarantine")
-			p.Memory().ReleaseQuarantine() // the kernel says it maps the page still
-			assert.Equal(t, 1, p.Memory().Quarantined(), "the page stays in quarantine while it is mapped")
-
-			h.Kill()
-			_ = h.Wait(10 * time.Second) // killed
-			p.Memory().ReleaseQuarantine()
-			assert.Zero(t, p.Memory().Quarantined(), "the page goes back once the process is gone")
-		})
+// fencedAndHeld frees r and checks that the helper, which still maps
+// it, is fenced and r waits in quarantine, also after the kernel is asked.
+func fencedAndHeld(t *testing.T, p *primary.Primary, h *testproc.Proc, r hugetlb.Region, fenced0 uint64, free bool) {
+	t.Helper()
+	if free {
+		require.NoError(t, p.Free(r))
 	}
+	assert.Greater(t, p.Stats().Counters.Fenced, fenced0, "the process that still maps the page is fenced")
+	assert.Equal(t, 1, p.Memory().Quarantined(), "the freed page waits in quarantine")
+	p.Memory().ReleaseQuarantine()
+	assert.Equal(t, 1, p.Memory().Quarantined(), "the page stays in quarantine while it is mapped")
+	assert.Equal(t, "byte 17", ask(t, h, "peek"), "it still maps the page")
+	h.Kill()
+	_ = h.Wait(10 * time.Second)
+	p.Memory().ReleaseQuarantine()
+	assert.Zero(t, p.Memory().Quarantined(), "the page goes back once the process is gone")
+}
+
+// A secondary that lets its slot go while it lives on, and then hangs up,
+// fails a sync or detaches, is not taken for dead: a process that dies
+// lets its slot go only once its memory is gone, one that lives may map a
+// backing file it kept open at any time. It is fenced, and a page freed
+// while it could reach it waits in quarantine until it is gone. So is one
+// whose main thread has exited (its other threads share its memory), and
+// one that claimed another slot since.
+func TestASecondaryThatLetsItsSlotGoFirstIsFenced(t *testing.T) {
+	t.Run("release-then-hangup", func(t *testing.T) {
+		p, h, r := slotGamesOverPage(t)
+		fenced0 := p.Stats().Counters.Fenced
+		require.Equal(t, "ok", ask(t, h, "release"))
+		require.Equal(t, "ok", ask(t, h, "hangup"))
+		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+		fencedAndHeld(t, p, h, r, fenced0, true)
+	})
+	t.Run("leader-exit-then-hangup", func(t *testing.T) {
+		p, h, r := slotGamesOverPage(t)
+		fenced0 := p.Stats().Counters.Fenced
+		require.Equal(t, "ok", ask(t, h, "release"))
+		require.Equal(t, "leaving", ask(t, h, "leader-exit"))
+		require.Eventually(t, func() bool { return stateOf(h.PID()) == 'Z' }, 5*time.Second, time.Millisecond)
+		require.Equal(t, "ok", ask(t, h, "hangup"))
+		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+		fencedAndHeld(t, p, h, r, fenced0, true)
+	})
+	t.Run("release-while-sync-held-then-nack", func(t *testing.T) {
+		p, h, r := slotGamesOverPage(t)
+		fenced0 := p.Stats().Counters.Fenced
+		require.Equal(t, "ok", ask(t, h, "push block"))
+		done := make(chan error, 1)
+		go func() { done <- p.Free(r) }()
+		require.Equal(t, "sync", ask(t, h, "wait-sync"))
+		require.Equal(t, "ok", ask(t, h, "release"))
+		require.Equal(t, "ok", ask(t, h, "answer"))
+		require.NoError(t, <-done)
+		fencedAndHeld(t, p, h, r, fenced0, false)
+	})
+	t.Run("release-while-sync-held-then-hangup", func(t *testing.T) {
+		p, h, r := slotGamesOverPage(t)
+		fenced0 := p.Stats().Counters.Fenced
+		require.Equal(t, "ok", ask(t, h, "push block"))
+		done := make(chan error, 1)
+		go func() { done <- p.Free(r) }()
+		require.Equal(t, "sync", ask(t, h, "wait-sync"))
+		require.Equal(t, "ok", ask(t, h, "release"))
+		require.Equal(t, "ok", ask(t, h, "hangup"))
+		require.NoError(t, <-done)
+		fencedAndHeld(t, p, h, r, fenced0, false)
+	})
+	t.Run("release-reclaim-then-hangup", func(t *testing.T) {
+		p, h, r := slotGamesOverPage(t)
+		fenced0 := p.Stats().Counters.Fenced
+		require.Equal(t, "ok", ask(t, h, "release"))
+		require.Contains(t, ask(t, h, "reclaim"), "slot")
+		require.Equal(t, "ok", ask(t, h, "hangup"))
+		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+		fencedAndHeld(t, p, h, r, fenced0, true)
+	})
+	t.Run("release-then-detach", func(t *testing.T) {
+		p, h, r := slotGamesOverPage(t)
+		fenced0 := p.Stats().Counters.Fenced
+		require.Equal(t, "ok", ask(t, h, "release"))
+		require.Equal(t, "detach <nil>", ask(t, h, "detach"))
+		fencedAndHeld(t, p, h, r, fenced0, true)
+	})
+	t.Run("release-then-nack", func(t *testing.T) {
+		p, h, r := slotGamesOverPage(t)
+		fenced0 := p.Stats().Counters.Fenced
+		require.Equal(t, "ok", ask(t, h, "release"))
+		fencedAndHeld(t, p, h, r, fenced0, true)
+	})
+}
+
+// stateOf returns the state letter of /proc/PID/stat (0 if it cannot be read).
+func stateOf(pid int) byte {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	for i := len(b) - 1; i >= 0; i-- {
+		if b[i] == ')' && i+2 < len(b) {
+			return b[i+2]
+		}
+	}
+	return 0
 }

@@ -1,0 +1,261 @@
+package primary_test
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+)
+
+// noFenceAfterFree frees a fresh page and checks that nothing was
+// fenced since fenced0 and nothing waits in quarantine.
+func noFenceAfterFree(t *testing.T, p *primary.Primary, fenced0 uint64, what string) {
+	t.Helper()
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(r))
+	assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "%s: fenced", what)
+	assert.Zero(t, p.Memory().Quarantined(), "%s: a freed page waits in quarantine", what)
+}
+
+// A secondary killed with SIGKILL is not fenced: not when the primary
+// frees right after the kill (its sync fails while the process dies),
+// not once its connection's end is seen.
+func TestAKilledSecondaryIsNotFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	fenced0 := p.Stats().Counters.Fenced
+	for i := range 6 {
+		r, err := p.Alloc(p.Backend().PageSize)
+		require.NoError(t, err)
+		h := startSecondary(t, cfg)
+		require.Contains(t, ask(t, h, "lookup %d", r.Addr), "key")
+		h.Kill()
+		if i%2 == 0 {
+			// Racing the death.
+			require.NoError(t, p.Free(r))
+		} else {
+			require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+			require.NoError(t, p.Free(r))
+		}
+		assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "round %d: a killed secondary was fenced", i)
+		assert.Zero(t, p.Memory().Quarantined(), "round %d", i)
+		_ = h.Wait(10 * time.Second)
+	}
+	noFenceAfterFree(t, p, fenced0, "after the kills")
+}
+
+// The same, with the killed secondary left a zombie: its parent (this
+// test) reaps it only at the end.
+func TestAKilledUnreapedSecondaryIsNotFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	fenced0 := p.Stats().Counters.Fenced
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	cmd := testproc.Command(t.Context(), "secondary", cfg.Prefix, cfg.RuntimeDir)
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	lines := bufio.NewScanner(out)
+	for lines.Scan() && !strings.Contains(lines.Text(), "ready") {
+	}
+	require.NoError(t, lines.Err())
+	require.Equal(t, 1, p.Stats().Counters.Secondaries)
+	require.NoError(t, syscall.Kill(cmd.Process.Pid, syscall.SIGKILL))
+	require.NoError(t, p.Free(r)) // racing the death
+	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+	require.Equal(t, byte('Z'), stateOf(cmd.Process.Pid), "unreaped")
+	assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "a killed, unreaped secondary was fenced")
+	noFenceAfterFree(t, p, fenced0, "killed, unreaped")
+}
+
+// A clean Close racing a stream of Alloc/Free syncs from the primary, and
+// a process that exits right after its Close: neither is fenced.
+func TestACloseRacingSyncsIsNotFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	fenced0 := p.Stats().Counters.Fenced
+	for i := range 8 {
+		h := startSecondary(t, cfg)
+		var stop atomic.Bool
+		var wg sync.WaitGroup
+		var churnErr atomic.Value
+		wg.Go(func() {
+			for !stop.Load() {
+				r, err := p.Alloc(p.Backend().PageSize)
+				if err != nil {
+					churnErr.Store(err)
+					return
+				}
+				if err := p.Free(r); err != nil {
+					churnErr.Store(err)
+					return
+				}
+			}
+		})
+		assert.Equal(t, "closed", ask(t, h, "close"), "round %d", i)
+		stop.Store(true)
+		wg.Wait()
+		if e := churnErr.Load(); e != nil {
+			t.Fatalf("round %d: %v", i, e)
+		}
+		assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "round %d: a secondary that closed cleanly while syncs ran was fenced", i)
+		h.CloseInput() // it exits normally
+		require.NoError(t, h.Wait(10*time.Second))
+		noFenceAfterFree(t, p, fenced0, fmt.Sprintf("round %d, exited after close", i))
+	}
+}
+
+// Secondaries killed with SIGKILL while the primary frees and allocates
+// without pause (a sync is nearly always in flight to the dying process).
+func TestSecondariesKilledDuringSyncsAreNotFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	fenced0 := p.Stats().Counters.Fenced
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	defer func() { stop.Store(true); wg.Wait() }()
+	wg.Go(func() {
+		for !stop.Load() {
+			r, err := p.Alloc(p.Backend().PageSize)
+			if err != nil {
+				return
+			}
+			_ = p.Free(r)
+		}
+	})
+	for i := range 40 {
+		h := startSecondary(t, cfg)
+		if !assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "round %d: an attaching secondary was fenced (attach racing syncs)", i) {
+			t.Logf("secondary: %s", h.Stderr())
+			break
+		}
+		h.Kill()
+		_ = h.Wait(10 * time.Second)
+		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+		if !assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "round %d: a killed secondary was fenced", i) {
+			break
+		}
+	}
+	stop.Store(true)
+	wg.Wait()
+	noFenceAfterFree(t, p, fenced0, "after the kills")
+}
+
+func init() { testproc.Register("occupied-attach", helperOccupiedAttach) }
+
+// helperOccupiedAttach (args: PREFIX RUNDIR BASE) maps a page of its own at
+// BASE, where the data memory goes, and then attaches: the attach fails
+// after its hello. It says "> attach-failed ERR" (or "> attached") and
+// lives on.
+func helperOccupiedAttach(args []string) int {
+	base, _ := strconv.ParseUint(args[2], 10, 64)
+	_, _, errno := syscall.Syscall6(syscall.SYS_MMAP, uintptr(base), uintptr(os.Getpagesize()),
+		syscall.PROT_READ, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS|0x100000 /* MAP_FIXED_NOREPLACE */, ^uintptr(0), 0)
+	if errno != 0 {
+		testproc.Say("> err mmap %v", errno)
+		return 3
+	}
+	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+	if err != nil {
+		testproc.Say("> attach-failed %v", err)
+	} else {
+		testproc.Say("> attached")
+		defer s.Close()
+	}
+	testproc.EachCommand(func(testproc.Line) {})
+	return 0
+}
+
+// An Attach that fails after its hello (the data memory's addresses are
+// taken in the process), while the primary frees and allocates without
+// pause: the process, which lives on, is not fenced.
+func TestAnAttachFailingAfterItsHelloIsNotFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	fenced0 := p.Stats().Counters.Fenced
+	base := p.Memory().Lists()[0].Base
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	defer func() { stop.Store(true); wg.Wait() }()
+	wg.Go(func() {
+		for !stop.Load() {
+			r, err := p.Alloc(p.Backend().PageSize)
+			if err != nil {
+				return
+			}
+			_ = p.Free(r)
+		}
+	})
+	for i := range 10 {
+		h := testproc.Start(t, "occupied-attach", []string{cfg.Prefix, cfg.RuntimeDir, strconv.FormatUint(uint64(base), 10)})
+		ans := h.Expect("> ", 0)
+		require.Contains(t, ans, "attach-failed", ans)
+		if i == 0 {
+			t.Log(ans)
+		}
+		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+		if !assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "round %d: fenced", i) {
+			break
+		}
+	}
+	stop.Store(true)
+	wg.Wait()
+	noFenceAfterFree(t, p, fenced0, "after the failed attaches")
+}
+
+// waitSecondaries polls the primary helper until it counts n
+// secondaries.
+func waitSecondaries(t *testing.T, b *b9Inst, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ans := b.must("stats")
+		var mrs, secs int
+		_, err := fmt.Sscanf(ans, "stats mrs=%d secondaries=%d", &mrs, &secs)
+		require.NoError(t, err, ans)
+		if secs == n {
+			return
+		}
+		require.True(t, time.Now().Before(deadline), ans)
+	}
+}
+
+// A well-behaved library secondary closes while its primary is stopped:
+// its detach goes unanswered (RequestTimeout 300 ms), it unmaps, lets its
+// slot go, closes its connection, and lives on without attaching again.
+// Once the primary resumes, nothing of it reaches data memory; a free must
+// not be quarantined for it, and it must not be fenced.
+func TestACloseWhosePrimaryWasStoppedIsNotFenced(t *testing.T) {
+	for i := range 8 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			b := b9Start(t)
+			s := testproc.Start(t, "left-secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir}, b9Env)
+			s.Expect("ready", 0)
+			require.Contains(t, ask(t, s, "attach"), "attached")
+			waitSecondaries(t, b, 1)
+
+			b.h.Stop()
+			require.Equal(t, "closed <nil>", ask(t, s, "close")) // its detach times out
+			b.h.Continue()
+			waitSecondaries(t, b, 0)
+
+			a, l := b.alloc(1)
+			require.Equal(t, "ok", b.must("free %d %d", a, l))
+			q, fenced := b.quarantined()
+			assert.Zero(t, fenced, "a secondary that closed cleanly (detach unanswered) is fenced")
+			assert.Zero(t, q, "a page freed after it left waits in quarantine for it")
+		})
+	}
+}
