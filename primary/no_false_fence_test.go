@@ -90,28 +90,9 @@ func TestACloseRacingSyncsIsNotFenced(t *testing.T) {
 	fenced0 := p.Stats().Counters.Fenced
 	for i := range 8 {
 		h := startSecondary(t, cfg)
-		var stop atomic.Bool
-		var wg sync.WaitGroup
-		var churnErr atomic.Value
-		wg.Go(func() {
-			for !stop.Load() {
-				r, err := p.Alloc(p.Backend().PageSize)
-				if err != nil {
-					churnErr.Store(err)
-					return
-				}
-				if err := p.Free(r); err != nil {
-					churnErr.Store(err)
-					return
-				}
-			}
-		})
+		stop := churnPages(t, p)
 		assert.Equal(t, "closed", ask(t, h, "close"), "round %d", i)
-		stop.Store(true)
-		wg.Wait()
-		if e := churnErr.Load(); e != nil {
-			t.Fatalf("round %d: %v", i, e)
-		}
+		require.NoError(t, stop(), "round %d", i)
 		assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "round %d: a secondary that closed cleanly while syncs ran was fenced", i)
 		h.CloseInput() // it exits normally
 		require.NoError(t, h.Wait(10*time.Second))
@@ -119,23 +100,39 @@ func TestACloseRacingSyncsIsNotFenced(t *testing.T) {
 	}
 }
 
+// churnPages allocates and frees a page without pause until the function
+// it returns is called, which returns the first error met.
+func churnPages(t *testing.T, p *primary.Primary) (stop func() error) {
+	var halt atomic.Bool
+	var wg sync.WaitGroup
+	var first error
+	wg.Go(func() {
+		for !halt.Load() {
+			r, err := p.Alloc(p.Backend().PageSize)
+			if err == nil {
+				err = p.Free(r)
+			}
+			if err != nil {
+				first = err
+				return
+			}
+		}
+	})
+	var once sync.Once
+	stop = func() error {
+		once.Do(func() { halt.Store(true); wg.Wait() })
+		return first
+	}
+	t.Cleanup(func() { _ = stop() })
+	return stop
+}
+
 // Secondaries killed with SIGKILL while the primary frees and allocates
 // without pause (a sync is nearly always in flight to the dying process).
 func TestSecondariesKilledDuringSyncsAreNotFenced(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t))
 	fenced0 := p.Stats().Counters.Fenced
-	var stop atomic.Bool
-	var wg sync.WaitGroup
-	defer func() { stop.Store(true); wg.Wait() }()
-	wg.Go(func() {
-		for !stop.Load() {
-			r, err := p.Alloc(p.Backend().PageSize)
-			if err != nil {
-				return
-			}
-			_ = p.Free(r)
-		}
-	})
+	stop := churnPages(t, p)
 	for i := range 40 {
 		h := startSecondary(t, cfg)
 		if !assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "round %d: an attaching secondary was fenced (attach racing syncs)", i) {
@@ -149,8 +146,7 @@ func TestSecondariesKilledDuringSyncsAreNotFenced(t *testing.T) {
 			break
 		}
 	}
-	stop.Store(true)
-	wg.Wait()
+	require.NoError(t, stop())
 	noFenceAfterFree(t, p, fenced0, "after the kills")
 }
 
@@ -186,18 +182,7 @@ func TestAnAttachFailingAfterItsHelloIsNotFenced(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t))
 	fenced0 := p.Stats().Counters.Fenced
 	base := p.Memory().Lists()[0].Base
-	var stop atomic.Bool
-	var wg sync.WaitGroup
-	defer func() { stop.Store(true); wg.Wait() }()
-	wg.Go(func() {
-		for !stop.Load() {
-			r, err := p.Alloc(p.Backend().PageSize)
-			if err != nil {
-				return
-			}
-			_ = p.Free(r)
-		}
-	})
+	stop := churnPages(t, p)
 	for i := range 10 {
 		h := testproc.Start(t, "occupied-attach", []string{cfg.Prefix, cfg.RuntimeDir, strconv.FormatUint(uint64(base), 10)})
 		ans := h.Expect("> ", 0)
@@ -210,8 +195,7 @@ func TestAnAttachFailingAfterItsHelloIsNotFenced(t *testing.T) {
 			break
 		}
 	}
-	stop.Store(true)
-	wg.Wait()
+	require.NoError(t, stop())
 	noFenceAfterFree(t, p, fenced0, "after the failed attaches")
 }
 

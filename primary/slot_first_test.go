@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -163,13 +164,11 @@ func slotGamesOverPage(t *testing.T) (*primary.Primary, *testproc.Proc, hugetlb.
 	return p, h, r
 }
 
-// fencedAndHeld frees r and checks that the helper, which still maps
-// it, is fenced and r waits in quarantine, also after the kernel is asked.
-func fencedAndHeld(t *testing.T, p *primary.Primary, h *testproc.Proc, r hugetlb.Region, fenced0 uint64, free bool) {
+// fencedAndHeld checks that the helper, which still maps r, freed, is
+// fenced and r waits in quarantine, also after the kernel is asked, until
+// the helper is killed.
+func fencedAndHeld(t *testing.T, p *primary.Primary, h *testproc.Proc, r hugetlb.Region, fenced0 uint64) {
 	t.Helper()
-	if free {
-		require.NoError(t, p.Free(r))
-	}
 	assert.Greater(t, p.Stats().Counters.Fenced, fenced0, "the process that still maps the page is fenced")
 	assert.Equal(t, 1, p.Memory().Quarantined(), "the freed page waits in quarantine")
 	p.Memory().ReleaseQuarantine()
@@ -189,70 +188,48 @@ func fencedAndHeld(t *testing.T, p *primary.Primary, h *testproc.Proc, r hugetlb
 // whose main thread has exited (its other threads share its memory), and
 // one that claimed another slot since.
 func TestASecondaryThatLetsItsSlotGoFirstIsFenced(t *testing.T) {
-	t.Run("release-then-hangup", func(t *testing.T) {
-		p, h, r := slotGamesOverPage(t)
-		fenced0 := p.Stats().Counters.Fenced
-		require.Equal(t, "ok", ask(t, h, "release"))
-		require.Equal(t, "ok", ask(t, h, "hangup"))
-		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
-		fencedAndHeld(t, p, h, r, fenced0, true)
-	})
-	t.Run("leader-exit-then-hangup", func(t *testing.T) {
-		p, h, r := slotGamesOverPage(t)
-		fenced0 := p.Stats().Counters.Fenced
-		require.Equal(t, "ok", ask(t, h, "release"))
-		require.Equal(t, "leaving", ask(t, h, "leader-exit"))
-		require.Eventually(t, func() bool { return stateOf(h.PID()) == 'Z' }, 5*time.Second, time.Millisecond)
-		require.Equal(t, "ok", ask(t, h, "hangup"))
-		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
-		fencedAndHeld(t, p, h, r, fenced0, true)
-	})
-	t.Run("release-while-sync-held-then-nack", func(t *testing.T) {
-		p, h, r := slotGamesOverPage(t)
-		fenced0 := p.Stats().Counters.Fenced
-		require.Equal(t, "ok", ask(t, h, "push block"))
-		done := make(chan error, 1)
-		go func() { done <- p.Free(r) }()
-		require.Equal(t, "sync", ask(t, h, "wait-sync"))
-		require.Equal(t, "ok", ask(t, h, "release"))
-		require.Equal(t, "ok", ask(t, h, "answer"))
-		require.NoError(t, <-done)
-		fencedAndHeld(t, p, h, r, fenced0, false)
-	})
-	t.Run("release-while-sync-held-then-hangup", func(t *testing.T) {
-		p, h, r := slotGamesOverPage(t)
-		fenced0 := p.Stats().Counters.Fenced
-		require.Equal(t, "ok", ask(t, h, "push block"))
-		done := make(chan error, 1)
-		go func() { done <- p.Free(r) }()
-		require.Equal(t, "sync", ask(t, h, "wait-sync"))
-		require.Equal(t, "ok", ask(t, h, "release"))
-		require.Equal(t, "ok", ask(t, h, "hangup"))
-		require.NoError(t, <-done)
-		fencedAndHeld(t, p, h, r, fenced0, false)
-	})
-	t.Run("release-reclaim-then-hangup", func(t *testing.T) {
-		p, h, r := slotGamesOverPage(t)
-		fenced0 := p.Stats().Counters.Fenced
-		require.Equal(t, "ok", ask(t, h, "release"))
-		require.Contains(t, ask(t, h, "reclaim"), "slot")
-		require.Equal(t, "ok", ask(t, h, "hangup"))
-		require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
-		fencedAndHeld(t, p, h, r, fenced0, true)
-	})
-	t.Run("release-then-detach", func(t *testing.T) {
-		p, h, r := slotGamesOverPage(t)
-		fenced0 := p.Stats().Counters.Fenced
-		require.Equal(t, "ok", ask(t, h, "release"))
-		require.Equal(t, "detach <nil>", ask(t, h, "detach"))
-		fencedAndHeld(t, p, h, r, fenced0, true)
-	})
-	t.Run("release-then-nack", func(t *testing.T) {
-		p, h, r := slotGamesOverPage(t)
-		fenced0 := p.Stats().Counters.Fenced
-		require.Equal(t, "ok", ask(t, h, "release"))
-		fencedAndHeld(t, p, h, r, fenced0, true)
-	})
+	answers := map[string]string{"release": "ok", "hangup": "ok", "leader-exit": "leaving",
+		"answer": "ok", "reclaim": "slot ", "detach": "detach <nil>"}
+	for _, v := range []struct {
+		name  string
+		held  bool     // a Free waits for the helper's answer to its sync meanwhile
+		steps []string // the helper's commands, in order
+		gone  bool     // the primary sees the end of its connection before it frees
+	}{
+		{"release-then-hangup", false, []string{"release", "hangup"}, true},
+		{"leader-exit-then-hangup", false, []string{"release", "leader-exit", "hangup"}, true},
+		{"release-reclaim-then-hangup", false, []string{"release", "reclaim", "hangup"}, true},
+		{"release-then-detach", false, []string{"release", "detach"}, false},
+		{"release-then-nack", false, []string{"release"}, false},
+		{"release-while-sync-held-then-nack", true, []string{"release", "answer"}, false},
+		{"release-while-sync-held-then-hangup", true, []string{"release", "hangup"}, false},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			p, h, r := slotGamesOverPage(t)
+			fenced0 := p.Stats().Counters.Fenced
+			freed := make(chan error, 1)
+			if v.held {
+				require.Equal(t, "ok", ask(t, h, "push block"))
+				go func() { freed <- p.Free(r) }()
+				require.Equal(t, "sync", ask(t, h, "wait-sync"))
+			}
+			for _, c := range v.steps {
+				require.True(t, strings.HasPrefix(ask(t, h, c), answers[c]), c)
+				if c == "leader-exit" {
+					require.Eventually(t, func() bool { return stateOf(h.PID()) == 'Z' }, 5*time.Second, time.Millisecond)
+				}
+			}
+			if v.gone {
+				require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
+			}
+			if v.held {
+				require.NoError(t, <-freed)
+			} else {
+				require.NoError(t, p.Free(r))
+			}
+			fencedAndHeld(t, p, h, r, fenced0)
+		})
+	}
 }
 
 // stateOf returns the state letter of /proc/PID/stat (0 if it cannot be read).
