@@ -190,7 +190,9 @@ func mapsAny(path string, ids map[mapID]bool) (maps, empty, known bool) {
 // system. fdinfo names the file by mount and inode; mounts gives each of
 // the process's mounts its device, so that a file opened through another
 // mount of the same file system (a bind mount, another mount namespace) is
-// still found.
+// still found. A descriptor on a mount that no mountinfo lists (a
+// memfd's, secret memory's) is no backing file unless its inode is one of
+// theirs.
 func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, deadline time.Time) (holds, known, done bool) {
 	fds, err := os.ReadDir(task + "/fd")
 	if err != nil {
@@ -205,18 +207,28 @@ func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, dead
 			continue // gone meanwhile, or a socket, pipe or anonymous inode
 		}
 		mnt, ino, ok := fdInfo(task + "/fdinfo/" + fd.Name())
-		if !ok {
-			continue
+		if !ok || !anyInode(ids, ino) {
+			continue // no backing file has its inode, whatever its mount
 		}
-		dev, found := mounts[mnt]
-		if !found {
-			return false, false, true // a mount that came after we looked: ask again later
-		}
-		if ids[mapID{dev[0], dev[1], ino}] {
+		// A backing file's inode: the mount says whether it is that
+		// file. One the process's mountinfo does not list (a mount that
+		// came after it was read, or one detached since) cannot say: the
+		// file is taken for a backing file.
+		if dev, found := mounts[mnt]; !found || ids[mapID{dev[0], dev[1], ino}] {
 			return true, true, true
 		}
 	}
 	return false, true, true
+}
+
+// anyInode reports whether one of ids has inode ino.
+func anyInode(ids map[mapID]bool, ino uint64) bool {
+	for id := range ids {
+		if id.ino == ino {
+			return true
+		}
+	}
+	return false
 }
 
 // exited reports whether every one of the tasks in /proc directory dir has

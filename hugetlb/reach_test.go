@@ -13,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
@@ -72,6 +73,65 @@ func TestReachesReadsASharedTableOfFilesOnce(t *testing.T) {
 	read := hugetlb.FDInfosRead() - before
 	assert.GreaterOrEqual(t, read, int64(files), "every file is looked at")
 	assert.Less(t, read, int64(2*files), "%d threads, one table: read once", len(tasks))
+}
+
+func init() { testproc.Register("memfd-holder", helperMemfdHolder) }
+
+// helperMemfdHolder (args: PATH) holds a memfd open at descriptor 100 and
+// the file PATH at 999, so that the memfd comes first in /proc/PID/fd; the
+// memfd's inode is not PATH's. It says "ready"; "close" closes the file
+// ("> closed").
+func helperMemfdHolder(args []string) int {
+	f, err := os.Open(args[0])
+	if err != nil {
+		testproc.Say("err %v", err)
+		return 3
+	}
+	var st, mst unix.Stat_t
+	_ = unix.Fstat(int(f.Fd()), &st)
+	for mst.Ino = st.Ino; mst.Ino == st.Ino; {
+		m, err := unix.MemfdCreate("other", 0)
+		if err == nil {
+			err = unix.Fstat(m, &mst)
+		}
+		if err == nil {
+			err = unix.Dup2(m, 100)
+		}
+		if err != nil {
+			testproc.Say("err %v", err)
+			return 3
+		}
+	}
+	if err := unix.Dup2(int(f.Fd()), 999); err != nil {
+		testproc.Say("err %v", err)
+		return 3
+	}
+	f.Close()
+	testproc.Say("ready")
+	testproc.EachCommand(func(testproc.Line) {
+		_ = unix.Close(999)
+		testproc.Say("> closed")
+	})
+	return 0
+}
+
+// A descriptor on a mount the process's mountinfo does not list, a
+// memfd's, hides nothing: the kernel's answer goes on past it to the
+// backing file the process holds, and without that file says it reaches
+// nothing. (Taken for "the kernel will not say", it ended the fence of a
+// process that had let its slot go and still held a backing file.)
+func TestAMemfdHidesNoBackingFile(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	h := testproc.Start(t, "memfd-holder", []string{in.mem.Lists()[0].File})
+	h.Expect("ready", 0)
+	reach, known := in.mem.Reaches(h.PID())
+	assert.True(t, known, "a memfd does not make the answer unknown")
+	assert.True(t, reach, "it holds a backing file")
+	h.Send("close")
+	h.Expect("> closed", 0)
+	reach, known = in.mem.Reaches(h.PID())
+	assert.True(t, known)
+	assert.False(t, reach, "a memfd is no backing file")
 }
 
 // A caller that cannot wait is told the answer did not come in time, not
