@@ -55,7 +55,10 @@ type Config struct {
 
 	// SyncTimeout bounds how long Alloc and Free wait for a secondary to
 	// map or unmap; one that does not answer in time is dropped. Default
-	// 2 s.
+	// 2 s. Whether a dropped secondary is fenced is judged within 200 ms
+	// more at most: a process whose connection ended has 100 ms to end,
+	// and one that has let its slot go is described by the kernel within
+	// 100 ms.
 	SyncTimeout time.Duration
 	// Spin is how long the primary polls each secondary's call lane for
 	// its next request before it blocks: requests that follow within it

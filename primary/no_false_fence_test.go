@@ -243,3 +243,40 @@ func TestACloseWhosePrimaryWasStoppedIsNotFenced(t *testing.T) {
 		})
 	}
 }
+
+// A free is under way; a secondary acknowledges its sync in time, but
+// its primary is stopped before it reads the acknowledgement; while it is
+// stopped the secondary leaves as one whose detach had no answer does (it
+// unmaps, closes the backing file, lets its slot go and hangs up) and
+// lives on. When the primary resumes, past the sync's deadline, the sync
+// has timed out or found the connection ended: either way the process has
+// let its slot go and the kernel says it reaches nothing, so it is not
+// fenced.
+func TestAnAcknowledgementReadLateFencesNoSecondaryThatLeft(t *testing.T) {
+	b := b9Start(t)
+	a, l := b.alloc(1)
+	h := testproc.Start(t, "slot-games", []string{b.cfg.Prefix, b.cfg.RuntimeDir, "0", strconv.FormatUint(b.page, 10)}, b9Env)
+	require.True(t, strings.HasPrefix(h.Expect("> ", 0), "> mapped"))
+	waitSecondaries(t, b, 1)
+
+	require.Equal(t, "ok", ask(t, h, "push block"))
+	t0 := time.Now()
+	b.h.Send("free %d %d", a, l)
+	require.Equal(t, "sync", ask(t, h, "wait-sync"))
+	b.h.Stop()
+	require.Equal(t, "ok", ask(t, h, "answer ok"))
+	require.Equal(t, "forgot <nil>", ask(t, h, "forget"))
+	require.Equal(t, "ok", ask(t, h, "release"))
+	require.Equal(t, "ok", ask(t, h, "hangup"))
+	// Resume the primary after the sync's deadline (b9: SyncTimeout 1 s).
+	// This places the resumption in time; it waits for nothing that could
+	// be watched instead.
+	<-time.After(time.Until(t0.Add(1200 * time.Millisecond)))
+	b.h.Continue()
+	line, err := b.h.Next("> ", b9Patience)
+	require.NoError(t, err)
+	require.Equal(t, "> ok", line, "the free")
+	waitSecondaries(t, b, 0) // the end of its connection judged too
+	_, fenced := b.quarantined()
+	assert.Zero(t, fenced, "a secondary that acknowledged in time and left while its primary was stopped is fenced")
+}

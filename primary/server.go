@@ -64,7 +64,7 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 		// It stays in the sync set meanwhile (a free's push to it fails
 		// and fences it there), and leaves it only once fenced or dead:
 		// at no moment does a free neither sync it nor quarantine for it.
-		if h.p().mayReachAfterEnd(s, time.Now().Add(deathGrace+detachAsk)) {
+		if h.p().mayReachAfterEnd(s, deathGrace, detachAsk) {
 			// Unless a hello of the process said meanwhile that this
 			// attachment had detached (ordered with it by syncMu).
 			h.syncMu.Lock()
@@ -550,8 +550,7 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			deadline := time.Now().Add(p.cfg.SyncTimeout)
-			ctx, cancel := context.WithDeadline(context.Background(), deadline)
+			ctx, cancel := context.WithTimeout(context.Background(), p.cfg.SyncTimeout)
 			defer cancel()
 			err := s.peer.Push(ctx, ipc.KindSync, msg, &ipc.SyncAck{})
 			if err == nil {
@@ -562,7 +561,7 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 			// only after the fence, so that the pages of each free
 			// wait for it.
 			s.drop.Do(func() {
-				live := p.aliveAtDrop(s, err, deadline)
+				live := p.aliveAtDrop(s, err)
 				p.syncMu.Lock()
 				switch {
 				case s.detached:
@@ -586,43 +585,49 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 	wg.Wait()
 }
 
-// aliveAtDrop reports whether s, which failed a sync, is to be fenced.
-// One that did not answer in time, or answered with an error, is if its
-// process runs: stalled, or not following. One whose connection ended is
-// judged as the end of a connection is (mayReachAfterEnd), by the sync's
-// deadline. A secondary that detached meanwhile is not looked at.
-func (p *Primary) aliveAtDrop(s *secondary, err error, deadline time.Time) bool {
+// aliveAtDrop reports whether s, which failed a sync with err, is to be
+// fenced. It is judged as the end of a connection is (mayReachAfterEnd),
+// in time of its own, whatever the sync's deadline: one whose connection
+// ended gets deathGrace to end, and a process that has let its slot go is
+// described by the kernel within dropAsk. A free waits for the judgement,
+// by up to the two more than SyncTimeout. A secondary that detached
+// meanwhile is not looked at.
+func (p *Primary) aliveAtDrop(s *secondary, err error) bool {
 	p.syncMu.Lock()
 	detached := s.detached
 	p.syncMu.Unlock()
 	switch {
 	case detached:
 		return false
-	case !errors.Is(err, ipc.ErrPeerGone):
-		return s.running()
+	case errors.Is(err, ipc.ErrPeerGone):
+		return p.mayReachAfterEnd(s, deathGrace, dropAsk)
 	}
-	return p.mayReachAfterEnd(s, deadline)
+	return p.mayReachAfterEnd(s, 0, dropAsk) // it did not answer in time, or answered with an error
 }
 
-// mayReachAfterEnd reports whether s, whose connection ended and which was
-// not judged by a detach, may still reach data memory, asking no later
-// than deadline. A process that dies closes its connection, its memory
-// gone by then, a moment before it ends: it has deathGrace to end. One
-// that runs on and holds its claim's slot may: it has not let go
-// (stalled, or its connection was closed for it). One that has let its
-// slot go (as a secondary does after its connection, once its detach had
-// no answer) may if the kernel says it maps or holds open a backing file,
-// or does not answer by the deadline. Where the kernel will not describe
-// the process, the slot's release is its word that it unmapped, as
-// hugetlb takes it for the holders it fenced.
-func (p *Primary) mayReachAfterEnd(s *secondary, deadline time.Time) bool {
-	if !p.aliveAfter(s, min(deathGrace, time.Until(deadline))) {
+// dropAsk bounds the kernel's description of a secondary that failed a
+// sync and has let its slot go.
+const dropAsk = 100 * time.Millisecond
+
+// mayReachAfterEnd reports whether s, whose connection ended or which
+// failed a sync, and which was not judged by a detach, may still reach
+// data memory. A process that dies closes its connection, its memory gone
+// by then, a moment before it ends: it is given grace to end. One that
+// runs on and holds its claim's slot may: it has not let go (stalled, or
+// its connection was closed for it). One that has let its slot go (as a
+// secondary does after its connection, once its detach had no answer) may
+// if the kernel, given ask, says it maps or holds open a backing file, or
+// does not answer in time. Where the kernel will not describe the process,
+// the slot's release is its word that it unmapped, as hugetlb takes it for
+// the holders it fenced.
+func (p *Primary) mayReachAfterEnd(s *secondary, grace, ask time.Duration) bool {
+	if !p.aliveAfter(s, grace) {
 		return false
 	}
 	if p.seg.AliveAs(s.slot, s.epoch) {
 		return true
 	}
-	reach, known, done := p.mem.ReachesWithin(s.peer.PID(), time.Until(deadline))
+	reach, known, done := p.mem.ReachesWithin(s.peer.PID(), ask)
 	return !done || known && reach
 }
 

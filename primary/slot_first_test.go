@@ -42,13 +42,18 @@ func init() {
 //	                       (the first way), or holding the sync until
 //	                       "answer": "> ok"
 //	wait-sync           -> waits for a held sync: "> sync"
-//	answer              -> answers the held sync with an error: "> ok"
+//	answer [ok]         -> answers the held sync with an error (with an
+//	                       acknowledgement: "ok"): "> ok"
+//	forget              -> unmaps the page, closes the file: "> forgot ERR"
+//	unmap               -> unmaps the page, keeps the file: "> unmapped ERR"
+//	memfd               -> opens a memfd besides: "> memfd ERR"
 //	release             -> lets its slot go (shm Close): "> ok"
 //	reclaim             -> claims a slot again: "> slot N epoch E"
 //	detach              -> sends a Detach: "> detach ERR"
 //	hangup              -> closes its connection: "> ok"
 //	leader-exit         -> "> leaving"; its main thread exits
-//	peek                -> "> byte B", the first of the mapping
+//	peek                -> "> byte B", the first of the mapping (mapped
+//	                       again if unmapped)
 func helperSlotGames(args []string) int {
 	leave := make(chan struct{})
 	go func() {
@@ -67,15 +72,16 @@ func slotGames(args []string, leave chan struct{}) int {
 	var mu sync.Mutex
 	mode := "nack"
 	held := make(chan struct{}, 16)
-	release := make(chan struct{}, 16)
+	answers := make(chan bool, 16) // true: acknowledge
 	push := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
 		mu.Lock()
 		m := mode
 		mu.Unlock()
-		switch m {
-		case "block":
+		if m == "block" {
 			held <- struct{}{}
-			<-release
+			if <-answers {
+				return &ipc.SyncAck{}, nil
+			}
 		}
 		return nil, errors.New("not following")
 	})
@@ -108,8 +114,14 @@ func slotGames(args []string, leave chan struct{}) int {
 			<-held
 			testproc.Say("> sync")
 		case "answer":
-			release <- struct{}{}
+			answers <- len(c.Args) > 0 && c.Args[0] == "ok"
 			testproc.Say("> ok")
+		case "forget":
+			err := unix.Munmap(mem)
+			if err == nil {
+				err = f.Close()
+			}
+			testproc.Say("> forgot %v", err)
 		case "release":
 			seg.Close()
 			testproc.Say("> ok")
@@ -141,7 +153,20 @@ func slotGames(args []string, leave chan struct{}) int {
 			testproc.Say("> leaving")
 			close(leave)
 		case "peek":
+			if mem == nil { // what it could do at any time: map the file again
+				if mem, err = unix.Mmap(int(f.Fd()), off, length, unix.PROT_READ, unix.MAP_SHARED); err != nil {
+					testproc.Say("> err mmap %v", err)
+					return
+				}
+			}
 			testproc.Say("> byte %d", mem[0])
+		case "unmap":
+			err := unix.Munmap(mem)
+			mem = nil
+			testproc.Say("> unmapped %v", err)
+		case "memfd":
+			_, err := unix.MemfdCreate("other", 0)
+			testproc.Say("> memfd %v", err)
 		default:
 			testproc.Say("> err unknown command %q", c.Name)
 		}
@@ -189,7 +214,7 @@ func fencedAndHeld(t *testing.T, p *primary.Primary, h *testproc.Proc, r hugetlb
 // one that claimed another slot since.
 func TestASecondaryThatLetsItsSlotGoFirstIsFenced(t *testing.T) {
 	answers := map[string]string{"release": "ok", "hangup": "ok", "leader-exit": "leaving",
-		"answer": "ok", "reclaim": "slot ", "detach": "detach <nil>"}
+		"answer": "ok", "reclaim": "slot ", "detach": "detach <nil>", "unmap": "unmapped <nil>", "memfd": "memfd <nil>"}
 	for _, v := range []struct {
 		name  string
 		held  bool     // a Free waits for the helper's answer to its sync meanwhile
@@ -199,6 +224,8 @@ func TestASecondaryThatLetsItsSlotGoFirstIsFenced(t *testing.T) {
 		{"release-then-hangup", false, []string{"release", "hangup"}, true},
 		{"leader-exit-then-hangup", false, []string{"release", "leader-exit", "hangup"}, true},
 		{"release-reclaim-then-hangup", false, []string{"release", "reclaim", "hangup"}, true},
+		// It maps nothing, but holds the file open, beside a memfd.
+		{"memfd-unmap-release-then-hangup", false, []string{"memfd", "unmap", "release", "hangup"}, true},
 		{"release-then-detach", false, []string{"release", "detach"}, false},
 		{"release-then-nack", false, []string{"release"}, false},
 		{"release-while-sync-held-then-nack", true, []string{"release", "answer"}, false},
