@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -210,16 +211,52 @@ func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, dead
 		if !ok || !anyInode(ids, ino) {
 			continue // no backing file has its inode, whatever its mount
 		}
-		// A backing file's inode: the mount says whether it is that
-		// file. One the process's mountinfo does not list (a mount that
-		// came after it was read, or one detached since) cannot say: the
-		// file is taken for a backing file.
-		if dev, found := mounts[mnt]; !found || ids[mapID{dev[0], dev[1], ino}] {
+		// A backing file's inode number: the mount's device says whether
+		// it is that file. A mount no mountinfo lists is one of the
+		// kernel's own (a memfd's, whose inode numbers come from a counter
+		// of their own) or one that came, or was detached, after the
+		// mounts were read: where the kernel's own do not name it either,
+		// the file is taken for a backing file.
+		dev, found := mounts[mnt]
+		if !found {
+			dev, found = kernelMounts()[mnt]
+		}
+		if !found || ids[mapID{dev[0], dev[1], ino}] {
 			return true, true, true
 		}
 	}
 	return false, true, true
 }
+
+// kernelMounts returns the mount ids, and their devices, of the kernel's
+// own mounts behind files that no mountinfo lists and that processes may
+// hold as a rule: memfds (shmem, and hugetlb of the default size) and
+// secret memory. Mount ids are the same in every process, so they are
+// learnt once from files of this process's own; a kind this kernel does
+// not make is left out.
+var kernelMounts = sync.OnceValue(func() map[uint64][2]uint32 {
+	out := map[uint64][2]uint32{}
+	learn := func(fd int, err error) {
+		if err != nil {
+			return
+		}
+		defer unix.Close(fd)
+		var st unix.Stat_t
+		mnt, _, ok := mounts.FDInfo("/proc/self/fdinfo/" + strconv.Itoa(fd))
+		if ok && unix.Fstat(fd, &st) == nil {
+			out[mnt] = [2]uint32{unix.Major(st.Dev), unix.Minor(st.Dev)}
+		}
+	}
+	learn(unix.MemfdCreate("mpmr-mount", unix.MFD_CLOEXEC))
+	learn(unix.MemfdCreate("mpmr-mount", unix.MFD_CLOEXEC|unix.MFD_HUGETLB))
+	fd, _, e := unix.Syscall(unix.SYS_MEMFD_SECRET, unix.O_CLOEXEC, 0, 0)
+	if e != 0 {
+		learn(-1, e)
+	} else {
+		learn(int(fd), nil)
+	}
+	return out
+})
 
 // anyInode reports whether one of ids has inode ino.
 func anyInode(ids map[mapID]bool, ino uint64) bool {

@@ -134,6 +134,43 @@ func TestAMemfdHidesNoBackingFile(t *testing.T) {
 	assert.False(t, reach, "a memfd is no backing file")
 }
 
+func init() { testproc.Register("memfd-twin", helperMemfdTwin) }
+
+// helperMemfdTwin (args: INODE) holds a memfd whose inode number is INODE,
+// and nothing else of note: "ready" (or "cannot ERR").
+func helperMemfdTwin(args []string) int {
+	ino, _ := strconv.ParseUint(args[0], 10, 64)
+	fd, err := testenv.MemfdWithInode(ino)
+	if err != nil {
+		testproc.Say("cannot %v", err)
+		return 0
+	}
+	testproc.Say("ready")
+	testproc.Commands().Scan()
+	runtime.KeepAlive(fd)
+	return 0
+}
+
+// A memfd whose inode number is a backing file's (tmpfs numbers are small,
+// and so are the kernel's shmem mount's) is no backing file: its mount,
+// which no mountinfo lists, is the kernel's own. A process that holds only
+// such a memfd reaches nothing, and a page quarantined for it goes back.
+func TestAMemfdWithABackingFilesInodeIsNoBackingFile(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	var st unix.Stat_t
+	require.NoError(t, unix.Stat(in.mem.Lists()[0].File, &st))
+	h := testproc.Start(t, "memfd-twin", []string{strconv.FormatUint(st.Ino, 10)})
+	if line := h.Expect("", 0); line != "ready" {
+		t.Skipf("no memfd with the backing file's inode %d can be made here: %s", st.Ino, line)
+	}
+	reach, known := in.mem.Reaches(h.PID())
+	assert.True(t, known)
+	assert.False(t, reach, "a process holding only a memfd with a backing file's inode number (%d)", st.Ino)
+	quarantineFor(t, in, h.PID())
+	in.mem.ReleaseQuarantine()
+	assert.Zero(t, in.mem.Quarantined(), "the page waits in quarantine for a process that reaches nothing")
+}
+
 // A caller that cannot wait is told the answer did not come in time, not
 // a wrong answer.
 func TestReachesWithinGivesUpAtTheDeadline(t *testing.T) {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
@@ -279,4 +281,45 @@ func TestAnAcknowledgementReadLateFencesNoSecondaryThatLeft(t *testing.T) {
 	waitSecondaries(t, b, 0) // the end of its connection judged too
 	_, fenced := b.quarantined()
 	assert.Zero(t, fenced, "a secondary that acknowledged in time and left while its primary was stopped is fenced")
+}
+
+func init() { testproc.Register("memfd-app", helperMemfdApp) }
+
+// helperMemfdApp (args: PREFIX RUNDIR INODE) is an application that holds
+// a memfd of its own whose inode number is INODE and attaches ("ready",
+// or "cannot ERR" if no such memfd can be made); on "close" it closes the
+// attachment ("> closed ERR") and lives on.
+func helperMemfdApp(args []string) int {
+	ino, _ := strconv.ParseUint(args[2], 10, 64)
+	fd, err := testenv.MemfdWithInode(ino)
+	if err != nil {
+		testproc.Say("cannot %v", err)
+		return 0
+	}
+	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
+	if err != nil {
+		testproc.Say("attach-failed %v", err)
+		return 3
+	}
+	testproc.Say("ready")
+	testproc.EachCommand(func(testproc.Line) { testproc.Say("> closed %v", s.Close()) })
+	runtime.KeepAlive(fd)
+	return 0
+}
+
+// A library secondary in an application that holds a memfd whose inode
+// number is a backing file's closes cleanly and lives on: it is not
+// fenced (the memfd is no backing file), and what the primary frees
+// afterwards does not wait for it.
+func TestACleanCloseBesideAMemfdIsNotFenced(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	var st unix.Stat_t
+	require.NoError(t, unix.Stat(p.Memory().Lists()[0].File, &st))
+	h := testproc.Start(t, "memfd-app", []string{cfg.Prefix, cfg.RuntimeDir, strconv.FormatUint(st.Ino, 10)}, b9Env)
+	if line := h.Expect("", 0); line != "ready" {
+		t.Skipf("no memfd with the backing file's inode %d can be made here: %s", st.Ino, line)
+	}
+	fenced0 := p.Stats().Counters.Fenced
+	require.Equal(t, "closed <nil>", ask(t, h, "close"))
+	noFenceAfterFree(t, p, fenced0, "after a clean close beside a memfd")
 }
