@@ -106,8 +106,10 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 		}
 		task := dir + t.Name()
 		if !mapsRead {
-			maps, empty, known := mapsAny(task+"/maps", ids)
+			maps, empty, known, done := mapsAny(task+"/maps", ids, deadline)
 			switch {
+			case !done:
+				return false, false, false
 			case !known:
 				return false, false, true
 			case maps:
@@ -146,17 +148,23 @@ func sameFiles(a, b int) bool {
 }
 
 // mapsAny reports whether the maps file at path lists a mapping of one of
-// ids, and whether it lists nothing at all.
-func mapsAny(path string, ids map[mapID]bool) (maps, empty, known bool) {
+// ids, and whether it lists nothing at all. A process can make its maps
+// file as long as it likes (many mappings of a file at a long path): done
+// is false if deadline (if any) passed while it was read.
+func mapsAny(path string, ids map[mapID]bool, deadline time.Time) (maps, empty, known, done bool) {
 	f, err := os.Open(path)
 	if err != nil {
-		return false, true, errors.Is(err, fs.ErrNotExist) // gone: it maps nothing
+		return false, true, errors.Is(err, fs.ErrNotExist), true // gone: it maps nothing
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 0, 4096), 1<<20)
 	empty = true
-	for sc.Scan() {
+	for i := 0; sc.Scan(); i++ {
+		mapsLines.Add(1)
+		if i%256 == 255 && late(deadline) {
+			return false, false, false, false
+		}
 		empty = false
 		// address perms offset dev inode [path]
 		fields := bytes.Fields(sc.Bytes())
@@ -174,13 +182,13 @@ func mapsAny(path string, ids map[mapID]bool) (maps, empty, known bool) {
 		a, err1 := strconv.ParseUint(string(maj), 16, 32)
 		b, err2 := strconv.ParseUint(string(min), 16, 32)
 		if err1 == nil && err2 == nil && ids[mapID{uint32(a), uint32(b), ino}] {
-			return true, false, true
+			return true, false, true, true
 		}
 	}
 	if sc.Err() != nil {
-		return false, false, false
+		return false, false, false, true
 	}
-	return false, empty, true
+	return false, empty, true, true
 }
 
 // holdsAny reports whether the thread at /proc directory task holds open
@@ -300,6 +308,9 @@ func mountDevices(path string) (map[uint64][2]uint32, error) {
 	}
 	return out, nil
 }
+
+// mapsLines counts the lines of maps files read, for tests.
+var mapsLines atomic.Int64
 
 // fdInfos counts the fdinfo entries read, for tests.
 var fdInfos atomic.Int64

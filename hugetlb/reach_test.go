@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -169,6 +171,51 @@ func TestAMemfdWithABackingFilesInodeIsNoBackingFile(t *testing.T) {
 	quarantineFor(t, in, h.PID())
 	in.mem.ReleaseQuarantine()
 	assert.Zero(t, in.mem.Quarantined(), "the page waits in quarantine for a process that reaches nothing")
+}
+
+func init() { testproc.Register("many-maps", helperManyMaps) }
+
+// helperManyMaps (args: DIR N) maps one page of a file of its own, at a
+// path about 4,000 bytes long under DIR, N times, so that its maps file is
+// N long lines, and says "ready".
+func helperManyMaps(args []string) int {
+	p := args[0]
+	for comp := strings.Repeat("d", 250); len(p)+260 < 4000; {
+		p = filepath.Join(p, comp)
+	}
+	f, err := os.Create(filepath.Join(p, "f"))
+	if os.IsNotExist(err) {
+		if err = os.MkdirAll(p, 0o755); err == nil {
+			f, err = os.Create(filepath.Join(p, "f"))
+		}
+	}
+	if err == nil {
+		err = f.Truncate(int64(os.Getpagesize()))
+	}
+	n, _ := strconv.Atoi(args[1])
+	for i := 0; err == nil && i < n; i++ {
+		_, err = unix.Mmap(int(f.Fd()), 0, os.Getpagesize(), unix.PROT_READ, unix.MAP_SHARED)
+	}
+	if err != nil {
+		testproc.Say("err %v", err)
+		return 3
+	}
+	testproc.Say("ready")
+	testproc.Commands().Scan()
+	return 0
+}
+
+// Any process can make its maps file hundreds of megabytes long (a file
+// at a long path, mapped many times): a caller that cannot wait is told
+// the answer did not come in time, however long the maps file.
+func TestReachesWithinGivesUpInALongMapsFile(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	h := testproc.Start(t, "many-maps", []string{t.TempDir(), "32000"})
+	require.Equal(t, "ready", h.Expect("", 30*time.Second))
+	before := hugetlb.MapsLinesRead()
+	_, _, done := in.mem.ReachesWithin(h.PID(), 20*time.Millisecond)
+	assert.False(t, done, "the deadline passed while the maps (some 125 MB) were read")
+	assert.Less(t, hugetlb.MapsLinesRead()-before, int64(16000), "the maps were read on past the deadline")
 }
 
 // A caller that cannot wait is told the answer did not come in time, not
