@@ -86,8 +86,11 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 	var mounts map[uint64][2]uint32
 	for _, t := range tasks {
 		var err error
-		if mounts, err = mountDevices(dir + t.Name() + "/mountinfo"); err == nil ||
-			!errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ESRCH) {
+		mounts, err = mountDevices(dir+t.Name()+"/mountinfo", deadline)
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return false, false, false
+		}
+		if err == nil || !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ESRCH) {
 			break // read, or refused: every thread would say the same
 		}
 	}
@@ -237,34 +240,46 @@ func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, dead
 }
 
 // kernelMounts returns the mount ids, and their devices, of the kernel's
-// own mounts behind files that no mountinfo lists and that processes may
-// hold as a rule: memfds (shmem, and hugetlb of the default size) and
-// secret memory. Mount ids are the same in every process, so they are
-// learnt once from files of this process's own; a kind this kernel does
-// not make is left out.
-var kernelMounts = sync.OnceValue(func() map[uint64][2]uint32 {
-	out := map[uint64][2]uint32{}
-	learn := func(fd int, err error) {
+// own mounts behind memfds (shmem, and hugetlb of the default size):
+// files that no mountinfo lists and that processes hold as a rule. Mount
+// ids are the same in every process, so they are learnt from memfds of
+// this process's own, once the shmem one could be made (until then, a
+// memfd with a backing file's inode number is taken for that file). A
+// kind this kernel does not make is left out; so is secret memory, whose
+// system call a process's seccomp filter may kill it for.
+func kernelMounts() map[uint64][2]uint32 {
+	kmounts.Lock()
+	defer kmounts.Unlock()
+	if kmounts.learnt {
+		return kmounts.ids
+	}
+	ids := map[uint64][2]uint32{}
+	learn := func(flags int) bool {
+		fd, err := unix.MemfdCreate("mpmr-mount", unix.MFD_CLOEXEC|flags)
 		if err != nil {
-			return
+			return false
 		}
 		defer unix.Close(fd)
 		var st unix.Stat_t
 		mnt, _, ok := mounts.FDInfo("/proc/self/fdinfo/" + strconv.Itoa(fd))
-		if ok && unix.Fstat(fd, &st) == nil {
-			out[mnt] = [2]uint32{unix.Major(st.Dev), unix.Minor(st.Dev)}
+		if !ok || unix.Fstat(fd, &st) != nil {
+			return false
 		}
+		ids[mnt] = [2]uint32{unix.Major(st.Dev), unix.Minor(st.Dev)}
+		return true
 	}
-	learn(unix.MemfdCreate("mpmr-mount", unix.MFD_CLOEXEC))
-	learn(unix.MemfdCreate("mpmr-mount", unix.MFD_CLOEXEC|unix.MFD_HUGETLB))
-	fd, _, e := unix.Syscall(unix.SYS_MEMFD_SECRET, unix.O_CLOEXEC, 0, 0)
-	if e != 0 {
-		learn(-1, e)
-	} else {
-		learn(int(fd), nil)
-	}
-	return out
-})
+	kmounts.learnt = learn(0)
+	learn(unix.MFD_HUGETLB)
+	kmounts.ids = ids
+	return ids
+}
+
+// kmounts holds what kernelMounts learnt.
+var kmounts struct {
+	sync.Mutex
+	learnt bool
+	ids    map[uint64][2]uint32
+}
 
 // anyInode reports whether one of ids has inode ino.
 func anyInode(ids map[mapID]bool, ino uint64) bool {
@@ -297,8 +312,11 @@ func exited(dir string, tasks []os.DirEntry) bool {
 // mountDevices reads a thread's mountinfo: each mount's id and the
 // major:minor of its file system. Reading it asks no file system. That of
 // a thread that is gone (ENOENT) or has exited (EINVAL) cannot be read.
-func mountDevices(path string) (map[uint64][2]uint32, error) {
-	info, err := mounts.ReadInfo(path)
+// A process can have as many mounts as it likes (in a namespace of its
+// own): past deadline (if not zero) it gives up, with an error matching
+// os.ErrDeadlineExceeded.
+func mountDevices(path string, deadline time.Time) (map[uint64][2]uint32, error) {
+	info, err := mounts.ReadInfoBy(path, deadline)
 	if err != nil {
 		return nil, err
 	}

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -136,15 +137,27 @@ type Mount struct {
 // ReadInfo reads a mountinfo file (/proc/PID/task/TID/mountinfo, say),
 // which the kernel writes without asking any file system: each mount by
 // its id.
-func ReadInfo(path string) (map[uint64]Mount, error) {
-	b, err := os.ReadFile(path)
+func ReadInfo(path string) (map[uint64]Mount, error) { return ReadInfoBy(path, time.Time{}) }
+
+// ReadInfoBy is ReadInfo for a caller that cannot wait: a process can
+// make its mountinfo as long as it likes (many mounts in a namespace of
+// its own), and past deadline (if not zero) it gives up with an error
+// matching os.ErrDeadlineExceeded.
+func ReadInfoBy(path string, deadline time.Time) (map[uint64]Mount, error) {
+	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
 	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 0, 4096), 1<<20)
 	out := map[uint64]Mount{}
-	for line := range strings.SplitSeq(string(b), "\n") {
+	for i := 0; sc.Scan(); i++ {
+		if i%256 == 255 && !deadline.IsZero() && time.Now().After(deadline) {
+			return nil, fmt.Errorf("mounts: reading %s: %w", path, os.ErrDeadlineExceeded)
+		}
 		// id parent major:minor root mount-point options [tags] - type source ...
-		f := strings.Fields(line)
+		f := strings.Fields(sc.Text())
 		if len(f) < 5 {
 			continue
 		}
@@ -163,6 +176,9 @@ func ReadInfo(path string) (map[uint64]Mount, error) {
 			m.Type = f[5+i+1]
 		}
 		out[id] = m
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("mounts: reading %s: %w", path, err)
 	}
 	return out, nil
 }

@@ -1,11 +1,13 @@
 package mounts
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -87,4 +89,22 @@ func TestReadInfoAndFDInfo(t *testing.T) {
 	own, err := ReadInfo("/proc/self/mountinfo")
 	require.NoError(t, err)
 	assert.Equal(t, own[mnt].Entry, m)
+}
+
+// A process can have as many mounts as it likes: a reader that cannot
+// wait gives up in the middle of a long mountinfo, and one that can reads
+// it all.
+func TestReadInfoByGivesUpAtTheDeadline(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "mountinfo")
+	var b []byte
+	const n = 5000
+	for i := range n {
+		b = fmt.Appendf(b, "%d 1 0:%d / /m/%d rw - tmpfs tmpfs rw\n", i+2, i%256, i)
+	}
+	require.NoError(t, os.WriteFile(p, b, 0o600))
+	_, err := ReadInfoBy(p, time.Now().Add(-time.Nanosecond))
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	info, err := ReadInfoBy(p, time.Now().Add(time.Minute))
+	require.NoError(t, err)
+	assert.Len(t, info, n)
 }
