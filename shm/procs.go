@@ -103,7 +103,7 @@ func ProcessStart(pid int) (uint64, error) {
 
 // Fields of /proc/PID/stat, as indexes into what statFields returns.
 const (
-	stateField   = 3 - 3 // field 3 is the first after the command name
+	stateField   = 0 // field 3, the first after the command name
 	threadsField = 20 - 3
 	startField   = 22 - 3
 )
