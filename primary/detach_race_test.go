@@ -35,14 +35,9 @@ func helperHelloDetach(args []string) int {
 	off, _ := strconv.ParseInt(args[2], 10, 64)
 	length, _ := strconv.Atoi(args[3])
 	delay, _ := strconv.Atoi(args[4])
-	seg, client, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet})
+	seg, client, files, err := claimHelloAndFiles(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet})
 	if err != nil {
 		testproc.Say("> err %v", err)
-		return 3
-	}
-	got := &ipc.WithFiles{Body: &ipc.MemoryFilesReply{}}
-	if err := client.Call(ctx, ipc.KindMemoryFiles, &ipc.MemoryFiles{First: 0}, got); err != nil || len(got.Files) == 0 {
-		testproc.Say("> err files %v", err)
 		return 3
 	}
 	for i := range 3000 {
@@ -54,11 +49,11 @@ func helperHelloDetach(args []string) int {
 	var lim unix.Rlimit
 	_ = unix.Getrlimit(unix.RLIMIT_NOFILE, &lim)
 	fd := int(lim.Cur) - 1
-	if err := unix.Dup2(int(got.Files[0].Fd()), fd); err != nil {
+	if err := unix.Dup2(int(files[0].Fd()), fd); err != nil {
 		testproc.Say("> err dup %v", err)
 		return 3
 	}
-	for _, f := range got.Files {
+	for _, f := range files {
 		f.Close()
 	}
 	var derr, herr error

@@ -131,6 +131,23 @@ func claimAndSayHello(ctx context.Context, prefix, rundir string, cfg ipc.Client
 	return seg, client, nil
 }
 
+// claimHelloAndFiles is claimAndSayHello, and then takes the backing
+// files of the first list of data memory, as Attach does before it maps
+// them; at least one, or an error.
+func claimHelloAndFiles(ctx context.Context, prefix, rundir string, cfg ipc.ClientConfig) (*shm.Segment, *ipc.Client, []*os.File, error) {
+	seg, client, err := claimAndSayHello(ctx, prefix, rundir, cfg)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	got := &ipc.WithFiles{Body: &ipc.MemoryFilesReply{}}
+	if err := client.Call(ctx, ipc.KindMemoryFiles, &ipc.MemoryFiles{First: 0}, got); err != nil || len(got.Files) == 0 {
+		client.Close()
+		seg.Close()
+		return nil, nil, nil, fmt.Errorf("files: %d, %w", len(got.Files), err)
+	}
+	return seg, client, got.Files, nil
+}
+
 // A process the primary must fence again and again costs it one record
 // per slot, not one per claim: each record is asked about, and copied
 // into every quarantined batch, for as long as the process lives. Here

@@ -85,17 +85,12 @@ func slotGames(args []string, leave chan struct{}) int {
 		}
 		return nil, errors.New("not following")
 	})
-	seg, client, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet, PushHandler: push})
+	seg, client, files, err := claimHelloAndFiles(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet, PushHandler: push})
 	if err != nil {
 		testproc.Say("> err %v", err)
 		return 3
 	}
-	got := &ipc.WithFiles{Body: &ipc.MemoryFilesReply{}}
-	if err := client.Call(ctx, ipc.KindMemoryFiles, &ipc.MemoryFiles{First: 0}, got); err != nil || len(got.Files) == 0 {
-		testproc.Say("> err files %v", err)
-		return 3
-	}
-	f := got.Files[0]
+	f := files[0]
 	mem, err := unix.Mmap(int(f.Fd()), off, length, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		testproc.Say("> err mmap %v", err)
