@@ -589,8 +589,8 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 // fenced. It is judged as the end of a connection is (mayReachAfterEnd),
 // in time of its own, whatever the sync's deadline: one whose connection
 // ended gets deathGrace to end, and a process that has let its slot go is
-// described by the kernel within dropAsk. A free waits for the judgement,
-// by up to the two more than SyncTimeout. A secondary that detached
+// described by the kernel within dropAsk. A free waits for the judgement:
+// up to deathGrace + dropAsk past SyncTimeout. A secondary that detached
 // meanwhile is not looked at.
 func (p *Primary) aliveAtDrop(s *secondary, err error) bool {
 	p.syncMu.Lock()
