@@ -134,17 +134,7 @@ func TestUndumpableReattachIsNotFenced(t *testing.T) {
 
 	// The old attachment leaves the primary's count once it is judged:
 	// only then is the quarantine below final.
-	deadline = time.Now().Add(testproc.DefaultTimeout)
-	for {
-		ans := b.must("stats")
-		var mrs, secs int
-		_, err := fmt.Sscanf(ans, "stats mrs=%d secondaries=%d", &mrs, &secs)
-		require.NoError(t, err, ans)
-		if secs == 1 {
-			break
-		}
-		require.True(t, time.Now().Before(deadline), ans)
-	}
+	waitSecondaries(t, b, 1)
 	a, l := b.alloc(1)
 	require.Equal(t, "ok", b.must("free %d %d", a, l))
 	q, _ := b.quarantined()

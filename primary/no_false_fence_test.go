@@ -80,7 +80,7 @@ func TestAKilledUnreapedSecondaryIsNotFenced(t *testing.T) {
 	require.NoError(t, syscall.Kill(cmd.Process.Pid, syscall.SIGKILL))
 	require.NoError(t, p.Free(r)) // racing the death
 	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, 5*time.Second, time.Millisecond)
-	require.Equal(t, byte('Z'), stateOf(cmd.Process.Pid), "unreaped")
+	require.Equal(t, byte('Z'), b10State("/proc/"+strconv.Itoa(cmd.Process.Pid)), "unreaped")
 	assert.Equal(t, fenced0, p.Stats().Counters.Fenced, "a killed, unreaped secondary was fenced")
 	noFenceAfterFree(t, p, fenced0, "killed, unreaped")
 }
@@ -205,7 +205,7 @@ func TestAnAttachFailingAfterItsHelloIsNotFenced(t *testing.T) {
 // secondaries.
 func waitSecondaries(t *testing.T, b *b9Inst, n int) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(testproc.DefaultTimeout)
 	for {
 		ans := b.must("stats")
 		var mrs, secs int

@@ -3,7 +3,6 @@ package primary_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"runtime"
 	"strconv"
@@ -238,7 +237,7 @@ func TestASecondaryThatLetsItsSlotGoFirstIsFenced(t *testing.T) {
 			for _, c := range v.steps {
 				require.True(t, strings.HasPrefix(ask(t, h, c), answers[c]), c)
 				if c == "leader-exit" {
-					require.Eventually(t, func() bool { return stateOf(h.PID()) == 'Z' }, 5*time.Second, time.Millisecond)
+					require.Eventually(t, func() bool { return b10State("/proc/"+strconv.Itoa(h.PID())) == 'Z' }, 5*time.Second, time.Millisecond)
 				}
 			}
 			if v.gone {
@@ -252,18 +251,4 @@ func TestASecondaryThatLetsItsSlotGoFirstIsFenced(t *testing.T) {
 			fencedAndHeld(t, p, h, r, fenced0)
 		})
 	}
-}
-
-// stateOf returns the state letter of /proc/PID/stat (0 if it cannot be read).
-func stateOf(pid int) byte {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	for i := len(b) - 1; i >= 0; i-- {
-		if b[i] == ')' && i+2 < len(b) {
-			return b[i+2]
-		}
-	}
-	return 0
 }
