@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -19,6 +20,7 @@ import (
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/sys/affinity"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
@@ -271,9 +273,16 @@ func (s *Secondary) attach(ctx context.Context) error {
 		return fmt.Errorf("%w: %s describes pid %d, the socket belongs to pid %d",
 			ErrNoPrimary, filepath.Join(rundir.Path(), instance.InfoFile), s.info.PID, cred.PID)
 	}
-	if err := checkOwner(s.info.Segment, cred.UID); err != nil {
+	segf, err := openSegment(s.info.Segment, cred.UID)
+	if err != nil {
 		return err
 	}
+	keepSeg := false
+	defer func() {
+		if !keepSeg {
+			segf.Close()
+		}
+	}()
 	// The primary judges how an attachment of this process ended by
 	// asking the kernel whether the process reaches its data memory; it
 	// must not see another attachment's mappings then, or it fences the
@@ -298,7 +307,8 @@ func (s *Secondary) attach(ctx context.Context) error {
 		}
 		return fmt.Errorf("%w: the process table's lock file: %w", ErrNoPrimary, err)
 	}
-	s.seg, err = shm.Attach(shm.Options{Path: s.info.Segment, LockPath: lockf.Name(), LockFile: lockf,
+	keepSeg = true // Attach takes it over
+	s.seg, err = shm.Attach(shm.Options{Path: s.info.Segment, File: segf, LockPath: lockf.Name(), LockFile: lockf,
 		LayoutTag: instance.LayoutTag, Role: shm.RoleSecondary, Logger: s.log})
 	if err != nil {
 		return err
@@ -384,9 +394,6 @@ func (s *Secondary) trusted(uid int) bool {
 	return uid == os.Geteuid() || uid == 0 || slices.Contains(s.cfg.TrustUIDs, uid)
 }
 
-// checkOwner makes sure the file at path is a regular file of the
-// primary's user (or root): the segment sits in a directory that others
-// may write to (/dev/shm, a hugetlbfs mount).
 // deniedErr turns the system's "permission denied" on the way to an
 // instance into ErrPermission, naming the nearest directory this process
 // could look at, its owner and mode, and this process's uid.
@@ -405,21 +412,60 @@ func deniedErr(dir string, err error) error {
 	}
 }
 
-func checkOwner(path string, uid int) error {
-	fi, err := os.Lstat(path)
-	if err != nil {
-		return fmt.Errorf("%w: %w", ErrNoPrimary, err)
+// openSegment opens the control segment the primary's description names,
+// for reading and writing, if it is a regular file of the primary's user
+// (uid). The description is that user's to write, and that user is
+// trusted to serve, not to have this process open files as itself: the
+// segment's directory is reached asking no file system that might not
+// answer (mounts.OpenDir, which follows links on the way), the name in it
+// without following a link or entering a mount, and only as a path
+// (O_PATH opens nothing) until its type and owner are known; then that
+// very file is opened, whatever the name leads to by then.
+func openSegment(path string, uid int) (*os.File, error) {
+	refused := func(what string) error {
+		return fmt.Errorf("%w: %s is not a regular file of the primary's uid %d (%s); this process runs as uid %d: "+
+			"remove it and restart the primary", ErrPermission, path, uid, what, os.Geteuid())
 	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !fi.Mode().IsRegular() || !ok || (int(st.Uid) != uid && st.Uid != 0) {
-		owner := -1
-		if ok {
-			owner = int(st.Uid)
-		}
-		return fmt.Errorf("%w: %s is not a regular file of the primary's uid %d (owner uid %d, mode %v); this process runs as uid %d: "+
-			"remove it and restart the primary", ErrPermission, path, uid, owner, fi.Mode(), os.Geteuid())
+	dir, _, _, err := mounts.OpenDir(filepath.Dir(path))
+	switch {
+	case errors.Is(err, mounts.ErrMayHang):
+		return nil, fmt.Errorf("%w: the segment %s: %w", ErrPermission, path, err)
+	case errors.Is(err, unix.EACCES):
+		return nil, deniedErr(filepath.Dir(path), err)
+	case err != nil:
+		return nil, fmt.Errorf("%w: %w", ErrNoPrimary, err)
 	}
-	return nil
+	defer dir.Close()
+	how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV}
+	fd, err := unix.Openat2(int(dir.Fd()), filepath.Base(path), how)
+	switch {
+	case errors.Is(err, unix.EXDEV):
+		return nil, refused("a mount point")
+	case errors.Is(err, unix.ELOOP):
+		return nil, refused("a symbolic link")
+	case err != nil:
+		return nil, fmt.Errorf("%w: %w", ErrNoPrimary, &os.PathError{Op: "open", Path: path, Err: err})
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNoPrimary, &os.PathError{Op: "stat", Path: path, Err: err})
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != uid {
+		return nil, refused(fmt.Sprintf("owner uid %d, mode %06o", st.Uid, st.Mode))
+	}
+	// The file looked at, not whatever the name leads to by now.
+	f, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(fd), os.O_RDWR, 0)
+	switch {
+	case errors.Is(err, fs.ErrPermission):
+		return nil, fmt.Errorf("%w: the segment %s (uid %d, mode %04o) may not be written by uid %d: "+
+			"have the primary let uid %d in (primary.Config.AllowUIDs)",
+			ErrPermission, path, st.Uid, st.Mode&0o7777, os.Geteuid(), os.Geteuid())
+	case err != nil:
+		return nil, fmt.Errorf("%w: %w", ErrNoPrimary, err)
+	}
+	return f, nil
 }
 
 // watchEvery is how often a secondary looks at the primary's slot and

@@ -25,6 +25,12 @@ const (
 type Options struct {
 	// Path is the segment file, on hugetlbfs or tmpfs.
 	Path string
+	// File, if set (Attach only), is the segment file already open for
+	// reading and writing: a caller that must not follow a link planted at
+	// Path opens it itself. Path then only names it in messages and gives
+	// LockPath's default. Attach takes it over: it is closed with the
+	// segment, or before Attach returns an error.
+	File *os.File
 	// LockPath is the file whose bytes carry the process table's liveness
 	// locks. Default: Path + ".lock".
 	LockPath string
@@ -198,9 +204,11 @@ func create(f *os.File, o *Options) (*Segment, error) {
 // (see Probe for the checks), then claims a process-table slot.
 func Attach(o Options) (_ *Segment, err error) {
 	defer o.dropLockFileOn(&err)
-	f, err := os.OpenFile(o.Path, os.O_RDWR, 0)
-	if err != nil {
-		return nil, fmt.Errorf("shm: attach: %w", err)
+	f := o.File
+	if f == nil {
+		if f, err = os.OpenFile(o.Path, os.O_RDWR, 0); err != nil {
+			return nil, fmt.Errorf("shm: attach: %w", err)
+		}
 	}
 	info, err := probeFile(f, o.LayoutTag)
 	if err != nil {

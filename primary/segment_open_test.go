@@ -1,0 +1,235 @@
+package primary_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/test/fusetest"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/secondary"
+)
+
+// The control segment is the one file a secondary opens by the path the
+// primary's description (instance.json) names, and the primary's user
+// may write that description. README, "Nobody else gets in": that user
+// is trusted to serve, not to have a secondary open files as itself.
+
+func init() {
+	testproc.Register("attach-loop", helperAttachLoop)
+	testproc.Register("seg-fuse", fusetest.Helper)
+}
+
+// helperAttachLoop becomes uid args[0] and attaches to prefix args[1] in
+// runtime directory args[2], trusting uid args[3], args[4] times; it says
+// "result " and how often each error came (digits left out).
+func helperAttachLoop(args []string) int {
+	uid, _ := strconv.Atoi(args[0])
+	trust, _ := strconv.Atoi(args[3])
+	n, _ := strconv.Atoi(args[4])
+	if err := testenv.BecomeUser(uid); err != nil {
+		testproc.Say("result %v", err)
+		return 3
+	}
+	digits := regexp.MustCompile(`[0-9]+`)
+	seen := map[string]int{}
+	for range n {
+		s, err := secondary.Attach(secondary.Config{Prefix: args[1], RuntimeDir: args[2], Logger: quiet,
+			AttachTimeout: 2 * time.Second, TrustUIDs: []int{trust}})
+		if err == nil {
+			s.Close()
+			seen["attached"]++
+			continue
+		}
+		seen[digits.ReplaceAllString(err.Error(), "N")]++
+	}
+	b, _ := json.Marshal(seen)
+	testproc.Say("result %s", b)
+	return 0
+}
+
+// describeSegment rewrites the description of the instance in rundir so
+// that it names path as the segment, as the primary's user (uid) may.
+func describeSegment(t *testing.T, rundir string, uid int, path string) {
+	t.Helper()
+	file := filepath.Join(rundir, instance.InfoFile)
+	raw, err := os.ReadFile(file)
+	require.NoError(t, err)
+	var info instance.Info
+	require.NoError(t, json.Unmarshal(raw, &info))
+	info.Segment = path
+	b, err := json.Marshal(info)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(file+".new", b, 0o644))
+	require.NoError(t, os.Chown(file+".new", uid, uid))
+	require.NoError(t, os.Rename(file+".new", file))
+}
+
+// segmentImage returns the bytes of the segment of the instance in rundir.
+func segmentImage(t *testing.T, rundir string) []byte {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(rundir, instance.InfoFile))
+	require.NoError(t, err)
+	var info instance.Info
+	require.NoError(t, json.Unmarshal(raw, &info))
+	b, err := os.ReadFile(info.Segment)
+	require.NoError(t, err)
+	return b
+}
+
+// watchOpens returns a function that reports whether file was opened
+// since.
+func watchOpens(t *testing.T, file string) func() bool {
+	t.Helper()
+	fd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Close(fd) })
+	_, err = unix.InotifyAddWatch(fd, file, unix.IN_OPEN)
+	require.NoError(t, err)
+	return func() bool {
+		buf := make([]byte, 64<<10)
+		opened := false
+		for {
+			n, err := unix.Read(fd, buf)
+			if n <= 0 || err != nil {
+				return opened
+			}
+			for off := 0; off+unix.SizeofInotifyEvent <= n; {
+				ev := (*unix.InotifyEvent)(unsafe.Pointer(&buf[off]))
+				opened = opened || ev.Mask&unix.IN_OPEN != 0
+				off += unix.SizeofInotifyEvent + int(ev.Len)
+			}
+		}
+	}
+}
+
+// The primary's user names a path in a directory of its own, where it
+// swaps a regular file of its own with a link to a private file of the
+// secondary's user, over and over: between a look at the path and its
+// open, the secondary would open its own file read-write, map it, and
+// claim a slot in it if it holds a segment.
+func TestASecondaryOpensNoLinkSwappedInForTheSegment(t *testing.T) {
+	requireRoot(t)
+	prefix, shared, home := twoUserInstance(t, victimUID, squatterUID)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+		strconv.Itoa(squatterUID), "open")
+	require.Equal(t, "<nil>", res)
+	defer p.CloseInput()
+	rundir := filepath.Join(shared, prefix)
+
+	image := segmentImage(t, rundir)
+	secret := filepath.Join(home, "private-segment")
+	require.NoError(t, os.WriteFile(secret, image, 0o600))
+	require.NoError(t, os.Chown(secret, squatterUID, squatterUID))
+
+	evil := filepath.Join(shared, "swapped")
+	require.NoError(t, os.Mkdir(evil, 0o755))
+	require.NoError(t, os.Chown(evil, victimUID, victimUID))
+	require.NoError(t, os.WriteFile(filepath.Join(evil, "seg"), make([]byte, 8192), 0o644))
+	require.NoError(t, os.Chown(filepath.Join(evil, "seg"), victimUID, victimUID))
+	require.NoError(t, os.Symlink(secret, filepath.Join(evil, "alt")))
+	require.NoError(t, os.Lchown(filepath.Join(evil, "alt"), victimUID, victimUID))
+	describeSegment(t, rundir, victimUID, filepath.Join(evil, "seg"))
+	opened := watchOpens(t, secret)
+
+	dir, err := unix.Open(evil, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(dir)
+	var stop atomic.Bool
+	swapped := make(chan struct{})
+	go func() {
+		defer close(swapped)
+		for !stop.Load() {
+			_ = unix.Renameat2(dir, "seg", dir, "alt", unix.RENAME_EXCHANGE)
+		}
+	}()
+	h, res := userProc(t, "attach-loop", nil, strconv.Itoa(squatterUID), prefix, shared,
+		strconv.Itoa(victimUID), "300")
+	stop.Store(true)
+	<-swapped
+	require.NoError(t, h.Wait(0))
+	t.Logf("the secondary's attaches: %s", res)
+
+	assert.False(t, opened(), "uid %d's secondary opened its own private file %s by the path uid %d names",
+		squatterUID, secret, victimUID)
+	after, err := os.ReadFile(secret)
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(after, image), "uid %d's secondary wrote its own private file %s", squatterUID, secret)
+	var seen map[string]int
+	require.NoError(t, json.Unmarshal([]byte(res), &seen))
+	assert.Zero(t, seen["attached"], "attached to a file swapped in for the segment")
+}
+
+// A secondary running as root, trusting the primary's user: a root file
+// that holds a segment (another instance's, say) is no file of that user,
+// and must not be opened, let alone have a slot claimed in it.
+func TestARootSecondaryOpensNoRootFileForTheSegment(t *testing.T) {
+	requireRoot(t)
+	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared, "0", "open")
+	require.Equal(t, "<nil>", res)
+	defer p.CloseInput()
+	rundir := filepath.Join(shared, prefix)
+
+	image := segmentImage(t, rundir)
+	private := t.TempDir() // root's, 0700
+	secret := filepath.Join(private, "segment")
+	require.NoError(t, os.WriteFile(secret, image, 0o600))
+	describeSegment(t, rundir, victimUID, secret)
+	opened := watchOpens(t, secret)
+
+	s, res := userProc(t, "user-secondary", nil, "0", prefix, shared, strconv.Itoa(victimUID))
+	s.CloseInput()
+	require.NoError(t, s.Wait(0))
+	assert.False(t, opened(), "the root secondary opened root's %s, named by uid %d", secret, victimUID)
+	after, err := os.ReadFile(secret)
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(after, image), "the root secondary wrote root's %s", secret)
+	assert.Contains(t, res, primary.ErrPermission.Error())
+}
+
+// The primary's user names a path through a file system that does not
+// answer (a FUSE mount, which any user may make with fusermount): the
+// secondary's attach must end, refused, not wait for ever in a lookup.
+func TestASecondaryDoesNotHangOnASegmentPathThatDoesNotAnswer(t *testing.T) {
+	requireRoot(t)
+	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+		strconv.Itoa(squatterUID), "open")
+	require.Equal(t, "<nil>", res)
+	defer p.CloseInput()
+	rundir := filepath.Join(shared, prefix)
+
+	mnt := filepath.Join(shared, "mnt")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	require.NoError(t, os.Chown(mnt, victimUID, victimUID))
+	fuse := fusetest.MountAt(t, mnt, "seg-fuse", b9Env)
+	fuse.Stop() // from now on nothing on the mount answers
+	describeSegment(t, rundir, victimUID, filepath.Join(mnt, "seg"))
+
+	h := testproc.Start(t, "user-secondary", []string{strconv.Itoa(squatterUID), prefix, shared, strconv.Itoa(victimUID)})
+	line, err := h.Next("result ", 0)
+	if err != nil {
+		fuse.Kill() // the mount's requests fail; the attach ends
+	}
+	require.NoError(t, err, "the secondary's attach waits for a file system that does not answer")
+	assert.Contains(t, line, primary.ErrPermission.Error())
+	assert.True(t, strings.Contains(line, "might not answer"), "%s", line)
+	h.CloseInput()
+	require.NoError(t, h.Wait(0))
+}
