@@ -248,6 +248,9 @@ func open(seg *shm.Segment, rootOff uint64, c *GlobalConfig) (*Global, error) {
 	if g.log == nil {
 		g.log = slog.Default()
 	}
+	// Only the primary writes the global cache: a word naming any other
+	// writer is one a process rewrote, taken back at once.
+	lock.OwnerWritesOnly()
 	if !seg.Owner() {
 		t, err := openSegmentTable(seg, rootOff+tableHeaderOff)
 		if err != nil {

@@ -104,6 +104,26 @@ func TestAnOwnerWordForgedWithThePrimarysMarkDoesNotShutItOut(t *testing.T) {
 	assert.True(t, strings.HasPrefix(create, "key "), "the create failed: the primary did not get its own lock back: %s", create)
 }
 
+// The same word written with the mark of a live secondary (its slot and
+// epoch): no secondary ever takes the global lock to write, so the word
+// is as forged as one naming the primary, and the primary must not wait
+// for that secondary to let go of a hold it never took (it waited its
+// whole lock timeout, and failed, for as long as the secondary lived).
+func TestAnOwnerWordForgedWithASecondarysMarkDoesNotShutThePrimaryOut(t *testing.T) {
+	b := b9Start(t)
+	sc := b9Two(t, b)
+	root := b.cacheRoot()
+	lockOff := int64(b.u64(root + 0))
+	require.NotZero(t, lockOff)
+	epoch := b.u32(b9Table + int64(sc.slot)*b9SlotSize + b9SlotEpoch)
+	b.put64(lockOff, uint64(epoch)<<32|uint64(sc.slot+1))
+
+	create := b.must("create %d", sc.other)
+	free := b.must("free %d %d", sc.a, sc.alen)
+	assert.True(t, strings.HasPrefix(create, "key "), "the create waited for the secondary named: %s", create)
+	assert.Equal(t, "ok", free, "the free waited for the secondary named")
+}
+
 // A process of the user keeps writing 1 into the global lock's Flags word
 // (the word after the owner word: "inconsistent") for a second while the
 // primary allocates, frees and creates. Whatever those writes cost while

@@ -2,6 +2,7 @@ package shm_test
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"sync/atomic"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/shm"
 )
 
@@ -127,4 +129,38 @@ func TestRWLockHandlesOfOneProcessExcludeEachOther(t *testing.T) {
 	f1.lock.Unlock()
 	require.NoError(t, f2.lock.LockWithin(time.Second), "and gets it once the first lets go")
 	f2.lock.Unlock()
+}
+
+// A lock only the segment's owner writes (OwnerWritesOnly, the global
+// cache's): another process writes the mark of a live process, here a
+// real one attached in a slot of its own, into the owner word. The owner
+// takes the lock back, as from a writer that died, instead of waiting for
+// a hold that process never took; a lock without the declaration still
+// waits for it.
+func TestRWLockOwnerWritesOnlyTakesBackAWordNamingAnotherLiveProcess(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	f := newLockFixture(t, owner)
+	h := testproc.Start(t, "attach", []string{o.Path})
+	var slot int
+	_, err := fmt.Sscanf(h.Expect("slot ", 0), "slot %d", &slot)
+	require.NoError(t, err)
+	p := owner.Proc(slot)
+	require.True(t, p.Alive)
+	mark := uint64(p.Epoch)<<32 | uint64(slot+1)
+
+	atomic.StoreUint64(f.ownerWord(), mark)
+	require.ErrorIs(t, f.lock.LockWithin(50*time.Millisecond), context.DeadlineExceeded,
+		"a lock any process may write waits for a live writer")
+
+	f.lock.OwnerWritesOnly()
+	require.ErrorIs(t, f.lock.LockWithin(10*time.Second), shm.ErrOwnerDied)
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
+
+	atomic.StoreUint64(f.ownerWord(), mark)
+	ok, err := f.lock.TryLock()
+	require.ErrorIs(t, err, shm.ErrOwnerDied, "TryLock takes it back too")
+	require.True(t, ok)
+	f.lock.MarkConsistent()
+	f.lock.Unlock()
 }

@@ -101,6 +101,9 @@ type lockWriters struct {
 	owed bool
 	// abandoned says this process left the lock unrecoverable.
 	abandoned atomic.Bool
+	// ownerOnly says no process but the segment's owner writes the lock
+	// (OwnerWritesOnly).
+	ownerOnly atomic.Bool
 	queued    atomic.Int32 // writers waiting for the turn
 }
 
@@ -494,10 +497,28 @@ func (l *RWLock) takeTurn(b *bound) error {
 // forged reports whether owner word w, read while this process holds its
 // turn, was written by another process: it names this process, whose
 // writers do not hold the word, or it says unrecoverable on a segment this
-// process owns and never left it so.
+// process owns and never left it so, or it names any writer at all of a
+// lock only this process, the segment's owner, writes.
 func (l *RWLock) forged(w uint64) bool {
-	return w == l.me || w == ownerUnrecoverable && l.seg.Owner() && !l.abandoned.Load()
+	switch {
+	case w == l.me:
+		return true
+	case w == 0 || !l.seg.Owner():
+		return false
+	case w == ownerUnrecoverable:
+		return !l.abandoned.Load()
+	}
+	return l.ownerOnly.Load()
 }
+
+// OwnerWritesOnly declares that no process but the segment's owner ever
+// takes the lock to write (the global cache's lock, which only the
+// primary writes). In the owner, an owner word that names another process
+// is then one a process rewrote, not a hold: the owner's writers take the
+// lock back at once, as from a writer that died, instead of waiting for
+// that process to let go of what it never took. Elsewhere it changes
+// nothing. It holds for every handle of this process on the lock.
+func (l *RWLock) OwnerWritesOnly() { l.ownerOnly.Store(true) }
 
 // lockWord takes the owner word, with this process's turn held.
 func (l *RWLock) lockWord(b *bound) error {
