@@ -10,6 +10,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mpmr/mpmr/internal/sys/sock"
@@ -73,6 +74,8 @@ type Client struct {
 	push    PushHandler
 	cred    Cred // the server's, read at the start
 	credErr error
+	ident   identity    // the server's process, watched for its exit
+	exited  atomic.Bool // the watch saw it exit
 
 	reader  sync.WaitGroup // the connection's reader, and the lane's drainer while it runs
 	laneBuf []byte         // the lane's receive buffer, used by the leader (see endpoint)
@@ -98,6 +101,16 @@ func NewClient(conn *Conn, cfg ClientConfig) (*Client, error) {
 	c.cred, c.credErr = conn.PeerCred()
 	c.init(conn, cfg.Logger, cfg.WriteTimeout)
 	c.spin = cfg.Spin
+	if c.credErr == nil {
+		// A child the server forked may hold the connection open after
+		// the server died: its exit ends the connection all the same.
+		pid := c.cred.PID
+		c.ident = pin(conn, pid)
+		c.ident.watch(func() {
+			c.exited.Store(true)
+			c.fail(fmt.Errorf("%w: the server process (pid %d) has exited", ErrPeerGone, pid))
+		})
+	}
 	c.reader.Add(1)
 	go c.read()
 	go c.pushLoop()
@@ -154,6 +167,13 @@ func (c *Client) Done() <-chan struct{} { return c.done }
 // Err returns why the connection ended, or nil while it is open.
 func (c *Client) Err() error { return c.endpoint.Err() }
 
+// ServerExited reports whether the server's process was seen to exit
+// while the connection was open. Where the kernel names the server by a
+// pidfd (Linux 6.5 on), its exit ends the connection even when a child it
+// forked holds the connection open; otherwise, and when the connection's
+// own end came first, it says false, and the end is all there is to go by.
+func (c *Client) ServerExited() bool { return c.exited.Load() }
+
 // ServerCred returns the credentials of the server process, as the kernel
 // recorded them when it started listening. They are read when the client
 // is made, so they are there even after the connection has ended (a
@@ -173,6 +193,7 @@ func (c *Client) read() {
 	defer c.reader.Done()
 	err := c.readLoop(c.incoming)
 	c.fail(err)
+	c.ident.close()
 	if err = c.Err(); isViolation(err) {
 		c.log.Warn("ipc: closed the connection of a server that broke the protocol", "err", err)
 	}

@@ -73,7 +73,12 @@
 // (a secondary answers memory syncs even while idle, and a handler may
 // push to its own peer while its request waits), the reason a server
 // gives when it closes the connection, and everything before admission.
-// Its reader sleeps in the poller and notices a dead peer at once.
+// Its reader sleeps in the poller and notices a dead peer at once. A
+// peer's socket outlives its process when a child it forked without exec
+// holds it: where the kernel gives a pidfd of the peer (Linux 6.5 on),
+// the client and, once a peer is admitted, the server also wait in the
+// poller for that process's exit, and end the connection then
+// (Client.ServerExited says which end it was).
 // Strangers never get a lane nor any descriptor.
 //
 // A round trip on the lane makes one sendto and one recvfrom per side,

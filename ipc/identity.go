@@ -36,6 +36,28 @@ func (id identity) alive() bool {
 	return now != nil && bytes.Equal(now, id.start)
 }
 
+// watch calls gone once the process that made the connection has exited.
+// The end of the connection usually says so first, but not when a child
+// the process forked holds the connection (and its call lane): then this
+// is the only sign. It waits in the network poller, where a pidfd becomes
+// readable when its process has exited (a zombie included), on a
+// goroutine that ends when the identity is closed. Without a pidfd it
+// does nothing.
+func (id identity) watch(gone func()) {
+	if id.pidfd == nil {
+		return
+	}
+	rc, err := id.pidfd.SyscallConn()
+	if err != nil {
+		return
+	}
+	go func() {
+		if rc.Read(sock.PidfdExited) == nil {
+			gone()
+		}
+	}()
+}
+
 func (id identity) close() {
 	if id.pidfd != nil {
 		id.pidfd.Close()

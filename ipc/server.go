@@ -364,6 +364,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	s.peers[p] = struct{}{}
 	if s.cfg.HelloKind == 0 {
 		p.admitted.Store(true)
+		p.watchProcess()
 	} else {
 		p.counted = true
 		s.unadmitted++
@@ -576,10 +577,22 @@ func (p *Peer) admit() {
 	}
 	s.mu.Unlock()
 	p.helloTimer.Stop()
+	p.watchProcess()
 	// The reader waits with a buffer sized for a stranger's frames, and
 	// the peer may send a larger one as soon as it has the hello's reply,
 	// which goes out after this: wake the reader so it takes a full one.
 	_ = p.conn.c.SetReadDeadline(time.Unix(1, 0))
+}
+
+// watchProcess ends the connection when the process that made it exits,
+// should a child it forked hold the connection (and the call lane) open
+// after it. Only an admitted peer is watched, at the cost of a goroutine
+// parked in the network poller: a stranger's connection ends with its
+// time to say hello anyway.
+func (p *Peer) watchProcess() {
+	p.ident.watch(func() {
+		p.fail(fmt.Errorf("%w: the process that made the connection (pid %d) has exited", ErrPeerGone, p.cred.PID))
+	})
 }
 
 // helloDue runs when the peer's time to say hello is up.

@@ -33,7 +33,8 @@ func init() {
 
 // helperPrimary runs a primary with 4 pages allocated and prints "ready
 // ADDR LEN"; "hold" makes it take the global write lock and print
-// "holding" without ever letting go.
+// "holding" without ever letting go; "fork" makes a child that shares its
+// descriptors and waits for ever, and prints "child PID ERRNO".
 func helperPrimary(args []string) int {
 	p, err := primary.Start(primary.Config{Prefix: args[0], RuntimeDir: args[1], Backend: backendOf(args[2]),
 		MemoryPages: 16, Logger: quiet})
@@ -49,11 +50,20 @@ func helperPrimary(args []string) int {
 	testproc.Say("ready %d %d", r.Addr, r.Len)
 	in := testproc.Commands()
 	for in.Scan() {
-		if in.Text() == "hold" {
+		switch in.Text() {
+		case "hold":
 			p.Global().Exclusive(func() {
 				testproc.Say("holding")
 				select {}
 			})
+		case "fork": // a raw fork, as a C library might make: every descriptor shared
+			pid, _, errno := syscall.RawSyscall(syscall.SYS_FORK, 0, 0, 0)
+			if pid == 0 && errno == 0 {
+				for {
+					syscall.RawSyscall(syscall.SYS_PAUSE, 0, 0, 0)
+				}
+			}
+			testproc.Say("child %d %d", pid, errno)
 		}
 	}
 	p.Close()
@@ -114,6 +124,36 @@ func TestPrimaryDeathIsSeenFast(t *testing.T) {
 	require.NoError(t, err, "the global table was left consistent")
 	assert.True(t, found)
 	assert.Equal(t, key, e.LKey)
+}
+
+// The primary forked a child (a raw fork: it shares the listening
+// socket, every connection and call lane, and the slot's lock) and then
+// died: no socket ends and the slot's lock stays held, yet its death must
+// be seen all the same.
+func TestPrimaryDeathIsSeenWhileItsChildHoldsItsSockets(t *testing.T) {
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: testenv.Tmpfs(t).Kind}
+	h, addr, length := startPrimaryProcess(t, cfg)
+	s := attachHere(t, cfg)
+	h.Send("fork")
+	var child int
+	var errno int
+	_, err := fmt.Sscanf(h.Expect("child ", 0), "child %d %d", &child, &errno)
+	require.NoError(t, err)
+	require.Zero(t, errno)
+	t.Cleanup(func() {
+		_ = syscall.Kill(child, syscall.SIGKILL)
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(child, &ws, 0, nil)
+	})
+
+	h.Kill() // its standard output stays open in the child: not waited for
+	select {
+	case <-s.PrimaryGone():
+	case <-time.After(testproc.DefaultTimeout):
+		t.Fatal("the primary's death went unnoticed while its child holds its sockets")
+	}
+	_, err = s.NewQueue().Lookup(addr + uintptr(length) + 1)
+	assert.ErrorIs(t, err, secondary.ErrPrimaryGone)
 }
 
 func TestPrimaryDiedMidUpdate(t *testing.T) {

@@ -4,11 +4,13 @@ import (
 	"fmt"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 )
 
 // A secondary's application forks a child (a helper, a daemonizing
@@ -39,4 +41,31 @@ func TestAForkedChildMapsNoDataMemory(t *testing.T) {
 	require.NoError(t, p.Free(r))
 	assert.Zero(t, p.Memory().Quarantined(), "nothing waits for the child")
 	assert.False(t, b10MapsAt(t, child, file, r.Addr), "nobody maps the freed page")
+}
+
+// The child of a secondary that then dies holds the secondary's
+// connection and call lane (a raw fork shares every descriptor), so the
+// connection never ends. The secondary's death must be noticed all the
+// same, from its process: it leaves the sync set, and a free neither
+// waits for it nor quarantines anything for it.
+func TestADeadSecondaryWhoseChildHoldsItsConnectionIsNoticed(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	s := startSecondary(t, cfg)
+	require.Contains(t, ask(t, s, "lookup %d", r.Addr), "key")
+	var child int
+	_, err = fmt.Sscanf(ask(t, s, "fork"), "child %d", &child)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(child, syscall.SIGKILL)
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(child, &ws, 0, nil)
+	})
+
+	s.Kill() // its standard output stays open in the child: not waited for
+	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, testproc.DefaultTimeout,
+		time.Millisecond, "the dead secondary stays in the sync set while its child holds its connection")
+	require.NoError(t, p.Free(r))
+	assert.Zero(t, p.Memory().Quarantined(), "nothing waits for the dead secondary")
 }

@@ -529,6 +529,11 @@ func (s *Secondary) connectionEnded(ctx context.Context) {
 		case !s.primaryAlive():
 			s.primaryGone("connection ended")
 			return
+		case s.client.ServerExited():
+			// Its slot's lock is held by a child it forked, which holds
+			// the connection too; the process itself has gone.
+			s.primaryGone("the primary's process exited")
+			return
 		case time.Now().After(deadline):
 			s.drop("the connection ended while the primary lives")
 			return

@@ -430,14 +430,41 @@ func (c *Conn) PeerPidfd() (*os.File, error) {
 		return nil, fmt.Errorf("sock: peer pidfd: %w", gerr)
 	}
 	unix.CloseOnExec(fd)
+	// Non-blocking, so that os.File puts it in the network poller, where
+	// a wait for its process's exit holds no thread (waitid is not used).
+	if err := unix.SetNonblock(fd, true); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("sock: peer pidfd: %w", err)
+	}
 	return os.NewFile(uintptr(fd), "pidfd"), nil
+}
+
+// PidfdExited reports whether the process pidfd fd names has exited: the
+// pidfd polls readable then, zombie or not. It does not wait.
+func PidfdExited(fd uintptr) bool {
+	pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	for {
+		n, err := unix.Poll(pfd, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		return err == nil && n > 0 && pfd[0].Revents&unix.POLLIN != 0
+	}
 }
 
 // PidfdAlive reports whether the process a pidfd names has not exited.
 // Signal 0 is only a probe: a process this one may not signal (another
 // user's) answers EPERM, and is alive all the same; ESRCH means gone.
 func PidfdAlive(f *os.File) bool {
-	return !errors.Is(unix.PidfdSendSignal(int(f.Fd()), 0, nil, 0), unix.ESRCH)
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return true // closed: no answer, so no death
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) { serr = unix.PidfdSendSignal(int(fd), 0, nil, 0) }); err != nil {
+		return true
+	}
+	return !errors.Is(serr, unix.ESRCH)
 }
 
 // SetReadDeadline bounds a blocked Recv, which then fails with an error
