@@ -33,6 +33,25 @@ import (
 func init() {
 	testproc.Register("attach-loop", helperAttachLoop)
 	testproc.Register("seg-fuse", fusetest.Helper)
+	testproc.Register("lease-as", helperLeaseAs)
+}
+
+// helperLeaseAs becomes uid args[0], takes a read lease on file args[1]
+// (its owner may), says "leased ERR" and keeps it, never letting go when
+// asked, until its input ends.
+func helperLeaseAs(args []string) int {
+	uid, _ := strconv.Atoi(args[0])
+	err := testenv.BecomeUser(uid)
+	var fd int
+	if err == nil {
+		fd, err = unix.Open(args[1], unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	}
+	if err == nil {
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_RDLCK)
+	}
+	testproc.Say("leased %v", err)
+	testproc.EachCommand(func(testproc.Line) {})
+	return 0
 }
 
 // helperAttachLoop becomes uid args[0] and attaches to prefix args[1] in
@@ -230,6 +249,40 @@ func TestASecondaryDoesNotHangOnASegmentPathThatDoesNotAnswer(t *testing.T) {
 	require.NoError(t, err, "the secondary's attach waits for a file system that does not answer")
 	assert.Contains(t, line, primary.ErrPermission.Error())
 	assert.True(t, strings.Contains(line, "might not answer"), "%s", line)
+	h.CloseInput()
+	require.NoError(t, h.Wait(0))
+}
+
+// The primary's user names a regular file of its own as the segment and
+// holds a lease on it: an open for writing would wait for the lease to
+// be broken (lease-break-time, 45 s by default), whatever the attach's
+// time. The attach must end, refused, instead.
+func TestASecondaryDoesNotWaitOnALeasedSegment(t *testing.T) {
+	requireRoot(t)
+	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+		strconv.Itoa(squatterUID), "open")
+	require.Equal(t, "<nil>", res)
+	defer p.CloseInput()
+	rundir := filepath.Join(shared, prefix)
+
+	dir := filepath.Join(shared, "leased")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	require.NoError(t, os.Chown(dir, victimUID, victimUID))
+	seg := filepath.Join(dir, "seg")
+	require.NoError(t, os.WriteFile(seg, segmentImage(t, rundir), 0o666))
+	require.NoError(t, os.Chmod(seg, 0o666))
+	require.NoError(t, os.Chown(seg, victimUID, victimUID))
+	l := testproc.Start(t, "lease-as", []string{strconv.Itoa(victimUID), seg})
+	require.Equal(t, "leased <nil>", l.Expect("leased ", 0))
+	defer l.CloseInput()
+	describeSegment(t, rundir, victimUID, seg)
+
+	h := testproc.Start(t, "user-secondary", []string{strconv.Itoa(squatterUID), prefix, shared, strconv.Itoa(victimUID)})
+	line, err := h.Next("result ", 0)
+	require.NoError(t, err, "the attach waits for a lease on the segment to be broken")
+	assert.Contains(t, line, primary.ErrPermission.Error())
+	assert.Contains(t, line, "lease")
 	h.CloseInput()
 	require.NoError(t, h.Wait(0))
 }

@@ -455,9 +455,14 @@ func openSegment(path string, uid int) (*os.File, error) {
 	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != uid {
 		return nil, refused(fmt.Sprintf("owner uid %d, mode %06o", st.Uid, st.Mode))
 	}
-	// The file looked at, not whatever the name leads to by now.
-	f, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(fd), os.O_RDWR, 0)
+	// The file looked at, not whatever the name leads to by now; without
+	// waiting for a lease on it to be broken (the file's owner may hold
+	// one, and the kernel waits lease-break-time, 45 s, for it to go).
+	f, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(fd), os.O_RDWR|unix.O_NONBLOCK, 0)
 	switch {
+	case errors.Is(err, unix.EWOULDBLOCK):
+		return nil, fmt.Errorf("%w: the segment %s is under a lease (uid %d holds it open and keeps it); "+
+			"this process will not wait for it", ErrPermission, path, st.Uid)
 	case errors.Is(err, fs.ErrPermission):
 		return nil, fmt.Errorf("%w: the segment %s (uid %d, mode %04o) may not be written by uid %d: "+
 			"have the primary let uid %d in (primary.Config.AllowUIDs)",
