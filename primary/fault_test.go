@@ -140,11 +140,7 @@ func TestPrimaryDeathIsSeenWhileItsChildHoldsItsSockets(t *testing.T) {
 	_, err := fmt.Sscanf(h.Expect("child ", 0), "child %d %d", &child, &errno)
 	require.NoError(t, err)
 	require.Zero(t, errno)
-	t.Cleanup(func() {
-		_ = syscall.Kill(child, syscall.SIGKILL)
-		var ws syscall.WaitStatus
-		_, _ = syscall.Wait4(child, &ws, 0, nil)
-	})
+	killAtEnd(t, child)
 
 	h.Kill() // its standard output stays open in the child: not waited for
 	select {

@@ -13,6 +13,17 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testproc"
 )
 
+// killAtEnd kills process pid, a helper's child, when the test ends, and
+// reaps it if it is this process's (the helper reaps it while it lives;
+// after, init does).
+func killAtEnd(t *testing.T, pid int) {
+	t.Cleanup(func() {
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		var ws syscall.WaitStatus
+		_, _ = syscall.Wait4(pid, &ws, 0, nil)
+	})
+}
+
 // A secondary's application forks a child (a helper, a daemonizing
 // library). The child must not inherit the data memory: nobody asks it to
 // unmap what the primary frees, so it would keep a freed page mapped, and
@@ -30,11 +41,7 @@ func TestAForkedChildMapsNoDataMemory(t *testing.T) {
 	var child int
 	_, err = fmt.Sscanf(ask(t, s, "fork"), "child %d", &child)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(child, syscall.SIGKILL)
-		var ws syscall.WaitStatus
-		_, _ = syscall.Wait4(child, &ws, 0, nil) // reaped by the secondary, if it still lives; else init
-	})
+	killAtEnd(t, child)
 	assert.False(t, b10MapsAt(t, child, file, r.Addr), "the secondary's child maps r")
 	assert.True(t, b10MapsAt(t, s.PID(), file, r.Addr), "the secondary still maps r")
 
@@ -57,11 +64,7 @@ func TestADeadSecondaryWhoseChildHoldsItsConnectionIsNoticed(t *testing.T) {
 	var child int
 	_, err = fmt.Sscanf(ask(t, s, "fork"), "child %d", &child)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(child, syscall.SIGKILL)
-		var ws syscall.WaitStatus
-		_, _ = syscall.Wait4(child, &ws, 0, nil)
-	})
+	killAtEnd(t, child)
 
 	s.Kill() // its standard output stays open in the child: not waited for
 	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 0 }, testproc.DefaultTimeout,

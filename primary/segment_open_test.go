@@ -82,6 +82,20 @@ func helperAttachLoop(args []string) int {
 	return 0
 }
 
+// trustedInstance starts a primary of victimUID that lets allowUID in, on
+// an instance shared between users (see twoUserInstance), and returns the
+// instance's prefix, the shared directory, the home of homeUID (if not
+// -1) and the runtime directory. The primary ends with the test.
+func trustedInstance(t *testing.T, allowUID, homeUID int) (prefix, shared, home, rundir string) {
+	t.Helper()
+	prefix, shared, home = twoUserInstance(t, victimUID, homeUID)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+		strconv.Itoa(allowUID), "open")
+	require.Equal(t, "<nil>", res)
+	t.Cleanup(p.CloseInput)
+	return prefix, shared, home, filepath.Join(shared, prefix)
+}
+
 // describeSegment rewrites the description of the instance in rundir so
 // that it names path as the segment, as the primary's user (uid) may.
 func describeSegment(t *testing.T, rundir string, uid int, path string) {
@@ -144,12 +158,7 @@ func watchOpens(t *testing.T, file string) func() bool {
 // claim a slot in it if it holds a segment.
 func TestASecondaryOpensNoLinkSwappedInForTheSegment(t *testing.T) {
 	requireRoot(t)
-	prefix, shared, home := twoUserInstance(t, victimUID, squatterUID)
-	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
-		strconv.Itoa(squatterUID), "open")
-	require.Equal(t, "<nil>", res)
-	defer p.CloseInput()
-	rundir := filepath.Join(shared, prefix)
+	prefix, shared, home, rundir := trustedInstance(t, squatterUID, squatterUID)
 
 	image := segmentImage(t, rundir)
 	secret := filepath.Join(home, "private-segment")
@@ -199,11 +208,7 @@ func TestASecondaryOpensNoLinkSwappedInForTheSegment(t *testing.T) {
 // and must not be opened, let alone have a slot claimed in it.
 func TestARootSecondaryOpensNoRootFileForTheSegment(t *testing.T) {
 	requireRoot(t)
-	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
-	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared, "0", "open")
-	require.Equal(t, "<nil>", res)
-	defer p.CloseInput()
-	rundir := filepath.Join(shared, prefix)
+	prefix, shared, _, rundir := trustedInstance(t, 0, -1)
 
 	image := segmentImage(t, rundir)
 	private := t.TempDir() // root's, 0700
@@ -227,12 +232,7 @@ func TestARootSecondaryOpensNoRootFileForTheSegment(t *testing.T) {
 // secondary's attach must end, refused, not wait for ever in a lookup.
 func TestASecondaryDoesNotHangOnASegmentPathThatDoesNotAnswer(t *testing.T) {
 	requireRoot(t)
-	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
-	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
-		strconv.Itoa(squatterUID), "open")
-	require.Equal(t, "<nil>", res)
-	defer p.CloseInput()
-	rundir := filepath.Join(shared, prefix)
+	prefix, shared, _, rundir := trustedInstance(t, squatterUID, -1)
 
 	mnt := filepath.Join(shared, "mnt")
 	require.NoError(t, os.Mkdir(mnt, 0o755))
@@ -259,12 +259,7 @@ func TestASecondaryDoesNotHangOnASegmentPathThatDoesNotAnswer(t *testing.T) {
 // time. The attach must end, refused, instead.
 func TestASecondaryDoesNotWaitOnALeasedSegment(t *testing.T) {
 	requireRoot(t)
-	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
-	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
-		strconv.Itoa(squatterUID), "open")
-	require.Equal(t, "<nil>", res)
-	defer p.CloseInput()
-	rundir := filepath.Join(shared, prefix)
+	prefix, shared, _, rundir := trustedInstance(t, squatterUID, -1)
 
 	dir := filepath.Join(shared, "leased")
 	require.NoError(t, os.Mkdir(dir, 0o755))
