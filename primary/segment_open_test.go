@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
@@ -96,6 +97,18 @@ func trustedInstance(t *testing.T, allowUID, homeUID int) (prefix, shared, home,
 	return prefix, shared, home, filepath.Join(shared, prefix)
 }
 
+// tmpfsDir makes a directory of uid with mode in /dev/shm, where a
+// primary's segment may be, removed when the test ends.
+func tmpfsDir(t *testing.T, uid int, mode os.FileMode) string {
+	t.Helper()
+	dir := filepath.Join(hugetlb.DefaultTmpfsDir, testenv.Name(t))
+	require.NoError(t, os.Mkdir(dir, mode))
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	require.NoError(t, os.Chmod(dir, mode))
+	require.NoError(t, os.Chown(dir, uid, uid))
+	return dir
+}
+
 // describeSegment rewrites the description of the instance in rundir so
 // that it names path as the segment, as the primary's user (uid) may.
 func describeSegment(t *testing.T, rundir string, uid int, path string) {
@@ -165,9 +178,7 @@ func TestASecondaryOpensNoLinkSwappedInForTheSegment(t *testing.T) {
 	require.NoError(t, os.WriteFile(secret, image, 0o600))
 	require.NoError(t, os.Chown(secret, squatterUID, squatterUID))
 
-	evil := filepath.Join(shared, "swapped")
-	require.NoError(t, os.Mkdir(evil, 0o755))
-	require.NoError(t, os.Chown(evil, victimUID, victimUID))
+	evil := tmpfsDir(t, victimUID, 0o755)
 	require.NoError(t, os.WriteFile(filepath.Join(evil, "seg"), make([]byte, 8192), 0o644))
 	require.NoError(t, os.Chown(filepath.Join(evil, "seg"), victimUID, victimUID))
 	require.NoError(t, os.Symlink(secret, filepath.Join(evil, "alt")))
@@ -211,8 +222,7 @@ func TestARootSecondaryOpensNoRootFileForTheSegment(t *testing.T) {
 	prefix, shared, _, rundir := trustedInstance(t, 0, -1)
 
 	image := segmentImage(t, rundir)
-	private := t.TempDir() // root's, 0700
-	secret := filepath.Join(private, "segment")
+	secret := filepath.Join(tmpfsDir(t, 0, 0o700), "segment")
 	require.NoError(t, os.WriteFile(secret, image, 0o600))
 	describeSegment(t, rundir, victimUID, secret)
 	opened := watchOpens(t, secret)
@@ -261,10 +271,7 @@ func TestASecondaryDoesNotWaitOnALeasedSegment(t *testing.T) {
 	requireRoot(t)
 	prefix, shared, _, rundir := trustedInstance(t, squatterUID, -1)
 
-	dir := filepath.Join(shared, "leased")
-	require.NoError(t, os.Mkdir(dir, 0o755))
-	require.NoError(t, os.Chown(dir, victimUID, victimUID))
-	seg := filepath.Join(dir, "seg")
+	seg := filepath.Join(tmpfsDir(t, victimUID, 0o755), "seg")
 	require.NoError(t, os.WriteFile(seg, segmentImage(t, rundir), 0o666))
 	require.NoError(t, os.Chmod(seg, 0o666))
 	require.NoError(t, os.Chown(seg, victimUID, victimUID))
@@ -280,4 +287,38 @@ func TestASecondaryDoesNotWaitOnALeasedSegment(t *testing.T) {
 	assert.Contains(t, line, "lease")
 	h.CloseInput()
 	require.NoError(t, h.Wait(0))
+}
+
+// The primary's user names, as the segment, a file of its own that holds
+// a segment but lies on neither tmpfs nor hugetlbfs (here the test's
+// temporary directory; under /proc a file's open can wait on another
+// process's exec for ever). The secondary must refuse it unopened.
+func TestASecondaryOpensNoSegmentOffTmpfsAndHugetlbfs(t *testing.T) {
+	requireRoot(t)
+	prefix, shared, _, rundir := trustedInstance(t, squatterUID, -1)
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(shared, &st))
+	if st.Type == unix.TMPFS_MAGIC || st.Type == unix.HUGETLBFS_MAGIC {
+		t.Skipf("the temporary directory %s is on tmpfs or hugetlbfs here", shared)
+	}
+	dir := filepath.Join(shared, "elsewhere")
+	require.NoError(t, os.Mkdir(dir, 0o755))
+	require.NoError(t, os.Chown(dir, victimUID, victimUID))
+	seg := filepath.Join(dir, "seg")
+	image := segmentImage(t, rundir)
+	require.NoError(t, os.WriteFile(seg, image, 0o666))
+	require.NoError(t, os.Chmod(seg, 0o666))
+	require.NoError(t, os.Chown(seg, victimUID, victimUID))
+	describeSegment(t, rundir, victimUID, seg)
+	opened := watchOpens(t, seg)
+
+	s, res := userProc(t, "user-secondary", nil, strconv.Itoa(squatterUID), prefix, shared, strconv.Itoa(victimUID))
+	s.CloseInput()
+	require.NoError(t, s.Wait(0))
+	assert.False(t, opened(), "the secondary opened %s, on neither tmpfs nor hugetlbfs", seg)
+	after, err := os.ReadFile(seg)
+	require.NoError(t, err)
+	assert.True(t, bytes.Equal(after, image), "the secondary wrote %s", seg)
+	assert.Contains(t, res, primary.ErrPermission.Error())
+	assert.Contains(t, res, "neither tmpfs nor hugetlbfs")
 }

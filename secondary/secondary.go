@@ -426,7 +426,7 @@ func openSegment(path string, uid int) (*os.File, error) {
 		return fmt.Errorf("%w: %s is not a regular file of the primary's uid %d (%s); this process runs as uid %d: "+
 			"remove it and restart the primary", ErrPermission, path, uid, what, os.Geteuid())
 	}
-	dir, _, _, err := mounts.OpenDir(filepath.Dir(path))
+	dir, _, fsys, err := mounts.OpenDir(filepath.Dir(path))
 	switch {
 	case errors.Is(err, mounts.ErrMayHang):
 		return nil, fmt.Errorf("%w: the segment %s: %w", ErrPermission, path, err)
@@ -436,6 +436,13 @@ func openSegment(path string, uid int) (*os.File, error) {
 		return nil, fmt.Errorf("%w: %w", ErrNoPrimary, err)
 	}
 	defer dir.Close()
+	// A primary makes its segment on tmpfs or hugetlbfs; elsewhere an
+	// open may have effects, or wait (under /proc, on another process's
+	// exec), and the name is looked up on the directory's own file system.
+	if fsys.Type != "tmpfs" && fsys.Type != "hugetlbfs" {
+		return nil, fmt.Errorf("%w: the segment %s is on %s (mounted at %s), neither tmpfs nor hugetlbfs; not opened",
+			ErrPermission, path, fsys.Type, fsys.Dir)
+	}
 	how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
 		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV}
 	fd, err := unix.Openat2(int(dir.Fd()), filepath.Base(path), how)
