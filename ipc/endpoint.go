@@ -335,13 +335,16 @@ func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) er
 // call sends a request or push and waits for its answer, decoded into
 // reply (which may be nil, or a *WithFiles).
 func (e *endpoint) call(ctx context.Context, kind Kind, req, reply any) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
 	c := &call{reply: reply, ch: make(chan error, 1)}
 	e.mu.Lock()
 	if e.err != nil {
+		// First: a connection that has ended says why (a limit, say)
+		// even to a call whose time ran out before it was made.
 		err := e.err
+		e.mu.Unlock()
+		return err
+	}
+	if err := ctx.Err(); err != nil {
 		e.mu.Unlock()
 		return err
 	}

@@ -581,3 +581,25 @@ func bigAnswersOnALane(t *testing.T, n int, wt time.Duration) (*testServer, *soc
 	require.True(t, eventually(func() bool { return answered.Load() == int32(n) }), "every request is handled")
 	return s, lane
 }
+
+// A connection refused for a limit tells its client why, and that reason
+// is what a call on it then gets, even a call whose time ran out before it
+// was made (an Attach that spent its time elsewhere would otherwise say
+// only "deadline exceeded", and not that it may try again).
+func TestACallOnARefusedConnectionSaysWhyPastItsDeadline(t *testing.T) {
+	path := openSocketPath(t)
+	startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.Limits = ipc.Limits{MaxConnsPerUID: 1, HelloTimeout: time.Hour}
+	})
+	hello(t, dial(t, path, ipc.ClientConfig{}))
+	c := dial(t, path, ipc.ClientConfig{})
+	select {
+	case <-c.Done():
+	case <-time.After(bound):
+		t.Fatal("the second connection of the user was not refused")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	err := c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
+	require.ErrorIs(t, err, ipc.ErrLimit)
+}
