@@ -226,6 +226,8 @@ func OpenDir(p string) (*os.File, string, Entry, error) {
 		return nil, "", Entry{}, err
 	}
 	done := "/"
+	var at Entry // the file system of cur, once looked at
+	known := false
 	rest := strings.Split(filepath.Clean(p), "/")[1:]
 	fail := func(err error) (*os.File, string, Entry, error) {
 		unix.Close(cur)
@@ -275,7 +277,7 @@ func OpenDir(p string) (*os.File, string, Entry, error) {
 		}
 		if st.Mode&unix.S_IFMT != unix.S_IFLNK {
 			unix.Close(cur)
-			cur = next
+			cur, at, known = next, m, true
 			continue
 		}
 		unix.Close(next)
@@ -294,7 +296,7 @@ func OpenDir(p string) (*os.File, string, Entry, error) {
 			if cur, err = unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
 				return nil, "", Entry{}, err
 			}
-			done = "/"
+			done, known = "/", false
 		}
 		rest = append(strings.Split(target, "/"), rest...)
 	}
@@ -302,9 +304,11 @@ func OpenDir(p string) (*os.File, string, Entry, error) {
 	if err := unix.Fstat(cur, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
 		return fail(&os.PathError{Op: "open", Path: p, Err: unix.ENOTDIR})
 	}
-	m, err := Of(cur)
-	if err != nil {
-		return fail(err)
+	if !known {
+		var err error
+		if at, err = Of(cur); err != nil {
+			return fail(err)
+		}
 	}
-	return os.NewFile(uintptr(cur), done), done, m, nil
+	return os.NewFile(uintptr(cur), done), done, at, nil
 }
