@@ -162,5 +162,12 @@ func chooseTmpfs(w Want, reason string) (Backend, error) {
 	if err := unix.Access(dir, unix.W_OK|unix.X_OK); err != nil {
 		return Backend{}, fmt.Errorf("%w: %s: %v", ErrNoTmpfs, dir, err)
 	}
+	// A directory given by configuration must be on tmpfs: on a disk the
+	// memory would be a file's pages, written back, and secondaries take
+	// a segment only on tmpfs or hugetlbfs.
+	var st unix.Statfs_t
+	if w.Dir != "" && w.Kind == Tmpfs && (unix.Statfs(dir, &st) != nil || st.Type != unix.TMPFS_MAGIC) {
+		return Backend{}, fmt.Errorf("%w: %s is not on tmpfs (file system magic %#x)", ErrNoTmpfs, dir, st.Type)
+	}
 	return Backend{Kind: Tmpfs, Dir: dir, PageSize: w.PageSize, Reason: reason}, nil
 }

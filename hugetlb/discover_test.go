@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // fakeSystem points discovery at files written by the test: a mounts
@@ -146,4 +147,23 @@ func TestParseKind(t *testing.T) {
 	}
 	_, err := ParseKind("ramdisk")
 	assert.Error(t, err)
+}
+
+// A tmpfs backend in a directory given by configuration that is not on
+// tmpfs is refused, saying so: its files would be a disk's, and
+// secondaries take a segment only on tmpfs or hugetlbfs.
+func TestChooseRefusesATmpfsDirectoryOffTmpfs(t *testing.T) {
+	dir := t.TempDir()
+	var st unix.Statfs_t
+	require.NoError(t, unix.Statfs(dir, &st))
+	if st.Type == unix.TMPFS_MAGIC {
+		t.Skipf("the temporary directory %s is on tmpfs here", dir)
+	}
+	_, err := Choose(Want{Kind: Tmpfs, Dir: dir})
+	require.ErrorIs(t, err, ErrNoTmpfs)
+	assert.Contains(t, err.Error(), "not on tmpfs")
+
+	b, err := Choose(Want{Kind: Tmpfs, Dir: DefaultTmpfsDir})
+	require.NoError(t, err)
+	assert.Equal(t, DefaultTmpfsDir, b.Dir)
 }

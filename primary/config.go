@@ -23,7 +23,9 @@ type Config struct {
 	// Backend picks hugetlbfs, tmpfs, or (Auto, the default) the best one
 	// available; the environment variable MPMR_BACKEND overrides Auto.
 	Backend hugetlb.Kind
-	// BackendDir forces the directory of the backend's files.
+	// BackendDir forces the directory of the backend's files: on a
+	// hugetlbfs mount of the page size, or on tmpfs for the tmpfs backend
+	// (Start refuses another).
 	BackendDir string
 	// PageSize of data memory. Default: the system's hugepage size.
 	PageSize uint64
