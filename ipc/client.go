@@ -350,14 +350,23 @@ func (c *Client) takeLane(f Frame, files []*os.File) error {
 // hand the answer over, or the reading.
 func (c *Client) laneCall(ctx context.Context, deadline time.Time, l *sock.Blocking, kind Kind, req, reply any) error {
 	if err := ctx.Err(); err != nil {
-		return err
+		return c.endedOr(err)
 	}
 	if !deadline.IsZero() && !time.Now().Before(deadline) {
-		return context.DeadlineExceeded
+		return c.endedOr(context.DeadlineExceeded)
 	}
 	cl := newLaneCall(reply)
 	err := c.laneCallOn(ctx, deadline, l, kind, req, cl)
 	freeLaneCall(cl)
+	return err
+}
+
+// endedOr returns why the connection ended, if it has, else err: a call
+// that cannot be made says the more useful of the two (see endpoint.call).
+func (c *Client) endedOr(err error) error {
+	if ended := c.Err(); ended != nil {
+		return ended
+	}
 	return err
 }
 

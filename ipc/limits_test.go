@@ -603,3 +603,25 @@ func TestACallOnARefusedConnectionSaysWhyPastItsDeadline(t *testing.T) {
 	err := c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
 	require.ErrorIs(t, err, ipc.ErrLimit)
 }
+
+// The same once the client has its call lane (after the hello), where
+// calls take another path: a connection the server ended answers a call
+// whose time ran out, or that has none, with why it ended.
+func TestALaneCallOnAnEndedConnectionSaysWhyPastItsDeadline(t *testing.T) {
+	s := startServer(t, newHandler(), withHello)
+	c := dial(t, s.path, ipc.ClientConfig{})
+	hello(t, c)
+	require.True(t, ipc.HasLane(c))
+	for _, p := range s.Peers() {
+		p.Close()
+	}
+	select {
+	case <-c.Done():
+	case <-time.After(bound):
+		t.Fatal("the connection did not end")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.ErrorIs(t, c.Call(ctx, ipc.KindStats, &ipc.StatsRequest{}, &ipc.StatsReply{}), ipc.ErrPeerGone)
+	require.ErrorIs(t, c.CallTimeout(0, ipc.KindStats, &ipc.StatsRequest{}, &ipc.StatsReply{}), ipc.ErrPeerGone)
+}
