@@ -154,9 +154,20 @@ func (g *Global) Detach() {
 	if g.detached.Load() {
 		return
 	}
-	g.deadGen = atomic.LoadUint32(g.devGen) + 1
+	// Detached first: a queue that catches up from here on drops
+	// everything, and one that caught up selectively read a generation
+	// before this, so the one read next is past it, and so is deadGen.
+	// (The other way round, a free between the two steps, caught up
+	// selectively, left a queue at deadGen with its other entries kept,
+	// and Hit answered from them after Close.)
 	g.detached.Store(true)
+	detachStep()
+	atomic.StoreUint32(&g.deadGen, atomic.LoadUint32(g.devGen)+1)
 }
+
+// detachStep runs between Detach's two steps: a test puts a free and a
+// lookup there.
+var detachStep = func() {}
 
 // Vacated is for a segment that Detach let go of and that was closed
 // under live queues (shm.Segment.CloseUnderReaders): where they read the
@@ -167,7 +178,7 @@ func (g *Global) Detach() {
 // reports false).
 func (g *Global) Vacated() {
 	if g.detached.Load() {
-		atomic.StoreUint32(g.devGen, g.deadGen)
+		atomic.StoreUint32(g.devGen, atomic.LoadUint32(&g.deadGen))
 	}
 }
 
