@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 
 	"github.com/mpmr/mpmr/internal/sys/ofd"
 )
@@ -343,10 +345,24 @@ func (p Proc) SameHolder(q Proc) bool {
 
 // SameProcess reports whether process pid is still the one that started
 // at start (see ProcessStart): it has not exited, and its pid was not
-// handed to another. A zombie still counts; it maps nothing.
+// handed to another. A zombie still counts; it maps nothing. A stat that
+// cannot be read for another reason than the process's end counts too
+// (see noSuchProcess).
 func SameProcess(pid int, start uint64) bool {
 	now, err := ProcessStart(pid)
-	return err == nil && now == start
+	if err != nil {
+		return !noSuchProcess(err)
+	}
+	return now == start
+}
+
+// noSuchProcess reports whether err, from reading a process's /proc
+// stat, says the process is no more. Any other failure (this process out
+// of descriptors, a stat it cannot parse) says nothing, and the callers
+// that decide whether a process may still reach data memory take it as
+// alive: a fence forgotten, or none taken, releases its pages.
+func noSuchProcess(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ESRCH)
 }
 
 // Running reports whether process pid, started at start, runs still: it is
@@ -354,11 +370,12 @@ func SameProcess(pid int, start uint64) bool {
 // all ended. By then the kernel has taken its memory and closed its files;
 // a process that has only let its slot go may map a file it kept open at
 // any time. A zombie main thread whose other threads run counts as
-// running: they share the process's memory.
+// running: they share the process's memory; so does a process whose stat
+// cannot be read for another reason than its end (see noSuchProcess).
 func Running(pid int, start uint64) bool {
 	f, err := statFields(pid)
 	if err != nil {
-		return false
+		return !noSuchProcess(err)
 	}
 	if now, err := strconv.ParseUint(string(f[startField]), 10, 64); err != nil || now != start {
 		return false

@@ -246,3 +246,45 @@ func TestALateFenceOfAnEarlierClaimLeavesTheRecordWithTheLater(t *testing.T) {
 	owner.Forget(asked[0]) // the round's answer, about claim 1
 	assert.Len(t, owner.Holders(), 1, "forgetting the earlier claim leaves the later one fenced")
 }
+
+func init() { testproc.Register("stat-without-fds", helperStatWithoutFDs) }
+
+// helperStatWithoutFDs lowers its limit of open files to the descriptors
+// it holds, so that reading its own /proc stat fails (EMFILE), and says
+// what Running and SameProcess make of itself then.
+func helperStatWithoutFDs([]string) int {
+	start, err := shm.ProcessStart(os.Getpid())
+	if err != nil {
+		testproc.Say("result %v", err)
+		return 3
+	}
+	fd, err := syscall.Open("/dev/null", syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		testproc.Say("result %v", err)
+		return 3
+	}
+	syscall.Close(fd) // the lowest free descriptor: every one below it is taken
+	lim := syscall.Rlimit{Cur: uint64(fd), Max: uint64(fd)}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		testproc.Say("result %v", err)
+		return 3
+	}
+	_, statErr := shm.ProcessStart(os.Getpid())
+	testproc.Say("result running=%t same=%t stat=%v", shm.Running(os.Getpid(), start),
+		shm.SameProcess(os.Getpid(), start), statErr)
+	return 0
+}
+
+// A process whose /proc stat cannot be read for a reason of the reader's
+// (here it may open no more files) is not taken for gone: Running and
+// SameProcess decide whether a process may still reach data memory (a
+// fence forgotten, or none taken, releases its pages), and only the
+// kernel's "no such process" says it may not.
+func TestRunningWhenStatCannotBeRead(t *testing.T) {
+	h := testproc.Start(t, "stat-without-fds", nil)
+	res := h.Expect("result ", 0)
+	require.Contains(t, res, "too many open files", "the stat could not be read")
+	assert.Contains(t, res, "running=true")
+	assert.Contains(t, res, "same=true")
+	require.NoError(t, h.Wait(0))
+}
