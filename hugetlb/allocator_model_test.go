@@ -112,7 +112,7 @@ func TestTheAllocatorFollowsAModelUnderRewrittenStateAndQuarantine(t *testing.T)
 				var err error
 				again, err = shm.Attach(in.opts)
 				require.NoError(t, err)
-				require.True(t, in.seg.Fence(again.Slot(), 1000, cmd.Process.Pid))
+				require.True(t, in.seg.Fence(again.Slot(), 1000, cmd.Process.Pid, testenv.ProcessStart(t, cmd.Process.Pid)))
 				fenced = true
 			} else {
 				require.NoError(t, cmd.Process.Kill())

@@ -285,7 +285,7 @@ func quarantineFor(t *testing.T, in *instance, pid int) {
 	again, err := shm.Attach(in.opts) // holds a slot, as the claim after the fenced one does
 	require.NoError(t, err)
 	t.Cleanup(func() { again.Close() })
-	require.True(t, in.seg.Fence(again.Slot(), 1000, pid))
+	require.True(t, in.seg.Fence(again.Slot(), 1000, pid, testenv.ProcessStart(t, pid)))
 	require.NoError(t, in.mem.Free(r))
 	require.Equal(t, 1, in.mem.Quarantined())
 }

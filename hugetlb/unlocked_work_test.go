@@ -52,7 +52,7 @@ func fenceASleeper(t *testing.T, in *instance) (kill func()) {
 	again, err := shm.Attach(in.opts)
 	require.NoError(t, err)
 	t.Cleanup(func() { again.Close() })
-	require.True(t, in.seg.Fence(again.Slot(), 1000, cmd.Process.Pid))
+	require.True(t, in.seg.Fence(again.Slot(), 1000, cmd.Process.Pid, testenv.ProcessStart(t, cmd.Process.Pid)))
 	return func() {
 		require.NoError(t, cmd.Process.Kill())
 		_ = cmd.Wait()

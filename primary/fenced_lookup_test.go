@@ -32,7 +32,7 @@ func TestFencedSecondaryTakesNoKeyFromTheGlobalTable(t *testing.T) {
 	require.NoError(t, err)
 
 	seg := p.Segment()
-	require.True(t, seg.Fence(slot, seg.Proc(slot).Epoch, h.PID()))
+	require.True(t, seg.Fence(slot, seg.Proc(slot).Epoch, h.PID(), seg.Proc(slot).Start))
 	got := ask(t, h, "lookup %d", r.Addr)
 	assert.NotContains(t, got, "key", "the global table's key %d for a fenced process", e.LKey)
 	assert.Contains(t, got, "dropped", "the lookup says the process was dropped")

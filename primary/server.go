@@ -139,7 +139,7 @@ var detachAsk = 500 * time.Millisecond
 // changes. Whether it still reaches data memory, and so how long what the
 // primary frees waits for it, the kernel says later (see hugetlb).
 func (p *Primary) fenceIfAlive(s *secondary, why string) {
-	if p.seg.Fence(s.slot, s.epoch, s.peer.PID()) {
+	if p.seg.Fence(s.slot, s.epoch, s.peer.PID(), s.start) {
 		p.fenced.Add(1)
 		p.log.Warn("fenced a secondary that no longer follows memory changes; memory freed from now on "+
 			"waits in quarantine until it ends or unmaps its memory", "pid", s.peer.PID(), "slot", s.slot, "why", why)

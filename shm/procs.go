@@ -281,7 +281,10 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // it may still map data memory. The claimant finds out with Fenced and
 // should unmap its data memory and say so with MarkUnmapped; until it has
 // unmapped it or died, the pages the primary frees are quarantined (see
-// hugetlb and Holders). Fence reports whether it fenced the claim now:
+// hugetlb and Holders). The process is named by its pid and its start
+// time (ProcessStart, as the owner read it when it admitted the process),
+// so that the fence holds even when its /proc stat cannot be read now.
+// Fence reports whether it fenced the claim now:
 // false if process pid is gone, or the claim was fenced already, or a
 // later claim of the slot by the same process was (then the slot's word
 // is left as it is: it belongs to the later claim). The owner
@@ -292,13 +295,9 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // The owner keeps its own record of what it fenced, naming the process by
 // its pid and start time: every word of the process table can be rewritten
 // by any process mapping the segment, and none of them may end a fence.
-func (s *Segment) Fence(i int, epoch uint32, pid int) bool {
+func (s *Segment) Fence(i int, epoch uint32, pid int, start uint64) bool {
 	slots := s.slots()
-	if !s.owner || i < 0 || i >= len(slots) || i == s.Slot() {
-		return false
-	}
-	start, err := ProcessStart(pid)
-	if err != nil {
+	if !s.owner || i < 0 || i >= len(slots) || i == s.Slot() || !SameProcess(pid, start) {
 		return false
 	}
 	rec := Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true}

@@ -184,7 +184,7 @@ func TestProcessTableIgnoresHeaderRewrites(t *testing.T) {
 				})
 			}
 			require.NotPanics(t, func() {
-				assert.False(t, owner.Fence(1<<20, 1, os.Getpid()))
+				assert.False(t, owner.Fence(1<<20, 1, os.Getpid(), testenv.ProcessStart(t, os.Getpid())))
 				// A new claim in this process resets reader lines in
 				// every registered lock.
 				if third, err := shm.Attach(o); err == nil {
@@ -203,13 +203,14 @@ func TestFenceRecordsOneProcessAndSlot(t *testing.T) {
 	owner, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 4 })
 	const slot = 2
 	pid := os.Getpid()
-	require.True(t, owner.Fence(slot, 1, pid), "claim 1 fenced")
-	assert.False(t, owner.Fence(slot, 1, pid), "the same claim again")
+	start := testenv.ProcessStart(t, pid)
+	require.True(t, owner.Fence(slot, 1, pid, start), "claim 1 fenced")
+	assert.False(t, owner.Fence(slot, 1, pid, start), "the same claim again")
 	asked := owner.Holders()
 	require.Len(t, asked, 1)
 	assert.Equal(t, uint32(1), asked[0].Epoch)
 
-	require.True(t, owner.Fence(slot, 2, pid), "a later claim of the slot is fenced too")
+	require.True(t, owner.Fence(slot, 2, pid, start), "a later claim of the slot is fenced too")
 	now := owner.Holders()
 	require.Len(t, now, 1, "one record for the process and slot")
 	assert.Equal(t, uint32(2), now[0].Epoch, "naming the later claim")
@@ -219,8 +220,8 @@ func TestFenceRecordsOneProcessAndSlot(t *testing.T) {
 	owner.Forget(now[0])
 	assert.Empty(t, owner.Holders())
 
-	require.True(t, owner.Fence(slot+1, 1, pid), "another slot: a record of its own")
-	require.True(t, owner.Fence(slot, 3, pid))
+	require.True(t, owner.Fence(slot+1, 1, pid, start), "another slot: a record of its own")
+	require.True(t, owner.Fence(slot, 3, pid, start))
 	assert.Len(t, owner.Holders(), 2)
 }
 
@@ -233,12 +234,13 @@ func TestALateFenceOfAnEarlierClaimLeavesTheRecordWithTheLater(t *testing.T) {
 	owner, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 4 })
 	const slot = 2
 	pid := os.Getpid()
-	require.True(t, owner.Fence(slot, 1, pid), "claim 1 fenced")
+	start := testenv.ProcessStart(t, pid)
+	require.True(t, owner.Fence(slot, 1, pid, start), "claim 1 fenced")
 	asked := owner.Holders() // a round of questions reads it; the kernel answers "nothing"
 	require.Len(t, asked, 1)
 
-	require.True(t, owner.Fence(slot, 2, pid), "claim 2 of the slot, which maps, is fenced")
-	assert.False(t, owner.Fence(slot, 1, pid), "claim 1's connection, seen late")
+	require.True(t, owner.Fence(slot, 2, pid, start), "claim 2 of the slot, which maps, is fenced")
+	assert.False(t, owner.Fence(slot, 1, pid, start), "claim 1's connection, seen late")
 	now := owner.Holders()
 	require.Len(t, now, 1)
 	assert.Equal(t, uint32(2), now[0].Epoch, "the record names the latest claim fenced")
@@ -273,6 +275,58 @@ func helperStatWithoutFDs([]string) int {
 	testproc.Say("result running=%t same=%t stat=%v", shm.Running(os.Getpid(), start),
 		shm.SameProcess(os.Getpid(), start), statErr)
 	return 0
+}
+
+func init() { testproc.Register("fence-without-fds", helperFenceWithoutFDs) }
+
+// helperFenceWithoutFDs owns a segment at args[0], lowers its limit of
+// open files to the descriptors it holds, and fences a claim made by
+// itself, then says whether it did and what Holders keeps.
+func helperFenceWithoutFDs(args []string) int {
+	fail := func(err error) int {
+		testproc.Say("result %v", err)
+		return 3
+	}
+	start, err := shm.ProcessStart(os.Getpid())
+	if err != nil {
+		return fail(err)
+	}
+	o := opts(args[0])
+	o.Role, o.Slots = shm.RolePrimary, 4
+	owner, err := shm.Create(o)
+	if err != nil {
+		return fail(err)
+	}
+	defer owner.Close()
+	if err := owner.MarkReady(); err != nil {
+		return fail(err)
+	}
+	fd, err := syscall.Open("/dev/null", syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return fail(err)
+	}
+	syscall.Close(fd)
+	lim := syscall.Rlimit{Cur: uint64(fd), Max: uint64(fd)}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return fail(err)
+	}
+	_, statErr := shm.ProcessStart(os.Getpid())
+	fenced := owner.Fence(2, 1, os.Getpid(), start)
+	testproc.Say("result fenced=%t holders=%d stat=%v", fenced, len(owner.Holders()), statErr)
+	return 0
+}
+
+// The owner fences a claim whose process's /proc stat it cannot read for
+// a reason of its own (here it may open no more files): the process's
+// start time is the one the owner took when it admitted it, and only the
+// kernel's word that the process is gone lets a claim go unfenced.
+func TestAFenceIsTakenWhenTheProcessStatCannotBeRead(t *testing.T) {
+	h := testproc.Start(t, "fence-without-fds", []string{testenv.File(t, testenv.Tmpfs(t).Dir)})
+	res := h.Expect("result ", 0)
+	require.Contains(t, res, "too many open files", "the stat could not be read")
+	assert.Contains(t, res, "fenced=true")
+	assert.Contains(t, res, "holders=1")
+	require.NoError(t, h.Wait(0))
 }
 
 // A process whose /proc stat cannot be read for a reason of the reader's
