@@ -41,7 +41,9 @@
 // data memory, freed pages are unmapped in the primary and marked free in
 // the descriptors, but neither punched nor reallocated: they wait in
 // quarantine until every such process has died or unmapped its memory
-// (ReleaseQuarantine, also run by Alloc). Punching them would let the
+// (ReleaseQuarantine; Alloc first takes back the pages whose holders are
+// gone by the fences' records, asking the kernel nothing, and Housekeep
+// asks it). Punching them would let the
 // stalled process, once resumed, fault a fresh page into the file that the
 // next Alloc would then share with it. Every page freed during the fence is
 // held, not only those the process mapped, since a process that stopped

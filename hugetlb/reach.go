@@ -30,8 +30,9 @@ import (
 // slot any more. Nothing here follows a descriptor to its file (a stat of
 // a file on a hung network mount would never return), and nothing runs
 // with the memory lock held: the answers come from Housekeep, on a
-// goroutine of its own, from ReleaseQuarantine, and from ForgetHolder, on
-// the hello of a process attaching again.
+// goroutine of its own, from ReleaseQuarantine, and from ReachesWithin,
+// which the primary asks on the detach and the hello of a process (and
+// hands the hello's answer to ForgetHolder).
 
 // mapID names a file as a maps line does: device and inode.
 type mapID struct {
@@ -370,27 +371,23 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 	return reach || !known && m.seg.Alive(h.Slot)
 }
 
-// ForgetHolder ends the fences of process pid if it reaches no data memory
-// any more, and reports whether it holds none. The primary calls it when
-// pid attaches again: the new attachment maps the data memory only after
-// the hello, at the addresses the old one used, so what the process
-// reaches before then is the old attachment's. Where the kernel will not
-// say (another user's process, or one that made itself undumpable), a
-// fence ends only once nobody holds the old claim's slot: a secondary lets
-// its slot go after it has unmapped its memory. It waits for the whole
-// answer, however long the kernel takes to give it: once the new
-// attachment maps the memory, no answer could tell the two apart. Primary
-// only; it takes no lock.
-func (m *Memory) ForgetHolder(pid int) bool {
+// ForgetHolder ends the fences of process pid if it reaches no data
+// memory any more, by the kernel's answer reach and known (ReachesWithin's,
+// asked whole), and reports whether it holds none. The primary calls it
+// when pid attaches again: the new attachment maps the data memory only
+// after the hello, at the addresses the old one used, so what the process
+// reaches before then is the old attachment's; an answer given in part
+// must not be passed in (once the new attachment maps the memory, no
+// answer could tell the two apart). Where the kernel will not say
+// (another user's process, or one that made itself undumpable), a fence
+// ends only once nobody holds the old claim's slot: a secondary lets its
+// slot go after it has unmapped its memory. Primary only; it takes no
+// lock.
+func (m *Memory) ForgetHolder(pid int, reach, known bool) bool {
 	free := true
-	asked, reach, known := false, false, false
 	for _, h := range m.seg.Holders() {
 		if h.PID != pid {
 			continue
-		}
-		if !asked { // once, however many fences the process has
-			reach, known, _ = m.reaches(pid, time.Time{})
-			asked = true
 		}
 		if reach || !known && m.seg.Alive(h.Slot) {
 			free = false

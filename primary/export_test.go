@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
@@ -36,4 +37,16 @@ func SetHousekeepEvery(d time.Duration) (restore func()) {
 	old := reapEvery
 	reapEvery = d
 	return func() { reapEvery = old }
+}
+
+// SetKernelQuestion has f called with the pid, on the hello's goroutine,
+// before every question a hello asks the kernel about its process, until
+// restore is called. Set it before the primary starts.
+func SetKernelQuestion(f func(pid int)) (restore func()) {
+	old := askKernel
+	askKernel = func(m *hugetlb.Memory, pid int, d time.Duration) (reach, known, done bool) {
+		f(pid)
+		return old(m, pid, d)
+	}
+	return func() { askKernel = old }
 }

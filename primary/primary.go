@@ -62,7 +62,7 @@ type Primary struct {
 	unsub   func()
 
 	// Secondaries that follow memory changes, by peer.
-	syncMu sync.Mutex // guards peers, detached and unreaped; taken inside the memory lock and the change hold
+	syncMu sync.Mutex // guards peers, detached, unreaped and judging; taken inside the memory lock and the change hold
 	peers  map[*ipc.Peer]*secondary
 	// detached holds the connections whose secondary detached: a claim
 	// that has left does not come back on them.
@@ -71,6 +71,9 @@ type Primary struct {
 	// whose connection ended while their slot was still held: housekeeping
 	// reclaims each once its process is gone.
 	unreaped map[int]uint32
+	// judging holds, by pid, the question to the kernel that a hello of
+	// the process asks (see judgeEarlier).
+	judging map[int]*question
 
 	served    instance.Histogram // service time of requests
 	requests  atomic.Uint64
@@ -157,7 +160,8 @@ func Start(cfg Config) (*Primary, error) {
 		return nil, fmt.Errorf("primary: %w", err)
 	}
 	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
-		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{}}
+		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{},
+		judging: map[int]*question{}}
 	if err := p.start(); err != nil {
 		if terr := p.teardown(); terr != nil {
 			// The start's error is the news; what could not be undone

@@ -257,8 +257,94 @@ func (h *handler) detach(s *secondary, reach bool) bool {
 	return true
 }
 
-// detachLeft detaches the earlier attachments of a hello's process that
-// the hello names as left: each unmapped its memory and asked to detach,
+// askKernel asks the kernel, within d, whether process pid reaches data
+// memory (hugetlb.Memory.ReachesWithin), for a hello. A variable for
+// tests.
+var askKernel = func(m *hugetlb.Memory, pid int, d time.Duration) (reach, known, done bool) {
+	return m.ReachesWithin(pid, d)
+}
+
+// judgeEarlier settles, before a hello of process pid (started at start)
+// on peer is admitted, what its earlier attachments left: those the hello
+// names as left (see detachLeft), and the fences of earlier claims, which
+// end if the kernel shows the process reaching no data memory now —
+// before the new attachment maps it, after which no answer could tell
+// the two apart. So a hello whose process the kernel does not describe
+// within detachAsk is refused, as a limit (Attach tries again), with its
+// fences standing: housekeeping asks again, on a goroutine of its own,
+// and ends them once the process is seen to have let go. Neither the
+// primary's Close nor its other secondaries wait on a process's /proc,
+// however large it makes it. The kernel is asked once for the hellos of a
+// process that come at the same time (a hello that comes while another's
+// question is under way takes its answer), and not at all for a hello
+// that names no attachment the primary knows, of a process it holds no
+// fence of: saying hello again and again costs the primary nothing of
+// the kind.
+func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc.Claim) error {
+	p := h.p()
+	olds := h.leftOf(pid, start, left)
+	fenced := slices.ContainsFunc(p.seg.Holders(), func(f shm.Proc) bool { return f.PID == pid })
+	if len(olds) == 0 && !fenced {
+		return nil
+	}
+	h.syncMu.Lock()
+	q, asked := h.judging[pid]
+	if !asked {
+		q = &question{answered: make(chan struct{})}
+		h.judging[pid] = q
+	}
+	h.syncMu.Unlock()
+	if asked {
+		select {
+		case <-q.answered:
+		case <-peer.Done():
+			return fmt.Errorf("%w: the connection ended while its hello waited", ipc.ErrPeerGone)
+		}
+	} else {
+		q.reach, q.known, q.done = askKernel(p.mem, pid, detachAsk)
+		h.syncMu.Lock()
+		delete(h.judging, pid)
+		h.syncMu.Unlock()
+		close(q.answered)
+	}
+	h.detachLeft(pid, start, left, olds, !q.done || q.known && q.reach, q.done && !q.known)
+	if !q.done {
+		return fmt.Errorf("%w: the kernel took over %v to describe what pid %d maps and holds open; "+
+			"an earlier attachment of it was fenced, and a hello is admitted once housekeeping has seen it let go",
+			ipc.ErrLimit, detachAsk, pid)
+	}
+	p.mem.ForgetHolder(pid, q.reach, q.known)
+	return nil
+}
+
+// question is the kernel's answer on what a process reaches, for the
+// hellos of the process that wait for it (see judgeEarlier). Its fields
+// are set before answered is closed.
+type question struct {
+	answered           chan struct{}
+	reach, known, done bool
+}
+
+// leftOf returns the attachments in the sync set of process pid (started
+// at start) whose claims left names.
+func (h *handler) leftOf(pid int, start uint64, left []ipc.Claim) []*secondary {
+	if len(left) == 0 {
+		return nil
+	}
+	var olds []*secondary
+	h.syncMu.Lock()
+	defer h.syncMu.Unlock()
+	for _, s := range h.peers {
+		if s.peer.PID() == pid && s.start == start && slices.Contains(left, ipc.Claim{Slot: s.slot, Epoch: s.epoch}) {
+			olds = append(olds, s)
+		}
+	}
+	return olds
+}
+
+// detachLeft detaches olds, the earlier attachments of a hello's process
+// that the hello names as left (leftOf), fenced if the kernel's answer
+// says the process may still reach data memory (mayReach): each unmapped its memory and asked to detach,
 // and had no answer in time (its primary was stopped, say), so that its
 // detach may still wait behind other requests when the end of its
 // connection is seen, or never come. Judged now, as a detach is, while
@@ -267,34 +353,20 @@ func (h *handler) detach(s *secondary, reach bool) bool {
 // lived — a fence the kernel could no longer end once the new attachment
 // maps the memory. Only attachments of the hello's own process (pid and
 // start time) are looked at. Where the kernel will not describe the
-// process, the hello is its word, as a detach on its own connection is
+// process (undescribed), the hello is its word, as a detach on its own connection is
 // (the claims' slots may be claimed again by now, and their words with
 // them): a claim fenced already as one whose connection ended while it
 // lived is forgotten too.
-func (h *handler) detachLeft(pid int, start uint64, left []ipc.Claim) {
-	if len(left) == 0 {
-		return
-	}
-	p := h.p()
-	reach, known, done := p.mem.ReachesWithin(pid, detachAsk)
-	mayReach := !done || known && reach
-	var olds []*secondary
-	h.syncMu.Lock()
-	for _, s := range h.peers {
-		if s.peer.PID() == pid && s.start == start && slices.Contains(left, ipc.Claim{Slot: s.slot, Epoch: s.epoch}) {
-			olds = append(olds, s)
-		}
-	}
-	h.syncMu.Unlock()
+func (h *handler) detachLeft(pid int, start uint64, left []ipc.Claim, olds []*secondary, mayReach, undescribed bool) {
 	for _, s := range olds {
 		if h.detach(s, mayReach) {
 			h.log.Info("secondary detached, said a later hello of its process", "pid", pid, "slot", s.slot)
 			s.peer.Close() // its process has let it go
 		}
 	}
-	if done && !known {
+	if undescribed {
 		for _, c := range left {
-			p.seg.Forget(shm.Proc{Slot: c.Slot, PID: pid, Start: start, Epoch: c.Epoch})
+			h.p().seg.Forget(shm.Proc{Slot: c.Slot, PID: pid, Start: start, Epoch: c.Epoch})
 		}
 	}
 }
@@ -385,14 +457,9 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 		return nil, fmt.Errorf("%w: the process that made this connection (pid %d) has exited; pid %d may now be another's",
 			ipc.ErrRefused, m.PID, m.PID)
 	}
-	// Earlier attachments whose detach went unanswered, judged before
-	// the fences are looked at: one fenced meanwhile as alive is then
-	// forgotten below.
-	h.detachLeft(m.PID, start, m.Left)
-	// A process attaching again after it was fenced: its old attachment
-	// has let go of the data memory if the kernel shows it reaching none
-	// now, before the new one maps it; then nothing need wait for it.
-	p.mem.ForgetHolder(m.PID)
+	if err := h.judgeEarlier(peer, m.PID, start, m.Left); err != nil {
+		return nil, err
+	}
 	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
 		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
 		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(memoryHold)}

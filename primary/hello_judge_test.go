@@ -1,0 +1,170 @@
+package primary_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func init() { testproc.Register("judged", helperJudged) }
+
+// helperJudged (args PREFIX RUNDIR) claims slots and says hello the way
+// Attach does, and runs commands:
+//
+//	fenced        claims a slot, says hello and hangs up holding the slot
+//	              until the primary fences the claim, then lets it go:
+//	              "> fenced"
+//	hello         claims a slot and says hello: "> admitted" or
+//	              "> refused limit=BOOL ERR"
+//	hello-bg      the same, answered later by "wait"; two may be under way
+//	wait          "> admitted" or "> refused ..." for a hello-bg
+//	again N       says hello again N times on the last admitted connection,
+//	              each naming an earlier claim the primary never knew:
+//	              "> again ERRS"
+func helperJudged(args []string) int {
+	prefix, rundir := args[0], args[1]
+	var seg *shm.Segment
+	var client *ipc.Client
+	bg := make(chan string, 2)
+	var mu sync.Mutex
+	hello := func() string {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		s, c, err := claimAndSayHello(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet})
+		if err != nil {
+			return fmt.Sprintf("refused limit=%t %v", errors.Is(err, ipc.ErrLimit), err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		seg, client = s, c // the last admitted, for "again"
+		return "admitted"
+	}
+	testproc.EachCommand(func(c testproc.Line) {
+		switch c.Name {
+		case "fenced":
+			if err := claimAndHangUp(prefix, rundir); err != nil {
+				testproc.Say("> err %v", err)
+				return
+			}
+			testproc.Say("> fenced")
+		case "hello":
+			testproc.Say("> %s", hello())
+		case "hello-bg":
+			go func() { bg <- hello() }()
+			testproc.Say("> started")
+		case "wait":
+			testproc.Say("> %s", <-bg)
+		case "again":
+			start, _ := shm.ProcessStart(os.Getpid())
+			mu.Lock()
+			seg, client := seg, client
+			mu.Unlock()
+			errs := 0
+			for range c.Num(0) {
+				err := client.CallTimeout(time.Minute, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(),
+					UID: os.Getuid(), Start: start, Role: "secondary", Slot: seg.Slot(), Epoch: seg.Epoch(),
+					Left: []ipc.Claim{{Slot: 999, Epoch: 1}}}, &ipc.WithFiles{Body: &ipc.HelloReply{}})
+				if err != nil {
+					errs++
+				}
+			}
+			testproc.Say("> again %d", errs)
+		default:
+			testproc.Say("> err unknown command %q", c.Name)
+		}
+	})
+	return 0
+}
+
+// fencedHolder starts the judged helper and has the primary fence one of
+// its claims; the fence stands (housekeeping, which would end it, is
+// off). It returns the helper.
+func fencedHolder(t *testing.T, p *primary.Primary, cfg primary.Config) *testproc.Proc {
+	t.Helper()
+	h := testproc.Start(t, "judged", []string{cfg.Prefix, cfg.RuntimeDir})
+	require.Equal(t, "fenced", ask(t, h, "fenced"))
+	require.True(t, slices.ContainsFunc(p.Segment().Holders(), func(f shm.Proc) bool { return f.PID == h.PID() }),
+		"the primary holds a fence of the helper's claim")
+	return h
+}
+
+// A hello of a process the primary fenced is admitted only once the
+// kernel has said whether the process still reaches data memory: after
+// the new attachment maps it, no answer could tell the two apart. A
+// process the kernel does not describe within the hello's bound is
+// refused, as a limit (Attach tries again), and its fence stands, so that
+// neither the primary's Close nor its other secondaries wait on its /proc.
+func TestAHelloTheKernelCannotJudgeInTimeIsRefusedAndTheFenceStands(t *testing.T) {
+	defer primary.SetDetachAsk(time.Nanosecond)()
+	defer primary.SetHousekeepEvery(time.Hour)()
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	h := fencedHolder(t, p, cfg)
+
+	got := ask(t, h, "hello")
+	assert.Contains(t, got, "refused limit=true", "a hello judged too slowly is refused as a limit")
+	assert.Contains(t, got, "describe", "and says why")
+	assert.True(t, slices.ContainsFunc(p.Segment().Holders(), func(f shm.Proc) bool { return f.PID == h.PID() }),
+		"the fence stands")
+}
+
+// Hellos of one process that come while one of them waits for the
+// kernel's word on the process take that answer instead of asking again:
+// a process that says hello on many connections at once costs one
+// reading of its /proc.
+func TestHellosOfOneProcessAskTheKernelOnce(t *testing.T) {
+	asking := make(chan int, 8)
+	release := make(chan struct{})
+	defer primary.SetKernelQuestion(func(pid int) {
+		asking <- pid
+		<-release
+	})()
+	defer primary.SetHousekeepEvery(time.Hour)()
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	h := fencedHolder(t, p, cfg)
+
+	require.Equal(t, "started", ask(t, h, "hello-bg"))
+	select {
+	case pid := <-asking:
+		require.Equal(t, h.PID(), pid)
+	case <-time.After(time.Minute): // a hang guard
+		t.Fatal("the first hello asked the kernel nothing")
+	}
+	require.Equal(t, "started", ask(t, h, "hello-bg"))
+	waiting := false
+	for end := time.Now().Add(time.Minute); !waiting && len(asking) == 0 && time.Now().Before(end); time.Sleep(time.Millisecond) {
+		waiting = testenv.GoroutinesIn("primary.(*handler).judgeEarlier") == 2
+	}
+	close(release)
+	assert.True(t, waiting, "the second hello waits for the first one's answer")
+	assert.Empty(t, asking, "the kernel was asked once")
+	assert.Equal(t, "admitted", ask(t, h, "wait"))
+	assert.Equal(t, "admitted", ask(t, h, "wait"))
+}
+
+// A hello that names earlier claims the primary never knew, from a
+// process it never fenced, costs no question to the kernel, however
+// often it is said again on one connection.
+func TestAHelloNamingUnknownClaimsAsksTheKernelNothing(t *testing.T) {
+	var asked atomic.Int64
+	defer primary.SetKernelQuestion(func(int) { asked.Add(1) })()
+	_, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	h := testproc.Start(t, "judged", []string{cfg.Prefix, cfg.RuntimeDir})
+	require.Equal(t, "admitted", ask(t, h, "hello"))
+	assert.Equal(t, "again 0", ask(t, h, "again 50"))
+	assert.Zero(t, asked.Load(), "questions asked of the kernel")
+}
