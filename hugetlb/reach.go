@@ -32,7 +32,7 @@ import (
 // with the memory lock held: the answers come from Housekeep, on a
 // goroutine of its own, from ReleaseQuarantine, and from ReachesWithin,
 // which the primary asks on the detach and the hello of a process (and
-// hands the hello's answer to ForgetHolder).
+// hands the hello's answer to ForgetHolders).
 
 // mapID names a file as a maps line does: device and inode.
 type mapID struct {
@@ -371,24 +371,24 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 	return reach || !known && m.seg.Alive(h.Slot)
 }
 
-// ForgetHolder ends the fences of process pid if it reaches no data
-// memory any more, by the kernel's answer reach and known (ReachesWithin's,
-// asked whole), and reports whether it holds none. The primary calls it
-// when pid attaches again: the new attachment maps the data memory only
-// after the hello, at the addresses the old one used, so what the process
-// reaches before then is the old attachment's; an answer given in part
-// must not be passed in (once the new attachment maps the memory, no
-// answer could tell the two apart). Where the kernel will not say
-// (another user's process, or one that made itself undumpable), a fence
-// ends only once nobody holds the old claim's slot: a secondary lets its
-// slot go after it has unmapped its memory. Primary only; it takes no
-// lock.
-func (m *Memory) ForgetHolder(pid int, reach, known bool) bool {
+// ForgetHolders ends those of fences (of one process, as Holders gave
+// them) that the kernel's answer reach and known (ReachesWithin's, asked
+// whole, after fences were read) shows let go, and reports whether it
+// ended them all. The primary calls it when a fenced process attaches
+// again: the new attachment maps the data memory only after the hello, at
+// the addresses the old one used, so what the process reaches before then
+// is the old attachments'; an answer given in part must not be passed in
+// (once the new attachment maps the memory, no answer could tell the two
+// apart), nor fences read after the kernel was asked (one made while it
+// read may be of an attachment that maps what the reading had passed).
+// Where the kernel will not say (another user's process, or one that made
+// itself undumpable), a fence ends only once nobody holds the old claim's
+// slot: a secondary lets its slot go after it has unmapped its memory. A
+// fence that has come to name a later claim of its slot meanwhile stays
+// (see shm.Segment.Forget). Primary only; it takes no lock.
+func (m *Memory) ForgetHolders(fences []shm.Proc, reach, known bool) bool {
 	free := true
-	for _, h := range m.seg.Holders() {
-		if h.PID != pid {
-			continue
-		}
+	for _, h := range fences {
 		if reach || !known && m.seg.Alive(h.Slot) {
 			free = false
 			continue

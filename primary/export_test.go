@@ -40,13 +40,15 @@ func SetHousekeepEvery(d time.Duration) (restore func()) {
 }
 
 // SetKernelQuestion has f called with the pid, on the hello's goroutine,
-// before every question a hello asks the kernel about its process, until
-// restore is called. Set it before the primary starts.
+// after every question a hello asks the kernel about its process (the
+// kernel has read the process by then: f stands for the end of a slow
+// reading), until restore is called. Set it before the primary starts.
 func SetKernelQuestion(f func(pid int)) (restore func()) {
 	old := askKernel
 	askKernel = func(m *hugetlb.Memory, pid int, d time.Duration) (reach, known, done bool) {
+		reach, known, done = old(m, pid, d)
 		f(pid)
-		return old(m, pid, d)
+		return reach, known, done
 	}
 	return func() { askKernel = old }
 }

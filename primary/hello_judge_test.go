@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"slices"
 	"sync"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
@@ -36,16 +38,31 @@ func init() { testproc.Register("judged", helperJudged) }
 //	again N       says hello again N times on the last admitted connection,
 //	              each naming an earlier claim the primary never knew:
 //	              "> again ERRS"
+//	claim         claims a slot and says hello, and keeps both:
+//	              "> claimed"
+//	left-bg       hello-bg, naming the kept claim as left
+//	map OFF LEN   another attachment: claims a slot, says hello, takes the
+//	              backing files, maps [OFF, OFF+LEN) of the first and keeps
+//	              it; it follows no memory change: "> mapped"
+//	peek          "> byte B", the first byte mapped
 func helperJudged(args []string) int {
 	prefix, rundir := args[0], args[1]
+	var kept ipc.Claim
+	var mem []byte
+	var keep []io.Closer
+	defer func() {
+		for _, c := range keep {
+			c.Close()
+		}
+	}()
 	var seg *shm.Segment
 	var client *ipc.Client
 	bg := make(chan string, 2)
 	var mu sync.Mutex
-	hello := func() string {
+	hello := func(left ...ipc.Claim) string {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		s, c, err := claimAndSayHello(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet})
+		s, c, err := claimAndSayHello(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet}, left...)
 		if err != nil {
 			return fmt.Sprintf("refused limit=%t %v", errors.Is(err, ipc.ErrLimit), err)
 		}
@@ -69,6 +86,40 @@ func helperJudged(args []string) int {
 			testproc.Say("> started")
 		case "wait":
 			testproc.Say("> %s", <-bg)
+		case "claim":
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			s, cl, err := claimAndSayHello(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet})
+			if err != nil {
+				testproc.Say("> err %v", err)
+				return
+			}
+			keep = append(keep, cl, s)
+			kept = ipc.Claim{Slot: s.Slot(), Epoch: s.Epoch()}
+			testproc.Say("> claimed")
+		case "left-bg":
+			go func() { bg <- hello(kept) }()
+			testproc.Say("> started")
+		case "map":
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			s, cl, files, err := claimHelloAndFiles(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet})
+			if err != nil {
+				testproc.Say("> err %v", err)
+				return
+			}
+			keep = append(keep, cl, s)
+			mem, err = unix.Mmap(int(files[0].Fd()), int64(c.Num(0)), int(c.Num(1)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			for _, f := range files {
+				f.Close()
+			}
+			if err != nil {
+				testproc.Say("> err mmap %v", err)
+				return
+			}
+			testproc.Say("> mapped")
+		case "peek":
+			testproc.Say("> byte %d", mem[0])
 		case "again":
 			start, _ := shm.ProcessStart(os.Getpid())
 			mu.Lock()
@@ -110,8 +161,8 @@ func fencedHolder(t *testing.T, p *primary.Primary, cfg primary.Config) *testpro
 // refused, as a limit (Attach tries again), and its fence stands, so that
 // neither the primary's Close nor its other secondaries wait on its /proc.
 func TestAHelloTheKernelCannotJudgeInTimeIsRefusedAndTheFenceStands(t *testing.T) {
-	defer primary.SetDetachAsk(time.Nanosecond)()
-	defer primary.SetHousekeepEvery(time.Hour)()
+	t.Cleanup(primary.SetDetachAsk(time.Nanosecond))
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
 	h := fencedHolder(t, p, cfg)
 
@@ -129,12 +180,15 @@ func TestAHelloTheKernelCannotJudgeInTimeIsRefusedAndTheFenceStands(t *testing.T
 func TestHellosOfOneProcessAskTheKernelOnce(t *testing.T) {
 	asking := make(chan int, 8)
 	release := make(chan struct{})
-	defer primary.SetKernelQuestion(func(pid int) {
+	var once sync.Once
+	answer := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(primary.SetKernelQuestion(func(pid int) {
 		asking <- pid
 		<-release
-	})()
-	defer primary.SetHousekeepEvery(time.Hour)()
+	}))
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer) // before the primary closes: no hello stays held in the question
 	h := fencedHolder(t, p, cfg)
 
 	require.Equal(t, "started", ask(t, h, "hello-bg"))
@@ -149,7 +203,7 @@ func TestHellosOfOneProcessAskTheKernelOnce(t *testing.T) {
 	for end := time.Now().Add(time.Minute); !waiting && len(asking) == 0 && time.Now().Before(end); time.Sleep(time.Millisecond) {
 		waiting = testenv.GoroutinesIn("primary.(*handler).judgeEarlier") == 2
 	}
-	close(release)
+	answer()
 	assert.True(t, waiting, "the second hello waits for the first one's answer")
 	assert.Empty(t, asking, "the kernel was asked once")
 	assert.Equal(t, "admitted", ask(t, h, "wait"))
@@ -161,10 +215,57 @@ func TestHellosOfOneProcessAskTheKernelOnce(t *testing.T) {
 // often it is said again on one connection.
 func TestAHelloNamingUnknownClaimsAsksTheKernelNothing(t *testing.T) {
 	var asked atomic.Int64
-	defer primary.SetKernelQuestion(func(int) { asked.Add(1) })()
+	t.Cleanup(primary.SetKernelQuestion(func(int) { asked.Add(1) }))
 	_, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
 	h := testproc.Start(t, "judged", []string{cfg.Prefix, cfg.RuntimeDir})
 	require.Equal(t, "admitted", ask(t, h, "hello"))
 	assert.Equal(t, "again 0", ask(t, h, "again 50"))
 	assert.Zero(t, asked.Load(), "questions asked of the kernel")
+}
+
+// The answer to a hello's question ends only the fences made before the
+// kernel was asked. Here the kernel has read a process that maps nothing
+// when another attachment of it (admitted without a question: it names
+// nothing and the process has no fence yet) maps a page, stops following
+// memory changes, and is fenced as the primary frees the page; the
+// question's answer, "reaches nothing", must not end that fence, or the
+// page would go back to the allocator while the process maps it.
+func TestAFenceMadeWhileAHelloIsJudgedIsNotEndedByItsAnswer(t *testing.T) {
+	asked := make(chan int, 4)
+	release := make(chan struct{})
+	var once sync.Once
+	answer := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(primary.SetKernelQuestion(func(pid int) {
+		asked <- pid
+		<-release // the rest of a slow reading
+	}))
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	list := p.Memory().Lists()[0]
+	h := testproc.Start(t, "judged", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	require.Equal(t, "claimed", ask(t, h, "claim"))
+	require.Equal(t, "started", ask(t, h, "left-bg"))
+	select {
+	case <-asked: // the kernel has read the process: it maps nothing
+	case <-time.After(time.Minute): // a hang guard
+		t.Fatal("the hello naming a left claim asked the kernel nothing")
+	}
+	require.Equal(t, "mapped", ask(t, h, "map %d %d", r.Addr-list.Base, r.Len))
+	r.Bytes()[0] = 0x11
+	require.Equal(t, "byte 17", ask(t, h, "peek"))
+	require.NoError(t, p.Free(r)) // the new attachment follows no change: fenced
+	require.True(t, slices.ContainsFunc(p.Segment().Holders(), func(f shm.Proc) bool { return f.PID == h.PID() }))
+	require.Equal(t, 1, p.Memory().Quarantined())
+	answer()
+	assert.Equal(t, "admitted", ask(t, h, "wait"))
+
+	assert.True(t, slices.ContainsFunc(p.Segment().Holders(), func(f shm.Proc) bool { return f.PID == h.PID() }),
+		"the fence made while the kernel was asked stands")
+	assert.Equal(t, 1, p.Memory().Quarantined(), "the page it maps stays in quarantine")
+	again, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again")
 }

@@ -71,9 +71,9 @@ type Primary struct {
 	// whose connection ended while their slot was still held: housekeeping
 	// reclaims each once its process is gone.
 	unreaped map[int]uint32
-	// judging holds, by pid, the question to the kernel that a hello of
-	// the process asks (see judgeEarlier).
-	judging map[int]*question
+	// judging holds, by process, the question to the kernel that a hello
+	// of the process asks (see judgeEarlier).
+	judging map[process]*question
 
 	served    instance.Histogram // service time of requests
 	requests  atomic.Uint64
@@ -161,7 +161,7 @@ func Start(cfg Config) (*Primary, error) {
 	}
 	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
 		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{},
-		judging: map[int]*question{}}
+		judging: map[process]*question{}}
 	if err := p.start(); err != nil {
 		if terr := p.teardown(); terr != nil {
 			// The start's error is the news; what could not be undone

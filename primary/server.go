@@ -283,15 +283,15 @@ var askKernel = func(m *hugetlb.Memory, pid int, d time.Duration) (reach, known,
 func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc.Claim) error {
 	p := h.p()
 	olds := h.leftOf(pid, start, left)
-	fenced := slices.ContainsFunc(p.seg.Holders(), func(f shm.Proc) bool { return f.PID == pid })
-	if len(olds) == 0 && !fenced {
+	if len(olds) == 0 && len(fencesOf(p.seg, pid, start)) == 0 {
 		return nil
 	}
+	who := process{pid, start}
 	h.syncMu.Lock()
-	q, asked := h.judging[pid]
+	q, asked := h.judging[who]
 	if !asked {
 		q = &question{answered: make(chan struct{})}
-		h.judging[pid] = q
+		h.judging[who] = q
 	}
 	h.syncMu.Unlock()
 	if asked {
@@ -301,9 +301,13 @@ func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc
 			return fmt.Errorf("%w: the connection ended while its hello waited", ipc.ErrPeerGone)
 		}
 	} else {
+		// The fences the answer may end are those made before the kernel
+		// is asked: one made while it reads (another attachment of the
+		// process fenced meanwhile) may map what the reading has passed.
+		q.fences = fencesOf(p.seg, pid, start)
 		q.reach, q.known, q.done = askKernel(p.mem, pid, detachAsk)
 		h.syncMu.Lock()
-		delete(h.judging, pid)
+		delete(h.judging, who)
 		h.syncMu.Unlock()
 		close(q.answered)
 	}
@@ -313,16 +317,29 @@ func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc
 			"an earlier attachment of it was fenced, and a hello is admitted once housekeeping has seen it let go",
 			ipc.ErrLimit, detachAsk, pid)
 	}
-	p.mem.ForgetHolder(pid, q.reach, q.known)
+	p.mem.ForgetHolders(q.fences, q.reach, q.known)
 	return nil
 }
 
+// process names a process by its pid and start time (shm.ProcessStart).
+type process struct {
+	pid   int
+	start uint64
+}
+
 // question is the kernel's answer on what a process reaches, for the
-// hellos of the process that wait for it (see judgeEarlier). Its fields
-// are set before answered is closed.
+// hellos of the process that wait for it (see judgeEarlier), and the
+// process's fences when it was asked. Its fields are set before answered
+// is closed.
 type question struct {
 	answered           chan struct{}
+	fences             []shm.Proc
 	reach, known, done bool
+}
+
+// fencesOf returns the owner's fences of process pid, started at start.
+func fencesOf(seg *shm.Segment, pid int, start uint64) []shm.Proc {
+	return slices.DeleteFunc(seg.Holders(), func(f shm.Proc) bool { return f.PID != pid || f.Start != start })
 }
 
 // leftOf returns the attachments in the sync set of process pid (started
