@@ -154,6 +154,22 @@ func fencedHolder(t *testing.T, p *primary.Primary, cfg primary.Config) *testpro
 	return h
 }
 
+// holdQuestions holds every hello's question to the kernel, once the
+// kernel has read the process (standing for the rest of a slow reading),
+// until answer is called; asked gets the pid of each question held. Call
+// it before the primary starts, and register answer as a cleanup after
+// it has started, so that no hello stays held when the primary closes.
+func holdQuestions(t *testing.T) (asked <-chan int, answer func()) {
+	questions := make(chan int, 8)
+	release := make(chan struct{})
+	var once sync.Once
+	t.Cleanup(primary.SetKernelQuestion(func(pid int) {
+		questions <- pid
+		<-release
+	}))
+	return questions, func() { once.Do(func() { close(release) }) }
+}
+
 // A hello of a process the primary fenced is admitted only once the
 // kernel has said whether the process still reaches data memory: after
 // the new attachment maps it, no answer could tell the two apart. A
@@ -178,14 +194,7 @@ func TestAHelloTheKernelCannotJudgeInTimeIsRefusedAndTheFenceStands(t *testing.T
 // a process that says hello on many connections at once costs one
 // reading of its /proc.
 func TestHellosOfOneProcessAskTheKernelOnce(t *testing.T) {
-	asking := make(chan int, 8)
-	release := make(chan struct{})
-	var once sync.Once
-	answer := func() { once.Do(func() { close(release) }) }
-	t.Cleanup(primary.SetKernelQuestion(func(pid int) {
-		asking <- pid
-		<-release
-	}))
+	asking, answer := holdQuestions(t)
 	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
 	t.Cleanup(answer) // before the primary closes: no hello stays held in the question
@@ -231,14 +240,7 @@ func TestAHelloNamingUnknownClaimsAsksTheKernelNothing(t *testing.T) {
 // question's answer, "reaches nothing", must not end that fence, or the
 // page would go back to the allocator while the process maps it.
 func TestAFenceMadeWhileAHelloIsJudgedIsNotEndedByItsAnswer(t *testing.T) {
-	asked := make(chan int, 4)
-	release := make(chan struct{})
-	var once sync.Once
-	answer := func() { once.Do(func() { close(release) }) }
-	t.Cleanup(primary.SetKernelQuestion(func(pid int) {
-		asked <- pid
-		<-release // the rest of a slow reading
-	}))
+	asked, answer := holdQuestions(t)
 	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
 	t.Cleanup(answer)
