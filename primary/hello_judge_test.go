@@ -190,9 +190,10 @@ func TestAHelloTheKernelCannotJudgeInTimeIsRefusedAndTheFenceStands(t *testing.T
 }
 
 // Hellos of one process that come while one of them waits for the
-// kernel's word on the process take that answer instead of asking again:
-// a process that says hello on many connections at once costs one
-// reading of its /proc.
+// kernel's word on the process wait their turn, and ask only if there is
+// still something to judge: a process that says hello on many connections
+// at once costs one reading of its /proc at a time, and here one in all
+// (the first hello's answer ended the fence).
 func TestHellosOfOneProcessAskTheKernelOnce(t *testing.T) {
 	asking, answer := holdQuestions(t)
 	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
@@ -213,7 +214,7 @@ func TestHellosOfOneProcessAskTheKernelOnce(t *testing.T) {
 		waiting = testenv.GoroutinesIn("primary.(*handler).judgeEarlier") == 2
 	}
 	answer()
-	assert.True(t, waiting, "the second hello waits for the first one's answer")
+	assert.True(t, waiting, "the second hello waits its turn")
 	assert.Empty(t, asking, "the kernel was asked once")
 	assert.Equal(t, "admitted", ask(t, h, "wait"))
 	assert.Equal(t, "admitted", ask(t, h, "wait"))

@@ -71,9 +71,9 @@ type Primary struct {
 	// whose connection ended while their slot was still held: housekeeping
 	// reclaims each once its process is gone.
 	unreaped map[int]uint32
-	// judging holds, by process, the question to the kernel that a hello
-	// of the process asks (see judgeEarlier).
-	judging map[process]*question
+	// judging holds, by process, the turn of the hello of the process that
+	// asks the kernel about it (see judgeEarlier); closed when it ends.
+	judging map[process]chan struct{}
 
 	served    instance.Histogram // service time of requests
 	requests  atomic.Uint64
@@ -129,6 +129,10 @@ type secondary struct {
 	// still reach data memory): a sync under way that no longer reaches it,
 	// and the end of its connection, need no fence. Guarded by syncMu.
 	detached bool
+	// leaving says a later hello of its process named it as left and asks
+	// the kernel about the process: it is handed no backing file. Guarded
+	// by syncMu.
+	leaving bool
 }
 
 // running reports whether s's process runs, by the kernel's word
@@ -161,7 +165,7 @@ func Start(cfg Config) (*Primary, error) {
 	}
 	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
 		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{},
-		judging: map[process]*question{}}
+		judging: map[process]chan struct{}{}}
 	if err := p.start(); err != nil {
 		if terr := p.teardown(); terr != nil {
 			// The start's error is the news; what could not be undone

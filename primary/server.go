@@ -274,50 +274,73 @@ var askKernel = func(m *hugetlb.Memory, pid int, d time.Duration) (reach, known,
 // fences standing: housekeeping asks again, on a goroutine of its own,
 // and ends them once the process is seen to have let go. Neither the
 // primary's Close nor its other secondaries wait on a process's /proc,
-// however large it makes it. The kernel is asked once for the hellos of a
-// process that come at the same time (a hello that comes while another's
-// question is under way takes its answer), and not at all for a hello
-// that names no attachment the primary knows, of a process it holds no
-// fence of: saying hello again and again costs the primary nothing of
-// the kind.
+// however large it makes it.
+//
+// The kernel's answer is true of the moment it read the process, and
+// only what was settled before it read may be judged by it: the fences
+// the process had then (a fence taken later may be of an attachment that
+// maps what the reading had passed; see shm.Proc.Seq), and the
+// attachments named as left, which are taken off the sync set's hand-outs
+// of backing files (memoryFiles) before the kernel is asked. One hello of
+// a process asks at a time; another waits its turn and asks for itself.
+// A hello that names no attachment the primary knows, of a process it
+// holds no fence of, asks nothing: saying hello again and again costs the
+// primary nothing of the kind.
 func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc.Claim) error {
 	p := h.p()
-	olds := h.leftOf(pid, start, left)
-	if len(olds) == 0 && len(fencesOf(p.seg, pid, start)) == 0 {
+	if len(h.leftOf(pid, start, left)) == 0 && len(fencesOf(p.seg, pid, start)) == 0 {
 		return nil
 	}
 	who := process{pid, start}
-	h.syncMu.Lock()
-	q, asked := h.judging[who]
-	if !asked {
-		q = &question{answered: make(chan struct{})}
-		h.judging[who] = q
-	}
-	h.syncMu.Unlock()
-	if asked {
+	var olds []*secondary
+	var handing bool // an attachment named as left is being handed backing files
+	for {
+		h.syncMu.Lock()
+		turn, busy := h.judging[who]
+		if !busy {
+			h.judging[who] = make(chan struct{})
+			olds, handing = h.leaving(pid, start, left)
+		}
+		h.syncMu.Unlock()
+		if !busy {
+			break
+		}
 		select {
-		case <-q.answered:
+		case <-turn:
 		case <-peer.Done():
 			return fmt.Errorf("%w: the connection ended while its hello waited", ipc.ErrPeerGone)
 		}
-	} else {
-		// The fences the answer may end are those made before the kernel
-		// is asked: one made while it reads (another attachment of the
-		// process fenced meanwhile) may map what the reading has passed.
-		q.fences = fencesOf(p.seg, pid, start)
-		q.reach, q.known, q.done = askKernel(p.mem, pid, detachAsk)
+	}
+	defer func() {
 		h.syncMu.Lock()
+		close(h.judging[who])
 		delete(h.judging, who)
 		h.syncMu.Unlock()
-		close(q.answered)
+	}()
+	fences := fencesOf(p.seg, pid, start)
+	if len(olds) == 0 && len(fences) == 0 {
+		return nil // judged by the hello before this one
 	}
-	h.detachLeft(pid, start, left, olds, !q.done || q.known && q.reach, q.done && !q.known)
-	if !q.done {
+	reach, known, done := askKernel(p.mem, pid, detachAsk)
+	h.detachLeft(pid, olds, handing || !done || known && reach)
+	if done && !known {
+		// Where the kernel will not describe the process, the hello is its
+		// word, as a detach on its own connection is (the claims' slots
+		// may be claimed again by now, and their words with them): a
+		// claim it names as left that was fenced already, as one whose
+		// connection ended while it lived, is forgotten too.
+		for _, f := range fences {
+			if slices.Contains(left, ipc.Claim{Slot: f.Slot, Epoch: f.Epoch}) {
+				p.seg.Forget(f)
+			}
+		}
+	}
+	if !done {
 		return fmt.Errorf("%w: the kernel took over %v to describe what pid %d maps and holds open; "+
 			"an earlier attachment of it was fenced, and a hello is admitted once housekeeping has seen it let go",
 			ipc.ErrLimit, detachAsk, pid)
 	}
-	p.mem.ForgetHolders(q.fences, q.reach, q.known)
+	p.mem.ForgetHolders(fences, reach, known)
 	return nil
 }
 
@@ -327,63 +350,63 @@ type process struct {
 	start uint64
 }
 
-// question is the kernel's answer on what a process reaches, for the
-// hellos of the process that wait for it (see judgeEarlier), and the
-// process's fences when it was asked. Its fields are set before answered
-// is closed.
-type question struct {
-	answered           chan struct{}
-	fences             []shm.Proc
-	reach, known, done bool
-}
-
 // fencesOf returns the owner's fences of process pid, started at start.
 func fencesOf(seg *shm.Segment, pid int, start uint64) []shm.Proc {
 	return slices.DeleteFunc(seg.Holders(), func(f shm.Proc) bool { return f.PID != pid || f.Start != start })
 }
 
 // leftOf returns the attachments in the sync set of process pid (started
-// at start) whose claims left names.
+// at start) whose claims left names. Call it without syncMu.
 func (h *handler) leftOf(pid int, start uint64, left []ipc.Claim) []*secondary {
-	if len(left) == 0 {
-		return nil
-	}
-	var olds []*secondary
 	h.syncMu.Lock()
 	defer h.syncMu.Unlock()
-	for _, s := range h.peers {
-		if s.peer.PID() == pid && s.start == start && slices.Contains(left, ipc.Claim{Slot: s.slot, Epoch: s.epoch}) {
-			olds = append(olds, s)
-		}
-	}
+	olds, _ := h.findLeft(pid, start, left, false)
 	return olds
 }
 
+// leaving is leftOf for a hello about to ask the kernel, with syncMu
+// held: it marks each attachment found as leaving, so that it is handed
+// no backing file from now on (it unmapped its memory and asked to
+// detach, by its process's word), and reports whether one is being
+// handed some now (the kernel may not see descriptors in flight).
+func (h *handler) leaving(pid int, start uint64, left []ipc.Claim) (olds []*secondary, handing bool) {
+	return h.findLeft(pid, start, left, true)
+}
+
+// findLeft finds the attachments of leftOf, and marks them leaving if
+// mark. Call it with syncMu held.
+func (h *handler) findLeft(pid int, start uint64, left []ipc.Claim, mark bool) (olds []*secondary, handing bool) {
+	if len(left) == 0 {
+		return nil, false
+	}
+	for _, s := range h.peers {
+		if s.peer.PID() == pid && s.start == start && slices.Contains(left, ipc.Claim{Slot: s.slot, Epoch: s.epoch}) {
+			olds = append(olds, s)
+			if mark {
+				s.leaving = true
+				handing = handing || s.files < 0
+			}
+		}
+	}
+	return olds, handing
+}
+
 // detachLeft detaches olds, the earlier attachments of a hello's process
-// that the hello names as left (leftOf), fenced if the kernel's answer
-// says the process may still reach data memory (mayReach): each unmapped its memory and asked to detach,
-// and had no answer in time (its primary was stopped, say), so that its
-// detach may still wait behind other requests when the end of its
-// connection is seen, or never come. Judged now, as a detach is, while
-// the process maps nothing (its new attachment maps after the hello),
-// they are not fenced as attachments whose connection ended while they
-// lived — a fence the kernel could no longer end once the new attachment
-// maps the memory. Only attachments of the hello's own process (pid and
-// start time) are looked at. Where the kernel will not describe the
-// process (undescribed), the hello is its word, as a detach on its own connection is
-// (the claims' slots may be claimed again by now, and their words with
-// them): a claim fenced already as one whose connection ended while it
-// lived is forgotten too.
-func (h *handler) detachLeft(pid int, start uint64, left []ipc.Claim, olds []*secondary, mayReach, undescribed bool) {
+// that the hello names as left (leaving), fenced if the kernel's answer
+// says the process may still reach data memory (mayReach): each unmapped
+// its memory and asked to detach, and had no answer in time (its primary
+// was stopped, say), so that its detach may still wait behind other
+// requests when the end of its connection is seen, or never come. Judged
+// now, as a detach is, while the process maps nothing (its new attachment
+// maps after the hello), they are not fenced as attachments whose
+// connection ended while they lived — a fence the kernel could no longer
+// end once the new attachment maps the memory. Only attachments of the
+// hello's own process (pid and start time) are looked at.
+func (h *handler) detachLeft(pid int, olds []*secondary, mayReach bool) {
 	for _, s := range olds {
 		if h.detach(s, mayReach) {
 			h.log.Info("secondary detached, said a later hello of its process", "pid", pid, "slot", s.slot)
 			s.peer.Close() // its process has let it go
-		}
-	}
-	if undescribed {
-		for _, c := range left {
-			h.p().seg.Forget(shm.Proc{Slot: c.Slot, PID: pid, Start: start, Epoch: c.Epoch})
 		}
 	}
 }
@@ -397,13 +420,17 @@ func (h *handler) memoryFiles(peer *ipc.Peer, first int) (any, error) {
 	p := h.p()
 	h.syncMu.Lock()
 	s := h.peers[peer]
-	ok := s != nil && s.files == first
+	ok := s != nil && s.files == first && !s.leaving
 	if ok {
 		s.files = -1
 	}
 	h.syncMu.Unlock()
 	if s == nil {
 		return nil, instance.ErrNotAttached
+	}
+	if s.leaving {
+		return nil, fmt.Errorf("%w: memory files: a later hello of this process said this attachment has left",
+			ipc.ErrLimit)
 	}
 	if !ok {
 		return nil, fmt.Errorf("%w: memory files from list %d: an attachment is handed each list's file once, in order",

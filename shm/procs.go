@@ -84,6 +84,10 @@ type Proc struct {
 	Fenced bool `json:"fenced"`
 	// Unmapped: the claimant declared it maps no data memory any more.
 	Unmapped bool `json:"unmapped"`
+	// Seq, in a fence the owner keeps (Holders), changes with every
+	// fence the owner takes of the process and slot: Forget ends the
+	// record only as it was read.
+	Seq uint64 `json:"seq,omitempty"`
 }
 
 // selfStart is this process's start time, read once.
@@ -303,7 +307,14 @@ func (s *Segment) Fence(i int, epoch uint32, pid int, start uint64) bool {
 	rec := Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true}
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
+	s.fenceSeq++
 	j := slices.IndexFunc(s.fences, rec.SameHolder)
+	if j >= 0 {
+		// Whatever becomes of this fence, the record no longer ends on
+		// an answer read before it: the claim fenced now may map what
+		// such an answer found unmapped.
+		s.fences[j].Seq = s.fenceSeq
+	}
 	if j >= 0 && int32(epoch-s.fences[j].Epoch) < 0 {
 		// An earlier claim of the slot than the one the record names:
 		// the slot's word and the record stay with the later claim (a
@@ -318,6 +329,7 @@ func (s *Segment) Fence(i int, epoch uint32, pid int, start uint64) bool {
 	if j >= 0 {
 		s.fences[j].Epoch = epoch // a later claim of the slot: the record names it now
 	} else {
+		rec.Seq = s.fenceSeq
 		s.fences = append(s.fences, rec)
 	}
 	return true
@@ -326,12 +338,15 @@ func (s *Segment) Fence(i int, epoch uint32, pid int, start uint64) bool {
 // Forget ends the fence of holder h (one of Holders): its process has let
 // go of the data memory, by the kernel's word, and whatever it maps later
 // it maps through a new attachment that follows the owner's changes. A
-// record that names a later claim than h's stays: that claim was fenced
-// after h was read, so the kernel's word may predate it. Owner only.
+// record that names a later claim than h's, or that a fence taken since
+// h was read changed (Proc.Seq), stays: that fence came after h was read,
+// so the kernel's word may predate it. Owner only.
 func (s *Segment) Forget(h Proc) {
 	s.fenceMu.Lock()
 	defer s.fenceMu.Unlock()
-	s.fences = slices.DeleteFunc(s.fences, func(f Proc) bool { return f.SameHolder(h) && f.Epoch == h.Epoch })
+	s.fences = slices.DeleteFunc(s.fences, func(f Proc) bool {
+		return f.SameHolder(h) && f.Epoch == h.Epoch && f.Seq == h.Seq
+	})
 }
 
 // SameHolder reports whether p and q are fences of one slot by one

@@ -249,6 +249,32 @@ func TestALateFenceOfAnEarlierClaimLeavesTheRecordWithTheLater(t *testing.T) {
 	assert.Len(t, owner.Holders(), 1, "forgetting the earlier claim leaves the later one fenced")
 }
 
+// A fence the owner takes of a process and slot after a round of
+// questions read the record, refused because the record names a later
+// claim of the slot (the earlier claim's connection seen late), or taken
+// again of the claim the record names, keeps the record from that round's
+// answer: the answer may predate what the fenced claim maps.
+func TestAFenceTakenAfterARoundReadTheRecordKeepsItFromThatAnswer(t *testing.T) {
+	owner, _ := newSegment(t, testenv.Tmpfs(t), func(o *shm.Options) { o.Slots = 4 })
+	const slot = 2
+	pid := os.Getpid()
+	start := testenv.ProcessStart(t, pid)
+	require.True(t, owner.Fence(slot, 2, pid, start), "claim 2 fenced")
+	asked := owner.Holders() // a round of questions reads it; the kernel answers "nothing"
+	require.Len(t, asked, 1)
+	assert.False(t, owner.Fence(slot, 1, pid, start), "claim 1, an earlier one, fenced late: refused")
+	owner.Forget(asked[0])
+	assert.Len(t, owner.Holders(), 1, "the round's answer predates the refused fence")
+
+	asked = owner.Holders()
+	assert.False(t, owner.Fence(slot, 2, pid, start), "claim 2 again")
+	owner.Forget(asked[0])
+	assert.Len(t, owner.Holders(), 1, "the round's answer predates the fence taken again")
+
+	owner.Forget(owner.Holders()[0])
+	assert.Empty(t, owner.Holders(), "an answer read after the last fence ends the record")
+}
+
 func init() { testproc.Register("stat-without-fds", helperStatWithoutFDs) }
 
 // helperStatWithoutFDs lowers its limit of open files to the descriptors

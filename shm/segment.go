@@ -110,11 +110,12 @@ type Segment struct {
 	mu    sync.Mutex // owner: serializes arena and growth
 	arena ownArena   // owner only
 	// fences: the owner's record of the claims it fenced (see Fence).
-	fenceMu sync.Mutex
-	fences  []Proc
-	closeMu sync.Mutex
-	closed  atomic.Bool
-	vacated bool // CloseUnderReaders left the range as zeros; under closeMu
+	fenceMu  sync.Mutex
+	fences   []Proc
+	fenceSeq uint64 // fences taken, for Proc.Seq
+	closeMu  sync.Mutex
+	closed   atomic.Bool
+	vacated  bool // CloseUnderReaders left the range as zeros; under closeMu
 	// readOnly: mapped by OpenReadOnly, with no slot; lockf may be nil.
 	readOnly bool
 	// writers: this process's writers of each lock, by offset, shared by

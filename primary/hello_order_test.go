@@ -1,0 +1,288 @@
+package primary_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func init() { testproc.Register("attachments", helperAttachments) }
+
+// helperAttachments (PREFIX RUNDIR) keeps named raw attachments of one
+// process, made as Attach begins one, which need not behave as Attach's:
+//
+//	claim NAME ACK [LEFT...]  claims a slot, says hello naming the claims of
+//	                          the kept attachments LEFT as left; ACK 1: the
+//	                          connection acknowledges every push (without
+//	                          doing anything), 0: it answers none:
+//	                          "> claimed SLOT EPOCH" / "> err ..."
+//	claim-bg ...              the same in the background: "> started"
+//	wait                      the background result
+//	files-map NAME OFF LEN    NAME takes the backing files now and maps
+//	                          [OFF, OFF+LEN) of the first: "> mapped"
+//	peek                      "> byte B"
+//	release NAME              lets NAME's slot go, keeping its connection
+//	hangup NAME               closes NAME's connection, keeping its slot
+type rawAttachment struct {
+	seg    *shm.Segment
+	client *ipc.Client
+}
+
+func helperAttachments(args []string) int {
+	prefix, rundir := args[0], args[1]
+	atts := map[string]*rawAttachment{}
+	var mu sync.Mutex
+	var kept []*rawAttachment // made in the background, kept for the helper's life
+	var mem []byte
+	bg := make(chan string, 4)
+	type claimReq struct {
+		name string
+		ack  bool
+		left []ipc.Claim
+	}
+	parse := func(c testproc.Line) claimReq {
+		r := claimReq{name: c.Args[0], ack: c.Args[1] == "1"}
+		for _, n := range c.Args[2:] {
+			a := atts[n]
+			r.left = append(r.left, ipc.Claim{Slot: a.seg.Slot(), Epoch: a.seg.Epoch()})
+		}
+		return r
+	}
+	claim := func(r claimReq) (*rawAttachment, string) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		cfg := ipc.ClientConfig{Logger: quiet}
+		if r.ack {
+			cfg.PushHandler = ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
+				return &ipc.SyncAck{}, nil
+			})
+		}
+		s, cl, err := claimAndSayHello(ctx, prefix, rundir, cfg, r.left...)
+		if err != nil {
+			return nil, fmt.Sprintf("err %v", err)
+		}
+		return &rawAttachment{seg: s, client: cl}, fmt.Sprintf("claimed %d %d", s.Slot(), s.Epoch())
+	}
+	testproc.Say("ready")
+	testproc.EachCommand(func(c testproc.Line) {
+		switch c.Name {
+		case "claim":
+			r := parse(c)
+			a, res := claim(r)
+			if a != nil {
+				atts[r.name] = a
+			}
+			testproc.Say("> %s", res)
+		case "claim-bg":
+			r := parse(c)
+			go func() {
+				a, res := claim(r)
+				if a != nil {
+					mu.Lock()
+					kept = append(kept, a)
+					mu.Unlock()
+				}
+				bg <- res
+			}()
+			testproc.Say("> started")
+		case "wait":
+			testproc.Say("> %s", <-bg)
+		case "files-map":
+			a := atts[c.Args[0]]
+			got := &ipc.WithFiles{Body: &ipc.MemoryFilesReply{}}
+			if err := a.client.CallTimeout(time.Minute, ipc.KindMemoryFiles, &ipc.MemoryFiles{First: 0}, got); err != nil || len(got.Files) == 0 {
+				testproc.Say("> err files %d %v", len(got.Files), err)
+				return
+			}
+			var err error
+			mem, err = unix.Mmap(int(got.Files[0].Fd()), int64(c.Num(1)), int(c.Num(2)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			for _, f := range got.Files {
+				f.Close()
+			}
+			if err != nil {
+				testproc.Say("> err mmap %v", err)
+				return
+			}
+			testproc.Say("> mapped")
+		case "peek":
+			testproc.Say("> byte %d", mem[0])
+		case "release":
+			atts[c.Args[0]].seg.Close()
+			testproc.Say("> released")
+		case "hangup":
+			atts[c.Args[0]].client.Close()
+			testproc.Say("> hung")
+		default:
+			testproc.Say("> err unknown command %q", c.Name)
+		}
+	})
+	return 0
+}
+
+// fencesOfProcess returns the primary's fences of process pid.
+func fencesOfProcess(p *primary.Primary, pid int) []shm.Proc {
+	return slices.DeleteFunc(p.Segment().Holders(), func(f shm.Proc) bool { return f.PID != pid })
+}
+
+// questionAsked waits for a hello's question to the kernel, held by
+// holdQuestions.
+func questionAsked(t *testing.T, asked <-chan int) {
+	t.Helper()
+	select {
+	case <-asked:
+	case <-time.After(time.Minute): // a hang guard
+		t.Fatal("no question to the kernel")
+	}
+}
+
+// An attachment that a later hello of its process names as left is
+// handed no backing file once the kernel is asked about the process: the
+// answer is true of the moment the kernel read the process, and the
+// attachment leaves the sync set on it, unfenced if it "reaches nothing".
+// Had it been handed its files after the reading, it would map a page the
+// primary then frees and hands out again while the process maps it.
+func TestAnAttachmentNamedAsLeftIsHandedNoFilesOnceItsProcessIsJudged(t *testing.T) {
+	asked, answer := holdQuestions(t)
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	list := p.Memory().Lists()[0]
+	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h.Expect("ready", 0)
+	require.True(t, strings.HasPrefix(ask(t, h, "claim A 0"), "claimed"))
+	require.Equal(t, "started", ask(t, h, "claim-bg C 1 A"))
+	questionAsked(t, asked) // the kernel has read the process: it maps nothing
+	got := ask(t, h, "files-map A %d %d", r.Addr-list.Base, r.Len)
+	assert.Contains(t, got, "err files", "the attachment named as left is handed no files")
+	assert.Contains(t, got, "left")
+	answer()
+	require.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
+
+	require.NoError(t, p.Free(r))
+	p.Memory().ReleaseQuarantine()
+	again, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	if got == "mapped" && assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again") {
+		again.Bytes()[0] = 0x22
+		assert.NotEqual(t, "byte 34", ask(t, h, "peek"), "the helper does not see the new owner's write")
+	}
+}
+
+// A hello that comes while another hello of its process waits for the
+// kernel's word asks the kernel for itself, in its turn: here attachment
+// A mapped a page after the first hello's reading and before the second
+// hello, which names A as left, came; an answer taken from the first
+// hello would detach A unfenced, and the page would be handed out again
+// while the process maps it.
+func TestAHelloWaitingItsTurnAsksTheKernelForItself(t *testing.T) {
+	asked, answer := holdQuestions(t)
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	list := p.Memory().Lists()[0]
+	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h.Expect("ready", 0)
+	require.True(t, strings.HasPrefix(ask(t, h, "claim K 0"), "claimed"))
+	require.Equal(t, "started", ask(t, h, "claim-bg H1 1 K"))
+	questionAsked(t, asked) // the reading: the process maps nothing
+	require.True(t, strings.HasPrefix(ask(t, h, "claim A 0"), "claimed"), "admitted without a question")
+	require.Equal(t, "mapped", ask(t, h, "files-map A %d %d", r.Addr-list.Base, r.Len))
+	r.Bytes()[0] = 0x11
+	require.Equal(t, "byte 17", ask(t, h, "peek"))
+	require.Equal(t, "started", ask(t, h, "claim-bg H2 1 A"))
+	for end := time.Now().Add(time.Minute); testenv.GoroutinesIn("primary.(*handler).judgeEarlier") < 2; time.Sleep(time.Millisecond) {
+		require.True(t, time.Now().Before(end), "the second hello in the primary") // a hang guard
+	}
+	require.Empty(t, asked, "the second hello waits its turn")
+	answer()
+	require.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
+	require.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
+
+	t.Logf("fences of the helper after the hellos: %v", fencesOfProcess(p, h.PID()))
+	require.NoError(t, p.Free(r))
+	t.Logf("quarantined after the free: %d", p.Memory().Quarantined())
+	p.Memory().ReleaseQuarantine()
+	again, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	again.Bytes()[0] = 0x22
+	got := ask(t, h, "peek")
+	t.Logf("freed 0x%x, allocated again 0x%x; the helper reads %q", r.Addr, again.Addr, got)
+	assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again")
+	assert.NotEqual(t, "byte 34", got, "the helper does not see the new owner's write")
+}
+
+// A fence refused because the record of its process and slot names a
+// later claim (shm.Segment.Fence) still keeps that record from an answer
+// read before it: claim A (slot i, epoch e) lets its slot go but stays
+// connected; B claims slot i again (e+1) and is fenced; a hello's question
+// reads the process (maps nothing); A maps a page and is dropped by the
+// free (its fence refused); the answer must not end the record (e+1), or
+// the page would go back while A maps it.
+func TestARefusedFenceKeepsTheRecordFromAnOlderAnswer(t *testing.T) {
+	asked, answer := holdQuestions(t)
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	list := p.Memory().Lists()[0]
+	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h.Expect("ready", 0)
+	var slotA, epochA, slotB, epochB int
+	_, err = fmt.Sscanf(ask(t, h, "claim A 0"), "claimed %d %d", &slotA, &epochA)
+	require.NoError(t, err)
+	require.Equal(t, "released", ask(t, h, "release A"))
+	_, err = fmt.Sscanf(ask(t, h, "claim B 0"), "claimed %d %d", &slotB, &epochB)
+	require.NoError(t, err)
+	require.Equal(t, slotA, slotB, "B claims A's slot again")
+	require.Greater(t, epochB, epochA)
+	require.Equal(t, "hung", ask(t, h, "hangup B"))
+	for end := time.Now().Add(time.Minute); len(fencesOfProcess(p, h.PID())) == 0; time.Sleep(time.Millisecond) {
+		require.True(t, time.Now().Before(end), "B fenced") // a hang guard
+	}
+	t.Logf("fences before the hello: %v", fencesOfProcess(p, h.PID()))
+
+	require.Equal(t, "started", ask(t, h, "claim-bg C 1"))
+	questionAsked(t, asked) // the reading: the process maps nothing
+	require.Equal(t, "mapped", ask(t, h, "files-map A %d %d", r.Addr-list.Base, r.Len))
+	r.Bytes()[0] = 0x11
+	require.Equal(t, "byte 17", ask(t, h, "peek"))
+	before := p.Stats().Counters
+	require.NoError(t, p.Free(r)) // A answers no sync: dropped, and its fence refused
+	after := p.Stats().Counters
+	t.Logf("after the free: quarantined %d, fences %v, drops %d->%d, fenced %d->%d", p.Memory().Quarantined(),
+		fencesOfProcess(p, h.PID()), before.SyncDrops, after.SyncDrops, before.Fenced, after.Fenced)
+	assert.Equal(t, before.SyncDrops+1, after.SyncDrops, "A was dropped as live")
+	require.Equal(t, 1, p.Memory().Quarantined())
+	answer()
+	require.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
+	t.Logf("after the hello: fences %v", fencesOfProcess(p, h.PID()))
+	assert.NotEmpty(t, fencesOfProcess(p, h.PID()), "the process that maps the freed page keeps a fence")
+
+	p.Memory().ReleaseQuarantine()
+	again, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	again.Bytes()[0] = 0x22
+	got := ask(t, h, "peek")
+	t.Logf("freed 0x%x, allocated again 0x%x; the helper reads %q", r.Addr, again.Addr, got)
+	assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again")
+	assert.NotEqual(t, "byte 34", got, "the helper does not see the new owner's write")
+}
