@@ -38,8 +38,8 @@ func init() { testproc.Register("judged", helperJudged) }
 //	again N       says hello again N times on the last admitted connection,
 //	              each naming an earlier claim the primary never knew:
 //	              "> again ERRS"
-//	claim         claims a slot and says hello, and keeps both:
-//	              "> claimed"
+//	claim         claims a slot and says hello, and keeps both; the
+//	              connection acknowledges every push: "> claimed"
 //	left-bg       hello-bg, naming the kept claim as left
 //	map OFF LEN   another attachment: claims a slot, says hello, takes the
 //	              backing files, maps [OFF, OFF+LEN) of the first and keeps
@@ -89,7 +89,12 @@ func helperJudged(args []string) int {
 		case "claim":
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			s, cl, err := claimAndSayHello(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet})
+			// It acknowledges every push (it maps nothing to change), so
+			// that it follows what the primary frees.
+			acks := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
+				return &ipc.SyncAck{}, nil
+			})
+			s, cl, err := claimAndSayHello(ctx, prefix, rundir, ipc.ClientConfig{Logger: quiet, PushHandler: acks})
 			if err != nil {
 				testproc.Say("> err %v", err)
 				return

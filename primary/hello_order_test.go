@@ -30,7 +30,8 @@ func init() { testproc.Register("attachments", helperAttachments) }
 //	                          connection acknowledges every push (without
 //	                          doing anything), 0: it answers none:
 //	                          "> claimed SLOT EPOCH" / "> err ..."
-//	claim-bg ...              the same in the background: "> started"
+//	claim-bg ...              the same in the background, kept by its name
+//	                          once made: "> started"
 //	wait                      the background result
 //	files-map NAME OFF LEN    NAME takes the backing files now and maps
 //	                          [OFF, OFF+LEN) of the first: "> mapped"
@@ -44,9 +45,18 @@ type rawAttachment struct {
 
 func helperAttachments(args []string) int {
 	prefix, rundir := args[0], args[1]
-	atts := map[string]*rawAttachment{}
+	atts := map[string]*rawAttachment{} // by name; guarded by mu
 	var mu sync.Mutex
-	var kept []*rawAttachment // made in the background, kept for the helper's life
+	get := func(name string) *rawAttachment {
+		mu.Lock()
+		defer mu.Unlock()
+		return atts[name]
+	}
+	keep := func(name string, a *rawAttachment) {
+		mu.Lock()
+		defer mu.Unlock()
+		atts[name] = a
+	}
 	var mem []byte
 	bg := make(chan string, 4)
 	type claimReq struct {
@@ -57,7 +67,7 @@ func helperAttachments(args []string) int {
 	parse := func(c testproc.Line) claimReq {
 		r := claimReq{name: c.Args[0], ack: c.Args[1] == "1"}
 		for _, n := range c.Args[2:] {
-			a := atts[n]
+			a := get(n)
 			r.left = append(r.left, ipc.Claim{Slot: a.seg.Slot(), Epoch: a.seg.Epoch()})
 		}
 		return r
@@ -84,7 +94,7 @@ func helperAttachments(args []string) int {
 			r := parse(c)
 			a, res := claim(r)
 			if a != nil {
-				atts[r.name] = a
+				keep(r.name, a)
 			}
 			testproc.Say("> %s", res)
 		case "claim-bg":
@@ -92,9 +102,7 @@ func helperAttachments(args []string) int {
 			go func() {
 				a, res := claim(r)
 				if a != nil {
-					mu.Lock()
-					kept = append(kept, a)
-					mu.Unlock()
+					keep(r.name, a)
 				}
 				bg <- res
 			}()
@@ -102,7 +110,7 @@ func helperAttachments(args []string) int {
 		case "wait":
 			testproc.Say("> %s", <-bg)
 		case "files-map":
-			a := atts[c.Args[0]]
+			a := get(c.Args[0])
 			got := &ipc.WithFiles{Body: &ipc.MemoryFilesReply{}}
 			if err := a.client.CallTimeout(time.Minute, ipc.KindMemoryFiles, &ipc.MemoryFiles{First: 0}, got); err != nil || len(got.Files) == 0 {
 				testproc.Say("> err files %d %v", len(got.Files), err)
@@ -121,10 +129,10 @@ func helperAttachments(args []string) int {
 		case "peek":
 			testproc.Say("> byte %d", mem[0])
 		case "release":
-			atts[c.Args[0]].seg.Close()
+			get(c.Args[0]).seg.Close()
 			testproc.Say("> released")
 		case "hangup":
-			atts[c.Args[0]].client.Close()
+			get(c.Args[0]).client.Close()
 			testproc.Say("> hung")
 		default:
 			testproc.Say("> err unknown command %q", c.Name)
@@ -285,4 +293,44 @@ func TestARefusedFenceKeepsTheRecordFromAnOlderAnswer(t *testing.T) {
 	t.Logf("freed 0x%x, allocated again 0x%x; the helper reads %q", r.Addr, again.Addr, got)
 	assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again")
 	assert.NotEqual(t, "byte 34", got, "the helper does not see the new owner's write")
+}
+
+// An attachment that a hello of its process names as left, and whose
+// connection ends while the kernel reads the process, is judged by the
+// hello's answer: a fence taken then, on the end of the connection (it
+// still holds its slot), would stand on no answer at all, and once the
+// process's new attachment maps the memory no answer could end it, so
+// that everything the primary frees would stay in quarantine for as long
+// as the process lives.
+func TestALeftAttachmentWhoseConnectionEndsWhileItsProcessIsJudgedIsJudgedByTheHello(t *testing.T) {
+	asked, answer := holdQuestions(t)
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	r2, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	list := p.Memory().Lists()[0]
+	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h.Expect("ready", 0)
+	require.True(t, strings.HasPrefix(ask(t, h, "claim A 1"), "claimed"))
+	require.Equal(t, "started", ask(t, h, "claim-bg C 1 A"))
+	questionAsked(t, asked) // the kernel has read the process: it maps nothing
+	require.Equal(t, "hung", ask(t, h, "hangup A"))
+	// The end of A's connection is judged: fenced at once, or left to the
+	// hello's answer.
+	for end := time.Now().Add(time.Minute); len(fencesOfProcess(p, h.PID())) == 0 &&
+		testenv.GoroutinesIn("primary.(*handler).awaitJudgement") == 0; time.Sleep(time.Millisecond) {
+		require.True(t, time.Now().Before(end), "the end of A's connection judged") // a hang guard
+	}
+	answer()
+	require.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
+	require.Equal(t, "released", ask(t, h, "release A")) // A lets its slot go, as Close does
+	require.Equal(t, "mapped", ask(t, h, "files-map C %d %d", r2.Addr-list.Base, r2.Len))
+
+	require.NoError(t, p.Free(r)) // C follows
+	p.Memory().ReleaseQuarantine()
+	assert.Empty(t, fencesOfProcess(p, h.PID()), "no fence of A stands: it let its memory go before C mapped")
+	assert.Zero(t, p.Memory().Quarantined(), "nothing stays in quarantine for the process")
 }

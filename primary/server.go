@@ -57,6 +57,7 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 	s, ok := h.peers[peer]
 	h.syncMu.Unlock()
 	if ok && !h.tearing.Load() {
+		h.awaitJudgement(s)
 		h.log.Info("secondary detached", "pid", peer.PID(), "slot", s.slot, "why", err)
 		// A process that dies closes its socket (its memory unmapped by
 		// then) a moment before it ends: give its death that moment
@@ -344,6 +345,25 @@ func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc
 	return nil
 }
 
+// awaitJudgement waits, if a hello of s's process named s as left and
+// asks the kernel about the process, until that hello has judged s: it
+// detaches s, fenced or not, on an answer about a moment when s could no
+// longer be handed backing files. The end of s's connection, or a sync s
+// failed, is judged after it (s detached, then, is not fenced again): a
+// fence taken while the kernel reads would stand on no answer, and once
+// the process's new attachment maps the memory no answer could end it.
+func (h *handler) awaitJudgement(s *secondary) {
+	h.syncMu.Lock()
+	var turn chan struct{}
+	if s.leaving {
+		turn = h.judging[process{s.peer.PID(), s.start}]
+	}
+	h.syncMu.Unlock()
+	if turn != nil {
+		<-turn // as long as the hello's question: detachAsk at most
+	}
+}
+
 // process names a process by its pid and start time (shm.ProcessStart).
 type process struct {
 	pid   int
@@ -367,8 +387,9 @@ func (h *handler) leftOf(pid int, start uint64, left []ipc.Claim) []*secondary {
 // leaving is leftOf for a hello about to ask the kernel, with syncMu
 // held: it marks each attachment found as leaving, so that it is handed
 // no backing file from now on (it unmapped its memory and asked to
-// detach, by its process's word), and reports whether one is being
-// handed some now (the kernel may not see descriptors in flight).
+// detach, by its process's word), and reports whether the primary is
+// opening some for one now. (Descriptors already sent and not yet
+// received are in flight, which the kernel's reading does not show.)
 func (h *handler) leaving(pid int, start uint64, left []ipc.Claim) (olds []*secondary, handing bool) {
 	return h.findLeft(pid, start, left, true)
 }
@@ -672,6 +693,7 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 			// only after the fence, so that the pages of each free
 			// wait for it.
 			s.drop.Do(func() {
+				(*handler)(p).awaitJudgement(s)
 				live := p.aliveAtDrop(s, err)
 				p.syncMu.Lock()
 				switch {
