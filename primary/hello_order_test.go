@@ -334,3 +334,34 @@ func TestALeftAttachmentWhoseConnectionEndsWhileItsProcessIsJudgedIsJudgedByTheH
 	assert.Empty(t, fencesOfProcess(p, h.PID()), "no fence of A stands: it let its memory go before C mapped")
 	assert.Zero(t, p.Memory().Quarantined(), "nothing stays in quarantine for the process")
 }
+
+// A free whose sync an attachment named as left fails waits for the
+// hello judging the attachment only so long: a question the kernel holds
+// up past its bound (one read of /proc it does not answer) must not hold
+// every change of memory, and the primary's Close, with it. Past the
+// wait, the attachment is judged on its own, and fenced while it lives.
+func TestAFreeWaitsForAHellosJudgementOnlySoLong(t *testing.T) {
+	asked, answer := holdQuestions(t)
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer)
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h.Expect("ready", 0)
+	require.True(t, strings.HasPrefix(ask(t, h, "claim A 0"), "claimed"), "an attachment that answers no push")
+	require.Equal(t, "started", ask(t, h, "claim-bg C 1 A"))
+	questionAsked(t, asked) // held: a read the kernel does not answer
+
+	freed := make(chan error, 1)
+	go func() { freed <- p.Free(r) }()
+	select {
+	case err := <-freed:
+		require.NoError(t, err)
+	case <-time.After(time.Minute): // a hang guard
+		t.Fatal("the free waits for the hello's question")
+	}
+	assert.NotEmpty(t, fencesOfProcess(p, h.PID()), "A, judged on its own, is fenced")
+	answer()
+	assert.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
+}

@@ -352,6 +352,10 @@ func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc
 // failed, is judged after it (s detached, then, is not fenced again): a
 // fence taken while the kernel reads would stand on no answer, and once
 // the process's new attachment maps the memory no answer could end it.
+// The hello's question takes detachAsk at most, checked between reads of
+// /proc; a single read the kernel holds up (a process stuck with its
+// memory map locked) is not cut short, so the wait ends after
+// judgementWait whatever the hello does, and s is judged on its own.
 func (h *handler) awaitJudgement(s *secondary) {
 	h.syncMu.Lock()
 	var turn chan struct{}
@@ -359,10 +363,19 @@ func (h *handler) awaitJudgement(s *secondary) {
 		turn = h.judging[process{s.peer.PID(), s.start}]
 	}
 	h.syncMu.Unlock()
-	if turn != nil {
-		<-turn // as long as the hello's question: detachAsk at most
+	if turn == nil {
+		return
+	}
+	t := time.NewTimer(judgementWait())
+	defer t.Stop()
+	select {
+	case <-turn:
+	case <-t.C:
 	}
 }
+
+// judgementWait bounds awaitJudgement: a hello's question, and a moment.
+func judgementWait() time.Duration { return detachAsk + deathGrace }
 
 // process names a process by its pid and start time (shm.ProcessStart).
 type process struct {
@@ -723,8 +736,9 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 // in time of its own, whatever the sync's deadline: one whose connection
 // ended gets deathGrace to end, and a process that has let its slot go is
 // described by the kernel within dropAsk. A free waits for the judgement:
-// up to deathGrace + dropAsk past SyncTimeout. A secondary that detached
-// meanwhile is not looked at.
+// up to deathGrace + dropAsk past SyncTimeout, and judgementWait before
+// that for s if a hello of its process is judging it (awaitJudgement). A
+// secondary that detached meanwhile is not looked at.
 func (p *Primary) aliveAtDrop(s *secondary, err error) bool {
 	p.syncMu.Lock()
 	detached := s.detached
