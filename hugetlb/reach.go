@@ -31,8 +31,9 @@ import (
 // a file on a hung network mount would never return), and nothing runs
 // with the memory lock held: the answers come from Housekeep, on a
 // goroutine of its own, from ReleaseQuarantine, and from ReachesWithin,
-// which the primary asks on the detach and the hello of a process (and
-// hands the hello's answer to ForgetHolders).
+// which the primary asks on the detach, the hello and the end of the
+// connection of a process and on a sync it failed (and hands the hello's
+// answer to ForgetHolders).
 
 // mapID names a file as a maps line does: device and inode.
 type mapID struct {
@@ -373,8 +374,9 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 
 // ForgetHolders ends those of fences (of one process, as Holders gave
 // them) that the kernel's answer reach and known (ReachesWithin's, asked
-// whole, after fences were read) shows let go, and reports whether it
-// ended them all. The primary calls it when a fenced process attaches
+// whole, after fences were read) shows let go, and reports whether the
+// answer shows every one let go (a record that a fence changed since it
+// was read stays, whatever it reports; see shm.Segment.Forget). The primary calls it when a fenced process attaches
 // again: the new attachment maps the data memory only after the hello, at
 // the addresses the old one used, so what the process reaches before then
 // is the old attachments'; an answer given in part must not be passed in
@@ -384,8 +386,8 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 // Where the kernel will not say (another user's process, or one that made
 // itself undumpable), a fence ends only once nobody holds the old claim's
 // slot: a secondary lets its slot go after it has unmapped its memory. A
-// fence that has come to name a later claim of its slot meanwhile stays
-// (see shm.Segment.Forget). Primary only; it takes no lock.
+// fence that has come to name a later claim of its slot meanwhile, or
+// whose record another fence changed, stays (see shm.Segment.Forget). Primary only; it takes no lock.
 func (m *Memory) ForgetHolders(fences []shm.Proc, reach, known bool) bool {
 	free := true
 	for _, h := range fences {

@@ -365,3 +365,55 @@ func TestAFreeWaitsForAHellosJudgementOnlySoLong(t *testing.T) {
 	answer()
 	assert.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
 }
+
+// A fence that the end of a left attachment's connection takes on no
+// answer, while a hello of its process judges it, ends on the hello's
+// answer where that says the process reaches nothing: the attachment was
+// handed no backing file after it was marked leaving, before the kernel
+// read, and once the process's new attachment maps the memory no later
+// answer could end the fence. Here it is taken once the end of the
+// connection has waited for the hello as long as it may
+// (judgementWait), and, in the second case, by an end of connection that
+// came a moment before the hello marked the attachment, and so did not
+// wait for it.
+func TestAFenceTakenOnNoAnswerEndsOnTheHellosAnswer(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		hangupFirst bool
+	}{{"past the wait", false}, {"before the mark", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			asked, answer := holdQuestions(t)
+			t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+			p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+			t.Cleanup(answer)
+			r, err := p.Alloc(p.Backend().PageSize)
+			require.NoError(t, err)
+			r2, err := p.Alloc(p.Backend().PageSize)
+			require.NoError(t, err)
+			list := p.Memory().Lists()[0]
+			h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+			h.Expect("ready", 0)
+			require.True(t, strings.HasPrefix(ask(t, h, "claim A 1"), "claimed"))
+			if tc.hangupFirst {
+				require.Equal(t, "hung", ask(t, h, "hangup A"))
+			}
+			require.Equal(t, "started", ask(t, h, "claim-bg C 1 A"))
+			questionAsked(t, asked) // held: the kernel has read the process, which maps nothing
+			if !tc.hangupFirst {
+				require.Equal(t, "hung", ask(t, h, "hangup A"))
+			}
+			for end := time.Now().Add(time.Minute); len(fencesOfProcess(p, h.PID())) == 0; time.Sleep(time.Millisecond) {
+				require.True(t, time.Now().Before(end), "A fenced on the end of its connection") // a hang guard
+			}
+			answer()
+			require.True(t, strings.HasPrefix(ask(t, h, "wait"), "claimed"))
+			require.Equal(t, "released", ask(t, h, "release A")) // as Close does
+			require.Equal(t, "mapped", ask(t, h, "files-map C %d %d", r2.Addr-list.Base, r2.Len))
+
+			require.NoError(t, p.Free(r)) // C follows
+			p.Memory().ReleaseQuarantine()
+			assert.Empty(t, fencesOfProcess(p, h.PID()), "A's fence, taken on no answer, ended on the hello's")
+			assert.Zero(t, p.Memory().Quarantined(), "nothing stays in quarantine for the process")
+		})
+	}
+}

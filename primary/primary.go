@@ -133,6 +133,10 @@ type secondary struct {
 	// the kernel about the process: it is handed no backing file. Guarded
 	// by syncMu.
 	leaving bool
+	// fence is the record of the fence taken of it while it was leaving
+	// (shm.Segment.FenceClaim), which the hello's answer may end (see
+	// detachLeft). Guarded by syncMu.
+	fence shm.Proc
 }
 
 // running reports whether s's process runs, by the kernel's word

@@ -140,7 +140,13 @@ var detachAsk = 500 * time.Millisecond
 // changes. Whether it still reaches data memory, and so how long what the
 // primary frees waits for it, the kernel says later (see hugetlb).
 func (p *Primary) fenceIfAlive(s *secondary, why string) {
-	if p.seg.Fence(s.slot, s.epoch, s.peer.PID(), s.start) {
+	fenced, record := p.seg.FenceClaim(s.slot, s.epoch, s.peer.PID(), s.start)
+	if s.leaving {
+		// A hello of its process judges it (see awaitJudgement): the
+		// hello's answer may end this fence.
+		s.fence = record
+	}
+	if fenced {
 		p.fenced.Add(1)
 		p.log.Warn("fenced a secondary that no longer follows memory changes; memory freed from now on "+
 			"waits in quarantine until it ends or unmaps its memory", "pid", s.peer.PID(), "slot", s.slot, "why", why)
@@ -273,9 +279,12 @@ var askKernel = func(m *hugetlb.Memory, pid int, d time.Duration) (reach, known,
 // the two apart. So a hello whose process the kernel does not describe
 // within detachAsk is refused, as a limit (Attach tries again), with its
 // fences standing: housekeeping asks again, on a goroutine of its own,
-// and ends them once the process is seen to have let go. Neither the
-// primary's Close nor its other secondaries wait on a process's /proc,
-// however large it makes it.
+// and ends them once the process is seen to have let go, or a later
+// hello does. The primary's Close and its other secondaries wait on a
+// process's /proc no longer than that bound, however large the process
+// makes it (the bound is looked at between reads: one read the kernel
+// holds up is not cut short, and a free waits on it judgementWait at
+// most; see awaitJudgement).
 //
 // The kernel's answer is true of the moment it read the process, and
 // only what was settled before it read may be judged by it: the fences
@@ -338,7 +347,7 @@ func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc
 	}
 	if !done {
 		return fmt.Errorf("%w: the kernel took over %v to describe what pid %d maps and holds open; "+
-			"an earlier attachment of it was fenced, and a hello is admitted once housekeeping has seen it let go",
+			"an earlier attachment of it was fenced, and a later hello is admitted once the kernel is seen to say it let go",
 			ipc.ErrLimit, detachAsk, pid)
 	}
 	p.mem.ForgetHolders(fences, reach, known)
@@ -436,11 +445,27 @@ func (h *handler) findLeft(pid int, start uint64, left []ipc.Claim, mark bool) (
 // connection ended while they lived — a fence the kernel could no longer
 // end once the new attachment maps the memory. Only attachments of the
 // hello's own process (pid and start time) are looked at.
+//
+// One that left the sync set while the kernel read, fenced on the end of
+// its connection or on a sync it failed, had its fence taken on no answer
+// (see awaitJudgement, which waits so long only): where the answer says
+// the process reaches nothing, that fence ends, unless another fence has
+// changed the record since. It was handed no backing file after it was
+// marked leaving, before the kernel read, so what the process reached
+// then was all it could map; once the process's new attachment maps the
+// memory, no answer could end the fence.
 func (h *handler) detachLeft(pid int, olds []*secondary, mayReach bool) {
 	for _, s := range olds {
 		if h.detach(s, mayReach) {
 			h.log.Info("secondary detached, said a later hello of its process", "pid", pid, "slot", s.slot)
 			s.peer.Close() // its process has let it go
+			continue
+		}
+		h.syncMu.Lock()
+		fence := s.fence
+		h.syncMu.Unlock()
+		if !mayReach && fence.Epoch == s.epoch && fence.Seq != 0 {
+			h.p().seg.Forget(fence)
 		}
 	}
 }
@@ -454,7 +479,8 @@ func (h *handler) memoryFiles(peer *ipc.Peer, first int) (any, error) {
 	p := h.p()
 	h.syncMu.Lock()
 	s := h.peers[peer]
-	ok := s != nil && s.files == first && !s.leaving
+	leaving := s != nil && s.leaving
+	ok := s != nil && s.files == first && !leaving
 	if ok {
 		s.files = -1
 	}
@@ -462,7 +488,7 @@ func (h *handler) memoryFiles(peer *ipc.Peer, first int) (any, error) {
 	if s == nil {
 		return nil, instance.ErrNotAttached
 	}
-	if s.leaving {
+	if leaving {
 		return nil, fmt.Errorf("%w: memory files: a later hello of this process said this attachment has left",
 			ipc.ErrLimit)
 	}

@@ -84,9 +84,10 @@ type Proc struct {
 	Fenced bool `json:"fenced"`
 	// Unmapped: the claimant declared it maps no data memory any more.
 	Unmapped bool `json:"unmapped"`
-	// Seq, in a fence the owner keeps (Holders), changes with every
-	// fence the owner takes of the process and slot: Forget ends the
-	// record only as it was read.
+	// Seq, in a fence the owner keeps (Holders), changes with every call
+	// of Fence for the process and slot while the process lives, those
+	// that return false included (fenced already, or an earlier claim):
+	// Forget ends the record only as it was read.
 	Seq uint64 `json:"seq,omitempty"`
 }
 
@@ -289,7 +290,8 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // time (ProcessStart, as the owner read it when it admitted the process),
 // so that the fence holds even when its /proc stat cannot be read now.
 // Fence reports whether it fenced the claim now:
-// false if process pid is gone, or the claim was fenced already, or a
+// false if the process (pid and start) is gone by the kernel's word, or
+// the claim was fenced already, or a
 // later claim of the slot by the same process was (then the slot's word
 // is left as it is: it belongs to the later claim). The owner
 // keeps one record per process and slot (see SameHolder), which names the
@@ -300,9 +302,18 @@ func (s *Segment) Epoch() uint32 { return s.epoch }
 // its pid and start time: every word of the process table can be rewritten
 // by any process mapping the segment, and none of them may end a fence.
 func (s *Segment) Fence(i int, epoch uint32, pid int, start uint64) bool {
+	fenced, _ := s.FenceClaim(i, epoch, pid, start)
+	return fenced
+}
+
+// FenceClaim is Fence, and also returns the owner's record of the process
+// and slot as this call left it (the zero Proc if it keeps none), for a
+// caller that may end the record later on an answer about this claim
+// alone (Forget ends it only if no fence has changed it since).
+func (s *Segment) FenceClaim(i int, epoch uint32, pid int, start uint64) (fenced bool, record Proc) {
 	slots := s.slots()
 	if !s.owner || i < 0 || i >= len(slots) || i == s.Slot() || !SameProcess(pid, start) {
-		return false
+		return false, Proc{}
 	}
 	rec := Proc{Slot: i, PID: pid, Start: start, Epoch: epoch, Live: true, Alive: true, Fenced: true}
 	s.fenceMu.Lock()
@@ -320,19 +331,19 @@ func (s *Segment) Fence(i int, epoch uint32, pid int, start uint64) bool {
 		// the slot's word and the record stay with the later claim (a
 		// question asked about the earlier one must not end the later
 		// one's fence; see Forget).
-		return false
+		return false, s.fences[j]
 	}
 	atomic.StoreUint32(&slots[i].Fenced, epoch) // again, if fenced already: any process can clear it
 	if j >= 0 && s.fences[j].Epoch == epoch {
-		return false // fenced already
+		return false, s.fences[j] // fenced already
 	}
 	if j >= 0 {
 		s.fences[j].Epoch = epoch // a later claim of the slot: the record names it now
-	} else {
-		rec.Seq = s.fenceSeq
-		s.fences = append(s.fences, rec)
+		return true, s.fences[j]
 	}
-	return true
+	rec.Seq = s.fenceSeq
+	s.fences = append(s.fences, rec)
+	return true, rec
 }
 
 // Forget ends the fence of holder h (one of Holders): its process has let
