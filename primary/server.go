@@ -459,14 +459,18 @@ func (h *handler) detachLeft(pid int, olds []*secondary, mayReach bool) {
 		if h.detach(s, mayReach) {
 			h.log.Info("secondary detached, said a later hello of its process", "pid", pid, "slot", s.slot)
 			s.peer.Close() // its process has let it go
+		}
+		if mayReach {
 			continue
 		}
+		// Judged: an end of its connection or a sync it failed, seen
+		// later, takes no fence of it (both look at detached).
 		h.syncMu.Lock()
-		fence := s.fence
-		h.syncMu.Unlock()
-		if !mayReach && fence.Epoch == s.epoch && fence.Seq != 0 {
-			h.p().seg.Forget(fence)
+		s.detached = true
+		if f := s.fence; f.Epoch == s.epoch && f.Seq != 0 {
+			h.p().seg.Forget(f)
 		}
+		h.syncMu.Unlock()
 	}
 }
 
