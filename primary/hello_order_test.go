@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
@@ -141,6 +142,50 @@ func helperAttachments(args []string) int {
 	return 0
 }
 
+// judgedInstance is a primary whose hellos' questions to the kernel are
+// held (holdQuestions) and whose housekeeping is off, with pages of data
+// memory allocated, and the attachments helper started beside it.
+type judgedInstance struct {
+	p      *primary.Primary
+	h      *testproc.Proc
+	asked  <-chan int
+	answer func()
+	pages  []hugetlb.Region
+}
+
+// startJudged starts a judgedInstance with n pages allocated.
+func startJudged(t *testing.T, n int) *judgedInstance {
+	t.Helper()
+	asked, answer := holdQuestions(t)
+	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	t.Cleanup(answer)
+	in := &judgedInstance{p: p, asked: asked, answer: answer}
+	for range n {
+		r, err := p.Alloc(p.Backend().PageSize)
+		require.NoError(t, err)
+		in.pages = append(in.pages, r)
+	}
+	in.h = testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	in.h.Expect("ready", 0)
+	return in
+}
+
+// notHandedOutAgain checks that the page r, which the helper h maps and
+// the primary p freed, is not handed out again (once p has released
+// what it may from quarantine), and that the helper does not see a write
+// to what p allocates next.
+func notHandedOutAgain(t *testing.T, p *primary.Primary, h *testproc.Proc, r hugetlb.Region) {
+	t.Helper()
+	p.Memory().ReleaseQuarantine()
+	again, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	again.Bytes()[0] = 0x22
+	got := ask(t, h, "peek")
+	assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again")
+	assert.NotEqual(t, "byte 34", got, "the helper does not see the new owner's write")
+}
+
 // fencesOfProcess returns the primary's fences of process pid.
 func fencesOfProcess(p *primary.Primary, pid int) []shm.Proc {
 	return slices.DeleteFunc(p.Segment().Holders(), func(f shm.Proc) bool { return f.PID != pid })
@@ -164,15 +209,10 @@ func questionAsked(t *testing.T, asked <-chan int) {
 // Had it been handed its files after the reading, it would map a page the
 // primary then frees and hands out again while the process maps it.
 func TestAnAttachmentNamedAsLeftIsHandedNoFilesOnceItsProcessIsJudged(t *testing.T) {
-	asked, answer := holdQuestions(t)
-	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	t.Cleanup(answer)
-	r, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
+	in := startJudged(t, 1)
+	p, h, asked, answer := in.p, in.h, in.asked, in.answer
+	r := in.pages[0]
 	list := p.Memory().Lists()[0]
-	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
-	h.Expect("ready", 0)
 	require.True(t, strings.HasPrefix(ask(t, h, "claim A 0"), "claimed"))
 	require.Equal(t, "started", ask(t, h, "claim-bg C 1 A"))
 	questionAsked(t, asked) // the kernel has read the process: it maps nothing
@@ -199,15 +239,10 @@ func TestAnAttachmentNamedAsLeftIsHandedNoFilesOnceItsProcessIsJudged(t *testing
 // hello would detach A unfenced, and the page would be handed out again
 // while the process maps it.
 func TestAHelloWaitingItsTurnAsksTheKernelForItself(t *testing.T) {
-	asked, answer := holdQuestions(t)
-	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	t.Cleanup(answer)
-	r, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
+	in := startJudged(t, 1)
+	p, h, asked, answer := in.p, in.h, in.asked, in.answer
+	r := in.pages[0]
 	list := p.Memory().Lists()[0]
-	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
-	h.Expect("ready", 0)
 	require.True(t, strings.HasPrefix(ask(t, h, "claim K 0"), "claimed"))
 	require.Equal(t, "started", ask(t, h, "claim-bg H1 1 K"))
 	questionAsked(t, asked) // the reading: the process maps nothing
@@ -227,14 +262,7 @@ func TestAHelloWaitingItsTurnAsksTheKernelForItself(t *testing.T) {
 	t.Logf("fences of the helper after the hellos: %v", fencesOfProcess(p, h.PID()))
 	require.NoError(t, p.Free(r))
 	t.Logf("quarantined after the free: %d", p.Memory().Quarantined())
-	p.Memory().ReleaseQuarantine()
-	again, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
-	again.Bytes()[0] = 0x22
-	got := ask(t, h, "peek")
-	t.Logf("freed 0x%x, allocated again 0x%x; the helper reads %q", r.Addr, again.Addr, got)
-	assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again")
-	assert.NotEqual(t, "byte 34", got, "the helper does not see the new owner's write")
+	notHandedOutAgain(t, p, h, r)
 }
 
 // A fence refused because the record of its process and slot names a
@@ -245,17 +273,12 @@ func TestAHelloWaitingItsTurnAsksTheKernelForItself(t *testing.T) {
 // free (its fence refused); the answer must not end the record (e+1), or
 // the page would go back while A maps it.
 func TestARefusedFenceKeepsTheRecordFromAnOlderAnswer(t *testing.T) {
-	asked, answer := holdQuestions(t)
-	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	t.Cleanup(answer)
-	r, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
+	in := startJudged(t, 1)
+	p, h, asked, answer := in.p, in.h, in.asked, in.answer
+	r := in.pages[0]
 	list := p.Memory().Lists()[0]
-	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
-	h.Expect("ready", 0)
 	var slotA, epochA, slotB, epochB int
-	_, err = fmt.Sscanf(ask(t, h, "claim A 0"), "claimed %d %d", &slotA, &epochA)
+	_, err := fmt.Sscanf(ask(t, h, "claim A 0"), "claimed %d %d", &slotA, &epochA)
 	require.NoError(t, err)
 	require.Equal(t, "released", ask(t, h, "release A"))
 	_, err = fmt.Sscanf(ask(t, h, "claim B 0"), "claimed %d %d", &slotB, &epochB)
@@ -285,14 +308,7 @@ func TestARefusedFenceKeepsTheRecordFromAnOlderAnswer(t *testing.T) {
 	t.Logf("after the hello: fences %v", fencesOfProcess(p, h.PID()))
 	assert.NotEmpty(t, fencesOfProcess(p, h.PID()), "the process that maps the freed page keeps a fence")
 
-	p.Memory().ReleaseQuarantine()
-	again, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
-	again.Bytes()[0] = 0x22
-	got := ask(t, h, "peek")
-	t.Logf("freed 0x%x, allocated again 0x%x; the helper reads %q", r.Addr, again.Addr, got)
-	assert.NotEqual(t, r.Addr, again.Addr, "the page the process maps is not handed out again")
-	assert.NotEqual(t, "byte 34", got, "the helper does not see the new owner's write")
+	notHandedOutAgain(t, p, h, r)
 }
 
 // An attachment that a hello of its process names as left, and whose
@@ -303,17 +319,11 @@ func TestARefusedFenceKeepsTheRecordFromAnOlderAnswer(t *testing.T) {
 // that everything the primary frees would stay in quarantine for as long
 // as the process lives.
 func TestALeftAttachmentWhoseConnectionEndsWhileItsProcessIsJudgedIsJudgedByTheHello(t *testing.T) {
-	asked, answer := holdQuestions(t)
-	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	t.Cleanup(answer)
-	r, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
-	r2, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
+	in := startJudged(t, 2)
+	p, h, asked, answer := in.p, in.h, in.asked, in.answer
+	r := in.pages[0]
+	r2 := in.pages[1]
 	list := p.Memory().Lists()[0]
-	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
-	h.Expect("ready", 0)
 	require.True(t, strings.HasPrefix(ask(t, h, "claim A 1"), "claimed"))
 	require.Equal(t, "started", ask(t, h, "claim-bg C 1 A"))
 	questionAsked(t, asked) // the kernel has read the process: it maps nothing
@@ -341,14 +351,9 @@ func TestALeftAttachmentWhoseConnectionEndsWhileItsProcessIsJudgedIsJudgedByTheH
 // every change of memory, and the primary's Close, with it. Past the
 // wait, the attachment is judged on its own, and fenced while it lives.
 func TestAFreeWaitsForAHellosJudgementOnlySoLong(t *testing.T) {
-	asked, answer := holdQuestions(t)
-	t.Cleanup(primary.SetHousekeepEvery(time.Hour))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	t.Cleanup(answer)
-	r, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
-	h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
-	h.Expect("ready", 0)
+	in := startJudged(t, 1)
+	p, h, asked, answer := in.p, in.h, in.asked, in.answer
+	r := in.pages[0]
 	require.True(t, strings.HasPrefix(ask(t, h, "claim A 0"), "claimed"), "an attachment that answers no push")
 	require.Equal(t, "started", ask(t, h, "claim-bg C 1 A"))
 	questionAsked(t, asked) // held: a read the kernel does not answer
@@ -382,17 +387,11 @@ func TestAFenceTakenOnNoAnswerEndsOnTheHellosAnswer(t *testing.T) {
 		hangupFirst bool
 	}{{"past the wait", false}, {"before the mark", true}} {
 		t.Run(tc.name, func(t *testing.T) {
-			asked, answer := holdQuestions(t)
-			t.Cleanup(primary.SetHousekeepEvery(time.Hour))
-			p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-			t.Cleanup(answer)
-			r, err := p.Alloc(p.Backend().PageSize)
-			require.NoError(t, err)
-			r2, err := p.Alloc(p.Backend().PageSize)
-			require.NoError(t, err)
+			in := startJudged(t, 2)
+			p, h, asked, answer := in.p, in.h, in.asked, in.answer
+			r := in.pages[0]
+			r2 := in.pages[1]
 			list := p.Memory().Lists()[0]
-			h := testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
-			h.Expect("ready", 0)
 			require.True(t, strings.HasPrefix(ask(t, h, "claim A 1"), "claimed"))
 			if tc.hangupFirst {
 				require.Equal(t, "hung", ask(t, h, "hangup A"))
