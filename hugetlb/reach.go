@@ -374,9 +374,8 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 
 // ForgetHolders ends those of fences (of one process, as Holders gave
 // them) that the kernel's answer reach and known (ReachesWithin's, asked
-// whole, after fences were read) shows let go, and reports whether the
-// answer shows every one let go (a record that a fence changed since it
-// was read stays, whatever it reports; see shm.Segment.Forget). The primary calls it when a fenced process attaches
+// whole, after fences were read) shows let go (a record that a fence
+// changed since it was read stays; see shm.Segment.Forget). The primary calls it when a fenced process attaches
 // again: the new attachment maps the data memory only after the hello, at
 // the addresses the old one used, so what the process reaches before then
 // is the old attachments'; an answer given in part must not be passed in
@@ -388,14 +387,10 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 // slot: a secondary lets its slot go after it has unmapped its memory. A
 // fence that has come to name a later claim of its slot meanwhile, or
 // whose record another fence changed, stays (see shm.Segment.Forget). Primary only; it takes no lock.
-func (m *Memory) ForgetHolders(fences []shm.Proc, reach, known bool) bool {
-	free := true
+func (m *Memory) ForgetHolders(fences []shm.Proc, reach, known bool) {
 	for _, h := range fences {
-		if reach || !known && m.seg.Alive(h.Slot) {
-			free = false
-			continue
+		if !reach && (known || !m.seg.Alive(h.Slot)) {
+			m.seg.Forget(h)
 		}
-		m.seg.Forget(h)
 	}
-	return free
 }

@@ -14,7 +14,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
@@ -114,15 +113,7 @@ func helperJudged(args []string) int {
 				return
 			}
 			keep = append(keep, cl, s)
-			mem, err = unix.Mmap(int(files[0].Fd()), int64(c.Num(0)), int(c.Num(1)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-			for _, f := range files {
-				f.Close()
-			}
-			if err != nil {
-				testproc.Say("> err mmap %v", err)
-				return
-			}
-			testproc.Say("> mapped")
+			mem = mapFirst(files, c.Num(0), c.Num(1))
 		case "peek":
 			testproc.Say("> byte %d", mem[0])
 		case "again":

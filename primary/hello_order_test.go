@@ -3,6 +3,7 @@ package primary_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -117,16 +118,7 @@ func helperAttachments(args []string) int {
 				testproc.Say("> err files %d %v", len(got.Files), err)
 				return
 			}
-			var err error
-			mem, err = unix.Mmap(int(got.Files[0].Fd()), int64(c.Num(1)), int(c.Num(2)), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-			for _, f := range got.Files {
-				f.Close()
-			}
-			if err != nil {
-				testproc.Say("> err mmap %v", err)
-				return
-			}
-			testproc.Say("> mapped")
+			mem = mapFirst(got.Files, c.Num(1), c.Num(2))
 		case "peek":
 			testproc.Say("> byte %d", mem[0])
 		case "release":
@@ -140,6 +132,22 @@ func helperAttachments(args []string) int {
 		}
 	})
 	return 0
+}
+
+// mapFirst maps [off, off+length) of the first of files, the backing
+// files a helper was handed, closes them all, and says "> mapped" or why
+// not. It returns the mapping, nil if there is none.
+func mapFirst(files []*os.File, off, length uint64) []byte {
+	mem, err := unix.Mmap(int(files[0].Fd()), int64(off), int(length), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil {
+		testproc.Say("> err mmap %v", err)
+		return nil
+	}
+	testproc.Say("> mapped")
+	return mem
 }
 
 // judgedInstance is a primary whose hellos' questions to the kernel are
