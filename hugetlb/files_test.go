@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
@@ -64,4 +65,34 @@ func TestRemoveFilesRemovesOnlyDeadFilesOfThisUser(t *testing.T) {
 		assert.Contains(t, err.Error(), "owner uid 42021")
 		assert.FileExists(t, path(2), "another user's file is left alone")
 	})
+}
+
+// A backing file handed to another process may be locked by it as Create
+// locks it: RemoveEndedFiles, for a caller that proved the instance ended
+// by other means, removes it anyway; links and other users' files it
+// leaves alone as RemoveFiles does.
+func TestRemoveEndedFilesRemovesLockedFilesOfThisUser(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	prefix := testenv.Name(t)
+	path := func(n int) string { return filepath.Join(b.Dir, hugetlb.FileName(prefix, n)) }
+	t.Cleanup(func() {
+		for n := range 2 {
+			os.Remove(path(n))
+		}
+	})
+	require.NoError(t, os.WriteFile(path(0), []byte("handed"), 0o600))
+	holder, err := os.OpenFile(path(0), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer holder.Close()
+	require.NoError(t, ofd.TryLock(holder, 0, true))
+	require.NoError(t, os.Symlink(filepath.Join(t.TempDir(), "elsewhere"), path(1)))
+
+	assert.ErrorIs(t, hugetlb.RemoveFiles(b.Dir, prefix), hugetlb.ErrInUse, "to RemoveFiles, a live memory's")
+	assert.FileExists(t, path(0))
+	err = hugetlb.RemoveEndedFiles(b.Dir, prefix)
+	assert.ErrorIs(t, err, hugetlb.ErrNotOwned, "a link is nobody's backing file")
+	assert.NotErrorIs(t, err, hugetlb.ErrInUse)
+	assert.NoFileExists(t, path(0), "the locked file of this user goes")
+	_, lerr := os.Lstat(path(1))
+	assert.NoError(t, lerr, "the link is left")
 }

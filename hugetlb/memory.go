@@ -243,6 +243,20 @@ func FileName(prefix string, n int) string {
 // the others are removed. Memory still mapped by live processes stays
 // until they unmap it.
 func RemoveFiles(dir, prefix string) error {
+	return removeFiles(dir, prefix, ofd.ClaimFile)
+}
+
+// RemoveEndedFiles is RemoveFiles for a caller that has proven by other
+// means that the instance ended (a primary holds a lock of its own, on a
+// file it hands to nobody): it removes the instance's regular files of
+// this process's user whatever locks are held on them. The lock Create
+// takes proves nothing once the files have been handed to other
+// processes, which may lock them too.
+func RemoveEndedFiles(dir, prefix string) error {
+	return removeFiles(dir, prefix, ofd.ClaimEnded)
+}
+
+func removeFiles(dir, prefix string, claim func(path string, uid int) (*ofd.Claim, error)) error {
 	if err := checkPrefix(prefix); err != nil {
 		return err
 	}
@@ -256,17 +270,17 @@ func RemoveFiles(dir, prefix string) error {
 		if _, err := strconv.ParseUint(n, 10, 32); !ok || err != nil {
 			continue
 		}
-		if err := removeDead(filepath.Join(dir, e.Name())); err != nil {
+		if err := removeDead(filepath.Join(dir, e.Name()), claim); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// removeDead removes the backing file at path if no live Memory holds it
-// and it is this user's.
-func removeDead(path string) error {
-	c, err := ofd.ClaimFile(path, os.Geteuid())
+// removeDead removes the backing file at path if claim proves that no
+// live Memory holds it and it is this user's.
+func removeDead(path string, claim func(path string, uid int) (*ofd.Claim, error)) error {
+	c, err := claim(path, os.Geteuid())
 	switch {
 	case errors.Is(err, os.ErrNotExist):
 		return nil

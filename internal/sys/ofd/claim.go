@@ -17,8 +17,10 @@ var ErrNotOwned = errors.New("ofd: not a regular file of the expected owner")
 // A Claim is a file proven to belong to no live holder: opened without
 // following links, checked to be a regular file of its expected owner,
 // and locked (byte 0, exclusively) by this process, which is what every
-// holder of such a file does for as long as it lives. Its holder may then
-// remove it without racing a live one. The claim keeps the directory the
+// holder of such a file does for as long as it lives (or, from
+// ClaimEnded, proven so by the caller and not locked; from CreateLocked,
+// made and locked by this process). Its holder may then remove it without
+// racing a live one. The claim keeps the directory the
 // file was found in: whatever the path's directories are made to name
 // later, Remove unlinks in that one.
 type Claim struct {
@@ -34,6 +36,29 @@ type Claim struct {
 // file description holds a lock on byte 0 of it, that is, while the
 // process that made it lives.
 func ClaimFile(path string, uid int) (*Claim, error) {
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return claimAt(dir, name, path, uid, true) })
+}
+
+// ClaimEnded is ClaimFile for a file whose maker the caller has proven
+// ended by other means: it makes the same checks but does not look at
+// locks, and takes none. Anyone who holds a file open may lock it, so a
+// lock on a file others were handed proves nothing; ClaimEnded leaves
+// such locks as they are, and Remove unlinks the file under them.
+func ClaimEnded(path string, uid int) (*Claim, error) {
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return claimAt(dir, name, path, uid, false) })
+}
+
+// CreateLocked makes the file at path (a clean one), which must not
+// exist, as a regular file of mode 0600, and locks byte 0 of it: the
+// claim is the lifetime lock ClaimFile looks for. Remove unlinks it
+// before the lock goes.
+func CreateLocked(path string) (*Claim, error) {
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return createAt(dir, name, path) })
+}
+
+// claimFile checks path and claims its file with at, in the directory
+// path names, opened once.
+func claimFile(path string, at func(dir *os.File, name string) (*Claim, error)) (*Claim, error) {
 	name := filepath.Base(path)
 	if strings.HasSuffix(path, "/") || name == "." || name == ".." || name == "/" {
 		return nil, fmt.Errorf("%w: %s names a directory", ErrNotOwned, path)
@@ -48,7 +73,7 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 		return nil, &os.PathError{Op: "open", Path: filepath.Dir(path), Err: err}
 	}
 	dir := os.NewFile(uintptr(dfd), filepath.Dir(path))
-	c, err := claimAt(dir, name, path, uid)
+	c, err := at(dir, name)
 	if err != nil {
 		dir.Close()
 		return nil, err
@@ -56,7 +81,23 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 	return c, nil
 }
 
-func claimAt(dir *os.File, name, path string, uid int) (*Claim, error) {
+// createAt makes name in dir, exclusively, and locks it.
+func createAt(dir *os.File, name, path string) (*Claim, error) {
+	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, &os.PathError{Op: "create", Path: path, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), path)
+	if err := TryLock(f, 0, true); err != nil {
+		// Someone opened and locked it between its making and this: it
+		// is theirs to remove now.
+		f.Close()
+		return nil, err
+	}
+	return &Claim{f: f, dir: dir, name: name, path: path}, nil
+}
+
+func claimAt(dir *os.File, name, path string, uid int, lock bool) (*Claim, error) {
 	dfd := int(dir.Fd())
 	fd, err := unix.Openat(dfd, name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ELOOP) {
@@ -82,9 +123,11 @@ func claimAt(dir *os.File, name, path string, uid int) (*Claim, error) {
 		f.Close()
 		return nil, notOwned(path, &st, uid)
 	}
-	if err := TryLock(f, 0, true); err != nil {
-		f.Close()
-		return nil, err
+	if lock {
+		if err := TryLock(f, 0, true); err != nil {
+			f.Close()
+			return nil, err
+		}
 	}
 	return &Claim{f: f, dir: dir, name: name, path: path}, nil
 }

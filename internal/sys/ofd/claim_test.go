@@ -1,6 +1,7 @@
 package ofd
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -60,6 +61,52 @@ func TestClaimFile(t *testing.T) {
 		assert.ErrorIs(t, err, ErrNotOwned, p)
 	}
 	assert.FileExists(t, filepath.Join(dir, "d", "d"))
+}
+
+// A file its maker made with CreateLocked is claimed by nobody while the
+// maker holds it; ClaimEnded, for a caller that knows the maker ended,
+// claims a file whoever else holds locked, and removes it under them.
+func TestCreateLockedAndClaimEnded(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "life")
+	me := os.Geteuid()
+
+	life, err := CreateLocked(path)
+	require.NoError(t, err)
+	_, err = CreateLocked(path)
+	assert.ErrorIs(t, err, os.ErrExist, "made once")
+	_, err = ClaimFile(path, me)
+	assert.ErrorIs(t, err, ErrLocked, "its maker lives")
+	fi, err := os.Stat(path)
+	require.NoError(t, err)
+	assert.Zero(t, fi.Mode().Perm()&0o077, "nobody else may open it")
+	require.NoError(t, life.Remove())
+	assert.NoFileExists(t, path, "its maker removes it")
+
+	// Another holder of an open file may lock it as its maker did.
+	other := filepath.Join(dir, "handed")
+	require.NoError(t, os.WriteFile(other, []byte("x"), 0o600))
+	holder, err := os.OpenFile(other, os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer holder.Close()
+	require.NoError(t, TryLock(holder, 0, true))
+	_, err = ClaimEnded(other, me+1)
+	assert.ErrorIs(t, err, ErrNotOwned, "another user's file, ended or not")
+	c, err := ClaimEnded(other, me)
+	require.NoError(t, err, "locked, but proven ended")
+	require.NoError(t, c.Remove())
+	assert.NoFileExists(t, other)
+	again, err := os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", holder.Fd()), os.O_RDWR, 0)
+	require.NoError(t, err)
+	defer again.Close()
+	assert.ErrorIs(t, TryLock(again, 0, true), ErrLocked, "the holder's lock is left as it was")
+
+	require.NoError(t, os.Symlink(path, filepath.Join(dir, "link")))
+	_, err = ClaimEnded(filepath.Join(dir, "link"), me)
+	assert.ErrorIs(t, err, ErrNotOwned, "links are nobody's")
+	_, err = CreateLocked(filepath.Join(dir, "link"))
+	assert.Error(t, err, "nor made through")
+	assert.NoFileExists(t, path)
 }
 
 // TestRemoveStaysInTheClaimedDirectory swaps the directory a claim was
