@@ -31,6 +31,18 @@ func b3secSquat(t *testing.T, path, kind string) {
 	require.NoError(t, os.Lchown(path, squatterUID, squatterUID))
 }
 
+// b3secBackendPath is the path of the instance's file which ("segment",
+// "memseg list" or "life file") in backend directory dir.
+func b3secBackendPath(dir, name, which string) string {
+	switch which {
+	case "segment":
+		return instance.SegmentPath(dir, name)
+	case "life file":
+		return instance.LifePath(dir, name)
+	}
+	return filepath.Join(dir, hugetlb.FileName(name, 0))
+}
+
 // README, Robustness: "A new primary removes a leftover only if it is a
 // regular file of its user that nobody holds locked; ... another user's
 // [fails Start] with ErrPermission". A squatter who makes a directory
@@ -43,15 +55,12 @@ func b3secSquat(t *testing.T, path, kind string) {
 func TestBreaker3SecSquattedDirectoryAtABackendNameIsNotErrPermission(t *testing.T) {
 	requireRoot(t)
 	b := testenv.Tmpfs(t)
-	for _, which := range []string{"segment", "memseg list"} {
+	for _, which := range []string{"segment", "memseg list", "life file"} {
 		t.Run(which, func(t *testing.T) {
 			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
 				MemoryPages: 16, Logger: quiet}
 			name := instance.Name(cfg.Prefix, os.Geteuid(), filepath.Join(cfg.RuntimeDir, cfg.Prefix))
-			path := instance.SegmentPath(b.Dir, name)
-			if which != "segment" {
-				path = filepath.Join(b.Dir, hugetlb.FileName(name, 0))
-			}
+			path := b3secBackendPath(b.Dir, name, which)
 			b3secSquat(t, path, "dir")
 			p, err := primary.Start(cfg)
 			if err == nil {
@@ -76,16 +85,13 @@ func TestBreaker3SecSquattedDirectoryAtABackendNameIsNotErrPermission(t *testing
 // owner) or hugetlb.ErrExists, not ErrPermission naming the squatter.
 func TestBreaker3SecSquattersPrivateFileAtABackendNameIsNotErrPermission(t *testing.T) {
 	requireRoot(t)
-	for _, which := range []string{"segment", "memseg list"} {
+	for _, which := range []string{"segment", "memseg list", "life file"} {
 		t.Run(which, func(t *testing.T) {
 			tmp := sharedTmp(t)
 			prefix := testenv.Prefix(t)
 			t.Cleanup(func() { removeInstanceFiles(t, prefix) })
 			name := runtimeName(prefix, victimUID, filepath.Join(tmp, "mpmr-"+strconv.Itoa(victimUID)))
-			path := instance.SegmentPath(hugetlb.DefaultTmpfsDir, name)
-			if which != "segment" {
-				path = filepath.Join(hugetlb.DefaultTmpfsDir, hugetlb.FileName(name, 0))
-			}
+			path := b3secBackendPath(hugetlb.DefaultTmpfsDir, name, which)
 			b3secSquat(t, path, "private")
 
 			h, res := userProc(t, "user-primary", userEnv(tmp), strconv.Itoa(victimUID), prefix, "", "", "")

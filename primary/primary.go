@@ -45,7 +45,7 @@ type Primary struct {
 	rundir  *ipc.RunDir // dir, opened and checked
 	name    string      // the instance's name in backend directories
 	lockf   *os.File
-	segLock *os.File // the segment file, locked for the primary's lifetime
+	life    *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
 	backend hugetlb.Backend
 	segOpts shm.Options
 	seg     *shm.Segment
@@ -200,6 +200,11 @@ func (p *Primary) start() error {
 	if err := p.recoverLeftovers(); err != nil {
 		return err
 	}
+	// Before anything else in the backend directory: whoever finds the
+	// instance's files there can tell whether their primary lives.
+	if p.life, err = ofd.CreateLocked(instance.LifePath(p.backend.Dir, p.name)); err != nil {
+		return err
+	}
 
 	p.segOpts = shm.Options{
 		Path:      instance.SegmentPath(p.backend.Dir, p.name),
@@ -216,9 +221,6 @@ func (p *Primary) start() error {
 		return err
 	}
 	if p.seg, err = shm.Create(create); err != nil {
-		return err
-	}
-	if p.segLock, err = lockFile(p.segOpts.Path); err != nil {
 		return err
 	}
 	if p.mem, err = hugetlb.Create(p.seg, hugetlb.Config{Prefix: p.name, Backend: p.backend,
@@ -349,21 +351,6 @@ func sameFile(f *os.File, d *ipc.RunDir, name string) bool {
 	now, err := d.Stat(name)
 	st, ok := held.Sys().(*syscall.Stat_t)
 	return err == nil && ok && st.Dev == now.Dev && st.Ino == now.Ino
-}
-
-// lockFile takes the lock that marks the backend file at path, just
-// created by this process, as a live instance's, and returns the file that
-// holds it (see ofd.ClaimFile, which a successor uses).
-func lockFile(path string) (*os.File, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		return nil, err
-	}
-	if err := ofd.TryLock(f, 0, true); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return f, nil
 }
 
 // Name returns the instance's name in backend directories: its prefix,
@@ -612,8 +599,8 @@ func (p *Primary) teardown() error {
 		add(p.queues.CloseSegment(p.seg, p.global))
 		add(shm.Remove(p.segOpts))
 	}
-	if p.segLock != nil {
-		add(p.segLock.Close()) // after the removal: never unlocked under its name
+	if p.life != nil {
+		add(p.life.Remove()) // last: unlinked before it is unlocked
 	}
 	if p.lockf != nil {
 		for _, name := range []string{instance.InfoFile, ipc.SocketName} {

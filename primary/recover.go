@@ -18,10 +18,13 @@ import (
 // shared by every user and instance, so a file there is removed only when
 // it is proven to be a dead instance's of this user: it has this
 // instance's name (prefix, user and runtime directory), it is a regular
-// file of this user, and no live process holds the lock its creator held
-// for its lifetime. A file that a live primary holds (one whose runtime
-// directory was removed while it ran) fails Start with ErrPrimaryRunning,
-// a file of another user with ErrPermission: neither is touched.
+// file of this user, and no live process holds the lock on the instance's
+// life file (instance.LifePath), which its primary held for its lifetime.
+// A live primary (one whose runtime directory was removed while it ran)
+// fails Start with ErrPrimaryRunning, a file of another user with
+// ErrPermission: neither is touched. Locks on the segment or the backing
+// files count for nothing: the users the primary let in hold those, and
+// may lock them, as long as they like.
 //
 // Nothing of the old state is trusted or reused: its segment is marked
 // dead (for secondaries of the old instance that still map it) and every
@@ -45,19 +48,8 @@ func (p *Primary) recoverLeftovers() error {
 			continue
 		}
 		seen[dir] = true
-		if err := p.removeDeadSegment(instance.SegmentPath(dir, p.name)); err != nil {
+		if err := p.removeDeadFiles(dir); err != nil {
 			return err
-		}
-		err := hugetlb.RemoveFiles(dir, p.name)
-		switch {
-		case errors.Is(err, hugetlb.ErrInUse):
-			return fmt.Errorf("%w: %w (a primary of this instance whose runtime directory %s was removed?)",
-				ErrPrimaryRunning, err, p.dir)
-		case errors.Is(err, hugetlb.ErrNotOwned):
-			return fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
-				"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
-		case err != nil:
-			p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
 		}
 	}
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.SlotsLockFile, ipc.SocketName} {
@@ -70,25 +62,64 @@ func (p *Primary) recoverLeftovers() error {
 	return nil
 }
 
-// removeDeadSegment marks dead and removes the segment at path if it is a
-// dead instance's of this user (see recoverLeftovers).
+// removeDeadFiles removes the instance's files in backend directory dir
+// if its life file proves their primary dead (see recoverLeftovers).
+func (p *Primary) removeDeadFiles(dir string) error {
+	segPath := instance.SegmentPath(dir, p.name)
+	lifePath := instance.LifePath(dir, p.name)
+	life, err := ofd.ClaimFile(lifePath, os.Geteuid())
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		// Its primary died before making it, or never got here.
+	case errors.Is(err, ofd.ErrLocked):
+		info, _ := shm.Probe(segPath, instance.LayoutTag)
+		return fmt.Errorf("%w: segment %s belongs to a live primary (pid %d; it holds %s) of this instance, "+
+			"whose runtime directory %s was removed or replaced while it ran: stop it first",
+			ErrPrimaryRunning, segPath, info.CreatorPID, lifePath, p.dir)
+	case errors.Is(err, ofd.ErrNotOwned):
+		return fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+	case err != nil:
+		return err
+	}
+	// No primary of the instance lives: what is left is a dead one's,
+	// whoever holds it open or locked. The life file, claimed, goes last,
+	// so that no primary starts on the name meanwhile.
+	if err := p.removeDeadSegment(segPath); err != nil {
+		return err
+	}
+	err = hugetlb.RemoveEndedFiles(dir, p.name)
+	switch {
+	case errors.Is(err, hugetlb.ErrNotOwned):
+		return fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+	case err != nil:
+		p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
+	}
+	if life != nil {
+		if err := life.Remove(); err != nil {
+			p.log.Warn("could not remove stale life file", "path", lifePath, "err", err)
+		} else {
+			p.log.Info("removed stale file", "path", lifePath)
+		}
+	}
+	return nil
+}
+
+// removeDeadSegment marks dead and removes the segment at path, which
+// removeDeadFiles proved a dead instance's if it is this user's.
 func (p *Primary) removeDeadSegment(path string) error {
-	c, err := ofd.ClaimFile(path, os.Geteuid())
+	c, err := ofd.ClaimEnded(path, os.Geteuid())
 	switch {
 	case errors.Is(err, os.ErrNotExist):
 		return nil
-	case errors.Is(err, ofd.ErrLocked):
-		info, _ := shm.Probe(path, instance.LayoutTag)
-		return fmt.Errorf("%w: segment %s belongs to a live primary (pid %d) of this instance, "+
-			"whose runtime directory %s was removed or replaced while it ran: stop it first",
-			ErrPrimaryRunning, path, info.CreatorPID, p.dir)
 	case errors.Is(err, ofd.ErrNotOwned):
 		return fmt.Errorf("%w: %w: a file this instance did not make is where its segment goes; "+
 			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
 	case err != nil:
 		return err
 	}
-	if err := shm.MarkDeadFile(path); err != nil {
+	if err := shm.MarkDead(c.File()); err != nil {
 		p.log.Warn("could not mark stale segment dead", "segment", path, "err", err)
 	}
 	if err := c.Remove(); err != nil {

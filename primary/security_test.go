@@ -141,6 +141,11 @@ func helperUserPrimary(args []string) int {
 //
 //	write ADDR B -> "> wrote" (a byte of data memory)
 //	lookup ADDR  -> "> key K" or "> err TEXT"
+//	keep-backing -> "> kept N": what a hostile user may do with the
+//	                instance's files it holds open (its segment, the
+//	                backing files it was handed): keep a description of
+//	                each past the library's own close
+//	lock-kept    -> "> locked N": and lock byte 0 of each
 func helperUserSecondary(args []string) int {
 	uid, _ := strconv.Atoi(args[0])
 	if err := testenv.BecomeUser(uid); err != nil {
@@ -175,6 +180,20 @@ func helperUserSecondary(args []string) int {
 		case len(f) == 2 && f[0] == "lookup":
 			a, _ := strconv.ParseUint(f[1], 0, 64)
 			testproc.SayKey(q.Lookup(uintptr(a)))
+		case len(f) == 1 && f[0] == "keep-backing":
+			n, err := keepBacking()
+			if err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> kept %d", n)
+			}
+		case len(f) == 1 && f[0] == "lock-kept":
+			n, err := lockKept()
+			if err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> locked %d", n)
+			}
 		default:
 			testproc.Say("> err unknown command %q", in.Text())
 		}

@@ -145,17 +145,17 @@ func TestToolNamesALinkIntoAPrivateDirectory(t *testing.T) {
 	}
 }
 
-// segmentHeld says "not held" only for what is no primary's segment (no
+// lifeHeld says "not held" only for what is no primary's life file (no
 // file, a link, a FIFO); a path it cannot look at is an error, which
 // makes clean refuse instead of removing a live primary's files.
-func TestSegmentHeldRefusesToGuess(t *testing.T) {
+func TestLifeHeldRefusesToGuess(t *testing.T) {
 	dir := t.TempDir()
 	file := filepath.Join(dir, "seg")
 	require.NoError(t, os.WriteFile(file, []byte("x"), 0o600))
 	require.NoError(t, os.Symlink(file, filepath.Join(dir, "link")))
 	require.NoError(t, syscall.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
 	for _, name := range []string{"missing", "link", "fifo", "seg"} {
-		held, err := segmentHeld(filepath.Join(dir, name))
+		held, err := lifeHeld(filepath.Join(dir, name))
 		assert.NoError(t, err, name)
 		assert.False(t, held, name)
 	}
@@ -163,9 +163,9 @@ func TestSegmentHeldRefusesToGuess(t *testing.T) {
 	require.NoError(t, err)
 	defer f.Close()
 	require.NoError(t, ofd.TryLock(f, 0, false))
-	held, err := segmentHeld(file)
+	held, err := lifeHeld(file)
 	require.NoError(t, err)
 	assert.True(t, held, "a file whose lock a live description holds")
-	_, err = segmentHeld(filepath.Join(dir, strings.Repeat("n", 300)))
+	_, err = lifeHeld(filepath.Join(dir, strings.Repeat("n", 300)))
 	assert.Error(t, err, "a name it cannot look at is not 'not held'")
 }

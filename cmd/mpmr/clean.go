@@ -129,17 +129,18 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		return nil, fmt.Errorf("refusing to clean %q: %w", t.Prefix, err)
 	}
 	// A primary whose lock file was removed under it still runs: it holds
-	// the lock on its segment, and its segment's creator is alive. Touch
-	// nothing of it.
+	// the lock on its life file, and its segment's creator is alive. Touch
+	// nothing of it. (A lock on its segment proves nothing: the users it
+	// lets in hold that open, and may lock it.)
 	for _, dir := range t.backendDirs() {
-		segPath := instance.SegmentPath(dir, t.Name)
+		segPath, lifePath := instance.SegmentPath(dir, t.Name), instance.LifePath(dir, t.Name)
 		info, _ := shm.Probe(segPath, instance.LayoutTag)
-		held, err := segmentHeld(segPath)
+		held, err := lifeHeld(lifePath)
 		if err != nil {
 			if created {
 				_ = rd.Remove(instance.PrimaryLockFile)
 			}
-			return nil, fmt.Errorf("refusing to clean %q: cannot tell whether a primary holds %s: %w", t.Prefix, segPath, err)
+			return nil, fmt.Errorf("refusing to clean %q: cannot tell whether a primary holds %s: %w", t.Prefix, lifePath, err)
 		}
 		if held || t.Info != nil && info.CreatorPID == t.Info.PID && running(info.CreatorPID, info.CreatorStart) {
 			if created {
@@ -215,11 +216,12 @@ func memoryFiles(dir, name string) []string {
 	return out
 }
 
-// segmentHeld reports whether a live process holds the lock a primary
-// holds on its segment file for its lifetime. A path that names nothing,
-// a link or no regular file is no primary's segment; any other failure to
-// look is an error, so that the caller refuses rather than guesses.
-func segmentHeld(path string) (bool, error) {
+// lifeHeld reports whether a live process holds the lock a primary holds
+// on its life file (instance.LifePath) for its lifetime. A path that
+// names nothing, a link or no regular file is no primary's life file; any
+// other failure to look is an error, so that the caller refuses rather
+// than guesses.
+func lifeHeld(path string) (bool, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 		return false, nil
@@ -239,11 +241,29 @@ func segmentHeld(path string) (bool, error) {
 }
 
 // cleanBackend removes the instance's segment and memory files in dir:
-// only files it proves dead (no live process holds their lock) and the
-// instance user's, whatever their names say.
+// only the instance user's, whatever their names say, and only while it
+// holds their primary's life file, proving it dead (no live process holds
+// its lock), or once it proved there is none; it removes the life file
+// last.
 func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut) {
-	claim := func(path string) *ofd.Claim {
-		c, err := ofd.ClaimFile(path, t.UID)
+	lifePath := instance.LifePath(dir, t.Name)
+	life, err := ofd.ClaimFile(lifePath, t.UID)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, ofd.ErrNotOwned):
+		// Made by someone else before any primary could make it: no
+		// primary of the instance got past that here.
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s left alone: %v", lifePath, err))
+	case errors.Is(err, ofd.ErrLocked):
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s left alone, and the instance's files beside it: "+
+			"a live process holds it (a primary started meanwhile?)", lifePath))
+		return
+	case err != nil:
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s left alone, and the instance's files beside it: %v", lifePath, err))
+		return
+	}
+	claimWith := func(how func(string, int) (*ofd.Claim, error), path string) *ofd.Claim {
+		c, err := how(path, t.UID)
 		switch {
 		case errors.Is(err, os.ErrNotExist):
 		case errors.Is(err, ofd.ErrLocked):
@@ -261,6 +281,10 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut)
 		}
 	}
 	segPath := instance.SegmentPath(dir, t.Name)
+	// The segment and the backing files go whoever holds them locked; the
+	// slots' lock file beside a segment made without a runtime directory
+	// stays while a live process holds a slot in it (it blocks nothing).
+	claim := func(path string) *ofd.Claim { return claimWith(ofd.ClaimEnded, path) }
 	if c := claim(segPath); c != nil {
 		// The claimed file, not its name: the instance's user could swap
 		// a link in under the name meanwhile.
@@ -288,7 +312,7 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut)
 		removeClaimed(segPath, c)
 		// A segment made without a lock file in a runtime directory has
 		// it beside: claimed as the segment is, whatever is at its name.
-		if c := claim(segPath + ".lock"); c != nil {
+		if c := claimWith(ofd.ClaimFile, segPath+".lock"); c != nil {
 			removeClaimed(segPath+".lock", c)
 		}
 	}
@@ -296,6 +320,9 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut)
 		if c := claim(p); c != nil {
 			removeClaimed(p, c)
 		}
+	}
+	if life != nil {
+		removeClaimed(lifePath, life)
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
@@ -48,7 +49,7 @@ func TestCleanRefusesALiveInstance(t *testing.T) {
 	_, err := p.Alloc(b.PageSize)
 	require.NoError(t, err)
 	before := files(t, b, rundir, cfg.Prefix)
-	require.Len(t, before, 6, "instance.json, ipc.sock, primary.lock, slots.lock, segment, memory: %v", before)
+	require.Len(t, before, 7, "instance.json, ipc.sock, primary.lock, slots.lock, segment, life file, memory: %v", before)
 
 	out, errOut, status := tool(t, "-rundir", rundir, "clean", cfg.Prefix)
 	assert.Equal(t, 1, status)
@@ -144,4 +145,33 @@ func TestCleanMarksTheSegmentDeadForSurvivingSecondaries(t *testing.T) {
 		require.Error(t, sec.Wait(0))
 		assert.Equal(t, freeBefore, freeHugepages(t, b))
 	})
+}
+
+// Whoever holds a dead primary's segment or backing files open (the
+// users it let in are handed them) may lock them as the primary did; the
+// instance is dead all the same, and clean removes it.
+func TestCleanRemovesADeadInstanceWhoseFilesOthersHoldLocked(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	h, prefix := startDeadable(t, b, rundir)
+	assert.Contains(t, h.ask("alloc 2"), "region")
+	h.Kill()
+	require.Error(t, h.Wait(0))
+	name := instanceName(rundir, prefix)
+	seg, mem := instance.SegmentPath(b.Dir, name), filepath.Join(b.Dir, hugetlb.FileName(name, 0))
+	for _, p := range []string{seg, mem} {
+		f, err := os.OpenFile(p, os.O_RDWR, 0)
+		require.NoError(t, err)
+		t.Cleanup(func() { f.Close() })
+		require.NoError(t, ofd.TryLock(f, 0, true), "%s, locked by another holder", p)
+	}
+	left := files(t, b, rundir, prefix)
+	require.Subset(t, left, []string{seg, mem, instance.LifePath(b.Dir, name)})
+
+	var got cleanOut
+	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+	assert.ElementsMatch(t, append(left, filepath.Join(rundir, prefix)), got.Removed)
+	assert.Equal(t, []string{seg}, got.MarkedDead)
+	assert.Empty(t, got.Warnings)
+	assert.Empty(t, files(t, b, rundir, prefix), "nothing is left")
 }

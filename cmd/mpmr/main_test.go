@@ -89,7 +89,8 @@ func startDeadable(t testing.TB, b hugetlb.Backend, rundir string) (helperProc, 
 func removeLeftovers(t testing.TB, b hugetlb.Backend, rundir, prefix string) {
 	name := instanceName(rundir, prefix)
 	os.Remove(instance.SegmentPath(b.Dir, name))
-	hugetlb.RemoveFiles(b.Dir, name)
+	hugetlb.RemoveEndedFiles(b.Dir, name)
+	os.Remove(instance.LifePath(b.Dir, name))
 	os.RemoveAll(filepath.Join(rundir, prefix))
 }
 
