@@ -71,7 +71,10 @@ func TestBreaker3LaneIdleClientWithLateAnswersIsNotDropped(t *testing.T) {
 				return &ipc.StatsReply{PID: 1}, nil, true
 			}
 			opts := []serverOpt{withHello, func(c *ipc.ServerConfig) {
-				c.WriteTimeout = 200 * time.Millisecond
+				// Long enough that a client's reader the machine does not
+				// schedule for a while (other tests' processes run beside
+				// these) is not taken for one that does not read.
+				c.WriteTimeout = time.Second
 				c.MaxInflightPerConn = tc.n
 			}}
 			if tc.inline {
@@ -100,9 +103,9 @@ func TestBreaker3LaneIdleClientWithLateAnswersIsNotDropped(t *testing.T) {
 			// (Inline, the handlers run one after another, each writing its
 			// answer before the next starts: a dropped peer stops them.)
 			require.True(t, eventually(func() bool { return answered.Load() == int32(tc.n) || c.Err() != nil }), "all answered")
-			// The client stays idle for several write timeouts: that is
-			// the situation under test, not a stand-in for a condition.
-			time.Sleep(time.Second)
+			// The client stays idle for two write timeouts: that is the
+			// situation under test, not a stand-in for a condition.
+			time.Sleep(2 * time.Second)
 			assert.Zero(t, s.Stats().WriteTimeouts, "an idle client was dropped as a slow reader")
 			assert.NoError(t, c.Err(), "the connection of an idle client ended")
 			err := c.CallTimeout(bound, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x5000}, nil)
