@@ -52,3 +52,12 @@ func SetKernelQuestion(f func(pid int)) (restore func()) {
 	}
 	return func() { askKernel = old }
 }
+
+// SetLifeTaken has f called, on Start's goroutine, each time a starting
+// primary has taken the life file of a backend directory dir and before
+// it removes anything there, until restore is called.
+func SetLifeTaken(f func(dir string)) (restore func()) {
+	old := testHookLifeTaken
+	testHookLifeTaken = f
+	return func() { testHookLifeTaken = old }
+}

@@ -200,11 +200,6 @@ func (p *Primary) start() error {
 	if err := p.recoverLeftovers(); err != nil {
 		return err
 	}
-	// Before anything else in the backend directory: whoever finds the
-	// instance's files there can tell whether their primary lives.
-	if p.life, err = ofd.CreateLocked(instance.LifePath(p.backend.Dir, p.name)); err != nil {
-		return err
-	}
 
 	p.segOpts = shm.Options{
 		Path:      instance.SegmentPath(p.backend.Dir, p.name),

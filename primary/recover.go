@@ -14,17 +14,19 @@ import (
 )
 
 // recoverLeftovers removes what a primary of this instance that died left
-// behind. It runs with the primary lock held. Backend directories are
-// shared by every user and instance, so a file there is removed only when
-// it is proven to be a dead instance's of this user: it has this
-// instance's name (prefix, user and runtime directory), it is a regular
-// file of this user, and no live process holds the lock on the instance's
-// life file (instance.LifePath), which its primary held for its lifetime.
-// A live primary (one whose runtime directory was removed while it ran)
-// fails Start with ErrPrimaryRunning, a file of another user with
-// ErrPermission: neither is touched. Locks on the segment or the backing
-// files count for nothing: the users the primary let in hold those, and
-// may lock them, as long as they like.
+// behind, and takes the instance's life file in its own backend directory
+// (instance.TakeLife), which it holds from then on. It runs with the
+// primary lock held. Backend directories are shared by every user and
+// instance, so a file there is removed only when it is proven to be a
+// dead instance's of this user: it has this instance's name (prefix, user
+// and runtime directory), it is a regular file of this user, and this
+// primary holds the instance's life file there, which its primaries hold
+// for their lifetimes and nobody else may open. A live primary (one whose
+// runtime directory was removed while it ran) fails Start with
+// ErrPrimaryRunning, a file of another user with ErrPermission: neither
+// is touched. Locks on the segment or the backing files count for
+// nothing: the users the primary let in hold those, and may lock them,
+// as long as they like.
 //
 // Nothing of the old state is trusted or reused: its segment is marked
 // dead (for secondaries of the old instance that still map it) and every
@@ -62,15 +64,15 @@ func (p *Primary) recoverLeftovers() error {
 	return nil
 }
 
-// removeDeadFiles removes the instance's files in backend directory dir
-// if its life file proves their primary dead (see recoverLeftovers).
+// removeDeadFiles takes the instance's life file in backend directory dir
+// and removes the instance's other files there (see recoverLeftovers).
+// In the primary's own backend directory it keeps the life file, held;
+// elsewhere it removes it last.
 func (p *Primary) removeDeadFiles(dir string) error {
 	segPath := instance.SegmentPath(dir, p.name)
 	lifePath := instance.LifePath(dir, p.name)
-	life, err := ofd.ClaimFile(lifePath, os.Geteuid())
+	life, err := instance.TakeLife(dir, p.name, os.Geteuid())
 	switch {
-	case errors.Is(err, os.ErrNotExist):
-		// Its primary died before making it, or never got here.
 	case errors.Is(err, ofd.ErrLocked):
 		info, _ := shm.Probe(segPath, instance.LayoutTag)
 		return fmt.Errorf("%w: segment %s belongs to a live primary (pid %d; it holds %s) of this instance, "+
@@ -82,9 +84,21 @@ func (p *Primary) removeDeadFiles(dir string) error {
 	case err != nil:
 		return err
 	}
-	// No primary of the instance lives: what is left is a dead one's,
-	// whoever holds it open or locked. The life file, claimed, goes last,
-	// so that no primary starts on the name meanwhile.
+	if testHookLifeTaken != nil {
+		testHookLifeTaken(dir)
+	}
+	if dir == p.backend.Dir {
+		p.life = life // teardown removes it, whatever happens next
+	} else {
+		defer func() {
+			if err := life.Remove(); err != nil {
+				p.log.Warn("could not remove stale life file", "path", lifePath, "err", err)
+			}
+		}()
+	}
+	// No primary of the instance lives or starts here while the life file
+	// is held: what is left is a dead one's, whoever holds it open or
+	// locked.
 	if err := p.removeDeadSegment(segPath); err != nil {
 		return err
 	}
@@ -95,13 +109,6 @@ func (p *Primary) removeDeadFiles(dir string) error {
 			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
 	case err != nil:
 		p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
-	}
-	if life != nil {
-		if err := life.Remove(); err != nil {
-			p.log.Warn("could not remove stale life file", "path", lifePath, "err", err)
-		} else {
-			p.log.Info("removed stale file", "path", lifePath)
-		}
 	}
 	return nil
 }
@@ -129,3 +136,7 @@ func (p *Primary) removeDeadSegment(path string) error {
 	p.log.Info("removed stale file", "path", path)
 	return nil
 }
+
+// testHookLifeTaken, if set, runs in removeDeadFiles once the life file of
+// the backend directory dir is taken, before anything there is removed.
+var testHookLifeTaken func(dir string)

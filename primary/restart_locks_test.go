@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -13,12 +14,80 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
 )
 
-// kept holds what keepBacking keeps open for the helper's life.
+func init() {
+	testproc.Register("user-files", helperUserFiles)
+	testproc.Register("stalled-recovery", helperStalledRecovery)
+}
+
+// helperUserFiles becomes uid args[0], says "result ERR", then answers
+// commands, "> ok" or "> err TEXT":
+//
+//	link SRC DST -> a hard link
+//	lock PATH    -> opens PATH, locks byte 0 and holds it until input ends
+func helperUserFiles(args []string) int {
+	uid, _ := strconv.Atoi(args[0])
+	err := testenv.BecomeUser(uid)
+	testproc.Say("result %v", err)
+	if err != nil {
+		return 0
+	}
+	in := testproc.Commands()
+	for in.Scan() {
+		f := strings.Fields(in.Text())
+		var err error
+		switch {
+		case len(f) == 3 && f[0] == "link":
+			err = os.Link(f[1], f[2])
+		case len(f) == 2 && f[0] == "lock":
+			var h *os.File
+			if h, err = os.OpenFile(f[1], os.O_RDWR, 0); err == nil {
+				if err = ofd.TryLock(h, 0, true); err == nil {
+					kept = append(kept, h) // held, and its lock, until the helper ends
+				}
+			}
+		default:
+			err = fmt.Errorf("unknown command %q", in.Text())
+		}
+		if err != nil {
+			testproc.Say("> err %v", err)
+		} else {
+			testproc.Say("> ok")
+		}
+	}
+	return 0
+}
+
+// helperStalledRecovery starts a primary of prefix args[0], runtime
+// directory args[1], tmpfs backend directory args[2], that stops once it
+// has taken the life file there: it says "taken" and waits for a line on
+// its input. Then it says "result ERR" and serves until its input ends.
+func helperStalledRecovery(args []string) int {
+	in := testproc.Commands()
+	primary.SetLifeTaken(func(string) {
+		testproc.Say("taken")
+		in.Scan()
+	})
+	p, err := primary.Start(primary.Config{Prefix: args[0], RuntimeDir: args[1], Backend: hugetlb.Tmpfs,
+		BackendDir: args[2], MemoryPages: 16, Logger: quiet})
+	testproc.Say("result %v", err)
+	if err != nil {
+		return 0
+	}
+	defer p.Close()
+	for in.Scan() {
+	}
+	return 0
+}
+
+// kept holds what a helper keeps open for its life.
 var kept []*os.File
 
 // keepBacking duplicates every descriptor this process holds of an
@@ -118,4 +187,75 @@ func TestAnAllowedUsersLocksDoNotKeepADeadPrimaryFromRestarting(t *testing.T) {
 		require.NoError(t, err, "the new primary's file at %s", f)
 		assert.False(t, os.SameFile(before[i], fi), "%s is a new file, not the dead primary's", f)
 	}
+}
+
+// A user the primary lets in may write the segment, so the kernel lets it
+// hard-link the segment under a name of its own while the primary runs;
+// once the primary has closed, it links that inode under the life file's
+// name and locks it. A file others could hold is no life file: the
+// instance's user starts its primary again, with a life file of its own.
+func TestALinkToTheSegmentAtTheLifeFilesNameIsNoLifeFile(t *testing.T) {
+	requireRoot(t)
+	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+		strconv.Itoa(squatterUID), "open")
+	require.Equal(t, "<nil>", res)
+	name := runtimeName(prefix, victimUID, shared)
+	seg := instance.SegmentPath(hugetlb.DefaultTmpfsDir, name)
+	life := instance.LifePath(hugetlb.DefaultTmpfsDir, name)
+	keep := filepath.Join(hugetlb.DefaultTmpfsDir, "kept-by-"+strconv.Itoa(squatterUID)+"-"+prefix)
+	t.Cleanup(func() { os.Remove(keep) })
+
+	a, res := userProc(t, "user-files", nil, strconv.Itoa(squatterUID))
+	require.Equal(t, "<nil>", res)
+	require.Equal(t, "ok", askProc(t, a, "link %s %s", seg, keep), "the allowed user keeps a link to the segment")
+	p.End(0) // a clean stop: the primary removes its segment and life file
+	require.NoFileExists(t, life)
+	require.NoFileExists(t, seg)
+	require.Equal(t, "ok", askProc(t, a, "link %s %s", keep, life))
+	require.Equal(t, "ok", askProc(t, a, "lock %s", life))
+
+	again, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared, "", "")
+	require.Equal(t, "<nil>", res, "the instance's user starts its primary again")
+	kept, err := os.Stat(keep)
+	require.NoError(t, err)
+	now, err := os.Stat(life)
+	require.NoError(t, err)
+	assert.False(t, os.SameFile(kept, now), "the new primary's life file is its own")
+	assert.Zero(t, now.Mode().Perm()&0o077)
+	assert.Equal(t, uint64(1), kept.Sys().(*syscall.Stat_t).Nlink, "the linked name is gone; the user's own link stays")
+	again.End(0)
+	assert.NoFileExists(t, life, "and is removed when it closes")
+}
+
+// A starting primary holds the instance's life file from before it looks
+// at what a dead predecessor left until it ends: here one stops right
+// after taking it, the runtime directory is replaced, and another primary
+// of the instance starts on the same backend directory. The second finds
+// the first alive and makes nothing there, so the first, going on, has
+// nothing of a live primary's to remove. (The first then fails, its
+// runtime directory gone, and removes what it made.)
+func TestAPrimaryStoppedInRecoveryKeepsAnotherFromStarting(t *testing.T) {
+	dir, err := os.MkdirTemp(hugetlb.DefaultTmpfsDir, "stalled")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	prefix, rundir := testenv.Prefix(t), testenv.RunDir(t)
+	name := instance.Name(prefix, os.Geteuid(), filepath.Join(rundir, prefix))
+
+	a := testproc.Start(t, "stalled-recovery", []string{prefix, rundir, dir})
+	a.Expect("taken", 0)
+	require.NoError(t, os.RemoveAll(filepath.Join(rundir, prefix)), "an operator's rm -rf")
+	b, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: hugetlb.Tmpfs,
+		BackendDir: dir, MemoryPages: 16, Logger: quiet})
+	if err == nil {
+		b.Close()
+	}
+	require.ErrorIs(t, err, primary.ErrPrimaryRunning, "the stopped primary holds the instance")
+	assert.Equal(t, []string{instance.LifePath(dir, name)}, instance.Files(dir, name),
+		"the stopped primary's life file, and nothing of the other's")
+	a.Send("go on")
+	t.Logf("the stopped primary, going on: %s", a.Expect("result ", 0))
+	a.CloseInput()
+	require.NoError(t, a.Wait(0))
+	assert.Empty(t, instance.Files(dir, name), "it removes what it made")
 }

@@ -146,16 +146,18 @@ func TestToolNamesALinkIntoAPrivateDirectory(t *testing.T) {
 }
 
 // lifeHeld says "not held" only for what is no primary's life file (no
-// file, a link, a FIFO); a path it cannot look at is an error, which
-// makes clean refuse instead of removing a live primary's files.
+// file, a link, a FIFO, a file others could hold); a path it cannot look
+// at is an error, which makes clean refuse instead of removing a live
+// primary's files.
 func TestLifeHeldRefusesToGuess(t *testing.T) {
 	dir := t.TempDir()
-	file := filepath.Join(dir, "seg")
-	require.NoError(t, os.WriteFile(file, []byte("x"), 0o600))
+	me := os.Geteuid()
+	file := filepath.Join(dir, "life")
+	require.NoError(t, os.WriteFile(file, nil, 0o600))
 	require.NoError(t, os.Symlink(file, filepath.Join(dir, "link")))
 	require.NoError(t, syscall.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
-	for _, name := range []string{"missing", "link", "fifo", "seg"} {
-		held, err := lifeHeld(filepath.Join(dir, name))
+	for _, name := range []string{"missing", "link", "fifo", "life"} {
+		held, err := lifeHeld(filepath.Join(dir, name), me)
 		assert.NoError(t, err, name)
 		assert.False(t, held, name)
 	}
@@ -163,9 +165,28 @@ func TestLifeHeldRefusesToGuess(t *testing.T) {
 	require.NoError(t, err)
 	defer f.Close()
 	require.NoError(t, ofd.TryLock(f, 0, false))
-	held, err := lifeHeld(file)
+	held, err := lifeHeld(file, me)
 	require.NoError(t, err)
 	assert.True(t, held, "a file whose lock a live description holds")
-	_, err = lifeHeld(filepath.Join(dir, strings.Repeat("n", 300)))
+	held, err = lifeHeld(file, me+1)
+	require.NoError(t, err)
+	assert.False(t, held, "another user's file is no life file of this one")
+	_, err = lifeHeld(filepath.Join(dir, strings.Repeat("n", 300)), me)
 	assert.Error(t, err, "a name it cannot look at is not 'not held'")
+
+	// Locked, but a file others could have held: open to them, with data,
+	// or with another name.
+	for _, spoil := range []func() error{
+		func() error { return os.Chmod(file, 0o644) },
+		func() error { return os.WriteFile(file, []byte("x"), 0o600) },
+		func() error { return os.Link(file, filepath.Join(dir, "other name")) },
+	} {
+		require.NoError(t, os.Chmod(file, 0o600))
+		require.NoError(t, os.Truncate(file, 0))
+		os.Remove(filepath.Join(dir, "other name"))
+		require.NoError(t, spoil())
+		held, err := lifeHeld(file, me)
+		require.NoError(t, err)
+		assert.False(t, held)
+	}
 }

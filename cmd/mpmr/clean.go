@@ -135,7 +135,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	for _, dir := range t.backendDirs() {
 		segPath, lifePath := instance.SegmentPath(dir, t.Name), instance.LifePath(dir, t.Name)
 		info, _ := shm.Probe(segPath, instance.LayoutTag)
-		held, err := lifeHeld(lifePath)
+		held, err := lifeHeld(lifePath, t.UID)
 		if err != nil {
 			if created {
 				_ = rd.Remove(instance.PrimaryLockFile)
@@ -218,10 +218,10 @@ func memoryFiles(dir, name string) []string {
 
 // lifeHeld reports whether a live process holds the lock a primary holds
 // on its life file (instance.LifePath) for its lifetime. A path that
-// names nothing, a link or no regular file is no primary's life file; any
-// other failure to look is an error, so that the caller refuses rather
-// than guesses.
-func lifeHeld(path string) (bool, error) {
+// names nothing, a link, or no private regular file of uid is no
+// primary's life file (see ofd.ClaimPrivate); any other failure to look
+// is an error, so that the caller refuses rather than guesses.
+func lifeHeld(path string, uid int) (bool, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 		return false, nil
@@ -234,7 +234,8 @@ func lifeHeld(path string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if !st.Mode().IsRegular() {
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	if !st.Mode().IsRegular() || !ok || int(sys.Uid) != uid || st.Mode().Perm()&0o077 != 0 || st.Size() != 0 || sys.Nlink != 1 {
 		return false, nil
 	}
 	return ofd.Held(f, 0)
@@ -242,14 +243,13 @@ func lifeHeld(path string) (bool, error) {
 
 // cleanBackend removes the instance's segment and memory files in dir:
 // only the instance user's, whatever their names say, and only while it
-// holds their primary's life file, proving it dead (no live process holds
-// its lock), or once it proved there is none; it removes the life file
-// last.
+// holds the instance's life file there (instance.TakeLife), which proves
+// that no primary of the instance lives or starts there; it removes the
+// life file last.
 func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut) {
 	lifePath := instance.LifePath(dir, t.Name)
-	life, err := ofd.ClaimFile(lifePath, t.UID)
+	life, err := instance.TakeLife(dir, t.Name, t.UID)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
 	case errors.Is(err, ofd.ErrNotOwned):
 		// Made by someone else before any primary could make it: no
 		// primary of the instance got past that here.

@@ -90,16 +90,6 @@ func SegmentPath(backendDir, name string) string {
 	return filepath.Join(backendDir, "mpmr."+name+".ctl")
 }
 
-// LifePath is the file the primary of the instance called name makes in
-// its backend directory before anything else there, and holds locked on
-// byte 0 for its lifetime: mode 0600, handed to nobody, so that only the
-// instance's user (and root) may open it, and a lock on it is a live
-// primary's. The segment and the backing files prove nothing of the
-// kind: the users the primary lets in hold them open, and may lock them.
-func LifePath(backendDir, name string) string {
-	return filepath.Join(backendDir, "mpmr."+name+".live")
-}
-
 // Files lists the files of the instance called name in a backend
 // directory: its segment, a lock file beside it, its memseg lists'
 // backing files (see hugetlb.FileName) and its primary's life file.

@@ -14,6 +14,10 @@ import (
 // is not one of ours to remove, whatever its name says.
 var ErrNotOwned = errors.New("ofd: not a regular file of the expected owner")
 
+// ErrNotPrivate means a regular file of the expected user is not one that
+// only that user may ever have held (see ClaimPrivate).
+var ErrNotPrivate = errors.New("ofd: not a private file")
+
 // A Claim is a file proven to belong to no live holder: opened without
 // following links, checked to be a regular file of its expected owner,
 // and locked (byte 0, exclusively) by this process, which is what every
@@ -36,7 +40,21 @@ type Claim struct {
 // file description holds a lock on byte 0 of it, that is, while the
 // process that made it lives.
 func ClaimFile(path string, uid int) (*Claim, error) {
-	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return claimAt(dir, name, path, uid, true) })
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) {
+		return claimAt(dir, name, path, uid, claimHow{lock: true})
+	})
+}
+
+// ClaimPrivate is ClaimFile for a file made by CreateLocked and never
+// shared: a lock on it proves a live maker only if nobody else could ever
+// have held it. A regular file of uid that others may open (any group or
+// other permission bit: an ACL's mask shows there), that has data, or
+// that has another name (a hard link made to something that was shared)
+// is no such file, whoever holds it or a lock on it: ErrNotPrivate.
+func ClaimPrivate(path string, uid int) (*Claim, error) {
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) {
+		return claimAt(dir, name, path, uid, claimHow{lock: true, private: true})
+	})
 }
 
 // ClaimEnded is ClaimFile for a file whose maker the caller has proven
@@ -45,13 +63,15 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 // lock on a file others were handed proves nothing; ClaimEnded leaves
 // such locks as they are, and Remove unlinks the file under them.
 func ClaimEnded(path string, uid int) (*Claim, error) {
-	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return claimAt(dir, name, path, uid, false) })
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) {
+		return claimAt(dir, name, path, uid, claimHow{})
+	})
 }
 
 // CreateLocked makes the file at path (a clean one), which must not
-// exist, as a regular file of mode 0600, and locks byte 0 of it: the
-// claim is the lifetime lock ClaimFile looks for. Remove unlinks it
-// before the lock goes.
+// exist, as an empty regular file of mode 0600, and locks byte 0 of it:
+// the claim is the lifetime lock ClaimFile and ClaimPrivate look for.
+// Remove unlinks it before the lock goes.
 func CreateLocked(path string) (*Claim, error) {
 	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return createAt(dir, name, path) })
 }
@@ -97,7 +117,13 @@ func createAt(dir *os.File, name, path string) (*Claim, error) {
 	return &Claim{f: f, dir: dir, name: name, path: path}, nil
 }
 
-func claimAt(dir *os.File, name, path string, uid int, lock bool) (*Claim, error) {
+// claimHow is what claimAt checks beyond owner and type.
+type claimHow struct {
+	lock    bool // that no other open file description holds byte 0
+	private bool // that only its owner could ever have held it
+}
+
+func claimAt(dir *os.File, name, path string, uid int, how claimHow) (*Claim, error) {
 	dfd := int(dir.Fd())
 	fd, err := unix.Openat(dfd, name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ELOOP) {
@@ -123,7 +149,12 @@ func claimAt(dir *os.File, name, path string, uid int, lock bool) (*Claim, error
 		f.Close()
 		return nil, notOwned(path, &st, uid)
 	}
-	if lock {
+	if how.private && (st.Mode&0o077 != 0 || st.Size != 0 || st.Nlink != 1) {
+		f.Close()
+		return nil, fmt.Errorf("%w: %s (mode %04o, %d bytes, %d names) may have been held by others",
+			ErrNotPrivate, path, st.Mode&0o7777, st.Size, st.Nlink)
+	}
+	if how.lock {
 		if err := TryLock(f, 0, true); err != nil {
 			f.Close()
 			return nil, err
