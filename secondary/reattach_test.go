@@ -105,6 +105,7 @@ func startChurnPrimary(t *testing.T) (*testproc.Proc, secondary.Config, uint64) 
 	testenv.Tmpfs(t)
 	cfg := secondary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Logger: slog.New(slog.DiscardHandler)}
 	p := testproc.Start(t, "churn-primary", []string{cfg.Prefix, cfg.RuntimeDir})
+	t.Cleanup(func() { p.End(0) }) // a clean exit removes the instance's files
 	var addr uint64
 	_, err := fmt.Sscanf(p.Expect("ready", 0), "ready %d", &addr)
 	require.NoError(t, err)
