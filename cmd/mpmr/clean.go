@@ -26,12 +26,12 @@ var cmdClean = &command{
 	help: `
 Removes what instance PREFIX left behind when its primary died: the control
 segment and its lock file, the memseg lists' backing files in the backend
-directory (so that their hugepages go back to the kernel), and the runtime
-directory's files (instance.json, the socket, slots.lock, primary.lock, then
-the directory itself if it is empty).
+directory (so that their hugepages go back to the kernel), the primary's
+life file, and the runtime directory's files (instance.json, the socket,
+slots.lock, primary.lock, then the directory itself if it is empty).
 
 It refuses, changing nothing, while the instance's primary lives (holds
-the primary lock, or the lock on its segment file); stop the primary
+the primary lock, or the lock on its life file); stop the primary
 instead, which cleans up after itself. While it works it holds the primary
 lock itself, so no new primary of PREFIX starts in the middle. Before
 removing the segment it marks it dead, for secondaries of the dead
@@ -39,9 +39,11 @@ instance that still map it; their mappings keep the memory (and its
 hugepages) until they exit, and clean names them.
 
 Backend files are named after the instance (prefix, user and runtime
-directory: mpmr.PREFIX.uUID.HASH.ctl, .msl0, ...), and clean removes one
-only if it is a regular file of the instance's user that no live process
-holds locked; anything else is left alone, with a warning.
+directory: mpmr.PREFIX.uUID.HASH.ctl, .msl0, ..., .live), and clean removes
+one only if it is a regular file of the instance's user, while it holds
+the life file (whoever else holds the segment or a backing file open or
+locked: the users the primary let in may); anything else is left alone,
+with a warning.
 
 It reports what it removed and, on hugetlbfs, the free hugepages of the
 instance's page size before and after.`,
