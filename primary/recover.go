@@ -74,10 +74,13 @@ func (p *Primary) removeDeadFiles(dir string) error {
 	life, err := instance.TakeLife(dir, p.name, os.Geteuid())
 	switch {
 	case errors.Is(err, ofd.ErrLocked):
-		info, _ := shm.Probe(segPath, instance.LayoutTag)
-		return fmt.Errorf("%w: segment %s belongs to a live primary (pid %d; it holds %s) of this instance, "+
-			"whose runtime directory %s was removed or replaced while it ran: stop it first",
-			ErrPrimaryRunning, segPath, info.CreatorPID, lifePath, p.dir)
+		who := ""
+		if info, err := shm.Probe(segPath, instance.LayoutTag); err == nil && info.CreatorPID != 0 {
+			who = fmt.Sprintf(" (pid %d, says its segment)", info.CreatorPID)
+		}
+		return fmt.Errorf("%w: a live primary%s of this instance holds %s, beside its segment %s; "+
+			"its runtime directory %s was removed or replaced while it ran: stop it first",
+			ErrPrimaryRunning, who, lifePath, segPath, p.dir)
 	case errors.Is(err, ofd.ErrNotOwned):
 		return fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
 			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
