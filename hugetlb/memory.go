@@ -84,8 +84,8 @@ var (
 	// let go of what it kept about the memory first (the MR cache drops
 	// its registrations of it, which are made again on demand).
 	ErrNotFreed = errors.New("hugetlb: memory not freed")
-	// ErrInUse means a backing file belongs to a live Memory: its creator
-	// holds a lock on it (see RemoveFiles).
+	// ErrInUse means a backing file may belong to a live Memory: a lock
+	// is held on it, as its creator holds one (see RemoveFiles).
 	ErrInUse = errors.New("hugetlb: backing file in use by a live instance")
 	// ErrNotOwned means a file where a backing file should be is not a
 	// regular file of this user (see RemoveFiles).
@@ -241,7 +241,10 @@ func FileName(prefix string, n int) string {
 // A file of a live Memory fails it with ErrInUse, a file of another user
 // (or not a regular file) with ErrNotOwned; such files are left alone,
 // the others are removed. Memory still mapped by live processes stays
-// until they unmap it.
+// until they unmap it. Whoever holds a backing file open (a secondary is
+// handed them) may lock it as Create does, and keep it from being
+// removed here for as long as it likes: a caller that can prove the
+// instance's end otherwise uses RemoveEndedFiles.
 func RemoveFiles(dir, prefix string) error {
 	return removeFiles(dir, prefix, ofd.ClaimFile)
 }
@@ -435,7 +438,8 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 		}
 		l.f = f
 		// Held for the Memory's lifetime: whoever finds the file can tell
-		// a live instance's from a dead one's (RemoveFiles).
+		// a live instance's from a dead one's (RemoveFiles), unless a
+		// process it was handed to locks it too (see RemoveEndedFiles).
 		if err := ofd.TryLock(f, 0, true); err != nil {
 			return fail(err)
 		}

@@ -119,6 +119,22 @@ func keepBacking() (int, error) {
 	return n, nil
 }
 
+// emptyKept truncates every backing file keepBacking kept to 0 bytes
+// (through the descriptor it was handed, open for writing) and returns
+// how many.
+func emptyKept() (int, error) {
+	n := 0
+	for _, f := range kept {
+		if strings.Contains(filepath.Base(f.Name()), ".msl") {
+			if err := f.Truncate(0); err != nil {
+				return n, err
+			}
+			n++
+		}
+	}
+	return n, nil
+}
+
 // lockKept locks byte 0 of every file keepBacking kept, as a primary
 // does on its own for its lifetime. It returns how many it locked.
 func lockKept() (int, error) {
@@ -258,4 +274,50 @@ func TestAPrimaryStoppedInRecoveryKeepsAnotherFromStarting(t *testing.T) {
 	a.CloseInput()
 	require.NoError(t, a.Wait(0))
 	assert.Empty(t, instance.Files(dir, name), "it removes what it made")
+}
+
+// A backing file the primary handed to a user it lets in, mode 0600 and
+// its user's, can be linked by that user where the kernel allows it
+// (fs.protected_hardlinks=0, the kernel's own default; here root makes the
+// links that user could make): kept under a name of its own while the
+// primary runs, then, once the primary has closed, put under the life
+// file's name with one link, emptied through the handed descriptor, and
+// locked. A file its user could hand on is no life file: the instance's
+// user starts its primary again.
+func TestAHandedBackingFileAtTheLifeFilesNameIsNoLifeFile(t *testing.T) {
+	requireRoot(t)
+	prefix, shared, _ := twoUserInstance(t, victimUID, -1)
+	p, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared,
+		strconv.Itoa(squatterUID), "open-handed")
+	require.Equal(t, "<nil>", res)
+	name := runtimeName(prefix, victimUID, shared)
+	life := instance.LifePath(hugetlb.DefaultTmpfsDir, name)
+	msl := filepath.Join(hugetlb.DefaultTmpfsDir, hugetlb.FileName(name, 0))
+	stash := filepath.Join(hugetlb.DefaultTmpfsDir, "stashed-"+prefix)
+	t.Cleanup(func() { os.Remove(stash) })
+
+	s, res := userProc(t, "user-secondary", nil, strconv.Itoa(squatterUID), prefix, shared, strconv.Itoa(victimUID))
+	require.Equal(t, "<nil>", res)
+	require.NotEqual(t, "kept 0", askProc(t, s, "keep-backing"))
+	fi, err := os.Stat(msl)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm(), "handed, not opened by path")
+	require.NoError(t, os.Link(msl, stash))
+	p.End(0) // a clean stop: the primary removes its files
+	require.NoFileExists(t, life)
+	require.NoError(t, os.Link(stash, life))
+	require.NoError(t, os.Remove(stash))
+	require.Regexp(t, "^emptied [1-9][0-9]*$", askProc(t, s, "empty-kept"))
+	require.Regexp(t, "^locked [0-9]+$", askProc(t, s, "lock-kept"))
+	fi, err = os.Stat(life)
+	require.NoError(t, err)
+	require.Zero(t, fi.Size())
+	require.Equal(t, uint64(1), fi.Sys().(*syscall.Stat_t).Nlink)
+
+	again, res := userProc(t, "user-primary", nil, strconv.Itoa(victimUID), prefix, shared, "", "")
+	require.Equal(t, "<nil>", res, "the instance's user starts its primary again")
+	now, err := os.Stat(life)
+	require.NoError(t, err)
+	assert.False(t, os.SameFile(fi, now), "with a life file of its own")
+	again.End(0)
 }

@@ -83,7 +83,8 @@ func helperUserMkdir(args []string) int {
 // args[1] on tmpfs, with RuntimeDir args[2] ("" for the default) and
 // AllowUIDs args[3] (comma-separated, may be empty). With args[4] "open"
 // it loosens its directory and socket to everyone, as a primary that
-// lets other users in must. It says "result ERR"; if it started, it
+// lets other users in must ("open-handed": all but the backing files,
+// which secondaries are handed). It says "result ERR"; if it started, it
 // serves until its input ends, answering commands:
 //
 //	secondaries -> "> secondaries N"
@@ -103,8 +104,15 @@ func helperUserPrimary(args []string) int {
 	}
 	p, err := primary.Start(primary.Config{Prefix: args[1], RuntimeDir: args[2], Backend: hugetlb.Tmpfs,
 		MemoryPages: 16, AllowUIDs: allow, Logger: quiet})
-	if err == nil && args[4] == "open" {
+	if err == nil && strings.HasPrefix(args[4], "open") {
 		err = harness.OpenToAll(p)
+	}
+	if err == nil && args[4] == "open-handed" {
+		for _, l := range p.Memory().Lists() {
+			if err == nil {
+				err = os.Chmod(l.File, 0o600)
+			}
+		}
 	}
 	testproc.Say("result %v", err)
 	if err != nil {
@@ -146,6 +154,7 @@ func helperUserPrimary(args []string) int {
 //	                backing files it was handed): keep a description of
 //	                each past the library's own close
 //	lock-kept    -> "> locked N": and lock byte 0 of each
+//	empty-kept   -> "> emptied N": truncate the kept backing files to 0
 func helperUserSecondary(args []string) int {
 	uid, _ := strconv.Atoi(args[0])
 	if err := testenv.BecomeUser(uid); err != nil {
@@ -186,6 +195,13 @@ func helperUserSecondary(args []string) int {
 				testproc.Say("> err %v", err)
 			} else {
 				testproc.Say("> kept %d", n)
+			}
+		case len(f) == 1 && f[0] == "empty-kept":
+			n, err := emptyKept()
+			if err != nil {
+				testproc.Say("> err %v", err)
+			} else {
+				testproc.Say("> emptied %d", n)
 			}
 		case len(f) == 1 && f[0] == "lock-kept":
 			n, err := lockKept()

@@ -153,7 +153,8 @@ func TestLifeHeldRefusesToGuess(t *testing.T) {
 	dir := t.TempDir()
 	me := os.Geteuid()
 	file := filepath.Join(dir, "life")
-	require.NoError(t, os.WriteFile(file, nil, 0o600))
+	require.NoError(t, os.WriteFile(file, nil, ofd.PrivateMode))
+	require.NoError(t, os.Chmod(file, ofd.PrivateMode))
 	require.NoError(t, os.Symlink(file, filepath.Join(dir, "link")))
 	require.NoError(t, syscall.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
 	for _, name := range []string{"missing", "link", "fifo", "life"} {
@@ -161,10 +162,10 @@ func TestLifeHeldRefusesToGuess(t *testing.T) {
 		assert.NoError(t, err, name)
 		assert.False(t, held, name)
 	}
-	f, err := os.Open(file)
+	f, err := os.OpenFile(file, os.O_WRONLY, 0)
 	require.NoError(t, err)
 	defer f.Close()
-	require.NoError(t, ofd.TryLock(f, 0, false))
+	require.NoError(t, ofd.TryLock(f, 0, true))
 	held, err := lifeHeld(file, me)
 	require.NoError(t, err)
 	assert.True(t, held, "a file whose lock a live description holds")
@@ -174,16 +175,15 @@ func TestLifeHeldRefusesToGuess(t *testing.T) {
 	_, err = lifeHeld(filepath.Join(dir, strings.Repeat("n", 300)), me)
 	assert.Error(t, err, "a name it cannot look at is not 'not held'")
 
-	// Locked, but a file others could have held: open to them, with data,
-	// or with another name.
+	// Locked, but a file others could have held: open to them, one its
+	// owner may read (and so may have handed on), or with data.
 	for _, spoil := range []func() error{
 		func() error { return os.Chmod(file, 0o644) },
-		func() error { return os.WriteFile(file, []byte("x"), 0o600) },
-		func() error { return os.Link(file, filepath.Join(dir, "other name")) },
+		func() error { return os.Chmod(file, 0o600) },
+		func() error { _, err := f.Write([]byte("x")); return err },
 	} {
-		require.NoError(t, os.Chmod(file, 0o600))
-		require.NoError(t, os.Truncate(file, 0))
-		os.Remove(filepath.Join(dir, "other name"))
+		require.NoError(t, os.Chmod(file, ofd.PrivateMode))
+		require.NoError(t, f.Truncate(0))
 		require.NoError(t, spoil())
 		held, err := lifeHeld(file, me)
 		require.NoError(t, err)

@@ -224,20 +224,32 @@ func memoryFiles(dir, name string) []string {
 // primary's life file (see ofd.ClaimPrivate); any other failure to look
 // is an error, so that the caller refuses rather than guesses.
 func lifeHeld(path string, uid int) (bool, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
-	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
+	private := func(fi os.FileInfo) bool {
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		return ok && fi.Mode().IsRegular() && int(st.Uid) == uid && st.Mode&0o7777 == ofd.PrivateMode && fi.Size() == 0
+	}
+	// Looked at before it is opened: what is no life file (a FIFO among
+	// others) is not opened at all.
+	fi, err := os.Lstat(path)
+	if errors.Is(err, os.ErrNotExist) {
 		return false, nil
 	}
 	if err != nil {
 		return false, err
 	}
-	defer f.Close()
-	st, err := f.Stat()
+	if !private(fi) {
+		return false, nil
+	}
+	// Opened for writing, all its mode lets its owner do.
+	f, err := os.OpenFile(path, os.O_WRONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return false, err
 	}
-	sys, ok := st.Sys().(*syscall.Stat_t)
-	if !st.Mode().IsRegular() || !ok || int(sys.Uid) != uid || st.Mode().Perm()&0o077 != 0 || st.Size() != 0 || sys.Nlink != 1 {
+	defer f.Close()
+	if fi, err = f.Stat(); err != nil {
+		return false, err
+	}
+	if !private(fi) {
 		return false, nil
 	}
 	return ofd.Held(f, 0)

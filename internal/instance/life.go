@@ -11,9 +11,9 @@ import (
 
 // LifePath is the life file of the instance called name in a backend
 // directory. The instance's primary holds it locked on byte 0 for its
-// lifetime (see TakeLife): mode 0600, handed to nobody, so that only the
-// instance's user (and root) may open it, and a lock on it is a live
-// primary's. The segment and the backing files prove nothing of the
+// lifetime (see TakeLife): of mode ofd.PrivateMode (0200), handed to
+// nobody, so that only the instance's user (and root) may open it, and a
+// lock on it is a live primary's. The segment and the backing files prove nothing of the
 // kind: the users the primary lets in hold them open, and may lock them.
 func LifePath(backendDir, name string) string {
 	return filepath.Join(backendDir, "mpmr."+name+".live")
@@ -21,9 +21,10 @@ func LifePath(backendDir, name string) string {
 
 // TakeLife takes the life file of the instance called name, of user uid,
 // in backendDir: it claims the file if it is there and nobody holds it,
-// makes it (locked) if it is not, and removes what is at its name if
-// that is a file of uid but no life file (ofd.ErrNotPrivate: a file that
-// others could have held, such as a hard link to the segment). While the
+// makes it (locked, owned by uid) if it is not, and removes what is at
+// its name if that is a file of uid but no life file (ofd.ErrNotPrivate:
+// a file that others could have held, such as a hard link to the segment
+// or to a backing file). While the
 // claim is held no primary of the instance lives or starts there, so its
 // files there may be removed whoever holds them. It fails with
 // ofd.ErrLocked while a live process holds the life file, and with
@@ -35,17 +36,30 @@ func TakeLife(backendDir, name string, uid int) (*ofd.Claim, error) {
 		c, err := ofd.ClaimPrivate(path, uid)
 		switch {
 		case errors.Is(err, os.ErrNotExist):
-			c, err = ofd.CreateLocked(path)
-			if errors.Is(err, os.ErrExist) {
-				continue // made meanwhile: judge that one
+			c, err = ofd.CreateLocked(path, uid)
+			if errors.Is(err, os.ErrExist) || errors.Is(err, ofd.ErrStale) {
+				continue // made, or claimed and removed, meanwhile: look again
 			}
 			return c, err
+		case errors.Is(err, ofd.ErrStale):
+			continue // removed by its claimant before this claim locked it
 		case errors.Is(err, ofd.ErrNotPrivate):
+			// Removed only if what is at the name now is still such a
+			// file: a life file made there meanwhile stays.
 			bad, err := ofd.ClaimEnded(path, uid)
-			if err == nil {
-				err = bad.Remove()
+			if errors.Is(err, os.ErrNotExist) {
+				continue
 			}
-			if err != nil && !errors.Is(err, os.ErrNotExist) {
+			if err != nil {
+				return nil, err
+			}
+			ok, err := bad.Private()
+			if err == nil && !ok {
+				err = bad.Remove()
+			} else {
+				bad.Close()
+			}
+			if err != nil {
 				return nil, err
 			}
 			continue

@@ -56,4 +56,53 @@ func TestTakeLife(t *testing.T) {
 	_, err = TakeLife(dir, "o", me)
 	assert.ErrorIs(t, err, ofd.ErrNotOwned, "another user's file is left alone")
 	assert.FileExists(t, other)
+
+	// Root taking it for another user (mpmr clean) makes it that user's:
+	// should root not live to remove it, that user's primary takes it.
+	forOther, err := TakeLife(dir, "p", 42021)
+	require.NoError(t, err)
+	require.NoError(t, forOther.Close())
+	fi, err := os.Stat(LifePath(dir, "p"))
+	require.NoError(t, err)
+	assert.Equal(t, uint32(42021), fi.Sys().(*syscall.Stat_t).Uid)
+	again, err := TakeLife(dir, "p", 42021)
+	require.NoError(t, err, "a dead taker's file, claimed")
+	require.NoError(t, again.Remove())
+}
+
+// A taker stopped between opening a dead primary's life file and locking
+// it, while another primary claims that file, ends (removing it), and a
+// third makes a life file of its own and runs: the first must find the
+// third alive, not take the lock it got on the removed file for the life
+// file, nor remove the third's.
+func TestATakerStoppedBeforeItsLockFindsTheLiveOne(t *testing.T) {
+	dir := t.TempDir()
+	me := os.Geteuid()
+	dead, err := TakeLife(dir, "n", me)
+	require.NoError(t, err)
+	require.NoError(t, dead.Close()) // its primary died
+
+	var third interface{ Remove() error }
+	stopped := false
+	restore := ofd.SetBeforeLock(func() {
+		if stopped {
+			return // the first taker's next tries, and the others' claims
+		}
+		stopped = true
+		second, err := TakeLife(dir, "n", me)
+		require.NoError(t, err, "the dead primary's file, claimed")
+		require.NoError(t, second.Remove(), "the second primary ends")
+		c, err := TakeLife(dir, "n", me)
+		require.NoError(t, err, "the third makes its own")
+		third = c
+	})
+	first, err := TakeLife(dir, "n", me)
+	restore()
+	if err == nil {
+		first.Close()
+	}
+	require.NotNil(t, third, "the others ran while the first was stopped")
+	defer third.Remove()
+	assert.ErrorIs(t, err, ofd.ErrLocked, "the third primary lives")
+	assert.FileExists(t, LifePath(dir, "n"), "its life file stays")
 }

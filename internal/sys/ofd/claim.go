@@ -18,6 +18,17 @@ var ErrNotOwned = errors.New("ofd: not a regular file of the expected owner")
 // only that user may ever have held (see ClaimPrivate).
 var ErrNotPrivate = errors.New("ofd: not a private file")
 
+// ErrStale means the file was unlinked, or another put under its name,
+// between its opening and its locking: a lock on it holds nothing that
+// anyone looking under the name will find. Try again.
+var ErrStale = errors.New("ofd: file unlinked or replaced before it was locked")
+
+// PrivateMode is the mode of the files CreateLocked makes: writable by
+// their owner, and by nobody else, readable by nobody. No file a process
+// shares with others (which they open, or are handed) has it, and nobody
+// but root and its owner can open a file that has it.
+const PrivateMode = 0o200
+
 // A Claim is a file proven to belong to no live holder: opened without
 // following links, checked to be a regular file of its expected owner,
 // and locked (byte 0, exclusively) by this process, which is what every
@@ -47,10 +58,11 @@ func ClaimFile(path string, uid int) (*Claim, error) {
 
 // ClaimPrivate is ClaimFile for a file made by CreateLocked and never
 // shared: a lock on it proves a live maker only if nobody else could ever
-// have held it. A regular file of uid that others may open (any group or
-// other permission bit: an ACL's mask shows there), that has data, or
-// that has another name (a hard link made to something that was shared)
-// is no such file, whoever holds it or a lock on it: ErrNotPrivate.
+// have held it. A regular file of uid whose mode is not PrivateMode (a
+// file others may open, or one that was handed to others, all of which
+// their owner may read), or that has data, is no such file, whoever holds
+// it or a lock on it: ErrNotPrivate. (Another name does not make a file
+// of PrivateMode less private: whoever links it still cannot open it.)
 func ClaimPrivate(path string, uid int) (*Claim, error) {
 	return claimFile(path, func(dir *os.File, name string) (*Claim, error) {
 		return claimAt(dir, name, path, uid, claimHow{lock: true, private: true})
@@ -69,11 +81,13 @@ func ClaimEnded(path string, uid int) (*Claim, error) {
 }
 
 // CreateLocked makes the file at path (a clean one), which must not
-// exist, as an empty regular file of mode 0600, and locks byte 0 of it:
-// the claim is the lifetime lock ClaimFile and ClaimPrivate look for.
-// Remove unlinks it before the lock goes.
-func CreateLocked(path string) (*Claim, error) {
-	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return createAt(dir, name, path) })
+// exist, as an empty regular file of mode PrivateMode, owned by uid (this
+// process's user, or another if it may give files away), and locks byte 0
+// of it: the claim is the lifetime lock ClaimFile and ClaimPrivate look
+// for. Remove unlinks it before the lock goes. It fails with ErrStale if
+// another process claimed and removed the file before it was locked.
+func CreateLocked(path string, uid int) (*Claim, error) {
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return createAt(dir, name, path, uid) })
 }
 
 // claimFile checks path and claims its file with at, in the directory
@@ -101,20 +115,63 @@ func claimFile(path string, at func(dir *os.File, name string) (*Claim, error)) 
 	return c, nil
 }
 
-// createAt makes name in dir, exclusively, and locks it.
-func createAt(dir *os.File, name, path string) (*Claim, error) {
-	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+// createAt makes name in dir, exclusively, for uid, and locks it.
+func createAt(dir *os.File, name, path string, uid int) (*Claim, error) {
+	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, PrivateMode)
 	if err != nil {
 		return nil, &os.PathError{Op: "create", Path: path, Err: err}
 	}
 	f := os.NewFile(uintptr(fd), path)
+	err = unix.Fchmod(fd, PrivateMode) // whatever the umask took away
+	if err == nil && uid != os.Geteuid() {
+		err = unix.Fchown(fd, uid, -1)
+	}
+	if err != nil {
+		f.Close()
+		return nil, &os.PathError{Op: "make private", Path: path, Err: err}
+	}
+	return lockClaim(f, dir, name, path)
+}
+
+// lockClaim locks byte 0 of f, found as name in dir, and makes sure name
+// still names it: an opener that locks after the holder of a claim
+// removed the file would hold a lock nobody sees.
+func lockClaim(f *os.File, dir *os.File, name, path string) (*Claim, error) {
+	if testHookBeforeLock != nil {
+		testHookBeforeLock()
+	}
 	if err := TryLock(f, 0, true); err != nil {
-		// Someone opened and locked it between its making and this: it
-		// is theirs to remove now.
 		f.Close()
 		return nil, err
 	}
+	var held, now unix.Stat_t
+	err := unix.Fstat(int(f.Fd()), &held)
+	if err == nil {
+		err = unix.Fstatat(int(dir.Fd()), name, &now, unix.AT_SYMLINK_NOFOLLOW)
+	}
+	switch {
+	case errors.Is(err, unix.ENOENT), err == nil && (held.Nlink == 0 || held.Dev != now.Dev || held.Ino != now.Ino):
+		f.Close()
+		return nil, fmt.Errorf("%w: %s", ErrStale, path)
+	case err != nil:
+		f.Close()
+		return nil, &os.PathError{Op: "stat", Path: path, Err: err}
+	}
 	return &Claim{f: f, dir: dir, name: name, path: path}, nil
+}
+
+// private reports whether st is of a file CreateLocked made: of
+// PrivateMode, and empty.
+func private(st *unix.Stat_t) bool { return st.Mode&0o7777 == PrivateMode && st.Size == 0 }
+
+// Private reports whether the claimed file is, by its mode and size, one
+// that CreateLocked made (see ClaimPrivate).
+func (c *Claim) Private() (bool, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(c.f.Fd()), &st); err != nil {
+		return false, &os.PathError{Op: "fstat", Path: c.path, Err: err}
+	}
+	return private(&st), nil
 }
 
 // claimHow is what claimAt checks beyond owner and type.
@@ -125,7 +182,11 @@ type claimHow struct {
 
 func claimAt(dir *os.File, name, path string, uid int, how claimHow) (*Claim, error) {
 	dfd := int(dir.Fd())
-	fd, err := unix.Openat(dfd, name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	access := unix.O_RDWR
+	if how.private {
+		access = unix.O_WRONLY // all PrivateMode lets its owner do
+	}
+	fd, err := unix.Openat(dfd, name, access|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ELOOP) {
 		return nil, fmt.Errorf("%w: %s is a symbolic link", ErrNotOwned, path)
 	}
@@ -133,8 +194,14 @@ func claimAt(dir *os.File, name, path string, uid int, how claimHow) (*Claim, er
 		// What cannot be opened (a directory, another user's private
 		// file) is judged by what it is, not by why open failed.
 		var st unix.Stat_t
-		if errors.Is(err, unix.ENOENT) || unix.Fstatat(dfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil ||
-			st.Mode&unix.S_IFMT == unix.S_IFREG && int(st.Uid) == uid {
+		if errors.Is(err, unix.ENOENT) || unix.Fstatat(dfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+			return nil, &os.PathError{Op: "open", Path: path, Err: err}
+		}
+		if st.Mode&unix.S_IFMT == unix.S_IFREG && int(st.Uid) == uid {
+			if how.private && errors.Is(err, unix.EACCES) && st.Mode&0o7777 != PrivateMode {
+				// Its owner may not write it: it is no file of PrivateMode.
+				return nil, fmt.Errorf("%w: %s (mode %04o) was not made private", ErrNotPrivate, path, st.Mode&0o7777)
+			}
 			return nil, &os.PathError{Op: "open", Path: path, Err: err}
 		}
 		return nil, notOwned(path, &st, uid)
@@ -149,16 +216,19 @@ func claimAt(dir *os.File, name, path string, uid int, how claimHow) (*Claim, er
 		f.Close()
 		return nil, notOwned(path, &st, uid)
 	}
-	if how.private && (st.Mode&0o077 != 0 || st.Size != 0 || st.Nlink != 1) {
-		f.Close()
-		return nil, fmt.Errorf("%w: %s (mode %04o, %d bytes, %d names) may have been held by others",
-			ErrNotPrivate, path, st.Mode&0o7777, st.Size, st.Nlink)
+	if how.private {
+		switch {
+		case st.Nlink == 0:
+			f.Close()
+			return nil, fmt.Errorf("%w: %s", ErrStale, path)
+		case !private(&st):
+			f.Close()
+			return nil, fmt.Errorf("%w: %s (mode %04o, %d bytes) may have been held by others",
+				ErrNotPrivate, path, st.Mode&0o7777, st.Size)
+		}
 	}
 	if how.lock {
-		if err := TryLock(f, 0, true); err != nil {
-			f.Close()
-			return nil, err
-		}
+		return lockClaim(f, dir, name, path)
 	}
 	return &Claim{f: f, dir: dir, name: name, path: path}, nil
 }
@@ -181,7 +251,8 @@ func notOwned(path string, st *unix.Stat_t, uid int) error {
 		ErrNotOwned, path, what, st.Uid, st.Mode&0o7777, uid)
 }
 
-// File returns the claimed file, open for reading and writing.
+// File returns the claimed file, open for reading and writing (for
+// writing only, from ClaimPrivate and CreateLocked).
 func (c *Claim) File() *os.File { return c.f }
 
 // Remove unlinks the claimed file, if its name in the directory it was
@@ -224,5 +295,16 @@ func (c *Claim) Close() error {
 	return nil
 }
 
-// testHookBeforeUnlink, if set, runs in Remove just before the unlink.
-var testHookBeforeUnlink func()
+// testHookBeforeUnlink, if set, runs in Remove just before the unlink;
+// testHookBeforeLock in a claim between the opening and the locking.
+var testHookBeforeUnlink, testHookBeforeLock func()
+
+// SetBeforeLock has f run in every claim that locks, between its opening
+// (and checking) of the file and its locking, until restore is called:
+// for tests of what is built on claims to stop one there. Not for use
+// while claims run.
+func SetBeforeLock(f func()) (restore func()) {
+	old := testHookBeforeLock
+	testHookBeforeLock = f
+	return func() { testHookBeforeLock = old }
+}

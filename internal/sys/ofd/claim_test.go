@@ -64,35 +64,51 @@ func TestClaimFile(t *testing.T) {
 }
 
 // A file its maker made with CreateLocked is claimed by nobody while the
-// maker holds it; ClaimEnded, for a caller that knows the maker ended,
-// claims a file whoever else holds locked, and removes it under them.
+// maker holds it, and by ClaimPrivate once it ended; a file others could
+// have held is no private file. ClaimEnded, for a caller that knows the
+// maker ended, claims a file whoever else holds locked, and removes it
+// under them.
 func TestCreateLockedAndClaimEnded(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "life")
 	me := os.Geteuid()
 
-	life, err := CreateLocked(path)
+	life, err := CreateLocked(path, me)
 	require.NoError(t, err)
-	_, err = CreateLocked(path)
+	_, err = CreateLocked(path, me)
 	assert.ErrorIs(t, err, os.ErrExist, "made once")
-	_, err = ClaimFile(path, me)
+	_, err = ClaimPrivate(path, me)
 	assert.ErrorIs(t, err, ErrLocked, "its maker lives")
 	fi, err := os.Stat(path)
 	require.NoError(t, err)
-	assert.Zero(t, fi.Mode().Perm()&0o077, "nobody else may open it")
+	assert.Equal(t, os.FileMode(PrivateMode), fi.Mode().Perm(), "nobody else may open it")
 	require.NoError(t, life.Close())
 	c, err := ClaimPrivate(path, me)
 	require.NoError(t, err, "its maker ended: a private file nobody holds")
 	require.NoError(t, c.Close())
 	require.NoError(t, os.Link(path, path+".2"))
-	_, err = ClaimPrivate(path, me)
-	assert.ErrorIs(t, err, ErrNotPrivate, "a file with another name")
+	c, err = ClaimPrivate(path, me)
+	require.NoError(t, err, "another name does not let anyone else open it")
+	require.NoError(t, c.Close())
 	require.NoError(t, os.Remove(path+".2"))
-	require.NoError(t, os.Chmod(path, 0o640))
+	for _, mode := range []os.FileMode{0o600, 0o640, 0o400} {
+		require.NoError(t, os.Chmod(path, mode))
+		_, err = ClaimPrivate(path, me)
+		assert.ErrorIs(t, err, ErrNotPrivate, "mode %04o: a file its owner could have handed on", mode)
+		c, err = ClaimEnded(path, me)
+		require.NoError(t, err)
+		ok, err := c.Private()
+		require.NoError(t, err)
+		assert.False(t, ok, "mode %04o", mode)
+		require.NoError(t, c.Close())
+	}
+	require.NoError(t, os.WriteFile(path, []byte("x"), 0o200))
+	require.NoError(t, os.Chmod(path, PrivateMode))
 	_, err = ClaimPrivate(path, me)
-	assert.ErrorIs(t, err, ErrNotPrivate, "a file others may open")
-	require.NoError(t, os.Chmod(path, 0o600))
-	life, err = ClaimFile(path, me)
+	assert.ErrorIs(t, err, ErrNotPrivate, "a file with data")
+	require.NoError(t, os.Truncate(path, 0))
+	require.NoError(t, os.Chmod(path, PrivateMode))
+	life, err = ClaimPrivate(path, me)
 	require.NoError(t, err)
 	require.NoError(t, life.Remove())
 	assert.NoFileExists(t, path, "its holder removes it")
@@ -118,9 +134,45 @@ func TestCreateLockedAndClaimEnded(t *testing.T) {
 	require.NoError(t, os.Symlink(path, filepath.Join(dir, "link")))
 	_, err = ClaimEnded(filepath.Join(dir, "link"), me)
 	assert.ErrorIs(t, err, ErrNotOwned, "links are nobody's")
-	_, err = CreateLocked(filepath.Join(dir, "link"))
+	_, err = CreateLocked(filepath.Join(dir, "link"), me)
 	assert.Error(t, err, "nor made through")
 	assert.NoFileExists(t, path)
+}
+
+// A claim that opened a file its holder then removed finds, once it has
+// locked it, that the name no longer names it: its lock would hold
+// nothing anyone looks at.
+func TestALockTakenAfterTheRemovalIsStale(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "life")
+	me := os.Geteuid()
+	for _, how := range []string{"claim", "create"} {
+		t.Run(how, func(t *testing.T) {
+			if how == "claim" {
+				made, err := CreateLocked(path, me)
+				require.NoError(t, err)
+				require.NoError(t, made.Close())
+			}
+			var holder *Claim
+			testHookBeforeLock = func() {
+				testHookBeforeLock = nil
+				var err error
+				holder, err = ClaimPrivate(path, me) // another claimant gets in first...
+				require.NoError(t, err)
+				require.NoError(t, holder.Remove()) // ...and is done with it
+			}
+			t.Cleanup(func() { testHookBeforeLock = nil })
+			var err error
+			if how == "claim" {
+				_, err = ClaimPrivate(path, me)
+			} else {
+				_, err = CreateLocked(path, me)
+			}
+			assert.ErrorIs(t, err, ErrStale)
+			assert.NotNil(t, holder, "the other claimant ran")
+			assert.NoFileExists(t, path)
+		})
+	}
 }
 
 // TestRemoveStaysInTheClaimedDirectory swaps the directory a claim was
