@@ -73,6 +73,13 @@ func (p *Primary) removeDeadFiles(dir string) error {
 	lifePath := instance.LifePath(dir, p.name)
 	life, err := instance.TakeLife(dir, p.name, os.Geteuid())
 	switch {
+	case dir != p.backend.Dir && (errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission)):
+		// The dead primary's backend directory is gone, or this user may
+		// not make files in it any more: then no primary of the instance
+		// makes any there now, and what is left there cannot be removed.
+		p.log.Warn("the previous primary's backend directory is out of reach; its files there, if any, stay",
+			"dir", dir, "err", err)
+		return nil
 	case errors.Is(err, ofd.ErrLocked):
 		who := ""
 		if info, err := shm.Probe(segPath, instance.LayoutTag); err == nil && info.CreatorPID != 0 {

@@ -1,6 +1,7 @@
 package primary_test
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -320,4 +321,23 @@ func TestAHandedBackingFileAtTheLifeFilesNameIsNoLifeFile(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, os.SameFile(fi, now), "with a life file of its own")
 	again.End(0)
+}
+
+// A dead primary's description names a backend directory that is gone
+// (removed, unmounted): nothing of the instance is there to remove, and
+// nothing keeps its user's primary from starting.
+func TestADeadPrimarysVanishedBackendDirectoryIsNoObstacle(t *testing.T) {
+	rundir, prefix := testenv.RunDir(t), testenv.Prefix(t)
+	dir := filepath.Join(rundir, prefix)
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	gone := filepath.Join(t.TempDir(), "was-a-tmpfs")
+	js, err := json.Marshal(instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(), BackendDir: gone,
+		Segment: instance.SegmentPath(gone, instance.Name(prefix, os.Geteuid(), dir))})
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, instance.InfoFile), js, 0o600))
+	p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: hugetlb.Tmpfs,
+		MemoryPages: 4, Logger: quiet})
+	require.NoError(t, err)
+	require.NoError(t, p.Close())
+	assert.NoDirExists(t, gone, "and nothing is made there")
 }

@@ -257,12 +257,16 @@ func lifeHeld(path string, uid int) (bool, error) {
 
 // cleanBackend removes the instance's segment and memory files in dir:
 // only the instance user's, whatever their names say, and only while it
-// holds the instance's life file there (instance.TakeLife), which proves
-// that no primary of the instance lives or starts there; it removes the
-// life file last.
+// holds the instance's life file there (instance.ClaimLife), which proves
+// that no primary of the instance lives or starts there, or when there is
+// none (it makes none: run as root, it would make a file for that user
+// where the user may not); it removes the life file last.
 func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut) {
+	if !t.hasFiles(dir) {
+		return
+	}
 	lifePath := instance.LifePath(dir, t.Name)
-	life, err := instance.TakeLife(dir, t.Name, t.UID)
+	life, err := instance.ClaimLife(dir, t.Name, t.UID)
 	switch {
 	case errors.Is(err, ofd.ErrNotOwned):
 		// Made by someone else before any primary could make it: no

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -229,4 +230,36 @@ func TestStatsDoesNotDialRootsSocketLinkedIn(t *testing.T) {
 	assert.Zero(t, dialled.Load(), "mpmr stats, run by root, connected to root's socket linked in by uid %d:\n%s%s",
 		hostileOwnerUID, out, errOut)
 	assert.Contains(t, out+errOut, ipc.ErrPermission.Error())
+}
+
+// Root's clean of a user's dead instance makes no file for that user: not
+// in the backend directory the instance's description names, here one of
+// root's (0755) that the user may not write, where a file made for the
+// user would be the user's to open and fill (with hugepages, on
+// hugetlbfs).
+func TestRootsCleanMakesNoFileForTheInstancesUser(t *testing.T) {
+	rundir, dir, prefix, seg := hostileInstance(t)
+	target := filepath.Join(filepath.Dir(seg), "root-only-"+prefix)
+	require.NoError(t, os.Mkdir(target, 0o755))
+	t.Cleanup(func() { os.RemoveAll(target) })
+	name := instance.Name(prefix, hostileOwnerUID, dir)
+	moved := instance.SegmentPath(target, name)
+	require.NoError(t, os.Rename(seg, moved), "a segment the user made there when it could")
+	js, err := json.Marshal(instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(), BackendDir: target, Segment: moved})
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, instance.InfoFile), js, 0o600))
+	life := instance.LifePath(target, name)
+	var made []string
+	t.Cleanup(ofd.SetBeforeLock(func() { // at every claim clean locks
+		if fi, err := os.Stat(life); err == nil {
+			made = append(made, fmt.Sprintf("owner uid %d, mode %04o", fi.Sys().(*syscall.Stat_t).Uid, fi.Mode().Perm()))
+		}
+	}))
+
+	var got cleanOut
+	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+	assert.Empty(t, made, "root's clean made %s in %s, a directory of root's", life, target)
+	assert.NotContains(t, got.Removed, life, "clean removed a life file it made itself")
+	assert.Contains(t, got.Removed, moved, "the dead instance's segment goes")
+	assert.NoFileExists(t, life)
 }

@@ -19,24 +19,36 @@ func LifePath(backendDir, name string) string {
 	return filepath.Join(backendDir, "mpmr."+name+".live")
 }
 
-// TakeLife takes the life file of the instance called name, of user uid,
-// in backendDir: it claims the file if it is there and nobody holds it,
-// makes it (locked, owned by uid) if it is not, and removes what is at
+// TakeLife takes the life file of the instance called name, of user uid
+// (this process's), in backendDir: it claims the file if it is there and
+// nobody holds it, makes it (locked) if it is not, and removes what is at
 // its name if that is a file of uid but no life file (ofd.ErrNotPrivate:
 // a file that others could have held, such as a hard link to the segment
-// or to a backing file). While the
-// claim is held no primary of the instance lives or starts there, so its
-// files there may be removed whoever holds them. It fails with
-// ofd.ErrLocked while a live process holds the life file, and with
-// ofd.ErrNotOwned when another user's file, or no regular file, is at its
-// name.
+// or to a backing file). While the claim is held no primary of the
+// instance lives or starts there, so its files there may be removed
+// whoever holds them. It fails with ofd.ErrLocked while a live process
+// holds the life file, and with ofd.ErrNotOwned when another user's file,
+// or no regular file, is at its name.
 func TakeLife(backendDir, name string, uid int) (*ofd.Claim, error) {
+	return takeLife(backendDir, name, uid, true)
+}
+
+// ClaimLife is TakeLife for a process that is no primary of the instance
+// (mpmr clean, which may run as root): it makes no life file, and returns
+// nil and no error when there is none (or no backendDir).
+func ClaimLife(backendDir, name string, uid int) (*ofd.Claim, error) {
+	return takeLife(backendDir, name, uid, false)
+}
+
+func takeLife(backendDir, name string, uid int, make bool) (*ofd.Claim, error) {
 	path := LifePath(backendDir, name)
 	for range 16 {
 		c, err := ofd.ClaimPrivate(path, uid)
 		switch {
+		case errors.Is(err, os.ErrNotExist) && !make:
+			return nil, nil
 		case errors.Is(err, os.ErrNotExist):
-			c, err = ofd.CreateLocked(path, uid)
+			c, err = ofd.CreateLocked(path)
 			if errors.Is(err, os.ErrExist) || errors.Is(err, ofd.ErrStale) {
 				continue // made, or claimed and removed, meanwhile: look again
 			}

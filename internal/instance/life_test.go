@@ -57,17 +57,30 @@ func TestTakeLife(t *testing.T) {
 	assert.ErrorIs(t, err, ofd.ErrNotOwned, "another user's file is left alone")
 	assert.FileExists(t, other)
 
-	// Root taking it for another user (mpmr clean) makes it that user's:
-	// should root not live to remove it, that user's primary takes it.
-	forOther, err := TakeLife(dir, "p", 42021)
+}
+
+// ClaimLife makes nothing: it claims a life file that is there, and
+// reports none where there is none, or no directory.
+func TestClaimLife(t *testing.T) {
+	dir := t.TempDir()
+	me := os.Geteuid()
+	c, err := ClaimLife(dir, "n", me)
+	assert.NoError(t, err)
+	assert.Nil(t, c)
+	assert.NoFileExists(t, LifePath(dir, "n"), "none made")
+	c, err = ClaimLife(filepath.Join(dir, "gone"), "n", me)
+	assert.NoError(t, err)
+	assert.Nil(t, c)
+
+	life, err := TakeLife(dir, "n", me)
 	require.NoError(t, err)
-	require.NoError(t, forOther.Close())
-	fi, err := os.Stat(LifePath(dir, "p"))
-	require.NoError(t, err)
-	assert.Equal(t, uint32(42021), fi.Sys().(*syscall.Stat_t).Uid)
-	again, err := TakeLife(dir, "p", 42021)
-	require.NoError(t, err, "a dead taker's file, claimed")
-	require.NoError(t, again.Remove())
+	_, err = ClaimLife(dir, "n", me)
+	assert.ErrorIs(t, err, ofd.ErrLocked)
+	require.NoError(t, life.Close())
+	c, err = ClaimLife(dir, "n", me)
+	require.NoError(t, err, "a dead taker's")
+	require.NotNil(t, c)
+	require.NoError(t, c.Remove())
 }
 
 // A taker stopped between opening a dead primary's life file and locking

@@ -81,13 +81,12 @@ func ClaimEnded(path string, uid int) (*Claim, error) {
 }
 
 // CreateLocked makes the file at path (a clean one), which must not
-// exist, as an empty regular file of mode PrivateMode, owned by uid (this
-// process's user, or another if it may give files away), and locks byte 0
+// exist, as an empty regular file of mode PrivateMode, and locks byte 0
 // of it: the claim is the lifetime lock ClaimFile and ClaimPrivate look
 // for. Remove unlinks it before the lock goes. It fails with ErrStale if
 // another process claimed and removed the file before it was locked.
-func CreateLocked(path string, uid int) (*Claim, error) {
-	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return createAt(dir, name, path, uid) })
+func CreateLocked(path string) (*Claim, error) {
+	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return createAt(dir, name, path) })
 }
 
 // claimFile checks path and claims its file with at, in the directory
@@ -115,18 +114,14 @@ func claimFile(path string, at func(dir *os.File, name string) (*Claim, error)) 
 	return c, nil
 }
 
-// createAt makes name in dir, exclusively, for uid, and locks it.
-func createAt(dir *os.File, name, path string, uid int) (*Claim, error) {
+// createAt makes name in dir, exclusively, and locks it.
+func createAt(dir *os.File, name, path string) (*Claim, error) {
 	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, PrivateMode)
 	if err != nil {
 		return nil, &os.PathError{Op: "create", Path: path, Err: err}
 	}
 	f := os.NewFile(uintptr(fd), path)
-	err = unix.Fchmod(fd, PrivateMode) // whatever the umask took away
-	if err == nil && uid != os.Geteuid() {
-		err = unix.Fchown(fd, uid, -1)
-	}
-	if err != nil {
+	if err := unix.Fchmod(fd, PrivateMode); err != nil { // whatever the umask took away
 		f.Close()
 		return nil, &os.PathError{Op: "make private", Path: path, Err: err}
 	}

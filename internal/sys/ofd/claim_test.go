@@ -73,9 +73,9 @@ func TestCreateLockedAndClaimEnded(t *testing.T) {
 	path := filepath.Join(dir, "life")
 	me := os.Geteuid()
 
-	life, err := CreateLocked(path, me)
+	life, err := CreateLocked(path)
 	require.NoError(t, err)
-	_, err = CreateLocked(path, me)
+	_, err = CreateLocked(path)
 	assert.ErrorIs(t, err, os.ErrExist, "made once")
 	_, err = ClaimPrivate(path, me)
 	assert.ErrorIs(t, err, ErrLocked, "its maker lives")
@@ -134,7 +134,7 @@ func TestCreateLockedAndClaimEnded(t *testing.T) {
 	require.NoError(t, os.Symlink(path, filepath.Join(dir, "link")))
 	_, err = ClaimEnded(filepath.Join(dir, "link"), me)
 	assert.ErrorIs(t, err, ErrNotOwned, "links are nobody's")
-	_, err = CreateLocked(filepath.Join(dir, "link"), me)
+	_, err = CreateLocked(filepath.Join(dir, "link"))
 	assert.Error(t, err, "nor made through")
 	assert.NoFileExists(t, path)
 }
@@ -149,7 +149,7 @@ func TestALockTakenAfterTheRemovalIsStale(t *testing.T) {
 	for _, how := range []string{"claim", "create"} {
 		t.Run(how, func(t *testing.T) {
 			if how == "claim" {
-				made, err := CreateLocked(path, me)
+				made, err := CreateLocked(path)
 				require.NoError(t, err)
 				require.NoError(t, made.Close())
 			}
@@ -166,7 +166,7 @@ func TestALockTakenAfterTheRemovalIsStale(t *testing.T) {
 			if how == "claim" {
 				_, err = ClaimPrivate(path, me)
 			} else {
-				_, err = CreateLocked(path, me)
+				_, err = CreateLocked(path)
 			}
 			assert.ErrorIs(t, err, ErrStale)
 			assert.NotNil(t, holder, "the other claimant ran")
