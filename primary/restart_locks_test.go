@@ -91,6 +91,16 @@ func helperStalledRecovery(args []string) int {
 // kept holds what a helper keeps open for its life.
 var kept []*os.File
 
+// sayCount runs f and says "> WHAT N" with the count it returns, or its
+// error.
+func sayCount(what string, f func() (int, error)) {
+	if n, err := f(); err != nil {
+		testproc.Say("> err %v", err)
+	} else {
+		testproc.Say("> %s %d", what, n)
+	}
+}
+
 // keepBacking duplicates every descriptor this process holds of an
 // instance's segment or backing files; the copies share the open file
 // descriptions, whatever the library closes. It returns how many.

@@ -190,26 +190,11 @@ func helperUserSecondary(args []string) int {
 			a, _ := strconv.ParseUint(f[1], 0, 64)
 			testproc.SayKey(q.Lookup(uintptr(a)))
 		case len(f) == 1 && f[0] == "keep-backing":
-			n, err := keepBacking()
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> kept %d", n)
-			}
+			sayCount("kept", keepBacking)
 		case len(f) == 1 && f[0] == "empty-kept":
-			n, err := emptyKept()
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> emptied %d", n)
-			}
+			sayCount("emptied", emptyKept)
 		case len(f) == 1 && f[0] == "lock-kept":
-			n, err := lockKept()
-			if err != nil {
-				testproc.Say("> err %v", err)
-			} else {
-				testproc.Say("> locked %d", n)
-			}
+			sayCount("locked", lockKept)
 		default:
 			testproc.Say("> err unknown command %q", in.Text())
 		}
