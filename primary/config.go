@@ -85,8 +85,13 @@ type Config struct {
 	FollowCPU bool
 	// AllowUIDs lists users besides the primary's own and root that may
 	// attach. (The runtime directory's and socket's permissions must be
-	// loosened for them too, and their secondaries must trust this
-	// primary's user: secondary.Config.TrustUIDs.)
+	// loosened for them too, and the segment's, which they open by path,
+	// and their secondaries must trust this primary's user:
+	// secondary.Config.TrustUIDs. Loosen those by name, never the
+	// instance's life file, mpmr.NAME.live: its mode, 0200, is what tells
+	// it from a file others could have held, so a life file loosened is
+	// taken for a planted one, and a second primary then removes it and
+	// the live primary's files.)
 	AllowUIDs []int
 	// Limits bound what any connection to the primary can make it hold;
 	// zero fields take the defaults of ipc.Limits: 256 connections, 128

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
@@ -85,6 +86,16 @@ func (p *Primary) removeDeadFiles(dir string) error {
 		if info, err := shm.Probe(segPath, instance.LayoutTag); err == nil && info.CreatorPID != 0 {
 			who = fmt.Sprintf(" (pid %d, says its segment)", info.CreatorPID)
 		}
+		if fi, err := os.Stat(lifePath); err == nil {
+			if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Nlink > 1 {
+				// Only the user's own process, or anyone where the kernel
+				// lets a file be linked without access to it, links one.
+				return fmt.Errorf("%w: %s is held, and has %d names: the life file of a live primary, this "+
+					"instance's (its runtime directory %s removed or replaced while it ran) or another of this "+
+					"user's, linked here; find that primary (its descriptors name the file) and stop it, or remove "+
+					"the name if it is another instance's", ErrPrimaryRunning, lifePath, st.Nlink, p.dir)
+			}
+		}
 		return fmt.Errorf("%w: a live primary%s of this instance holds %s, beside its segment %s; "+
 			"its runtime directory %s was removed or replaced while it ran: stop it first",
 			ErrPrimaryRunning, who, lifePath, segPath, p.dir)
@@ -136,8 +147,10 @@ func (p *Primary) removeDeadSegment(path string) error {
 	case err != nil:
 		return err
 	}
-	if err := shm.MarkDead(c.File()); err != nil {
+	if marked, err := shm.MarkEnded(c.File(), instance.LayoutTag); err != nil {
 		p.log.Warn("could not mark stale segment dead", "segment", path, "err", err)
+	} else if !marked {
+		p.log.Warn("stale segment left unmarked: it has other names, or its creator runs", "segment", path)
 	}
 	if err := c.Remove(); err != nil {
 		p.log.Warn("could not remove stale segment", "segment", path, "err", err)

@@ -249,7 +249,7 @@ func TestALinkToTheSegmentAtTheLifeFilesNameIsNoLifeFile(t *testing.T) {
 	now, err := os.Stat(life)
 	require.NoError(t, err)
 	assert.False(t, os.SameFile(kept, now), "the new primary's life file is its own")
-	assert.Zero(t, now.Mode().Perm()&0o077)
+	assert.Equal(t, os.FileMode(ofd.PrivateMode), now.Mode().Perm())
 	assert.Equal(t, uint64(1), kept.Sys().(*syscall.Stat_t).Nlink, "the linked name is gone; the user's own link stays")
 	again.End(0)
 	assert.NoFileExists(t, life, "and is removed when it closes")
@@ -281,7 +281,7 @@ func TestAPrimaryStoppedInRecoveryKeepsAnotherFromStarting(t *testing.T) {
 	assert.Equal(t, []string{instance.LifePath(dir, name)}, instance.Files(dir, name),
 		"the stopped primary's life file, and nothing of the other's")
 	a.Send("go on")
-	t.Logf("the stopped primary, going on: %s", a.Expect("result ", 0))
+	assert.Contains(t, a.Expect("result ", 0), "slots.lock", "its runtime directory is gone")
 	a.CloseInput()
 	require.NoError(t, a.Wait(0))
 	assert.Empty(t, instance.Files(dir, name), "it removes what it made")
@@ -350,4 +350,35 @@ func TestADeadPrimarysVanishedBackendDirectoryIsNoObstacle(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, p.Close())
 	assert.NoDirExists(t, gone, "and nothing is made there")
+}
+
+// Where the kernel lets anyone link a file (fs.protected_hardlinks=0; root
+// stands for that user here), a live instance's segment can be linked
+// under the segment name of another instance of the same user that is
+// not running. Starting that one removes the name, as a dead
+// predecessor's, but must not mark the live one's segment dead.
+func TestALiveSegmentLinkedUnderAnotherInstancesNameIsNotMarkedDead(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	cfgA := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: rundir, Backend: b.Kind, MemoryPages: 16, Logger: quiet}
+	a, err := primary.Start(cfgA)
+	require.NoError(t, err)
+	defer a.Close()
+	cfgB := cfgA
+	cfgB.Prefix = testenv.Prefix(t)
+	cfgB.MemoryBase = a.Memory().Lists()[0].End + 1<<30 // both in this process
+	segB := instance.SegmentPath(b.Dir, instance.Name(cfgB.Prefix, os.Geteuid(), filepath.Join(rundir, cfgB.Prefix)))
+	require.NoError(t, os.Link(a.Segment().Path(), segB))
+	t.Cleanup(func() { os.Remove(segB) })
+
+	pb, err := primary.Start(cfgB)
+	require.NoError(t, err)
+	defer pb.Close()
+	assert.True(t, a.Segment().Ready(), "the live instance's segment is not marked dead")
+	fi, err := os.Stat(a.Segment().Path())
+	require.NoError(t, err)
+	assert.Equal(t, uint64(1), fi.Sys().(*syscall.Stat_t).Nlink, "the name linked to it went")
+	_, err = a.Alloc(b.PageSize)
+	assert.NoError(t, err, "and it works on")
 }

@@ -3,6 +3,7 @@ package shm
 import (
 	"fmt"
 	"os"
+	"strconv"
 	"sync/atomic"
 	"syscall"
 
@@ -160,6 +161,41 @@ func MarkDeadFile(path string) error {
 	}
 	defer f.Close()
 	return MarkDead(f)
+}
+
+// MarkEnded is MarkDead for a segment file whose instance was proven
+// ended by its name alone: it marks f (open for writing) dead unless f may
+// be a live instance's after all, because it has another name (a hard
+// link from another instance's name) or because the creator its header
+// names (pid and start time) still runs. It reports whether it marked.
+// The header's words are written by whoever may write the segment: they
+// are trusted to spare a segment, never to mark one.
+func MarkEnded(f *os.File, layoutTag uint32) (bool, error) {
+	st, err := f.Stat()
+	if err != nil {
+		return false, err
+	}
+	if sys, ok := st.Sys().(*syscall.Stat_t); !ok || sys.Nlink > 1 {
+		return false, nil
+	}
+	if info, _ := ProbeFile(f, layoutTag); creatorRuns(info.CreatorPID, info.CreatorStart) {
+		return false, nil
+	}
+	return true, MarkDead(f)
+}
+
+// creatorRuns reports whether process pid, started at start, runs (a
+// zombie does not).
+func creatorRuns(pid int, start uint64) bool {
+	if pid <= 0 || start == 0 {
+		return false
+	}
+	f, err := statFields(pid)
+	if err != nil || string(f[stateField]) == "Z" || string(f[stateField]) == "X" {
+		return false
+	}
+	st, err := strconv.ParseUint(string(f[startField]), 10, 64)
+	return err == nil && st == start
 }
 
 // MarkDead is MarkDeadFile of an open file (open for writing).

@@ -2,6 +2,7 @@ package shm_test
 
 import (
 	"encoding/binary"
+	"fmt"
 	"os"
 	"reflect"
 	"strconv"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/shm"
 )
 
@@ -273,6 +275,60 @@ func TestMarkDeadFile(t *testing.T) {
 	junk := testenv.File(t, testenv.Tmpfs(t).Dir)
 	require.NoError(t, os.WriteFile(junk, make([]byte, 8192), 0o600))
 	assert.ErrorIs(t, shm.MarkDeadFile(junk), shm.ErrBadMagic, "not a segment: left alone")
+}
+
+func init() { testproc.Register("create-and-end", helperCreateAndEnd) }
+
+// helperCreateAndEnd creates a ready segment at args[0] and ends, leaving
+// it: a segment whose creator is gone.
+func helperCreateAndEnd(args []string) int {
+	o := opts(args[0])
+	o.Role = shm.RolePrimary
+	s, err := shm.Create(o)
+	if err == nil {
+		err = s.MarkReady()
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	s.Close()
+	return 0
+}
+
+// MarkEnded marks a segment whose creator is gone, and spares one that
+// may be a live instance's: one whose creator runs (here this process),
+// or one with another name.
+func TestMarkEndedSparesWhatMayLive(t *testing.T) {
+	owner, o := newSegment(t, testenv.Tmpfs(t))
+	markEnded := func(path string) bool {
+		f, err := os.OpenFile(path, os.O_RDWR, 0)
+		require.NoError(t, err)
+		defer f.Close()
+		marked, err := shm.MarkEnded(f, o.LayoutTag)
+		require.NoError(t, err)
+		return marked
+	}
+	assert.False(t, markEnded(o.Path), "its creator runs")
+	assert.True(t, owner.Ready())
+
+	for _, linked := range []bool{true, false} {
+		path := testenv.File(t, testenv.Tmpfs(t).Dir)
+		h := testproc.Start(t, "create-and-end", []string{path})
+		require.NoError(t, h.Wait(0))
+		if linked {
+			require.NoError(t, os.Link(path, path+".linked"))
+			t.Cleanup(func() { os.Remove(path + ".linked") })
+		}
+		assert.Equal(t, !linked, markEnded(path), "creator gone, linked %v", linked)
+		info, err := shm.Probe(path, o.LayoutTag)
+		if linked {
+			assert.NoError(t, err, "spared")
+		} else {
+			assert.ErrorIs(t, err, shm.ErrDead, "marked")
+		}
+		assert.Equal(t, h.PID(), info.CreatorPID)
+	}
 }
 
 // Any process that maps a segment can write its header; a Size raised

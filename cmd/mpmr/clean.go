@@ -301,7 +301,8 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut)
 	segPath := instance.SegmentPath(dir, t.Name)
 	// The segment and the backing files go whoever holds them locked; the
 	// slots' lock file beside a segment made without a runtime directory
-	// stays while a live process holds a slot in it (it blocks nothing).
+	// stays while a live process holds its byte 0, the first slot's (it
+	// blocks nothing).
 	claim := func(path string) *ofd.Claim { return claimWith(ofd.ClaimEnded, path) }
 	if c := claim(segPath); c != nil {
 		// The claimed file, not its name: the instance's user could swap
@@ -321,15 +322,20 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut)
 			seg.Close()
 		}
 		if perr == nil || errors.Is(perr, shm.ErrNotReady) {
-			if err := shm.MarkDead(c.File()); err != nil {
+			switch marked, err := shm.MarkEnded(c.File(), instance.LayoutTag); {
+			case err != nil:
 				out.Warnings = append(out.Warnings, err.Error())
-			} else {
+			case marked:
 				out.MarkedDead = append(out.MarkedDead, segPath)
+			default:
+				out.Warnings = append(out.Warnings, fmt.Sprintf("%s not marked dead: it has other names, "+
+					"or its creator runs (another instance's, linked here?)", segPath))
 			}
 		}
 		removeClaimed(segPath, c)
 		// A segment made without a lock file in a runtime directory has
-		// it beside: claimed as the segment is, whatever is at its name.
+		// it beside: claimed (ClaimFile: only if byte 0 is free), whatever
+		// is at its name.
 		if c := claimWith(ofd.ClaimFile, segPath+".lock"); c != nil {
 			removeClaimed(segPath+".lock", c)
 		}

@@ -45,7 +45,7 @@ func TestTakeLife(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, os.SameFile(was, now))
 	assert.Equal(t, uint64(1), was.Sys().(*syscall.Stat_t).Nlink, "the shared file keeps its own name only")
-	assert.Zero(t, now.Mode().Perm()&0o077)
+	assert.Equal(t, os.FileMode(ofd.PrivateMode), now.Mode().Perm())
 
 	if me != 0 {
 		t.Skip("needs root to give a file to another user (chown)")

@@ -83,8 +83,9 @@ func ClaimEnded(path string, uid int) (*Claim, error) {
 // CreateLocked makes the file at path (a clean one), which must not
 // exist, as an empty regular file of mode PrivateMode, and locks byte 0
 // of it: the claim is the lifetime lock ClaimFile and ClaimPrivate look
-// for. Remove unlinks it before the lock goes. It fails with ErrStale if
-// another process claimed and removed the file before it was locked.
+// for. Remove unlinks it before the lock goes. It fails with ErrLocked if
+// another process opened and locked the file before this one did, and
+// with ErrStale if another claimed and removed it meanwhile.
 func CreateLocked(path string) (*Claim, error) {
 	return claimFile(path, func(dir *os.File, name string) (*Claim, error) { return createAt(dir, name, path) })
 }
