@@ -25,6 +25,7 @@ import (
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/shm"
 )
 
 func init() {
@@ -191,11 +192,15 @@ func TestRestartOverDeadInstance(t *testing.T) {
 			h, _, _ := startPrimaryProcess(t, cfg)
 			h.Kill()
 			_ = h.Wait(0)
+			// As a secondary of the dead instance holds it: the segment
+			// must read as dead once the new primary has started.
+			old, err := os.Open(instance.SegmentPath(bk.Dir,
+				instance.Name(cfg.Prefix, os.Geteuid(), filepath.Join(cfg.RuntimeDir, cfg.Prefix))))
+			require.NoError(t, err)
 
 			// The dead primary's files and hugepages are still there; a
 			// new primary cleans them up and starts.
 			var p *primary.Primary
-			var err error
 			for range 100 { // its listening socket may linger an instant after SIGKILL
 				if p, err = primary.Start(cfg); !errors.Is(err, ipc.ErrAddressInUse) {
 					break
@@ -204,6 +209,9 @@ func TestRestartOverDeadInstance(t *testing.T) {
 			}
 			require.NoError(t, err)
 			defer p.Close()
+			_, err = shm.ProbeFile(old, instance.LayoutTag)
+			assert.ErrorIs(t, err, shm.ErrDead, "the dead instance's segment is marked dead")
+			require.NoError(t, old.Close())
 			r, err := p.Alloc(p.Backend().PageSize)
 			require.NoError(t, err)
 			sec := startSecondary(t, cfg)

@@ -30,9 +30,12 @@ import (
 // as long as they like.
 //
 // Nothing of the old state is trusted or reused: its segment is marked
-// dead (for secondaries of the old instance that still map it) and every
-// file is removed; hugepages go back to the kernel once the last old
-// mapping goes.
+// dead (for secondaries of the old instance that still map it; unless it
+// has other names or the creator its header names runs, see
+// shm.MarkEnded, which whoever may write it can arrange: those
+// secondaries also see the primary's socket end and its slot die) and
+// every file is removed; hugepages go back to the kernel once the last
+// old mapping goes.
 func (p *Primary) recoverLeftovers() error {
 	var dirs []string
 	if info, err := instance.ReadInfoIn(p.rundir); err == nil {
@@ -70,15 +73,19 @@ func (p *Primary) recoverLeftovers() error {
 // In the primary's own backend directory it keeps the life file, held;
 // elsewhere it removes it last.
 func (p *Primary) removeDeadFiles(dir string) error {
+	own := dir == p.backend.Dir
+	if !own && len(instance.Files(dir, p.name)) == 0 {
+		return nil // nothing of the instance there (or no directory to look in)
+	}
 	segPath := instance.SegmentPath(dir, p.name)
 	lifePath := instance.LifePath(dir, p.name)
 	life, err := instance.TakeLife(dir, p.name, os.Geteuid())
 	switch {
-	case dir != p.backend.Dir && (errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission)):
-		// The dead primary's backend directory is gone, or this user may
-		// not make files in it any more: then no primary of the instance
-		// makes any there now, and what is left there cannot be removed.
-		p.log.Warn("the previous primary's backend directory is out of reach; its files there, if any, stay",
+	case !own && err != nil && !errors.Is(err, ofd.ErrLocked) && !errors.Is(err, ofd.ErrNotOwned):
+		// The dead primary's backend directory takes no new file (read
+		// only, full, no longer this user's to write): no primary of the
+		// instance makes any there now, and what is left there stays.
+		p.log.Warn("the previous primary's backend directory is out of reach; its files there stay",
 			"dir", dir, "err", err)
 		return nil
 	case errors.Is(err, ofd.ErrLocked):
@@ -108,7 +115,7 @@ func (p *Primary) removeDeadFiles(dir string) error {
 	if testHookLifeTaken != nil {
 		testHookLifeTaken(dir)
 	}
-	if dir == p.backend.Dir {
+	if own {
 		p.life = life // teardown removes it, whatever happens next
 	} else {
 		defer func() {

@@ -382,3 +382,35 @@ func TestALiveSegmentLinkedUnderAnotherInstancesNameIsNotMarkedDead(t *testing.T
 	_, err = a.Alloc(b.PageSize)
 	assert.NoError(t, err, "and it works on")
 }
+
+// A dead primary's description names a backend directory other than the
+// new primary's that takes no new file — read-only now, or full — with a
+// leftover of the instance in it: it stays, and the new primary starts.
+func TestADeadPrimarysOldBackendDirectoryThatTakesNoFileIsNoObstacle(t *testing.T) {
+	requireRoot(t)
+	for _, how := range []string{"read-only", "full"} {
+		t.Run(how, func(t *testing.T) {
+			rundir, prefix := testenv.RunDir(t), testenv.Prefix(t)
+			dir := filepath.Join(rundir, prefix)
+			require.NoError(t, os.MkdirAll(dir, 0o700))
+			old := t.TempDir()
+			require.NoError(t, unix.Mount("mpmr-test", old, "tmpfs", 0, "size=1m,nr_inodes=2"))
+			t.Cleanup(func() { unix.Unmount(old, unix.MNT_DETACH) })
+			seg := instance.SegmentPath(old, instance.Name(prefix, os.Geteuid(), dir))
+			require.NoError(t, os.WriteFile(seg, []byte("left"), 0o600)) // the last inode
+			if how == "read-only" {
+				require.NoError(t, unix.Mount("", old, "", unix.MS_REMOUNT|unix.MS_RDONLY, ""))
+			}
+			js, err := json.Marshal(instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(),
+				BackendDir: old, Segment: seg})
+			require.NoError(t, err)
+			require.NoError(t, os.WriteFile(filepath.Join(dir, instance.InfoFile), js, 0o600))
+
+			p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: hugetlb.Tmpfs,
+				MemoryPages: 4, Logger: quiet})
+			require.NoError(t, err)
+			require.NoError(t, p.Close())
+			assert.FileExists(t, seg, "out of reach, it stays")
+		})
+	}
+}

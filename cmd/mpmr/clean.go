@@ -35,8 +35,10 @@ the primary lock, or the lock on its life file); stop the primary
 instead, which cleans up after itself. While it works it holds the primary
 lock itself, so no new primary of PREFIX starts in the middle. Before
 removing the segment it marks it dead, for secondaries of the dead
-instance that still map it; their mappings keep the memory (and its
-hugepages) until they exit, and clean names them.
+instance that still map it, unless the segment has other names or the
+creator its header names still runs (it may be a live instance's, linked
+here); their mappings keep the memory (and its hugepages) until they
+exit, and clean names them.
 
 Backend files are named after the instance (prefix, user and runtime
 directory: mpmr.PREFIX.uUID.HASH.ctl, .msl0, ..., .live), and clean removes
@@ -259,8 +261,11 @@ func lifeHeld(path string, uid int) (bool, error) {
 // only the instance user's, whatever their names say, and only while it
 // holds the instance's life file there (instance.ClaimLife), which proves
 // that no primary of the instance lives or starts there, or when there is
-// none (it makes none: run as root, it would make a file for that user
-// where the user may not); it removes the life file last.
+// none, which proves only that none lives (it makes none: run as root, it
+// would make a file for that user where the user may not; a primary of
+// the instance starting meanwhile would have to come from a runtime
+// directory replaced under clean, which holds the primary lock of the
+// one it found); it removes the life file last.
 func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut) {
 	if !t.hasFiles(dir) {
 		return
