@@ -39,27 +39,30 @@ var (
 // data memory, the device and the global MR cache. It serves secondaries
 // over a unix socket. Primary is safe for concurrent use.
 type Primary struct {
-	cfg     Config
-	log     *slog.Logger
-	dir     string      // runtime directory
-	rundir  *ipc.RunDir // dir, opened and checked
-	name    string      // the instance's name in backend directories
-	lockf   *os.File
-	life    *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
-	backend hugetlb.Backend
-	segOpts shm.Options
-	seg     *shm.Segment
-	mem     *hugetlb.Memory
-	vdev    verbs.Device
-	dev     *verbs.Soft // vdev, when it is the soft device
-	pd      verbs.PD
-	global  *cache.Global
-	ctrs    *instance.CounterTable
-	queues  instance.Queues
-	server  *ipc.Server
-	serveWG sync.WaitGroup
-	cancel  context.CancelFunc
-	unsub   func()
+	cfg    Config
+	log    *slog.Logger
+	dir    string      // runtime directory
+	rundir *ipc.RunDir // dir, opened and checked
+	name   string      // the instance's name in backend directories
+	lockf  *os.File
+	// described: this primary wrote the instance's description (teardown
+	// removes only its own; the socket's listener removes its socket).
+	described bool
+	life      *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
+	backend   hugetlb.Backend
+	segOpts   shm.Options
+	seg       *shm.Segment
+	mem       *hugetlb.Memory
+	vdev      verbs.Device
+	dev       *verbs.Soft // vdev, when it is the soft device
+	pd        verbs.PD
+	global    *cache.Global
+	ctrs      *instance.CounterTable
+	queues    instance.Queues
+	server    *ipc.Server
+	serveWG   sync.WaitGroup
+	cancel    context.CancelFunc
+	unsub     func()
 
 	// Secondaries that follow memory changes, by peer.
 	syncMu sync.Mutex // guards peers, detached, unreaped and judging; taken inside the memory lock and the change hold
@@ -296,6 +299,7 @@ func (p *Primary) start() error {
 	}); err != nil {
 		return err
 	}
+	p.described = true
 	p.log.Info("primary ready", "segment", p.segOpts.Path, "socket", sock)
 	return nil
 }
@@ -598,8 +602,11 @@ func (p *Primary) teardown() error {
 		add(p.life.Remove()) // last: unlinked before it is unlocked
 	}
 	if p.lockf != nil {
-		for _, name := range []string{instance.InfoFile, ipc.SocketName} {
-			if err := p.rundir.Remove(name); err != nil && !errors.Is(err, os.ErrNotExist) {
+		// Only what this primary made: a start refused because another
+		// primary lives (one whose primary lock file was removed) leaves
+		// that one's socket and description where they are.
+		if p.described {
+			if err := p.rundir.Remove(instance.InfoFile); err != nil && !errors.Is(err, os.ErrNotExist) {
 				add(err)
 			}
 		}

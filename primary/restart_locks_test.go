@@ -414,3 +414,25 @@ func TestADeadPrimarysOldBackendDirectoryThatTakesNoFileIsNoObstacle(t *testing.
 		})
 	}
 }
+
+// A start refused because a primary lives (one whose primary lock file
+// was removed, by a cleaner of temporary files, say) takes nothing of that
+// primary's with it: its socket and its description stay, and
+// secondaries still attach.
+func TestARefusedStartLeavesTheLivePrimarysSocketAndDescription(t *testing.T) {
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	dir := filepath.Join(cfg.RuntimeDir, cfg.Prefix)
+	require.NoError(t, os.Remove(filepath.Join(dir, instance.PrimaryLockFile)))
+	again, err := primary.Start(cfg)
+	if err == nil {
+		again.Close()
+	}
+	require.ErrorIs(t, err, primary.ErrPrimaryRunning)
+	assert.FileExists(t, filepath.Join(dir, ipc.SocketName))
+	assert.FileExists(t, filepath.Join(dir, instance.InfoFile))
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	sec := startSecondary(t, cfg)
+	k := parseKey(t, ask(t, sec, "lookup %d", r.Addr))
+	assert.Equal(t, "ok", ask(t, sec, "validate %d %d", r.Addr, k), "a secondary attaches and works")
+}
