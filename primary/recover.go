@@ -79,7 +79,9 @@ func (p *Primary) removeDeadFiles(dir string) error {
 	}
 	segPath := instance.SegmentPath(dir, p.name)
 	lifePath := instance.LifePath(dir, p.name)
-	life, err := instance.TakeLife(dir, p.name, os.Geteuid())
+	life, err := instance.TakeLife(dir, p.name, os.Geteuid(), func(path string) {
+		p.log.Warn("removed a file at the life file's name that others could have held", "path", path)
+	})
 	switch {
 	case !own && err != nil && !errors.Is(err, ofd.ErrLocked) && !errors.Is(err, ofd.ErrNotOwned):
 		// The dead primary's backend directory takes no new file (read

@@ -43,9 +43,10 @@ exit, and clean names them.
 Backend files are named after the instance (prefix, user and runtime
 directory: mpmr.PREFIX.uUID.HASH.ctl, .msl0, ..., .live), and clean removes
 one only if it is a regular file of the instance's user, while it holds
-the life file (whoever else holds the segment or a backing file open or
-locked: the users the primary let in may); anything else is left alone,
-with a warning.
+the life file or where there is none (a live primary of a build from
+before the life file has none: stop it first), whoever else holds the
+segment or a backing file open or locked (the users the primary let in
+may); anything else is left alone, with a warning.
 
 It reports what it removed and, on hugetlbfs, the free hugepages of the
 instance's page size before and after.`,
@@ -271,7 +272,10 @@ func (t *target) cleanBackend(e *env, rd *ipc.RunDir, dir string, out *cleanOut)
 		return
 	}
 	lifePath := instance.LifePath(dir, t.Name)
-	life, err := instance.ClaimLife(dir, t.Name, t.UID)
+	life, err := instance.ClaimLife(dir, t.Name, t.UID, func(path string) {
+		out.Removed = append(out.Removed, path)
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s was no life file (others could have held it)", path))
+	})
 	switch {
 	case errors.Is(err, ofd.ErrNotOwned):
 		// Made by someone else before any primary could make it: no

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -174,4 +175,22 @@ func TestCleanRemovesADeadInstanceWhoseFilesOthersHoldLocked(t *testing.T) {
 	assert.Equal(t, []string{seg}, got.MarkedDead)
 	assert.Empty(t, got.Warnings)
 	assert.Empty(t, files(t, b, rundir, prefix), "nothing is left")
+}
+
+// A file at the life file's name that others could have held is no life
+// file: clean removes it, and says so.
+func TestCleanSaysItRemovedAFileThatWasNoLifeFile(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	h, prefix := startDeadable(t, b, rundir)
+	h.Kill()
+	require.Error(t, h.Wait(0))
+	life := instance.LifePath(b.Dir, instanceName(rundir, prefix))
+	require.NoError(t, os.Chmod(life, 0o644))
+
+	var got cleanOut
+	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+	assert.Contains(t, got.Removed, life)
+	assert.Contains(t, strings.Join(got.Warnings, "\n"), life+" was no life file")
+	assert.NoFileExists(t, life)
 }

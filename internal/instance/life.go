@@ -24,23 +24,24 @@ func LifePath(backendDir, name string) string {
 // nobody holds it, makes it (locked) if it is not, and removes what is at
 // its name if that is a file of uid but no life file (ofd.ErrNotPrivate:
 // a file that others could have held, such as a hard link to the segment
-// or to a backing file). While the claim is held no primary of the
-// instance lives or starts there, so its files there may be removed
-// whoever holds them. It fails with ofd.ErrLocked while a live process
-// holds the life file, and with ofd.ErrNotOwned when another user's file,
-// or no regular file, is at its name.
-func TakeLife(backendDir, name string, uid int) (*ofd.Claim, error) {
-	return takeLife(backendDir, name, uid, true)
+// or to a backing file; removed, if not nil, is told its path). While the
+// claim is held no primary of the instance lives or starts there, so its
+// files there may be removed whoever holds them. It fails with
+// ofd.ErrLocked while a live process holds the life file, and with
+// ofd.ErrNotOwned when another user's file, or no regular file, is at its
+// name.
+func TakeLife(backendDir, name string, uid int, removed func(path string)) (*ofd.Claim, error) {
+	return takeLife(backendDir, name, uid, true, removed)
 }
 
 // ClaimLife is TakeLife for a process that is no primary of the instance
 // (mpmr clean, which may run as root): it makes no life file, and returns
 // nil and no error when there is none (or no backendDir).
-func ClaimLife(backendDir, name string, uid int) (*ofd.Claim, error) {
-	return takeLife(backendDir, name, uid, false)
+func ClaimLife(backendDir, name string, uid int, removed func(path string)) (*ofd.Claim, error) {
+	return takeLife(backendDir, name, uid, false, removed)
 }
 
-func takeLife(backendDir, name string, uid int, make bool) (*ofd.Claim, error) {
+func takeLife(backendDir, name string, uid int, make bool, removed func(string)) (*ofd.Claim, error) {
 	path := LifePath(backendDir, name)
 	for range 16 {
 		c, err := ofd.ClaimPrivate(path, uid)
@@ -67,7 +68,9 @@ func takeLife(backendDir, name string, uid int, make bool) (*ofd.Claim, error) {
 			}
 			ok, err := bad.Private()
 			if err == nil && !ok {
-				err = bad.Remove()
+				if err = bad.Remove(); err == nil && removed != nil {
+					removed(path)
+				}
 			} else {
 				bad.Close()
 			}

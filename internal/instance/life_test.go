@@ -17,12 +17,12 @@ func TestTakeLife(t *testing.T) {
 	me := os.Geteuid()
 	path := LifePath(dir, "n")
 
-	life, err := TakeLife(dir, "n", me)
+	life, err := TakeLife(dir, "n", me, nil)
 	require.NoError(t, err, "none there: made")
-	_, err = TakeLife(dir, "n", me)
+	_, err = TakeLife(dir, "n", me, nil)
 	assert.ErrorIs(t, err, ofd.ErrLocked, "held by its taker")
 	require.NoError(t, life.Close())
-	life, err = TakeLife(dir, "n", me)
+	life, err = TakeLife(dir, "n", me, nil)
 	require.NoError(t, err, "left by one that ended: claimed")
 	require.NoError(t, life.Remove())
 
@@ -36,9 +36,11 @@ func TestTakeLife(t *testing.T) {
 	require.NoError(t, err)
 	defer holder.Close()
 	require.NoError(t, ofd.TryLock(holder, 0, true))
-	life, err = TakeLife(dir, "n", me)
+	var removed []string
+	life, err = TakeLife(dir, "n", me, func(p string) { removed = append(removed, p) })
 	require.NoError(t, err)
 	defer life.Remove()
+	assert.Equal(t, []string{path}, removed, "and says so")
 	was, err := os.Stat(shared)
 	require.NoError(t, err)
 	now, err := os.Stat(path)
@@ -53,7 +55,7 @@ func TestTakeLife(t *testing.T) {
 	other := LifePath(dir, "o")
 	require.NoError(t, os.WriteFile(other, nil, 0o600))
 	require.NoError(t, os.Chown(other, 42021, 42021))
-	_, err = TakeLife(dir, "o", me)
+	_, err = TakeLife(dir, "o", me, nil)
 	assert.ErrorIs(t, err, ofd.ErrNotOwned, "another user's file is left alone")
 	assert.FileExists(t, other)
 
@@ -64,20 +66,20 @@ func TestTakeLife(t *testing.T) {
 func TestClaimLife(t *testing.T) {
 	dir := t.TempDir()
 	me := os.Geteuid()
-	c, err := ClaimLife(dir, "n", me)
+	c, err := ClaimLife(dir, "n", me, nil)
 	assert.NoError(t, err)
 	assert.Nil(t, c)
 	assert.NoFileExists(t, LifePath(dir, "n"), "none made")
-	c, err = ClaimLife(filepath.Join(dir, "gone"), "n", me)
+	c, err = ClaimLife(filepath.Join(dir, "gone"), "n", me, nil)
 	assert.NoError(t, err)
 	assert.Nil(t, c)
 
-	life, err := TakeLife(dir, "n", me)
+	life, err := TakeLife(dir, "n", me, nil)
 	require.NoError(t, err)
-	_, err = ClaimLife(dir, "n", me)
+	_, err = ClaimLife(dir, "n", me, nil)
 	assert.ErrorIs(t, err, ofd.ErrLocked)
 	require.NoError(t, life.Close())
-	c, err = ClaimLife(dir, "n", me)
+	c, err = ClaimLife(dir, "n", me, nil)
 	require.NoError(t, err, "a dead taker's")
 	require.NotNil(t, c)
 	require.NoError(t, c.Remove())
@@ -91,7 +93,7 @@ func TestClaimLife(t *testing.T) {
 func TestATakerStoppedBeforeItsLockFindsTheLiveOne(t *testing.T) {
 	dir := t.TempDir()
 	me := os.Geteuid()
-	dead, err := TakeLife(dir, "n", me)
+	dead, err := TakeLife(dir, "n", me, nil)
 	require.NoError(t, err)
 	require.NoError(t, dead.Close()) // its primary died
 
@@ -102,14 +104,14 @@ func TestATakerStoppedBeforeItsLockFindsTheLiveOne(t *testing.T) {
 			return // the first taker's next tries, and the others' claims
 		}
 		stopped = true
-		second, err := TakeLife(dir, "n", me)
+		second, err := TakeLife(dir, "n", me, nil)
 		require.NoError(t, err, "the dead primary's file, claimed")
 		require.NoError(t, second.Remove(), "the second primary ends")
-		c, err := TakeLife(dir, "n", me)
+		c, err := TakeLife(dir, "n", me, nil)
 		require.NoError(t, err, "the third makes its own")
 		third = c
 	})
-	first, err := TakeLife(dir, "n", me)
+	first, err := TakeLife(dir, "n", me, nil)
 	restore()
 	if err == nil {
 		first.Close()

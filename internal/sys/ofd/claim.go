@@ -47,9 +47,9 @@ type Claim struct {
 
 // ClaimFile claims the file at path (a clean one: filepath.Clean leaves
 // it as it is), which must be a regular file owned by uid (else
-// ErrNotOwned): it fails with ErrLocked while any other open
-// file description holds a lock on byte 0 of it, that is, while the
-// process that made it lives.
+// ErrNotOwned): it fails with ErrLocked while any other open file
+// description holds a lock on byte 0 of it: its maker's, which holds one
+// for as long as it lives, or that of anyone else who holds it open.
 func ClaimFile(path string, uid int) (*Claim, error) {
 	return claimFile(path, func(dir *os.File, name string) (*Claim, error) {
 		return claimAt(dir, name, path, uid, claimHow{lock: true})

@@ -46,8 +46,9 @@
 // closed, and then the scenario must have left nothing: no process tagged
 // with its id (children included), no file of the instance in the runtime
 // directory or the backend directory (segment mpmr.NAME.ctl, memseg
-// files mpmr.NAME.msl*, where NAME is Scenario.Name; socket, locks,
-// instance.json), no mapping or descriptor of them in the test process,
+// files mpmr.NAME.msl*, life file mpmr.NAME.live, where NAME is
+// Scenario.Name; socket, locks, instance.json), no mapping or descriptor
+// of them in the test process,
 // and on hugetlbfs as many free
 // hugepages as before, waiting a bounded time for the kernel and
 // discounting pages other users' files took meanwhile. What is found is

@@ -81,7 +81,7 @@ func (s *Scenario) Name() string { return instance.Name(s.Prefix, os.Geteuid(), 
 func (s *Scenario) SegmentPath() string { return instance.SegmentPath(s.Backend.Dir, s.Name()) }
 
 // backendFiles lists every file of the instance in the backend directory:
-// the segment, its lock, the memseg list files.
+// the segment, its lock, the memseg list files, the primary's life file.
 func (s *Scenario) backendFiles() []string { return instance.Files(s.Backend.Dir, s.Name()) }
 
 func (s *Scenario) files() []string {
