@@ -341,15 +341,23 @@ func TestADeadPrimarysVanishedBackendDirectoryIsNoObstacle(t *testing.T) {
 	dir := filepath.Join(rundir, prefix)
 	require.NoError(t, os.MkdirAll(dir, 0o700))
 	gone := filepath.Join(t.TempDir(), "was-a-tmpfs")
-	js, err := json.Marshal(instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(), BackendDir: gone,
-		Segment: instance.SegmentPath(gone, instance.Name(prefix, os.Geteuid(), dir))})
+	startOverDeadPrimary(t, rundir, prefix, gone, instance.SegmentPath(gone, instance.Name(prefix, os.Geteuid(), dir)))
+	assert.NoDirExists(t, gone, "and nothing is made there")
+}
+
+// startOverDeadPrimary describes, in the runtime directory of instance
+// prefix, a dead primary whose backend directory was backendDir and its
+// segment seg, then starts and closes a primary of the instance on tmpfs.
+func startOverDeadPrimary(t *testing.T, rundir, prefix, backendDir, seg string) {
+	t.Helper()
+	js, err := json.Marshal(instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(),
+		BackendDir: backendDir, Segment: seg})
 	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(filepath.Join(dir, instance.InfoFile), js, 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(rundir, prefix, instance.InfoFile), js, 0o600))
 	p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: hugetlb.Tmpfs,
 		MemoryPages: 4, Logger: quiet})
 	require.NoError(t, err)
 	require.NoError(t, p.Close())
-	assert.NoDirExists(t, gone, "and nothing is made there")
 }
 
 // Where the kernel lets anyone link a file (fs.protected_hardlinks=0; root
@@ -401,15 +409,7 @@ func TestADeadPrimarysOldBackendDirectoryThatTakesNoFileIsNoObstacle(t *testing.
 			if how == "read-only" {
 				require.NoError(t, unix.Mount("", old, "", unix.MS_REMOUNT|unix.MS_RDONLY, ""))
 			}
-			js, err := json.Marshal(instance.Info{Prefix: prefix, PID: 1, Backend: hugetlb.Tmpfs.String(),
-				BackendDir: old, Segment: seg})
-			require.NoError(t, err)
-			require.NoError(t, os.WriteFile(filepath.Join(dir, instance.InfoFile), js, 0o600))
-
-			p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: hugetlb.Tmpfs,
-				MemoryPages: 4, Logger: quiet})
-			require.NoError(t, err)
-			require.NoError(t, p.Close())
+			startOverDeadPrimary(t, rundir, prefix, old, seg)
 			assert.FileExists(t, seg, "out of reach, it stays")
 		})
 	}
