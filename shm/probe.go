@@ -3,7 +3,6 @@ package shm
 import (
 	"fmt"
 	"os"
-	"strconv"
 	"sync/atomic"
 	"syscall"
 
@@ -178,24 +177,10 @@ func MarkEnded(f *os.File, layoutTag uint32) (bool, error) {
 	if sys, ok := st.Sys().(*syscall.Stat_t); !ok || sys.Nlink > 1 {
 		return false, nil
 	}
-	if info, _ := ProbeFile(f, layoutTag); creatorRuns(info.CreatorPID, info.CreatorStart) {
+	if info, _ := ProbeFile(f, layoutTag); info.CreatorPID > 0 && info.CreatorStart != 0 && Running(info.CreatorPID, info.CreatorStart) {
 		return false, nil
 	}
 	return true, MarkDead(f)
-}
-
-// creatorRuns reports whether process pid, started at start, runs (a
-// zombie does not).
-func creatorRuns(pid int, start uint64) bool {
-	if pid <= 0 || start == 0 {
-		return false
-	}
-	f, err := statFields(pid)
-	if err != nil || string(f[stateField]) == "Z" || string(f[stateField]) == "X" {
-		return false
-	}
-	st, err := strconv.ParseUint(string(f[startField]), 10, 64)
-	return err == nil && st == start
 }
 
 // MarkDead is MarkDeadFile of an open file (open for writing).
