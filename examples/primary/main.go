@@ -4,7 +4,8 @@
 // through the soft device, keeps freeing and reallocating a region of
 // memory while they work, and prints what every process did.
 //
-//	go run ./examples/primary                        # the main job
+//	go run ./examples/primary                        # the main job: 2 secondaries, 1 queue each, 3 s
+//	go run ./examples/primary -duration 10s -secondaries 3 -backend hugetlbfs
 //	go run ./examples/primary -secondaries 0 -duration 1h &   # a primary alone...
 //	go run ./examples/secondary -duration 5s                   # ...and a secondary by hand
 //
