@@ -1,12 +1,10 @@
 package main
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 
@@ -147,7 +145,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 			}
 			return nil, fmt.Errorf("refusing to clean %q: cannot tell whether a primary holds %s: %w", t.Prefix, lifePath, err)
 		}
-		if held || t.Info != nil && info.CreatorPID == t.Info.PID && running(info.CreatorPID, info.CreatorStart) {
+		if held || t.Info != nil && info.CreatorPID == t.Info.PID && info.CreatorPID > 0 && shm.Running(info.CreatorPID, info.CreatorStart) {
 			if created {
 				_ = rd.Remove(instance.PrimaryLockFile)
 			}
@@ -381,29 +379,4 @@ func (o *cleanOut) print(e *env) error {
 			size(h.PageSize), h.FreeBefore, h.FreeAfter, h.Total)
 	}
 	return nil
-}
-
-// running reports whether process pid, started at start (clock ticks after
-// boot, as shm records it), still runs. A zombie does not: it holds no
-// file, lock or mapping any more.
-func running(pid int, start uint64) bool {
-	if pid <= 0 || start == 0 {
-		return false
-	}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return false
-	}
-	// Fields after the command name, which may hold anything, are plain:
-	// the state first, the start time 20th.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return false
-	}
-	f := bytes.Fields(b[i+1:])
-	if len(f) < 20 || string(f[0]) == "Z" || string(f[0]) == "X" {
-		return false
-	}
-	st, err := strconv.ParseUint(string(f[19]), 10, 64)
-	return err == nil && st == start
 }
