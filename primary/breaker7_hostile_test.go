@@ -161,3 +161,65 @@ func TestBreaker7StatsAfterCloseDoesNotCrash(t *testing.T) {
 	err2 := h.Wait(0)
 	assert.Equal(t, "survived mrs=0 dump=true", line, "next line %v; exit %v; stderr:\n%.600s", err, err2, h.Stderr())
 }
+
+// A careless secondary that keeps the requests its connections may have
+// in flight busy with mempool registrations (b7-mempool-flood: two
+// connections, each a peer of its own, 64 requests each, 1,500 chunks a
+// request) had the primary work on as many at once as its handlers could
+// (3 to 13 at once here): a registration's work grows with its frame, so
+// they kept every P of the primary busy, and its frees waited behind them
+// (5–10 ms instead of 0.3–0.5). Registrations now take turns, one at a
+// time, and a peer queues at most one for the primary's turn: another
+// peer's registration waits behind at most one of each flooding peer's
+// (with one turn for all and none of a peer's own, 35–54 here).
+func TestMempoolRegistrationsTakeTurnsFairly(t *testing.T) {
+	var mu sync.Mutex
+	var legit, working, most, done, overtaken int
+	waiting := false
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case event == "wait" && pid == legit:
+			waiting = true
+		case event == "start" && pid == legit:
+			waiting = false
+		case event == "start" && waiting:
+			overtaken++
+		}
+		switch event {
+		case "start":
+			working++
+			most = max(most, working)
+		case "end":
+			working--
+			done++
+		}
+	}))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	region, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	other := startSecondary(t, cfg)
+	mu.Lock()
+	legit = other.PID()
+	mu.Unlock()
+	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, "2",
+		strconv.FormatUint(uint64(region.Addr), 10), "64", "1500"})
+	line := flood.Expect("", 0)
+	require.True(t, strings.HasPrefix(line, "flooding"), line)
+	for busy := false; !busy; {
+		// Once one registration came back, the others are in flight.
+		flood.Send("count")
+		busy = !strings.HasPrefix(flood.Expect("> ", 0), "> ok=0 ")
+	}
+	assert.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr, 4096))
+	flood.Kill()
+	require.Error(t, flood.Wait(0))
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("%d registrations done; %d of the flooding peers' started while the other peer's waited", done, overtaken)
+	assert.Equal(t, 1, most, "mempool registrations at work at once (%d done)", done)
+	// At most one of each flooding peer's, 2, but the report of the wait
+	// and the queueing are two steps, between which the flood may run on.
+	assert.LessOrEqual(t, overtaken, 10, "registrations of the two flooding peers that started while another peer's waited")
+}

@@ -17,9 +17,19 @@ func WithDeviceOpener(c *Config, f func(seg *shm.Segment, log *slog.Logger) (ver
 }
 
 // HandleRegisterMempool runs the handler of a secondary's register-mempool
-// request, as the server would after decoding it, with the request's ctx.
+// request, as the server does once the request has its turns (see
+// mempoolTurn) and is decoded, with the request's ctx.
 func HandleRegisterMempool(ctx context.Context, p *Primary, m *ipc.RegisterMempool) (any, error) {
 	return (*handler)(p).registerMempool(ctx, m)
+}
+
+// SetMempoolTurns has f told of each mempool registration's turns (see
+// mempoolTurns), with the pid of the secondary that asked, until restore
+// is called. Set it before the primary starts.
+func SetMempoolTurns(f func(event string, pid int)) (restore func()) {
+	old := mempoolTurns
+	mempoolTurns = func(event string, peer *ipc.Peer) { f(event, peer.PID()) }
+	return func() { mempoolTurns = old }
 }
 
 // SetDetachAsk sets how long a detach waits for the kernel's description

@@ -78,7 +78,10 @@ type Primary struct {
 	// asks the kernel about it (see judgeEarlier); closed when it ends.
 	judging map[process]chan struct{}
 
-	served    instance.Histogram // service time of requests
+	served instance.Histogram // service time of requests
+	// mempools is held by the secondaries' mempool registration at work
+	// (see mempoolTurn).
+	mempools  chan struct{}
 	requests  atomic.Uint64
 	reqErrors atomic.Uint64
 	syncs     atomic.Uint64
@@ -120,6 +123,10 @@ type secondary struct {
 	slot  int
 	epoch uint32 // of its claim of the slot
 	start uint64 // its process's start time (shm.ProcessStart), read at hello
+	// turn is held by its mempool registration at work or queued for
+	// the primary's turn (see mempoolTurn); a hello again on its
+	// connection keeps it.
+	turn chan struct{}
 	// files is the first memseg list whose backing file it has not been
 	// handed yet (see KindMemoryFiles), or -1 while a request hands some.
 	files int
@@ -172,7 +179,7 @@ func Start(cfg Config) (*Primary, error) {
 	}
 	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
 		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{},
-		judging: map[process]chan struct{}{}}
+		judging: map[process]chan struct{}{}, mempools: make(chan struct{}, 1)}
 	if err := p.start(); err != nil {
 		if terr := p.teardown(); terr != nil {
 			// The start's error is the news; what could not be undone

@@ -197,6 +197,11 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		}
 		return &ipc.CreateMRReply{Start: e.Start, End: e.End, LKey: e.LKey}, nil
 	case ipc.KindRegisterMempool:
+		release, err := h.mempoolTurn(ctx, peer)
+		if err != nil {
+			return nil, err
+		}
+		defer release()
 		var m ipc.RegisterMempool
 		if err := body.Decode(&m); err != nil {
 			return nil, err
@@ -599,9 +604,10 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	default:
 	}
 	if refused == nil {
-		s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
+		s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start, turn: make(chan struct{}, 1)}
 		if old := h.peers[peer]; old != nil {
 			s.files = old.files // a hello again is no new attachment: its files went
+			s.turn = old.turn
 		}
 		h.peers[peer] = s
 	}
@@ -690,6 +696,48 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (
 	}
 	return reply, nil
 }
+
+// mempoolTurn waits for the turn of a mempool registration of peer, and
+// returns the function that ends it. Registrations are the one request
+// whose work grows with its frame (decoding it is most of that), and the
+// requests a peer may have in flight could all be registrations: run at
+// once, a careless peer's kept every P of the primary busy, and its own
+// frees and memory syncs waited behind them. So one registration works at
+// a time, and a peer waits for its own turn before it queues for that
+// one: whoever else floods, a registration waits behind at most one of
+// each other peer's.
+func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (release func(), err error) {
+	p := h.p()
+	h.syncMu.Lock()
+	s := h.peers[peer]
+	h.syncMu.Unlock()
+	if s == nil {
+		return nil, instance.ErrNotAttached
+	}
+	select {
+	case s.turn <- struct{}{}:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("primary: mempool registration: %w", ctx.Err())
+	}
+	mempoolTurns("wait", peer)
+	select {
+	case p.mempools <- struct{}{}:
+	case <-ctx.Done():
+		<-s.turn
+		return nil, fmt.Errorf("primary: mempool registration: %w", ctx.Err())
+	}
+	mempoolTurns("start", peer)
+	return func() {
+		mempoolTurns("end", peer)
+		<-p.mempools
+		<-s.turn
+	}, nil
+}
+
+// mempoolTurns is told of each mempool registration's turns: "wait" when
+// it queues for the primary's, having its peer's; "start" when it has
+// both; "end" when it gives them back. A variable for tests.
+var mempoolTurns = func(event string, peer *ipc.Peer) {}
 
 // syncSecondaries is subscribed to the data memory's events, after the
 // cache's guard. It runs without the memory lock (creates go on
