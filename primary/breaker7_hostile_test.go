@@ -170,8 +170,8 @@ func TestBreaker7StatsAfterCloseDoesNotCrash(t *testing.T) {
 // they kept every P of the primary busy, and its frees waited behind them
 // (5–10 ms instead of 0.3–0.5). Registrations now take turns, one at a
 // time, and a peer queues at most one for the primary's turn: another
-// peer's registration waits behind at most one of each flooding peer's
-// (with one turn for all and none of a peer's own, 35–54 here).
+// peer's registration waits behind at most one turn of each flooding
+// peer's (with one turn for all and none of a peer's own, 35–54 here).
 func TestMempoolRegistrationsTakeTurnsFairly(t *testing.T) {
 	var mu sync.Mutex
 	var legit, working, most, done, overtaken int
@@ -222,4 +222,47 @@ func TestMempoolRegistrationsTakeTurnsFairly(t *testing.T) {
 	// At most one of each flooding peer's, 2, but the report of the wait
 	// and the queueing are two steps, between which the flood may run on.
 	assert.LessOrEqual(t, overtaken, 10, "registrations of the two flooding peers that started while another peer's waited")
+}
+
+// With registrations taking turns, a cheap one waited for each expensive
+// one ahead of it to finish: in single-page mode, with 4,000 pages each
+// an MR of its own, a registration of 2,500 chunks that each span all of
+// them takes 10 million steps, and with six connections flooding those,
+// another secondary's registration of one page waited past its request
+// timeout. A registration now yields the turn every slice of work to
+// those waiting for it.
+func TestAnExpensiveRegistrationLetsOthersThrough(t *testing.T) {
+	const pages, conns = 4000, 6
+	var mu sync.Mutex
+	flooder, waits := 0, 0
+	busy := make(chan struct{})
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		defer mu.Unlock()
+		if event == "wait" && pid == flooder {
+			if waits++; waits == 2*conns {
+				close(busy) // every connection has had one in, and queued again
+			}
+		}
+	}))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
+	})
+	region, err := p.Alloc(pages * 4096)
+	require.NoError(t, err)
+	other := startSecondary(t, cfg)
+	require.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr, pages*4096)) // an MR a page
+	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(conns),
+		strconv.FormatUint(uint64(region.Addr), 10), strconv.Itoa(pages * 4096), "2500"})
+	mu.Lock()
+	flooder = flood.PID()
+	mu.Unlock()
+	line := flood.Expect("", 0)
+	require.True(t, strings.HasPrefix(line, "flooding"), line)
+	<-busy
+	for i := range 3 {
+		assert.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr+uintptr(i)*4096, 4096), "registration %d during the flood", i)
+	}
+	flood.Kill()
+	require.Error(t, flood.Wait(0))
 }

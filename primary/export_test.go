@@ -18,9 +18,10 @@ func WithDeviceOpener(c *Config, f func(seg *shm.Segment, log *slog.Logger) (ver
 
 // HandleRegisterMempool runs the handler of a secondary's register-mempool
 // request, as the server does once the request has its turns (see
-// mempoolTurn) and is decoded, with the request's ctx.
+// mempoolTurn) and is decoded, with the request's ctx, never yielding the
+// primary's turn.
 func HandleRegisterMempool(ctx context.Context, p *Primary, m *ipc.RegisterMempool) (any, error) {
-	return (*handler)(p).registerMempool(ctx, m)
+	return (*handler)(p).registerMempool(ctx, m, nil)
 }
 
 // SetMempoolTurns has f told of each mempool registration's turns (see

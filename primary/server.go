@@ -197,16 +197,16 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 		}
 		return &ipc.CreateMRReply{Start: e.Start, End: e.End, LKey: e.LKey}, nil
 	case ipc.KindRegisterMempool:
-		release, err := h.mempoolTurn(ctx, peer)
+		turn, err := h.mempoolTurn(ctx, peer)
 		if err != nil {
 			return nil, err
 		}
-		defer release()
+		defer turn.end()
 		var m ipc.RegisterMempool
 		if err := body.Decode(&m); err != nil {
 			return nil, err
 		}
-		return h.registerMempool(ctx, &m)
+		return h.registerMempool(ctx, &m, turn)
 	case ipc.KindStats:
 		var m ipc.StatsRequest
 		if err := body.Decode(&m); err != nil {
@@ -650,7 +650,9 @@ func (h *handler) claimTaken(peer *ipc.Peer, slot int, epoch uint32) error {
 // chunk's first address is asked of Create (an optimistic lookup when an
 // MR covers it already), so that no key in the reply is older than its
 // chunk; the rest of a chunk that the MR found covers costs nothing more.
-func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (any, error) {
+// Between steps it yields the primary's turn, held in turn (nil: none),
+// to the registrations waiting for it (see mempoolTurnHold.yield).
+func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool, turn *mempoolTurnHold) (any, error) {
 	p := h.p()
 	for i, c := range m.Chunks {
 		if err := (cache.Chunk{Addr: uintptr(c.Addr), Len: c.Len}).Check(); err != nil {
@@ -658,7 +660,20 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (
 		}
 	}
 	reply := &ipc.RegisterMempoolReply{Keys: make([]uint32, 0, len(m.Chunks))}
+	steps := 0
+	step := func() error {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("mempool %s: %w", m.Name, err)
+		}
+		if steps++; steps%64 == 0 {
+			return turn.yield(ctx)
+		}
+		return nil
+	}
 	for _, c := range m.Chunks {
+		if err := step(); err != nil {
+			return nil, err
+		}
 		if _, in := p.mem.InList(uintptr(c.Addr)); !in {
 			e, found, err := p.global.Lookup(c.Addr)
 			if err != nil {
@@ -673,8 +688,8 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (
 		var key uint32
 		var last cache.Entry // the MR that answered last, in this chunk
 		for a := c.Addr; a < c.Addr+c.Len; {
-			if err := ctx.Err(); err != nil {
-				return nil, fmt.Errorf("mempool %s: %w", m.Name, err)
+			if err := step(); err != nil {
+				return nil, err
 			}
 			e := last
 			if a < e.Start || a >= e.End {
@@ -698,16 +713,17 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool) (
 }
 
 // mempoolTurn waits for the turn of a mempool registration of peer, and
-// returns the function that ends it. Registrations are the one request
-// whose work grows with its frame (decoding it is most of that), and the
-// requests a peer may have in flight could all be registrations: run at
-// once, a careless peer's kept every P of the primary busy, and its own
-// frees and memory syncs waited behind them. So one registration works at
-// a time, and a peer waits for its own turn before it queues for that
-// one: whoever else floods, a registration waits behind at most one of
-// each other peer's.
-func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (release func(), err error) {
-	p := h.p()
+// returns it; end it when the registration is done. Registrations are
+// the one request whose work grows with its frame (decoding it, and a
+// step per MR each chunk spans), and the requests a peer may have in
+// flight could all be registrations: run at once, a careless peer's kept
+// every P of the primary busy, and its own frees and memory syncs waited
+// behind them. So one registration works at a time, for a slice of
+// mempoolSlice at most while others wait (see mempoolTurnHold.yield),
+// and a peer queues for that turn only holding its own: whoever else
+// floods, a registration waits for at most a slice of each other peer's
+// at a time.
+func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurnHold, error) {
 	h.syncMu.Lock()
 	s := h.peers[peer]
 	h.syncMu.Unlock()
@@ -719,24 +735,70 @@ func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (release func
 	case <-ctx.Done():
 		return nil, fmt.Errorf("primary: mempool registration: %w", ctx.Err())
 	}
-	mempoolTurns("wait", peer)
-	select {
-	case p.mempools <- struct{}{}:
-	case <-ctx.Done():
+	t := &mempoolTurnHold{p: h.p(), peer: peer, own: s.turn}
+	if err := t.take(ctx); err != nil {
 		<-s.turn
-		return nil, fmt.Errorf("primary: mempool registration: %w", ctx.Err())
+		return nil, err
 	}
-	mempoolTurns("start", peer)
-	return func() {
-		mempoolTurns("end", peer)
-		<-p.mempools
-		<-s.turn
-	}, nil
+	return t, nil
+}
+
+// mempoolSlice is how long a registration works on while others wait for
+// the primary's turn.
+const mempoolSlice = 200 * time.Microsecond
+
+// mempoolTurnHold is a registration's hold of its peer's turn and, while
+// it works, of the primary's. Used by the registration's goroutine alone.
+type mempoolTurnHold struct {
+	p     *Primary
+	peer  *ipc.Peer
+	own   chan struct{} // its peer's turn, held until end
+	held  bool          // the primary's turn is held
+	since time.Time     // when it was taken
+}
+
+// take queues for the primary's turn.
+func (t *mempoolTurnHold) take(ctx context.Context) error {
+	mempoolTurns("wait", t.peer)
+	select {
+	case t.p.mempools <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("primary: mempool registration: %w", ctx.Err())
+	}
+	t.held, t.since = true, time.Now()
+	mempoolTurns("start", t.peer)
+	return nil
+}
+
+// give gives the primary's turn back, if held.
+func (t *mempoolTurnHold) give() {
+	if t.held {
+		mempoolTurns("end", t.peer)
+		t.held = false
+		<-t.p.mempools
+	}
+}
+
+// yield, once the registration has worked for mempoolSlice, gives the
+// primary's turn to the registrations waiting for it, if any, and queues
+// again behind them. A nil hold does nothing.
+func (t *mempoolTurnHold) yield(ctx context.Context) error {
+	if t == nil || time.Since(t.since) < mempoolSlice {
+		return nil
+	}
+	t.give()
+	return t.take(ctx)
+}
+
+// end gives back both turns.
+func (t *mempoolTurnHold) end() {
+	t.give()
+	<-t.own
 }
 
 // mempoolTurns is told of each mempool registration's turns: "wait" when
 // it queues for the primary's, having its peer's; "start" when it has
-// both; "end" when it gives them back. A variable for tests.
+// both; "end" when it gives the primary's back. A variable for tests.
 var mempoolTurns = func(event string, peer *ipc.Peer) {}
 
 // syncSecondaries is subscribed to the data memory's events, after the
