@@ -19,9 +19,11 @@
 // errors, and a server closes the connection that sent them while it goes
 // on serving everyone else. Containers are bounded (MaxItems) before
 // anything is allocated for them. The messages of the miss and sync
-// paths (CreateMR, CreateMRReply, Sync, SyncAck) encode and decode their
-// canonical form by hand, byte for byte what the reflective codec writes;
-// any other form of them goes to the reflective decoder.
+// paths (CreateMR, CreateMRReply, Sync, SyncAck), and the large ones of
+// mempool registrations (RegisterMempool, RegisterMempoolReply), encode
+// and decode their canonical form by hand, byte for byte what the
+// reflective codec writes; any other form of them goes to the reflective
+// decoder.
 //
 // # Calls and pushes
 //

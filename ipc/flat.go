@@ -1,17 +1,23 @@
 package ipc
 
-import "math"
+import (
+	"encoding/binary"
+	"math"
+)
 
 // The hot messages' own codec.
 //
 // A create-MR request and its reply are on every secondary's miss path, a
 // sync push and its acknowledgement on every memory change. The reflective
 // msgpack codec costs about a third of a microsecond per frame on each
-// side, a tenth of a round trip between processes. These messages hold
-// only non-negative integers, so they write themselves: exactly the bytes
-// the reflective encoder writes (a map of the field names in declaration
-// order, each integer in its shortest form), and they read that form back
-// by hand.
+// side, a tenth of a round trip between processes. A mempool registration
+// and its reply are not hot, but large: thousands of chunks, each of which
+// the reflective decoder reads field by field through its type cache, at
+// most of the primary's cost of a registration. These messages hold only
+// non-negative integers, arrays of them and a name, so they write
+// themselves: exactly the bytes the reflective encoder writes (a map of
+// the field names in declaration order, each integer in its shortest
+// form), and they read that form back by hand.
 //
 // Reading by hand takes only that canonical form. Anything else — keys in
 // another order, a key missing or added, an integer in a form or of a size
@@ -35,6 +41,8 @@ var (
 	_ flatBody = (*CreateMRReply)(nil)
 	_ flatBody = (*Sync)(nil)
 	_ flatBody = (*SyncAck)(nil)
+	_ flatBody = (*RegisterMempool)(nil)
+	_ flatBody = (*RegisterMempoolReply)(nil)
 )
 
 // appendKey appends a field name, a fixstr: every name here is shorter
@@ -57,18 +65,96 @@ func readFlat(b []byte, n int) flatReader {
 
 // uint reads the field called name, an integer no larger than limit.
 func (r *flatReader) uint(name string, limit uint64) uint64 {
+	r.key(name)
+	return r.value(limit)
+}
+
+// key reads the name of the next field, which must be name.
+func (r *flatReader) key(name string) {
 	n := len(name)
 	if !r.ok || len(r.b) <= n || r.b[0] != 0xa0|byte(n) || string(r.b[1:1+n]) != name {
 		r.ok = false
+		return
+	}
+	r.b = r.b[1+n:]
+}
+
+// value reads an integer no larger than limit.
+func (r *flatReader) value(limit uint64) uint64 {
+	if !r.ok {
 		return 0
 	}
-	v, rest, err := readUint(r.b[1+n:])
+	v, rest, err := readUint(r.b)
 	if err != nil || v > limit {
 		r.ok = false
 		return 0
 	}
 	r.b = rest
 	return v
+}
+
+// str reads a string of at most maxName bytes, in any of the forms the
+// reflective decoder reads as that string.
+func (r *flatReader) str() string {
+	if !r.ok || len(r.b) == 0 {
+		r.ok = false
+		return ""
+	}
+	var n, head int
+	switch c := r.b[0]; {
+	case c&0xe0 == 0xa0:
+		n, head = int(c&0x1f), 1
+	case c == 0xd9 && len(r.b) >= 2:
+		n, head = int(r.b[1]), 2
+	default: // longer than any name may be, or no string
+		r.ok = false
+		return ""
+	}
+	if len(r.b) < head+n {
+		r.ok = false
+		return ""
+	}
+	s := string(r.b[head : head+n])
+	r.b = r.b[head+n:]
+	return s
+}
+
+// array reads the length of an array of 1 to MaxItems values, each at
+// least size bytes long: no more than the bytes left could hold, so that
+// what the caller allocates for them is bounded by the frame. (Empty ones
+// and longer ones go to the reflective decoder, which says what it makes
+// of them.)
+func (r *flatReader) array(size int) int {
+	if !r.ok || len(r.b) == 0 {
+		r.ok = false
+		return 0
+	}
+	var n, head int
+	switch c := r.b[0]; {
+	case c&0xf0 == 0x90:
+		n, head = int(c&0x0f), 1
+	case c == 0xdc && len(r.b) >= 3:
+		n, head = int(binary.BigEndian.Uint16(r.b[1:])), 3
+	case c == 0xdd && len(r.b) >= 5:
+		n, head = int(min(binary.BigEndian.Uint32(r.b[1:]), MaxItems+1)), 5
+	}
+	if n == 0 || n > MaxItems || n > (len(r.b)-head)/size {
+		r.ok = false
+		return 0
+	}
+	r.b = r.b[head:]
+	return n
+}
+
+// appendArray appends the header of an array of n values.
+func appendArray(b []byte, n int) []byte {
+	switch {
+	case n < 16:
+		return append(b, 0x90|byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, 0xdc), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, 0xdd), uint32(n))
 }
 
 // done reports whether every field was read and nothing follows.
@@ -173,3 +259,102 @@ func (m *SyncAck) appendFlat(b []byte) ([]byte, bool) {
 }
 
 func (m *SyncAck) parseFlat(b []byte) bool { return m != nil && len(b) == 1 && b[0] == 0x80 }
+
+// A registration's name is written only up to maxName bytes (no valid one
+// is longer), and its chunks and keys only when there are some: the
+// reflective codec writes the rest.
+
+func (m *RegisterMempool) appendFlat(b []byte) ([]byte, bool) {
+	if m == nil || len(m.Name) > maxName || len(m.Chunks) == 0 {
+		return b, false
+	}
+	b = appendKey(append(b, 0x82), "name")
+	if len(m.Name) < 32 {
+		b = append(b, 0xa0|byte(len(m.Name)))
+	} else {
+		b = append(b, 0xd9, byte(len(m.Name)))
+	}
+	b = appendArray(appendKey(append(b, m.Name...), "chunks"), len(m.Chunks))
+	for _, c := range m.Chunks {
+		b = appendUint(appendKey(append(b, 0x82), "addr"), c.Addr)
+		b = appendUint(appendKey(b, "len"), c.Len)
+	}
+	return b, true
+}
+
+// flatChunkSize is the fewest bytes a chunk takes: a map header, two
+// names and two one-byte integers.
+const flatChunkSize = 1 + 1 + len("addr") + 1 + 1 + len("len") + 1
+
+func (m *RegisterMempool) parseFlat(b []byte) bool {
+	if m == nil {
+		return false
+	}
+	r := readFlat(b, 2)
+	r.key("name")
+	name := r.str()
+	r.key("chunks")
+	n := r.array(flatChunkSize)
+	if !r.ok {
+		return false
+	}
+	// Into a fresh slice: the message is left as it was unless all of b
+	// is read.
+	chunks := make([]Chunk, n)
+	for i := range chunks {
+		c := readFlat(r.b, 2)
+		chunks[i] = Chunk{Addr: c.uint("addr", math.MaxUint64), Len: c.uint("len", math.MaxUint64)}
+		if r.ok = c.ok; !r.ok {
+			return false
+		}
+		r.b = c.b
+	}
+	if !r.done() {
+		return false
+	}
+	// As the reflective decoder: the elements go into the slice there
+	// if it has room for them.
+	if cap(m.Chunks) >= n {
+		m.Chunks = append(m.Chunks[:0], chunks...)
+	} else {
+		m.Chunks = chunks
+	}
+	m.Name = name
+	return true
+}
+
+func (m *RegisterMempoolReply) appendFlat(b []byte) ([]byte, bool) {
+	if m == nil || len(m.Keys) == 0 {
+		return b, false
+	}
+	b = appendArray(appendKey(append(b, 0x81), "keys"), len(m.Keys))
+	for _, k := range m.Keys {
+		b = appendUint(b, uint64(k))
+	}
+	return b, true
+}
+
+func (m *RegisterMempoolReply) parseFlat(b []byte) bool {
+	if m == nil {
+		return false
+	}
+	r := readFlat(b, 1)
+	r.key("keys")
+	n := r.array(1)
+	if !r.ok {
+		return false
+	}
+	keys := make([]uint32, n)
+	for i := range keys {
+		keys[i] = uint32(r.value(math.MaxUint32))
+	}
+	if !r.done() {
+		return false
+	}
+	if cap(m.Keys) >= n {
+		m.Keys = append(m.Keys[:0], keys...)
+	} else {
+		m.Keys = keys
+	}
+	return true
+}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -30,7 +31,19 @@ func flatSamples() []any {
 			out = append(out, &Sync{Op: SyncOp(a), List: n, First: int(min(a, math.MaxInt64)), Count: n})
 		}
 	}
-	return append(out, &Sync{Op: SyncMap, List: -1, First: -300, Count: math.MinInt64})
+	out = append(out, &Sync{Op: SyncMap, List: -1, First: -300, Count: math.MinInt64})
+	for _, name := range []int{0, 31, 32, 255, 256} {
+		for _, n := range []int{0, 1, 15, 16, MaxItems, MaxItems + 1, math.MaxUint16 + 1} {
+			chunks := make([]Chunk, n)
+			keys := make([]uint32, n)
+			for i := range chunks {
+				e := flatEdges[i%len(flatEdges)]
+				chunks[i], keys[i] = Chunk{Addr: e, Len: flatEdges[(i+3)%len(flatEdges)]}, uint32(e)
+			}
+			out = append(out, &RegisterMempool{Name: strings.Repeat("p", name), Chunks: chunks}, &RegisterMempoolReply{Keys: keys})
+		}
+	}
+	return append(out, &RegisterMempool{Name: "nil"}, &RegisterMempoolReply{})
 }
 
 func TestFlatEncodesAsReflective(t *testing.T) {
@@ -52,7 +65,8 @@ func TestFlatEncodesAsReflective(t *testing.T) {
 // newFlat returns one of each hot message, holding values the inputs
 // below never carry, so that a field a decoder leaves alone shows.
 func newFlat() []any {
-	return []any{&CreateMR{Addr: 0xdead, CPU: 0xbeef}, &CreateMRReply{Start: 1, End: 2, LKey: 3}, &Sync{Op: 9, List: 9, First: 9, Count: 9}, &SyncAck{}}
+	return []any{&CreateMR{Addr: 0xdead, CPU: 0xbeef}, &CreateMRReply{Start: 1, End: 2, LKey: 3}, &Sync{Op: 9, List: 9, First: 9, Count: 9}, &SyncAck{},
+		&RegisterMempool{Name: "old", Chunks: []Chunk{{Addr: 9, Len: 9}, {Addr: 8, Len: 8}}}, &RegisterMempoolReply{Keys: make([]uint32, 2, 40)}}
 }
 
 // sameAsReflective decodes b into each hot message both ways and fails t
@@ -102,6 +116,24 @@ func flatInputs(t testing.TB) [][]byte {
 		[]byte{0x81, 0xd9, 4, 'a', 'd', 'd', 'r', 0x05},    // key as str8
 		[]byte{0x83, 0xa3, 'e', 'n', 'd', 2, 0xa5, 's', 't', 'a', 'r', 't', 1, 0xa4, 'l', 'k', 'e', 'y', 3},
 		[]byte{0x82, 0xa4, 'a', 'd', 'd', 'r', 1, 0xa4, 'a', 'd', 'd', 'r', 2}, // a key twice
+		raw(map[string]any{"chunks": []Chunk{{1, 2}}, "name": "x"}),
+		raw(map[string]any{"name": "x", "chunks": []any{map[string]any{"len": 2, "addr": 1}}}),
+		raw(map[string]any{"name": "x", "chunks": []any{map[string]any{"addr": 1}}}),
+		raw(map[string]any{"name": "x", "chunks": []any{map[string]any{"addr": -1, "len": 2}}}),
+		raw(map[string]any{"name": "x", "chunks": []any{[]uint64{1, 2}}}),
+		raw(map[string]any{"name": []byte("x"), "chunks": []Chunk{{1, 2}}}),
+		raw(map[string]any{"name": nil, "chunks": []Chunk{{1, 2}}}),
+		raw(map[string]any{"name": "x", "chunks": nil}),
+		raw(map[string]any{"keys": []int64{1, -1}}),
+		raw(map[string]any{"keys": []uint64{1, math.MaxUint32 + 1}}),
+		raw(map[string]any{"keys": []any{1, "x"}}),
+		raw(map[string]any{"keys": nil}),
+		[]byte{0x82, 0xa4, 'n', 'a', 'm', 'e', 0xd9, 1, 'x', 0xa6, 'c', 'h', 'u', 'n', 'k', 's', 0xdc, 0, 1,
+			0x82, 0xa4, 'a', 'd', 'd', 'r', 1, 0xa3, 'l', 'e', 'n', 2}, // a short name as str8, one chunk as array16
+		[]byte{0x82, 0xa4, 'n', 'a', 'm', 'e', 0xda, 0, 1, 'x', 0xa6, 'c', 'h', 'u', 'n', 'k', 's', 0x91,
+			0x82, 0xa4, 'a', 'd', 'd', 'r', 1, 0xa3, 'l', 'e', 'n', 2}, // a name as str16
+		[]byte{0x81, 0xa4, 'k', 'e', 'y', 's', 0xdd, 0xff, 0xff, 0xff, 0xff, 1}, // an array that cannot be there
+		[]byte{0x81, 0xa4, 'k', 'e', 'y', 's', 0xdd, 0, 0, 0, 2, 1, 2},          // two keys as array32
 	)
 }
 
@@ -142,4 +174,28 @@ func TestFlatAllocatesNothing(t *testing.T) {
 	})
 	assert.Zero(t, allocs)
 	assert.Equal(t, *reply, got)
+}
+
+// BenchmarkRegisterMempoolDecode decodes a registration of 2,000 chunks by
+// hand and through the reflective decoder.
+func BenchmarkRegisterMempoolDecode(b *testing.B) {
+	m := &RegisterMempool{Name: "pkts", Chunks: make([]Chunk, 2000)}
+	for i := range m.Chunks {
+		m.Chunks[i] = Chunk{Addr: 0x7f00_0000_0000 + uint64(i)*4096, Len: 2048}
+	}
+	body, err := appendBody(nil, m)
+	require.NoError(b, err)
+	for _, way := range []struct {
+		name   string
+		decode func([]byte, any) error
+	}{{"flat", Unmarshal}, {"reflective", unmarshalReflect}} {
+		b.Run(way.name, func(b *testing.B) {
+			for b.Loop() {
+				var got RegisterMempool
+				if err := way.decode(body, &got); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
 }
