@@ -266,3 +266,34 @@ func TestAnExpensiveRegistrationLetsOthersThrough(t *testing.T) {
 	flood.Kill()
 	require.Error(t, flood.Wait(0))
 }
+
+// A registration looked at the clock only every 64 steps, and a step that
+// registers fresh memory costs tens of microseconds: it held the turn for
+// 64 of them, 1.6–5.4 ms, not a slice. It looks every 8 steps now: with a
+// slice of zero, it must yield that often.
+func TestARegistrationYieldsAfterAnyStepPastItsSlice(t *testing.T) {
+	const pages = 256
+	var mu sync.Mutex
+	asker, starts := 0, 0
+	t.Cleanup(primary.SetMempoolSlice(0))
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		defer mu.Unlock()
+		if event == "start" && pid == asker {
+			starts++
+		}
+	}))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
+	})
+	region, err := p.Alloc(pages * 4096)
+	require.NoError(t, err)
+	s := startSecondary(t, cfg)
+	mu.Lock()
+	asker = s.PID()
+	mu.Unlock()
+	require.Equal(t, "ok", ask(t, s, "regpool %d %d", region.Addr, pages*4096)) // a step, a fresh MR, a page
+	mu.Lock()
+	defer mu.Unlock()
+	assert.GreaterOrEqual(t, starts, pages/8, "turns taken by a registration of %d fresh pages", pages)
+}

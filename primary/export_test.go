@@ -33,6 +33,15 @@ func SetMempoolTurns(f func(event string, pid int)) (restore func()) {
 	return func() { mempoolTurns = old }
 }
 
+// SetMempoolSlice sets how long a mempool registration works on while
+// others wait for the primary's turn, until restore is called. Set it
+// before the primary starts.
+func SetMempoolSlice(d time.Duration) (restore func()) {
+	old := mempoolSlice
+	mempoolSlice = d
+	return func() { mempoolSlice = old }
+}
+
 // SetDetachAsk sets how long a detach waits for the kernel's description
 // of the secondary, until restore is called. Set it before the primary
 // starts.
