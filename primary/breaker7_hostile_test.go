@@ -225,14 +225,15 @@ func TestMempoolRegistrationsTakeTurnsFairly(t *testing.T) {
 }
 
 // With registrations taking turns, a cheap one waited for each expensive
-// one ahead of it to finish: in single-page mode, with 4,000 pages each
-// an MR of its own, a registration of 2,500 chunks that each span all of
-// them takes 10 million steps, and with six connections flooding those,
+// one ahead of it to finish: in single-page mode, with 2,000 pages each
+// an MR of its own, a registration of 2,500 chunks (a frame's worth) that
+// each span all of them takes 5 million steps, and with twelve
+// connections flooding those,
 // another secondary's registration of one page waited past its request
 // timeout. A registration now yields the turn every slice of work to
 // those waiting for it.
 func TestAnExpensiveRegistrationLetsOthersThrough(t *testing.T) {
-	const pages, conns = 4000, 6
+	const pages, conns = 2000, 12
 	var mu sync.Mutex
 	flooder, waits := 0, 0
 	busy := make(chan struct{})
@@ -240,8 +241,8 @@ func TestAnExpensiveRegistrationLetsOthersThrough(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		if event == "wait" && pid == flooder {
-			if waits++; waits == 2*conns {
-				close(busy) // every connection has had one in, and queued again
+			if waits++; waits == conns {
+				close(busy) // one in from every connection, or as many turns
 			}
 		}
 	}))
@@ -250,8 +251,13 @@ func TestAnExpensiveRegistrationLetsOthersThrough(t *testing.T) {
 	})
 	region, err := p.Alloc(pages * 4096)
 	require.NoError(t, err)
+	q := p.NewQueue() // an MR a page, registered here: no request's timeout to meet
+	defer q.Close()
+	for i := range uintptr(pages) {
+		_, err := q.Lookup(region.Addr + i*4096)
+		require.NoError(t, err)
+	}
 	other := startSecondary(t, cfg)
-	require.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr, pages*4096)) // an MR a page
 	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(conns),
 		strconv.FormatUint(uint64(region.Addr), 10), strconv.Itoa(pages * 4096), "2500"})
 	mu.Lock()
