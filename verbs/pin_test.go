@@ -199,3 +199,57 @@ func TestRegMRWithoutMlockRegistersUnpinned(t *testing.T) {
 	assert.Equal(t, "deregistered unpinned=1 pinned=0", p.Expect("deregistered ", 0))
 	require.NoError(t, p.Wait(0))
 }
+
+// An MR's pages stay pinned while any other MR covers them, however far
+// back that one starts: a long MR under short ones, and short ones under
+// a long one, deregistered in either order.
+func TestPinsOfALongMRUnderShortOnes(t *testing.T) {
+	d, pd, _ := newSoft(t, 8)
+	buf := newBuffer(t, 16*vm.PageSize)
+	page := vm.PageSize
+	long, err := pd.RegMR(buf.addr, 12*page, 0) // pages 0-11
+	require.NoError(t, err)
+	var short []verbs.MR
+	for _, p := range []int{1, 6, 11, 13} { // the last past the long one
+		mr, err := pd.RegMR(buf.page(p), page, 0)
+		require.NoError(t, err)
+		short = append(short, mr)
+	}
+	if st := d.Stats(); st.UnpinnedMRs != 0 {
+		t.Skipf("mlock is not permitted here (RLIMIT_MEMLOCK): %d MRs unpinned", st.UnpinnedMRs)
+	}
+	assert.Equal(t, 13*page, lockedBytes(t, buf.addr, buf.addr+buf.size))
+	require.NoError(t, pd.DeregMR(short[1]))
+	assert.Equal(t, 13*page, lockedBytes(t, buf.addr, buf.addr+buf.size), "page 6 stays pinned by the long MR")
+	require.NoError(t, pd.DeregMR(long))
+	assert.Equal(t, 3*page, lockedBytes(t, buf.addr, buf.addr+buf.size), "pages 1, 11 and 13 stay pinned by their own MRs")
+	for _, i := range []int{0, 2, 3} {
+		require.NoError(t, pd.DeregMR(short[i]))
+	}
+	assert.Zero(t, lockedBytes(t, buf.addr, buf.addr+buf.size))
+	assert.Zero(t, d.Stats().PinnedBytes)
+}
+
+// BenchmarkDeregAmongManyPinned deregisters and registers again one of
+// 4,000 pinned single-page MRs: the cost of finding what else pins its
+// pages must not grow with the MRs registered.
+func BenchmarkDeregAmongManyPinned(b *testing.B) {
+	const n = 4000
+	_, pd, _ := newSoft(b, n+1)
+	buf := newBuffer(b, n*vm.PageSize)
+	mrs := make([]verbs.MR, n)
+	for i := range mrs {
+		mr, err := pd.RegMR(buf.page(i), vm.PageSize, 0)
+		require.NoError(b, err)
+		mrs[i] = mr
+	}
+	i := 0
+	for b.Loop() {
+		j := i % n
+		require.NoError(b, pd.DeregMR(mrs[j]))
+		mr, err := pd.RegMR(buf.page(j), vm.PageSize, 0)
+		require.NoError(b, err)
+		mrs[j] = mr
+		i += 997
+	}
+}

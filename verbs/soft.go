@@ -1,6 +1,7 @@
 package verbs
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -104,10 +105,10 @@ type owner struct {
 	mu        sync.Mutex
 	free      []uint32 // ring of free slots: reused oldest-freed first
 	head, n   int
-	slots     []ownSlot       // by slot index
-	holes     []holeRange     // by hole index: the range of a hole in use
-	pinned    map[uint32]span // MRs mlock pinned, by slot, in whole pages
-	resident  []span          // ranges the kernel keeps resident (Resident)
+	slots     []ownSlot   // by slot index
+	holes     []holeRange // by hole index: the range of a hole in use
+	pinned    pinSet      // MRs mlock pinned, by slot, in whole pages
+	resident  []span      // ranges the kernel keeps resident (Resident)
 	pinWarned bool
 	freeHoles []uint32 // stack of free hole indexes
 	nextPD    uint32   // last PD number handed out
@@ -179,7 +180,7 @@ func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
 		return nil, fmt.Errorf("verbs: create soft device: %w", err)
 	}
 	own := &owner{free: make([]uint32, n), n: n, slots: make([]ownSlot, n), holes: make([]holeRange, nh),
-		pinned: make(map[uint32]span), freeHoles: make([]uint32, nh)}
+		pinned: newPinSet(n), freeHoles: make([]uint32, nh)}
 	for i := range own.free {
 		own.free[i] = uint32(i)
 	}
@@ -335,7 +336,7 @@ func (p *softPD) RegMR(addr, length uintptr, access Access) (MR, error) {
 		flags = slotPinned
 	}
 	if pin == pinMlock {
-		o.pinned[idx] = pageSpan(addr, length)
+		o.pinned.add(idx, pageSpan(addr, length))
 	}
 	*own = ownSlot{key: key, pd: p.id, addr: uint64(addr), len: uint64(length), uses: uses, pinned: pinned, holes: own.holes[:0]}
 	atomic.AddUint32(&s.Seq, 1) // odd: readers back off
@@ -429,34 +430,23 @@ func pageSpan(addr, length uintptr) span {
 // deregistered) lost their lock with the mapping; munlock's complaint about
 // them is expected. Called with the owner's mutex held.
 func (d *Soft) unpinLocked(idx uint32) {
-	o := d.own
-	sp, ok := o.pinned[idx]
+	sp, ok := d.own.pinned.remove(idx)
 	if !ok {
 		return
 	}
-	delete(o.pinned, idx)
-	var others []span
-	for _, s := range o.pinned {
-		if s.lo < sp.hi && sp.lo < s.hi {
-			others = append(others, s)
-		}
-	}
-	slices.SortFunc(others, func(a, b span) int {
-		switch {
-		case a.lo < b.lo:
-			return -1
-		case a.lo > b.lo:
-			return 1
-		}
-		return 0
-	})
 	cur := sp.lo
 	unlock := func(lo, hi uintptr) {
 		if err := vm.Unlock(lo, hi-lo); err != nil {
 			d.log.Debug("soft MR unpin", "err", err)
 		}
 	}
-	for _, s := range others {
+	for _, s := range d.own.pinned.from(sp) {
+		if s.lo >= sp.hi {
+			break
+		}
+		if s.hi <= sp.lo {
+			continue // ends before it
+		}
 		if s.lo > cur {
 			unlock(cur, min(s.lo, sp.hi))
 		}
@@ -466,6 +456,66 @@ func (d *Soft) unpinLocked(idx uint32) {
 		}
 	}
 	unlock(cur, sp.hi)
+}
+
+// pinSet holds the spans of the MRs mlock pinned, by slot and in order of
+// their starts, so that a span's overlaps are found without looking at
+// every other span: deregistering each of thousands of MRs stays cheap.
+// Both have room for every slot from the start, so that a registration
+// allocates nothing.
+type pinSet struct {
+	bySlot  []span   // by slot index; empty: not pinned
+	byLo    []pinned // ordered by lo, then slot
+	longest uintptr  // of any span added: no span starting further back reaches a point
+}
+
+func newPinSet(slots int) pinSet {
+	return pinSet{bySlot: make([]span, slots), byLo: make([]pinned, 0, slots)}
+}
+
+type pinned struct {
+	span
+	slot uint32
+}
+
+func (p *pinSet) find(lo uintptr, slot uint32) (int, bool) {
+	return slices.BinarySearchFunc(p.byLo, pinned{span{lo: lo}, slot}, func(a, b pinned) int {
+		if c := cmp.Compare(a.lo, b.lo); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.slot, b.slot)
+	})
+}
+
+func (p *pinSet) add(slot uint32, sp span) {
+	p.bySlot[slot] = sp // never empty: it holds a page at least
+	i, _ := p.find(sp.lo, slot)
+	p.byLo = slices.Insert(p.byLo, i, pinned{sp, slot})
+	p.longest = max(p.longest, sp.hi-sp.lo)
+}
+
+func (p *pinSet) remove(slot uint32) (span, bool) {
+	sp := p.bySlot[slot]
+	if sp.hi == sp.lo {
+		return span{}, false
+	}
+	p.bySlot[slot] = span{}
+	if i, found := p.find(sp.lo, slot); found {
+		p.byLo = slices.Delete(p.byLo, i, i+1)
+	}
+	return sp, true
+}
+
+// from returns the spans, in order of their starts, from the first that
+// could overlap sp on: those that do start before sp.hi, and end after
+// sp.lo.
+func (p *pinSet) from(sp span) []pinned {
+	lo := uintptr(0)
+	if sp.lo > p.longest {
+		lo = sp.lo - p.longest
+	}
+	i, _ := p.find(lo, 0)
+	return p.byLo[i:]
 }
 
 // slotLocked returns the index of the slot a key names, for the owner's
