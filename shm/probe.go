@@ -177,7 +177,7 @@ func MarkEnded(f *os.File, layoutTag uint32) (bool, error) {
 	if sys, ok := st.Sys().(*syscall.Stat_t); !ok || sys.Nlink > 1 {
 		return false, nil
 	}
-	if info, _ := ProbeFile(f, layoutTag); info.CreatorPID > 0 && info.CreatorStart != 0 && Running(info.CreatorPID, info.CreatorStart) {
+	if info, _ := ProbeFile(f, layoutTag); Running(info.CreatorPID, info.CreatorStart) {
 		return false, nil
 	}
 	return true, MarkDead(f)

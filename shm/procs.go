@@ -398,6 +398,9 @@ func noSuchProcess(err error) bool {
 // running: they share the process's memory; so does a process whose stat
 // cannot be read for another reason than its end (see noSuchProcess).
 func Running(pid int, start uint64) bool {
+	if pid <= 0 {
+		return false // no process: a record that names none, or a header's words
+	}
 	f, err := statFields(pid)
 	if err != nil {
 		return !noSuchProcess(err)

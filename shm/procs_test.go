@@ -125,6 +125,9 @@ func TestRunning(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, shm.Running(pid, st))
 	assert.False(t, shm.Running(pid, st+1), "another start time names another process")
+	assert.False(t, shm.Running(pid, 0), "a record without a start time names no process")
+	assert.False(t, shm.Running(0, st), "pid 0 is no process")
+	assert.False(t, shm.Running(-pid, st), "a negative pid is no process")
 
 	require.NoError(t, cmd.Process.Kill())
 	require.Eventually(t, func() bool { return !shm.Running(pid, st) }, 5*time.Second, time.Millisecond,

@@ -145,7 +145,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 			}
 			return nil, fmt.Errorf("refusing to clean %q: cannot tell whether a primary holds %s: %w", t.Prefix, lifePath, err)
 		}
-		if held || t.Info != nil && info.CreatorPID == t.Info.PID && info.CreatorPID > 0 && shm.Running(info.CreatorPID, info.CreatorStart) {
+		if held || t.Info != nil && info.CreatorPID == t.Info.PID && shm.Running(info.CreatorPID, info.CreatorStart) {
 			if created {
 				_ = rd.Remove(instance.PrimaryLockFile)
 			}
