@@ -42,8 +42,7 @@ func TestBreaker5StatsJSONOfADeadInstanceHasNoNull(t *testing.T) {
 	b := testenv.Tmpfs(t)
 	rundir := testenv.RunDir(t)
 	h, prefix := startDeadable(t, b, rundir)
-	h.Kill()
-	require.Error(t, h.Wait(0))
+	h.kill()
 
 	for _, cmd := range []string{"stats", "dump"} {
 		out, stderr, status := tool(t, "-json", "-rundir", rundir, cmd, prefix)

@@ -105,8 +105,7 @@ func TestDumpOfADeadInstanceWhosePrimaryHeldTheLock(t *testing.T) {
 	require.NoError(t, err)
 	key := parseKey(t, h.ask("mr %d", addr))
 	require.Equal(t, "held", h.ask("hold"))
-	h.Kill()
-	require.Error(t, h.Wait(0))
+	h.kill()
 
 	start := time.Now()
 	var got dumpOut

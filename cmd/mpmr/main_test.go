@@ -73,6 +73,14 @@ func (h helperProc) ask(format string, args ...any) string {
 	return strings.TrimPrefix(h.Expect("> ", 0), "> ")
 }
 
+// kill kills the helper and waits for it: it must not have ended by
+// itself meanwhile.
+func (h helperProc) kill() {
+	h.t.Helper()
+	h.Kill()
+	require.Error(h.t, h.Wait(0))
+}
+
 // startDeadable starts a primary in a helper process, which the test may
 // SIGKILL; whatever it leaves behind is removed at cleanup.
 func startDeadable(t testing.TB, b hugetlb.Backend, rundir string) (helperProc, string) {
