@@ -260,6 +260,15 @@ func (m *SyncAck) appendFlat(b []byte) ([]byte, bool) {
 
 func (m *SyncAck) parseFlat(b []byte) bool { return m != nil && len(b) == 1 && b[0] == 0x80 }
 
+// into returns src in dst if dst has room for it, as the reflective
+// decoder reuses a slice it decodes into, and src itself otherwise.
+func into[T any](dst, src []T) []T {
+	if cap(dst) >= len(src) {
+		return append(dst[:0], src...)
+	}
+	return src
+}
+
 // A registration's name is written only up to maxName bytes (no valid one
 // is longer), and its chunks and keys only when there are some: the
 // reflective codec writes the rest.
@@ -312,14 +321,7 @@ func (m *RegisterMempool) parseFlat(b []byte) bool {
 	if !r.done() {
 		return false
 	}
-	// As the reflective decoder: the elements go into the slice there
-	// if it has room for them.
-	if cap(m.Chunks) >= n {
-		m.Chunks = append(m.Chunks[:0], chunks...)
-	} else {
-		m.Chunks = chunks
-	}
-	m.Name = name
+	m.Chunks, m.Name = into(m.Chunks, chunks), name
 	return true
 }
 
@@ -351,10 +353,6 @@ func (m *RegisterMempoolReply) parseFlat(b []byte) bool {
 	if !r.done() {
 		return false
 	}
-	if cap(m.Keys) >= n {
-		m.Keys = append(m.Keys[:0], keys...)
-	} else {
-		m.Keys = keys
-	}
+	m.Keys = into(m.Keys, keys)
 	return true
 }
