@@ -131,7 +131,8 @@ func DialClient(ctx context.Context, path string, cfg ClientConfig) (*Client, er
 // ends. The server's error comes back as a *RemoteError that matches its
 // registered sentinel. When the connection ends, every pending and later
 // Call fails at once with an error matching ErrPeerGone (ErrClosed after
-// Close). An answer that arrives after ctx ended is dropped.
+// Close). An answer that arrives after ctx ended is dropped; the server
+// is told the call was given up (see the package doc).
 func (c *Client) Call(ctx context.Context, kind Kind, req, reply any) error {
 	if !kind.IsRequest() {
 		return fmt.Errorf("%w: %s is not a request", ErrUnknownKind, kind)
@@ -474,6 +475,7 @@ func (c *Client) await(ctx context.Context, deadline time.Time, cl *call) (err e
 		c.owed++ // its answer will still come
 		c.resignLane(cl)
 		c.mu.Unlock()
+		c.giveUp(cl.id)
 		return err, true
 	}
 	c.resignLane(cl)
@@ -548,6 +550,7 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			c.mu.Lock()
 			c.owed++ // its answer will still come
 			c.mu.Unlock()
+			c.giveUp(cl.id)
 			return cerr, true
 		}
 		f, err := laneAnswer(c.laneBuf[:n], files)
@@ -566,6 +569,21 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			return nil, false
 		}
 		return decodeAnswer(f, files, cl.reply), true
+	}
+}
+
+// giveUp tells the server that the lane call of id was given up, so that
+// its handler's context ends (see KindCancel). The notice goes only if it
+// fits in the server's queue at once: a server whose queue is full is not
+// reading its lane, and answers in its own time anyway.
+func (c *Client) giveUp(id uint64) {
+	l := c.lane.Load()
+	if l == nil {
+		return
+	}
+	b, err := AppendFrame(nil, id, KindCancel, 0, &Cancel{})
+	if err == nil {
+		_ = l.TrySend(b, nil) // a lane that failed is the reader's to find
 	}
 }
 

@@ -184,7 +184,7 @@ func TestKinds(t *testing.T) {
 	}
 	assert.True(t, ipc.KindSync.IsPush())
 	assert.False(t, ipc.KindSync.IsRequest())
-	for _, k := range []ipc.Kind{ipc.KindReply, ipc.KindError, ipc.KindChannel, 999} {
+	for _, k := range []ipc.Kind{ipc.KindReply, ipc.KindError, ipc.KindChannel, ipc.KindCancel, 999} {
 		assert.False(t, k.IsRequest() || k.IsPush(), "%s", k)
 	}
 	assert.Equal(t, "create-mr", ipc.KindCreateMR.String())

@@ -36,6 +36,15 @@
 // acknowledgement; the client handles pushes one at a time in the order
 // they came, which memory synchronisation relies on.
 //
+// A call on the call lane (below) that gives up, its context ended or its
+// time run out, tells the server with a KindCancel frame naming its id,
+// sent after the request on the same lane, and only if the lane has room
+// at once. The server then ends the context of that request's handler,
+// whether it runs or waits for a slot (it still runs then, its context
+// ended, and its answer, owed, is dropped by the client); requests
+// answered inline, and those on the connection, are not told. A
+// cancellation names only calls of the peer that sends it.
+//
 // # The call lane: a round trip with one wake-up per side
 //
 // A round trip between two processes that block in the kernel costs two

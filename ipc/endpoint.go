@@ -94,6 +94,12 @@ type message struct {
 	refused error
 	lane    *sock.Blocking // the call lane it came on, where its answer goes; nil: the connection
 	hello   bool           // a stranger's hello: counted as running from its arrival on
+
+	// The handler's context, for a request not handled inline: it ends
+	// with the connection, or when the client gives the call up (see
+	// Peer.cancelCall). Nil for one handled inline.
+	ctx    context.Context
+	cancel context.CancelFunc
 }
 
 // call is one request or push waiting for its answer.

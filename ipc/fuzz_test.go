@@ -26,6 +26,7 @@ func FuzzParseFrame(f *testing.F) {
 		{ipc.KindReply, nil},
 		{ipc.KindError, &ipc.ErrorReply{Code: "c", Message: "m"}},
 		{ipc.KindChannel, &ipc.Channel{}},
+		{ipc.KindCancel, &ipc.Cancel{}},
 		{999, []any{1, "x", 2.5, true, []byte{1}}},
 	}
 	for i, s := range seeds {

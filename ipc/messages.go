@@ -10,7 +10,7 @@ import (
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 7
+const ABI uint32 = 8
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
@@ -22,6 +22,7 @@ const (
 	KindReply   Kind = 1 // a successful answer; body is the reply message
 	KindError   Kind = 2 // a failed answer; body is ErrorReply
 	KindChannel Kind = 3 // server to client, id 0: the call lane (one descriptor); body is Channel
+	KindCancel  Kind = 4 // client to server, on the call lane: the call of this id was given up; body is Cancel
 
 	KindHello           Kind = 16 // Hello → HelloReply
 	KindCreateMR        Kind = 17 // CreateMR → CreateMRReply
@@ -42,6 +43,7 @@ var kinds = map[Kind]kindInfo{
 	KindReply:           {name: "reply"},
 	KindError:           {name: "error"},
 	KindChannel:         {name: "channel"},
+	KindCancel:          {name: "cancel"},
 	KindHello:           {name: "hello"},
 	KindCreateMR:        {name: "create-mr"},
 	KindRegisterMempool: {name: "register-mempool"},
@@ -64,7 +66,7 @@ func (k Kind) known() bool { _, ok := kinds[k]; return ok }
 // by the server's Handler.
 func (k Kind) IsRequest() bool {
 	i, ok := kinds[k]
-	return ok && !i.push && k != KindReply && k != KindError && k != KindChannel
+	return ok && !i.push && k != KindReply && k != KindError && k != KindChannel && k != KindCancel
 }
 
 // IsPush reports whether k is a push kind: sent by the server, handled by
@@ -93,6 +95,11 @@ func fieldErr(format string, args ...any) error {
 // admitted client the other end of its call lane (see the package doc).
 // A plain value.
 type Channel struct{}
+
+// Cancel is the body of a KindCancel frame, by which a client tells the
+// server that it gave up the call whose id the frame carries (see the
+// package doc). A plain value.
+type Cancel struct{}
 
 // Hello is the attach handshake a secondary sends first. The server
 // compares ABI with its own; Start is the process start time (see

@@ -36,7 +36,9 @@ type Handler interface {
 	// the connection caps, before any of its requests is handled (with
 	// ServerConfig.HelloKind set, before it is admitted).
 	Connected(p *Peer)
-	// Handle serves one request. ctx ends when the peer goes. The
+	// Handle serves one request. ctx ends when the peer goes and, for a
+	// request not handled inline (see ServerConfig.Inline), when the
+	// client gives the call up (its context ended: see KindCancel). The
 	// returned reply (a message, or a WithFiles) or error is sent back;
 	// errors travel as a code (RegisterError) and their text. If decoding
 	// the body failed, the peer's connection is closed instead.
@@ -456,13 +458,20 @@ type Peer struct {
 	active       int       // requests being handled
 	backlog      []message // requests waiting for a free slot, in order
 	backlogBytes int
-	filesHeld    int  // descriptors of requests received and not yet handled
-	hellos       int  // hello requests arrived and not yet done with
-	overdue      bool // the time to say hello ran out: no request starts
-	helloLate    bool // the hello timer fired while a hello was handled
-	tripped      int  // limits that tripped (tripFiles...), logged once per peer
+	filesHeld    int                // descriptors of requests received and not yet handled
+	hellos       int                // hello requests arrived and not yet done with
+	overdue      bool               // the time to say hello ran out: no request starts
+	helloLate    bool               // the hello timer fired while a hello was handled
+	tripped      int                // limits that tripped (tripFiles...), logged once per peer
+	calls        map[uint64]callCtx // requests queued or running, not inline, by id
 
 	follow atomic.Int32 // the CPU + 1 its lane should wait on, 0 any (see Follow)
+}
+
+// callCtx is a request's handler context, with the means to end it.
+type callCtx struct {
+	ctx    context.Context
+	cancel context.CancelFunc
 }
 
 // Limits a peer tripped, for Peer.tripped.
@@ -724,6 +733,13 @@ func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline b
 	if m.refused == nil {
 		m.body = bytes.Clone(f.Body)
 	}
+	// Made on arrival, so that the client can give the call up while it
+	// waits for a slot, too.
+	m.ctx, m.cancel = context.WithCancel(p.ctx)
+	if p.calls == nil {
+		p.calls = make(map[uint64]callCtx)
+	}
+	p.calls[m.id] = callCtx{m.ctx, m.cancel}
 	if p.active < inflight {
 		p.active++
 		p.qmu.Unlock()
@@ -733,6 +749,7 @@ func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline b
 	}
 	if len(p.backlog) >= queued || p.backlogBytes+len(m.body) > queuedBytes {
 		waiting := len(p.backlog)
+		p.doneWith(m)
 		p.filesHeld -= len(m.files)
 		if m.hello {
 			p.hellos--
@@ -762,12 +779,43 @@ func (p *Peer) releaseFiles(n int, hello bool) (late bool) {
 	return late
 }
 
+// doneWith ends the context of m, a request not handled inline, and
+// forgets it. Call it with p.qmu held.
+func (p *Peer) doneWith(m message) {
+	m.cancel()
+	if c, ok := p.calls[m.id]; ok && c.ctx == m.ctx {
+		delete(p.calls, m.id) // a peer that reuses an id while it runs only confuses itself
+	}
+}
+
+// cancelCall ends the context of the peer's call that the KindCancel
+// frame f names, if it is queued or running; a call the peer does not
+// have there (answered already, handled inline, never made) is no matter.
+// A cancellation is an empty Cancel and brings no descriptors.
+func (p *Peer) cancelCall(f Frame, files []*os.File) error {
+	if len(files) > 0 {
+		closeFiles(files)
+		return fmt.Errorf("%w: %s frame with %d descriptors", ErrMalformed, f.Kind, len(files))
+	}
+	if err := Unmarshal(f.Body, &Cancel{}); err != nil {
+		return fmt.Errorf("%s: %w", f.Kind, err)
+	}
+	p.qmu.Lock()
+	c := p.calls[f.ID]
+	p.qmu.Unlock()
+	if c.cancel != nil {
+		c.cancel()
+	}
+	return nil
+}
+
 // work handles m, then whatever waits in the backlog.
 func (p *Peer) work(m message) {
 	defer p.srv.wg.Done()
 	for {
 		p.handle(m)
 		p.qmu.Lock()
+		p.doneWith(m)
 		if len(p.backlog) == 0 {
 			p.active--
 			p.qmu.Unlock()
@@ -797,9 +845,13 @@ func (p *Peer) handle(m message) {
 		}
 		return
 	}
+	ctx := p.ctx
+	if m.ctx != nil {
+		ctx = m.ctx // ended already if the client gave the call up while it waited for a slot
+	}
 	hello := m.hello
 	d := &Decoder{body: m.body, files: m.files}
-	reply, err := p.srv.cfg.Handler.Handle(p.ctx, p, m.kind, d)
+	reply, err := p.srv.cfg.Handler.Handle(ctx, p, m.kind, d)
 	d.release()
 	if hello && err == nil && d.err == nil {
 		// Before the reply, the peer's next request is an admitted one's;
@@ -892,9 +944,12 @@ func (p *Peer) serveLane(l *sock.Blocking) {
 			err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
 		}
 		inline := false
-		if err != nil {
+		switch {
+		case err != nil:
 			closeFiles(files)
-		} else {
+		case f.Kind == KindCancel:
+			err = p.cancelCall(f, files)
+		default:
 			inline, err = p.request(f, files, l)
 		}
 		if err != nil {

@@ -737,6 +737,7 @@ func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurn
 	select {
 	case s.turn <- struct{}{}:
 	case <-ctx.Done():
+		mempoolTurns("abandon", peer)
 		return nil, fmt.Errorf("primary: mempool registration: %w", ctx.Err())
 	}
 	t := &mempoolTurnHold{p: h.p(), peer: peer, own: s.turn}
@@ -772,6 +773,7 @@ func (t *mempoolTurnHold) take(ctx context.Context) error {
 	select {
 	case t.p.mempools <- struct{}{}:
 	case <-ctx.Done():
+		mempoolTurns("abandon", t.peer)
 		return fmt.Errorf("primary: mempool registration: %w", ctx.Err())
 	}
 	t.held, t.since = true, time.Now()
@@ -807,7 +809,8 @@ func (t *mempoolTurnHold) end() {
 
 // mempoolTurns is told of each mempool registration's turns: "wait" when
 // it queues for the primary's, having its peer's; "start" when it has
-// both; "end" when it gives the primary's back. A variable for tests.
+// both; "end" when it gives the primary's back; "abandon" when its
+// context ended while it waited for either. A variable for tests.
 var mempoolTurns = func(event string, peer *ipc.Peer) {}
 
 // syncSecondaries is subscribed to the data memory's events, after the

@@ -1,0 +1,142 @@
+package primary_test
+
+import (
+	"context"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
+)
+
+func init() { testproc.Register("regpool-give-up", helperRegpoolGiveUp) }
+
+// helperRegpoolGiveUp is a secondary of instance args[0] (runtime
+// directory args[1]) with two claims, each with a connection of its own,
+// that registers the one-chunk mempool [args[2], +args[3]) on command:
+//
+//	first   -> on the first connection, to the end: later "first ERR"
+//	second  -> on the second, until "give-up": later "second ERR"
+//	give-up -> cancels the second's call
+//
+// (ERR is nil or why it failed). It says "ready" first.
+func helperRegpoolGiveUp(args []string) int {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var clients []*ipc.Client
+	for range 2 {
+		seg, c, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet})
+		if err != nil {
+			testproc.Say("hello-failed %v", err)
+			return 3
+		}
+		defer seg.Close()
+		defer c.Close()
+		clients = append(clients, c)
+	}
+	addr, _ := strconv.ParseUint(args[2], 0, 64)
+	length, _ := strconv.ParseUint(args[3], 0, 64)
+	req := &ipc.RegisterMempool{Name: "given-up", Chunks: []ipc.Chunk{{Addr: addr, Len: length}}}
+	second, giveUp := context.WithCancel(ctx)
+	defer giveUp()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	call := func(name string, ctx context.Context, c *ipc.Client) {
+		wg.Go(func() {
+			testproc.Say("%s %v", name, c.Call(ctx, ipc.KindRegisterMempool, req, &ipc.RegisterMempoolReply{}))
+		})
+	}
+	testproc.Say("ready")
+	for in := testproc.Commands(); in.Scan(); {
+		switch in.Text() {
+		case "first":
+			call("first", ctx, clients[0])
+		case "second":
+			call("second", second, clients[1])
+		case "give-up":
+			giveUp()
+		}
+	}
+	return 0
+}
+
+// A secondary that gives a mempool registration up (its context ended,
+// or its request's time ran out) tells the primary, which stops working
+// on it: here it waits for the primary's turn, held by another, and
+// leaves the queue at once instead of working on for nobody once its
+// turn comes.
+func TestAGivenUpRegistrationStops(t *testing.T) {
+	var mu sync.Mutex
+	asker, starts := 0, 0
+	started, waiting, abandoned := make(chan struct{}, 8), make(chan struct{}, 8), make(chan struct{}, 8)
+	hold := make(chan struct{})
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		mine := pid == asker
+		if mine && event == "start" {
+			starts++
+		}
+		first := starts == 1
+		mu.Unlock()
+		if !mine {
+			return
+		}
+		switch event {
+		case "start":
+			started <- struct{}{}
+			if first {
+				<-hold // the first keeps the turn until the test lets it go
+			}
+		case "wait":
+			waiting <- struct{}{}
+		case "abandon":
+			abandoned <- struct{}{}
+		}
+	}))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	region, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	h := testproc.Start(t, "regpool-give-up", []string{cfg.Prefix, cfg.RuntimeDir,
+		strconv.FormatUint(uint64(region.Addr), 10), strconv.Itoa(int(p.Backend().PageSize))})
+	mu.Lock()
+	asker = h.PID()
+	mu.Unlock()
+	h.Expect("ready", 0)
+	var once sync.Once
+	release := func() { once.Do(func() { close(hold) }) }
+	t.Cleanup(release) // before the primary's Close, which waits for the registration
+
+	h.Send("first")
+	waitFor(t, waiting, "the first registration's wait")
+	waitFor(t, started, "the first registration's start")
+	h.Send("second")
+	waitFor(t, waiting, "the second registration's wait for the turn")
+	h.Send("give-up")
+	assert.Equal(t, "second context canceled", h.Expect("second ", 0))
+	waitFor(t, abandoned, "the primary's notice that the second registration was given up")
+	release()
+	assert.Equal(t, "first <nil>", h.Expect("first ", 0))
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, 1, starts, "registrations that started: the given-up one must not")
+}
+
+// waitFor receives from ch, failing the test if nothing comes within a
+// minute.
+func waitFor[T any](t *testing.T, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no %s within 30 s", what)
+		panic("unreachable")
+	}
+}
