@@ -275,11 +275,7 @@ func (d *Soft) Close() error {
 		return nil
 	}
 	d.closed.Store(true)
-	for i := range o.slots {
-		if o.slots[i].key != 0 {
-			d.invalidateLocked(uint32(i))
-		}
-	}
+	d.invalidateAllLocked(func(uint32) bool { return true })
 	atomic.StoreUint32(&d.hdr.State, softClosed)
 	return nil
 }
@@ -430,10 +426,14 @@ func pageSpan(addr, length uintptr) span {
 // deregistered) lost their lock with the mapping; munlock's complaint about
 // them is expected. Called with the owner's mutex held.
 func (d *Soft) unpinLocked(idx uint32) {
-	sp, ok := d.own.pinned.remove(idx)
-	if !ok {
-		return
+	if sp, ok := d.own.pinned.remove(idx); ok {
+		d.unpinSpanLocked(sp)
 	}
+}
+
+// unpinSpanLocked munlocks the pages of sp that no span left in the
+// pinned set covers. Called with the owner's mutex held.
+func (d *Soft) unpinSpanLocked(sp span) {
 	cur := sp.lo
 	unlock := func(lo, hi uintptr) {
 		if err := vm.Unlock(lo, hi-lo); err != nil {
@@ -464,9 +464,14 @@ func (d *Soft) unpinLocked(idx uint32) {
 // Both have room for every slot from the start, so that a registration
 // allocates nothing.
 type pinSet struct {
-	bySlot  []span   // by slot index; empty: not pinned
-	byLo    []pinned // ordered by lo, then slot
-	longest uintptr  // of any span added: no span starting further back reaches a point
+	bySlot []span   // by slot index; empty: not pinned
+	byLo   []pinned // ordered by lo, then slot
+	// longest is the length of the longest span in the set: no span
+	// starting further back than that reaches a point. nLongest spans
+	// have that length; when the last of them goes, the spans left are
+	// walked for the next longest (rarely: lengths repeat).
+	longest  uintptr
+	nLongest int
 }
 
 func newPinSet(slots int) pinSet {
@@ -491,7 +496,17 @@ func (p *pinSet) add(slot uint32, sp span) {
 	p.bySlot[slot] = sp // never empty: it holds a page at least
 	i, _ := p.find(sp.lo, slot)
 	p.byLo = slices.Insert(p.byLo, i, pinned{sp, slot})
-	p.longest = max(p.longest, sp.hi-sp.lo)
+	p.count(sp.hi - sp.lo)
+}
+
+// count counts a span of length n in the set's longest.
+func (p *pinSet) count(n uintptr) {
+	switch {
+	case n > p.longest:
+		p.longest, p.nLongest = n, 1
+	case n == p.longest:
+		p.nLongest++
+	}
 }
 
 func (p *pinSet) remove(slot uint32) (span, bool) {
@@ -503,7 +518,39 @@ func (p *pinSet) remove(slot uint32) (span, bool) {
 	if i, found := p.find(sp.lo, slot); found {
 		p.byLo = slices.Delete(p.byLo, i, i+1)
 	}
+	if sp.hi-sp.lo == p.longest {
+		if p.nLongest--; p.nLongest == 0 {
+			p.longest = 0
+			for _, s := range p.byLo {
+				p.count(s.hi - s.lo)
+			}
+		}
+	}
 	return sp, true
+}
+
+// removeWhere takes the spans of the slots for which gone says so out of
+// the set, in one pass, and returns them in order of their starts, those
+// that overlap or touch merged.
+func (p *pinSet) removeWhere(gone func(slot uint32) bool) []span {
+	var out []span
+	p.byLo = slices.DeleteFunc(p.byLo, func(s pinned) bool {
+		if !gone(s.slot) {
+			return false
+		}
+		p.bySlot[s.slot] = span{}
+		if n := len(out); n > 0 && s.lo <= out[n-1].hi {
+			out[n-1].hi = max(out[n-1].hi, s.hi)
+		} else {
+			out = append(out, s.span)
+		}
+		return true
+	})
+	p.longest, p.nLongest = 0, 0
+	for _, s := range p.byLo {
+		p.count(s.hi - s.lo)
+	}
+	return out
 }
 
 // from returns the spans, in order of their starts, from the first that
@@ -560,6 +607,25 @@ func (p *softPD) DeregMR(mr MR) error {
 		d.log.Debug("soft MR deregistered", "mr", mr)
 	}
 	return nil
+}
+
+// invalidateAllLocked invalidates every live slot that mine picks, as
+// invalidateLocked does each, except that their pages are unpinned once
+// all their keys are dead, in one pass over the pinned set rather than
+// one per MR (closing with thousands of MRs stays linear). Called with
+// the owner's mutex held.
+func (d *Soft) invalidateAllLocked(mine func(idx uint32) bool) {
+	o := d.own
+	picked := func(idx uint32) bool { return o.slots[idx].key != 0 && mine(idx) }
+	gone := o.pinned.removeWhere(picked)
+	for i := range o.slots {
+		if picked(uint32(i)) {
+			d.invalidateLocked(uint32(i)) // out of the pinned set already: unpins nothing
+		}
+	}
+	for _, sp := range gone {
+		d.unpinSpanLocked(sp)
+	}
 }
 
 // invalidateLocked frees slot idx: the key dies for every process with the
@@ -674,11 +740,7 @@ func (p *softPD) Close() error {
 	if p.closed.Swap(true) || d.closed.Load() {
 		return nil
 	}
-	for i := range o.slots {
-		if s := &o.slots[i]; s.key != 0 && s.pd == p.id {
-			d.invalidateLocked(uint32(i))
-		}
-	}
+	d.invalidateAllLocked(func(idx uint32) bool { return o.slots[idx].pd == p.id })
 	return nil
 }
 
