@@ -69,63 +69,85 @@ func helperRegpoolGiveUp(args []string) int {
 
 // A secondary that gives a mempool registration up (its context ended,
 // or its request's time ran out) tells the primary, which stops working
-// on it: here it waits for the primary's turn, held by another, and
-// leaves the queue at once instead of working on for nobody once its
-// turn comes.
+// on it: here it waits for a turn held by another registration, its own
+// process's or the primary's, and leaves the queue at once instead of
+// working on for nobody once its turn comes.
 func TestAGivenUpRegistrationStops(t *testing.T) {
-	var mu sync.Mutex
-	asker, starts := 0, 0
-	started, waiting, abandoned := make(chan struct{}, 8), make(chan struct{}, 8), make(chan struct{}, 8)
-	hold := make(chan struct{})
-	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
-		mu.Lock()
-		mine := pid == asker
-		if mine && event == "start" {
-			starts++
-		}
-		first := starts == 1
-		mu.Unlock()
-		if !mine {
-			return
-		}
-		switch event {
-		case "start":
-			started <- struct{}{}
-			if first {
-				<-hold // the first keeps the turn until the test lets it go
+	for _, tc := range []struct {
+		name    string
+		another bool // the registration ahead is another process's
+		queued  string
+	}{
+		{"behind its own process's", false, "queue"},
+		{"behind another process's", true, "wait"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var mu sync.Mutex
+			firstPID, secondPID, starts := 0, 0, 0
+			started, queued, abandoned := make(chan struct{}, 8), make(chan struct{}, 8), make(chan struct{}, 8)
+			hold := make(chan struct{})
+			t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+				mu.Lock()
+				first, second := pid == firstPID, pid == secondPID
+				if first && event == "start" {
+					starts++
+				}
+				holdIt := first && event == "start" && starts == 1
+				mu.Unlock()
+				switch {
+				case holdIt:
+					started <- struct{}{}
+					<-hold // the first keeps the turn until the test lets it go
+				case event == "start" && second:
+					started <- struct{}{}
+				case event == tc.queued && second:
+					queued <- struct{}{}
+				case event == "abandon" && second:
+					abandoned <- struct{}{}
+				}
+			}))
+			p, cfg := startPrimary(t, testenv.Tmpfs(t))
+			region, err := p.Alloc(p.Backend().PageSize)
+			require.NoError(t, err)
+			args := []string{cfg.Prefix, cfg.RuntimeDir, strconv.FormatUint(uint64(region.Addr), 10), strconv.Itoa(int(p.Backend().PageSize))}
+			h1 := testproc.Start(t, "regpool-give-up", args)
+			h1.Expect("ready", 0)
+			h2 := h1
+			if tc.another {
+				h2 = testproc.Start(t, "regpool-give-up", args)
+				h2.Expect("ready", 0)
 			}
-		case "wait":
-			waiting <- struct{}{}
-		case "abandon":
-			abandoned <- struct{}{}
-		}
-	}))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t))
-	region, err := p.Alloc(p.Backend().PageSize)
-	require.NoError(t, err)
-	h := testproc.Start(t, "regpool-give-up", []string{cfg.Prefix, cfg.RuntimeDir,
-		strconv.FormatUint(uint64(region.Addr), 10), strconv.Itoa(int(p.Backend().PageSize))})
-	mu.Lock()
-	asker = h.PID()
-	mu.Unlock()
-	h.Expect("ready", 0)
-	var once sync.Once
-	release := func() { once.Do(func() { close(hold) }) }
-	t.Cleanup(release) // before the primary's Close, which waits for the registration
+			mu.Lock()
+			firstPID, secondPID = h1.PID(), h2.PID()
+			if !tc.another {
+				secondPID = -1 // told apart by order below
+			}
+			mu.Unlock()
+			var once sync.Once
+			release := func() { once.Do(func() { close(hold) }) }
+			t.Cleanup(release) // before the primary's Close, which waits for the registration
 
-	h.Send("first")
-	waitFor(t, waiting, "the first registration's wait")
-	waitFor(t, started, "the first registration's start")
-	h.Send("second")
-	waitFor(t, waiting, "the second registration's wait for the turn")
-	h.Send("give-up")
-	assert.Equal(t, "second context canceled", h.Expect("second ", 0))
-	waitFor(t, abandoned, "the primary's notice that the second registration was given up")
-	release()
-	assert.Equal(t, "first <nil>", h.Expect("first ", 0))
-	mu.Lock()
-	defer mu.Unlock()
-	assert.Equal(t, 1, starts, "registrations that started: the given-up one must not")
+			h1.Send("first")
+			waitFor(t, started, "the first registration's start")
+			if !tc.another {
+				mu.Lock()
+				secondPID = h1.PID() // from now on its events are the second's
+				mu.Unlock()
+			}
+			h2.Send("second")
+			waitFor(t, queued, "the second registration's wait for its turn")
+			h2.Send("give-up")
+			assert.Equal(t, "second context canceled", h2.Expect("second ", 0))
+			waitFor(t, abandoned, "the primary's notice that the second registration was given up")
+			release()
+			assert.Equal(t, "first <nil>", h1.Expect("first ", 0))
+			select {
+			case <-started:
+				t.Error("the given-up registration started")
+			default:
+			}
+		})
+	}
 }
 
 // waitFor receives from ch, failing the test if nothing comes within a

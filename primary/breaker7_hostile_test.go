@@ -303,3 +303,52 @@ func TestARegistrationYieldsAfterAnyStepPastItsSlice(t *testing.T) {
 	defer mu.Unlock()
 	assert.GreaterOrEqual(t, starts, pages/8, "turns taken by a registration of %d fresh pages", pages)
 }
+
+// The turn a registration queues for is its process's, not its
+// attachment's: a process that makes sixteen claims, each with a
+// connection flooding registrations, puts one of them ahead of another
+// secondary's at a time, not sixteen.
+func TestAProcessQueuesOneRegistrationAtATime(t *testing.T) {
+	const conns = 16
+	var mu sync.Mutex
+	var legit, overtaken int
+	waiting := false
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case event == "wait" && pid == legit:
+			waiting = true
+		case event == "start" && pid == legit:
+			waiting = false
+		case event == "start" && waiting:
+			overtaken++
+		}
+	}))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t))
+	region, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	other := startSecondary(t, cfg)
+	mu.Lock()
+	legit = other.PID()
+	mu.Unlock()
+	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(conns),
+		strconv.FormatUint(uint64(region.Addr), 10), "64", "1500"})
+	line := flood.Expect("", 0)
+	require.True(t, strings.HasPrefix(line, "flooding"), line)
+	for busy := false; !busy; {
+		flood.Send("count")
+		busy = !strings.HasPrefix(flood.Expect("> ", 0), "> ok=0 ")
+	}
+	for i := range 5 {
+		assert.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr, 4096), "registration %d", i)
+	}
+	flood.Kill()
+	require.Error(t, flood.Wait(0))
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("%d of the flooding process's registrations started while the other's waited, in 5 waits", overtaken)
+	// One of the flooding process's at a time, and the report of the wait
+	// and the queueing are two steps, between which the flood may run on.
+	assert.LessOrEqual(t, overtaken, 5*3, "registrations of the flooding process that started while another's waited")
+}

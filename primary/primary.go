@@ -77,6 +77,10 @@ type Primary struct {
 	// judging holds, by process, the turn of the hello of the process that
 	// asks the kernel about it (see judgeEarlier); closed when it ends.
 	judging map[process]chan struct{}
+	// procTurns holds, by process, the turn its attachments' mempool
+	// registrations queue for the primary's with (see mempoolTurn), while
+	// it has attachments in peers.
+	procTurns map[process]*procTurn
 
 	served instance.Histogram // service time of requests
 	// mempools is held by the secondaries' mempool registration at work
@@ -123,10 +127,10 @@ type secondary struct {
 	slot  int
 	epoch uint32 // of its claim of the slot
 	start uint64 // its process's start time (shm.ProcessStart), read at hello
-	// turn is held by its mempool registration at work or queued for
-	// the primary's turn (see mempoolTurn); a hello again on its
-	// connection keeps it.
-	turn chan struct{}
+	// turn is its process's turn, held by the mempool registration of
+	// any of its attachments at work or queued for the primary's turn
+	// (see mempoolTurn); a hello again on its connection keeps it.
+	turn *procTurn
 	// files is the first memseg list whose backing file it has not been
 	// handed yet (see KindMemoryFiles), or -1 while a request hands some.
 	files int
@@ -179,7 +183,7 @@ func Start(cfg Config) (*Primary, error) {
 	}
 	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
 		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{},
-		judging: map[process]chan struct{}{}, mempools: make(chan struct{}, 1)}
+		judging: map[process]chan struct{}{}, procTurns: map[process]*procTurn{}, mempools: make(chan struct{}, 1)}
 	if err := p.start(); err != nil {
 		if terr := p.teardown(); terr != nil {
 			// The start's error is the news; what could not be undone

@@ -76,6 +76,9 @@ func (h *handler) Disconnected(peer *ipc.Peer, err error) {
 		}
 	}
 	h.syncMu.Lock()
+	if s := h.peers[peer]; s != nil {
+		h.leaveTurn(s)
+	}
 	delete(h.peers, peer)
 	delete(h.detached, peer)
 	h.syncMu.Unlock()
@@ -264,6 +267,7 @@ func (h *handler) detach(s *secondary, reach bool) bool {
 		h.p().fenceIfAlive(s, "it detached without unmapping its memory")
 	}
 	s.detached = true
+	h.leaveTurn(s)
 	delete(h.peers, s.peer)
 	h.detached[s.peer] = struct{}{}
 	return true
@@ -604,10 +608,12 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	default:
 	}
 	if refused == nil {
-		s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start, turn: make(chan struct{}, 1)}
+		s := &secondary{peer: peer, slot: slot, epoch: epoch, start: start}
 		if old := h.peers[peer]; old != nil {
 			s.files = old.files // a hello again is no new attachment: its files went
 			s.turn = old.turn
+		} else {
+			s.turn = h.joinTurn(process{m.PID, start})
 		}
 		h.peers[peer] = s
 	}
@@ -724,9 +730,10 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool, t
 // every P of the primary busy, and its own frees and memory syncs waited
 // behind them. So one registration works at a time, for a slice of
 // mempoolSlice at most while others wait (see mempoolTurnHold.yield),
-// and a peer queues for that turn only holding its own: whoever else
-// floods, a registration waits for at most a slice of each other peer's
-// at a time.
+// and a registration queues for that turn only holding its process's
+// (see procTurn): whoever else floods, however many attachments each
+// flooding process has, a registration waits for at most a slice of each
+// other process's at a time.
 func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurnHold, error) {
 	h.syncMu.Lock()
 	s := h.peers[peer]
@@ -734,18 +741,52 @@ func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurn
 	if s == nil {
 		return nil, instance.ErrNotAttached
 	}
+	mempoolTurns("queue", peer)
 	select {
-	case s.turn <- struct{}{}:
+	case s.turn.ch <- struct{}{}:
 	case <-ctx.Done():
 		mempoolTurns("abandon", peer)
 		return nil, fmt.Errorf("primary: mempool registration: %w", ctx.Err())
 	}
-	t := &mempoolTurnHold{p: h.p(), peer: peer, own: s.turn}
+	t := &mempoolTurnHold{p: h.p(), peer: peer, own: s.turn.ch}
 	if err := t.take(ctx); err != nil {
-		<-s.turn
+		<-s.turn.ch
 		return nil, err
 	}
 	return t, nil
+}
+
+// procTurn is the turn a process's attachments queue for the primary's
+// with (see mempoolTurn): a process with many attachments, which only
+// one that means harm has at once, still puts one registration at a
+// time ahead of others'.
+type procTurn struct {
+	ch   chan struct{} // held by the registration at work or queued
+	refs int           // the process's attachments in peers
+}
+
+// joinTurn returns the turn of process pr for a new attachment of it.
+// Call it with syncMu held.
+func (h *handler) joinTurn(pr process) *procTurn {
+	t := h.procTurns[pr]
+	if t == nil {
+		t = &procTurn{ch: make(chan struct{}, 1)}
+		h.procTurns[pr] = t
+	}
+	t.refs++
+	return t
+}
+
+// leaveTurn lets go of the turn of s's process as s leaves peers; the
+// last attachment's going forgets it (a registration still running keeps
+// its own reference until it ends). Call it with syncMu held.
+func (h *handler) leaveTurn(s *secondary) {
+	pr := process{s.peer.PID(), s.start}
+	if t := h.procTurns[pr]; t == s.turn {
+		if t.refs--; t.refs == 0 {
+			delete(h.procTurns, pr)
+		}
+	}
 }
 
 // mempoolSlice is how long a registration works on while others wait for
@@ -807,10 +848,11 @@ func (t *mempoolTurnHold) end() {
 	<-t.own
 }
 
-// mempoolTurns is told of each mempool registration's turns: "wait" when
-// it queues for the primary's, having its peer's; "start" when it has
-// both; "end" when it gives the primary's back; "abandon" when its
-// context ended while it waited for either. A variable for tests.
+// mempoolTurns is told of each mempool registration's turns: "queue"
+// when it queues for its process's; "wait" when it queues for the
+// primary's, having its process's; "start" when it has both; "end" when
+// it gives the primary's back; "abandon" when its context ended while it
+// waited for either. A variable for tests.
 var mempoolTurns = func(event string, peer *ipc.Peer) {}
 
 // syncSecondaries is subscribed to the data memory's events, after the
