@@ -38,10 +38,12 @@ type Handler interface {
 	Connected(p *Peer)
 	// Handle serves one request. ctx ends when the peer goes and, for a
 	// request not handled inline (see ServerConfig.Inline), when the
-	// client gives the call up (its context ended: see KindCancel). The
-	// returned reply (a message, or a WithFiles) or error is sent back;
-	// errors travel as a code (RegisterError) and their text. If decoding
-	// the body failed, the peer's connection is closed instead.
+	// client gives the call up (its context ended: see KindCancel), and
+	// once Handle has returned: work it starts must not outlive it on
+	// ctx. The returned reply (a message, or a WithFiles) or error is
+	// sent back; errors travel as a code (RegisterError) and their text.
+	// If decoding the body failed, the peer's connection is closed
+	// instead.
 	Handle(ctx context.Context, p *Peer, kind Kind, body *Decoder) (reply any, err error)
 	// Disconnected is called once the connection has ended, with why
 	// (matching ErrPeerGone when the peer went, ErrClosed when this side

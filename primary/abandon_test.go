@@ -162,3 +162,23 @@ func waitFor[T any](t *testing.T, ch <-chan T, what string) T {
 		panic("unreachable")
 	}
 }
+
+// A registration whose caller gave it up before its turn came takes no
+// turn, even one that is free: it reaches its handler with its context
+// ended when it was given up while it waited for a slot, and a select
+// between a free turn and an ended context picks either.
+func TestAnEndedContextTakesNoTurn(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	turn := make(chan struct{}, 1)
+	taken := 0
+	for range 1000 {
+		if err := primary.EnterTurn(ctx, turn); err == nil {
+			taken++
+			<-turn
+		} else {
+			require.ErrorIs(t, err, context.Canceled)
+		}
+	}
+	assert.Zero(t, taken, "turns taken, of 1,000, with the context ended")
+}

@@ -24,6 +24,10 @@ func HandleRegisterMempool(ctx context.Context, p *Primary, m *ipc.RegisterMempo
 	return (*handler)(p).registerMempool(ctx, m, nil)
 }
 
+// EnterTurn is enterTurn: how a mempool registration takes its process's
+// turn and the primary's.
+var EnterTurn = enterTurn
+
 // SetMempoolTurns has f told of each mempool registration's turns (see
 // mempoolTurns), with the pid of the secondary that asked, until restore
 // is called. Set it before the primary starts.

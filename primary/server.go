@@ -742,11 +742,9 @@ func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurn
 		return nil, instance.ErrNotAttached
 	}
 	mempoolTurns("queue", peer)
-	select {
-	case s.turn.ch <- struct{}{}:
-	case <-ctx.Done():
+	if err := enterTurn(ctx, s.turn.ch); err != nil {
 		mempoolTurns("abandon", peer)
-		return nil, fmt.Errorf("primary: mempool registration: %w", ctx.Err())
+		return nil, fmt.Errorf("primary: mempool registration: %w", err)
 	}
 	t := &mempoolTurnHold{p: h.p(), peer: peer, own: s.turn.ch}
 	if err := t.take(ctx); err != nil {
@@ -754,6 +752,27 @@ func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurn
 		return nil, err
 	}
 	return t, nil
+}
+
+// enterTurn takes turn, a channel of capacity one, once it is free, or
+// fails with ctx's error if ctx ends first. An ended context wins over a
+// free turn: a registration given up while it waited for its request's
+// slot comes with its context ended, and a select that finds both ready
+// picks either.
+func enterTurn(ctx context.Context, turn chan struct{}) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	select {
+	case turn <- struct{}{}:
+		if err := ctx.Err(); err != nil {
+			<-turn // it ended as the turn came
+			return err
+		}
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // procTurn is the turn a process's attachments queue for the primary's
@@ -811,11 +830,9 @@ type mempoolTurnHold struct {
 // take queues for the primary's turn.
 func (t *mempoolTurnHold) take(ctx context.Context) error {
 	mempoolTurns("wait", t.peer)
-	select {
-	case t.p.mempools <- struct{}{}:
-	case <-ctx.Done():
+	if err := enterTurn(ctx, t.p.mempools); err != nil {
 		mempoolTurns("abandon", t.peer)
-		return fmt.Errorf("primary: mempool registration: %w", ctx.Err())
+		return fmt.Errorf("primary: mempool registration: %w", err)
 	}
 	t.held, t.since = true, time.Now()
 	mempoolTurns("start", t.peer)
