@@ -85,3 +85,15 @@ func SetLifeTaken(f func(dir string)) (restore func()) {
 	testHookLifeTaken = f
 	return func() { testHookLifeTaken = old }
 }
+
+// ProcessTurns returns the references each process's mempool turn holds,
+// by pid, and how many attachments the primary has, read together.
+func ProcessTurns(p *Primary) (refs map[int]int, attached int) {
+	p.syncMu.Lock()
+	defer p.syncMu.Unlock()
+	refs = map[int]int{}
+	for pr, t := range p.procTurns {
+		refs[pr.pid] += t.refs
+	}
+	return refs, len(p.peers)
+}

@@ -737,18 +737,25 @@ func (h *handler) registerMempool(ctx context.Context, m *ipc.RegisterMempool, t
 func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurnHold, error) {
 	h.syncMu.Lock()
 	s := h.peers[peer]
+	var own *procTurn
+	if s != nil {
+		own = s.turn
+		own.refs++ // the process's turn lasts while this registration does
+	}
 	h.syncMu.Unlock()
 	if s == nil {
 		return nil, instance.ErrNotAttached
 	}
 	mempoolTurns("queue", peer)
-	if err := enterTurn(ctx, s.turn.ch); err != nil {
+	if err := enterTurn(ctx, own.ch); err != nil {
 		mempoolTurns("abandon", peer)
+		h.unrefTurn(own)
 		return nil, fmt.Errorf("primary: mempool registration: %w", err)
 	}
-	t := &mempoolTurnHold{p: h.p(), peer: peer, own: s.turn.ch}
+	t := &mempoolTurnHold{p: h.p(), peer: peer, own: own}
 	if err := t.take(ctx); err != nil {
-		<-s.turn.ch
+		<-own.ch
+		h.unrefTurn(own)
 		return nil, err
 	}
 	return t, nil
@@ -780,8 +787,15 @@ func enterTurn(ctx context.Context, turn chan struct{}) error {
 // one that means harm has at once, still puts one registration at a
 // time ahead of others'.
 type procTurn struct {
-	ch   chan struct{} // held by the registration at work or queued
-	refs int           // the process's attachments in peers
+	pr process
+	ch chan struct{} // held by the registration at work or queued
+	// refs counts the process's attachments in peers and its
+	// registrations under way, which may outlive their attachment's
+	// place there (a detach leaves the connection open): the turn is
+	// forgotten only once neither is left, so that a process that
+	// detaches and attaches again while its registrations run finds the
+	// same turn. Guarded by syncMu.
+	refs int
 }
 
 // joinTurn returns the turn of process pr for a new attachment of it.
@@ -789,24 +803,32 @@ type procTurn struct {
 func (h *handler) joinTurn(pr process) *procTurn {
 	t := h.procTurns[pr]
 	if t == nil {
-		t = &procTurn{ch: make(chan struct{}, 1)}
+		t = &procTurn{pr: pr, ch: make(chan struct{}, 1)}
 		h.procTurns[pr] = t
 	}
 	t.refs++
 	return t
 }
 
-// leaveTurn lets go of the turn of s's process as s leaves peers; the
-// last attachment's going forgets it (a registration still running keeps
-// its own reference until it ends). Call it with syncMu held.
-func (h *handler) leaveTurn(s *secondary) {
-	pr := process{s.peer.PID(), s.start}
-	if t := h.procTurns[pr]; t == s.turn {
-		if t.refs--; t.refs == 0 {
-			delete(h.procTurns, pr)
-		}
+// dropTurn lets go of a reference to t, forgetting it with the last.
+// Call it with syncMu held.
+func (h *handler) dropTurn(t *procTurn) {
+	if t.refs--; t.refs == 0 && h.procTurns[t.pr] == t {
+		delete(h.procTurns, t.pr)
 	}
 }
+
+// unrefTurn is dropTurn for a registration, which does not hold syncMu.
+func (h *handler) unrefTurn(t *procTurn) {
+	h.syncMu.Lock()
+	h.dropTurn(t)
+	h.syncMu.Unlock()
+}
+
+// leaveTurn lets go of the turn of s's process as s leaves peers (see
+// procTurn.refs). Call it with syncMu held, once for each attachment
+// joinTurn counted.
+func (h *handler) leaveTurn(s *secondary) { h.dropTurn(s.turn) }
 
 // mempoolSlice is how long a registration works on while others wait for
 // the primary's turn, give or take yieldSteps steps. A variable for
@@ -822,9 +844,9 @@ const yieldSteps = 8
 type mempoolTurnHold struct {
 	p     *Primary
 	peer  *ipc.Peer
-	own   chan struct{} // its peer's turn, held until end
-	held  bool          // the primary's turn is held
-	since time.Time     // when it was taken
+	own   *procTurn // its process's turn, held (and counted) until end
+	held  bool      // the primary's turn is held
+	since time.Time // when it was taken
 }
 
 // take queues for the primary's turn.
@@ -862,7 +884,8 @@ func (t *mempoolTurnHold) yield(ctx context.Context) error {
 // end gives back both turns.
 func (t *mempoolTurnHold) end() {
 	t.give()
-	<-t.own
+	<-t.own.ch
+	(*handler)(t.p).unrefTurn(t.own)
 }
 
 // mempoolTurns is told of each mempool registration's turns: "queue"
@@ -933,6 +956,9 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 					// sees the end.
 					p.fenceIfAlive(s, fmt.Sprintf("it did not acknowledge a %s sync: %v", op, err))
 				} // else it died: its mappings went with it
+				if cur := p.peers[s.peer]; cur != nil {
+					(*handler)(p).leaveTurn(cur) // a hello again may have replaced s: the same turn
+				}
 				delete(p.peers, s.peer)
 				p.syncMu.Unlock()
 				s.peer.Close()

@@ -1,0 +1,202 @@
+package primary_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
+	"github.com/mpmr/mpmr/primary"
+	"github.com/mpmr/mpmr/shm"
+)
+
+func init() { testproc.Register("raw-claims", helperRawClaims) }
+
+// helperRawClaims makes claims of instance args[0] (runtime directory
+// args[1]) and says hello for each on a connection of its own, mapping
+// nothing; with args[2] "refuse" it answers every memory sync with an
+// error. Commands, each answered with one line:
+//
+//	claim              -> "> claimed I"
+//	detach I           -> detaches claim I, its connection left open: "> detached I ERR"
+//	flood I ADDR LEN N -> from as many goroutines as a connection may have
+//	                      requests in flight, asks on connection I over and
+//	                      over for the registration of a mempool of N chunks
+//	                      [ADDR, +LEN): "> flooding I"
+func helperRawClaims(args []string) int {
+	refuse := len(args) > 2 && args[2] == "refuse"
+	push := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
+		if refuse {
+			return nil, errors.New("refused")
+		}
+		return &ipc.SyncAck{}, nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	var segs []*shm.Segment
+	var clients []*ipc.Client
+	defer func() {
+		cancel()
+		wg.Wait()
+		for i, c := range clients {
+			c.Close()
+			segs[i].Close()
+		}
+	}()
+	testproc.Say("ready")
+	testproc.EachCommand(func(c testproc.Line) {
+		i := int(c.Num(0))
+		switch c.Name {
+		case "claim":
+			seg, cl, err := claimAndSayHello(ctx, args[0], args[1], ipc.ClientConfig{Logger: quiet, PushHandler: push})
+			if err != nil {
+				testproc.Say("> claim-failed %v", err)
+				return
+			}
+			segs, clients = append(segs, seg), append(clients, cl)
+			testproc.Say("> claimed %d", len(clients)-1)
+		case "detach":
+			err := clients[i].Call(ctx, ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{})
+			testproc.Say("> detached %d %v", i, err)
+		case "flood":
+			chunks := make([]ipc.Chunk, c.Num(3))
+			for j := range chunks {
+				chunks[j] = ipc.Chunk{Addr: c.Num(1), Len: c.Num(2)}
+			}
+			req, cl := &ipc.RegisterMempool{Name: "flood", Chunks: chunks}, clients[i]
+			for range ipc.DefaultMaxInflight {
+				wg.Go(func() {
+					for ctx.Err() == nil && cl.Call(ctx, ipc.KindRegisterMempool, req, &ipc.RegisterMempoolReply{}) == nil {
+					}
+				})
+			}
+			testproc.Say("> flooding %d", i)
+		}
+	})
+	return 0
+}
+
+// processTurns waits, bounded, until the primary has attached attachments,
+// and returns the references its process turns hold then, by pid.
+func processTurns(t *testing.T, p *primary.Primary, attached int) map[int]int {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		refs, n := primary.ProcessTurns(p)
+		if n == attached {
+			return refs
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d attachments, waited for %d", n, attached)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// A process that detaches an attachment with registrations under way on
+// its connection, which stays open, and attaches again, finds its turn
+// as it left it: the detach of its last attachment forgot the turn while
+// those registrations still used it, and each new attachment made a
+// fresh one, so that after four such rounds four of its registrations
+// held a process turn at once.
+func TestAProcessTurnOutlivesADetachWhileItsRegistrationsRun(t *testing.T) {
+	const pages, rounds = 2000, 4
+	var mu sync.Mutex
+	flooder, queued, holding, most := -1, 0, 0, 0
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		defer mu.Unlock()
+		if pid != flooder {
+			return
+		}
+		switch event {
+		case "queue":
+			queued++
+		case "wait": // holds its process's turn, queued for the primary's
+			holding++
+			most = max(most, holding)
+		case "end":
+			holding--
+		}
+	}))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
+	})
+	region, err := p.Alloc(pages * 4096)
+	require.NoError(t, err)
+	q := p.NewQueue() // an MR a page: each registration takes a while
+	defer q.Close()
+	for i := range uintptr(pages) {
+		_, err := q.Lookup(region.Addr + i*4096)
+		require.NoError(t, err)
+	}
+	h := testproc.Start(t, "raw-claims", []string{cfg.Prefix, cfg.RuntimeDir})
+	mu.Lock()
+	flooder = h.PID()
+	mu.Unlock()
+	h.Expect("ready", 0)
+	for i := range rounds {
+		require.Equal(t, fmt.Sprintf("claimed %d", i), ask(t, h, "claim"))
+		mu.Lock()
+		before := queued
+		mu.Unlock()
+		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 2500", i, region.Addr, pages*4096))
+		// Every registration of the connection queued, before it detaches.
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			mu.Lock()
+			n := queued - before
+			mu.Unlock()
+			if n >= ipc.DefaultMaxInflight {
+				break
+			}
+			require.True(t, time.Now().Before(deadline), "%d of the connection's registrations queued", n)
+		}
+		require.Equal(t, fmt.Sprintf("detached %d <nil>", i), ask(t, h, "detach %d", i))
+	}
+	h.Kill()
+	require.Error(t, h.Wait(0))
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, 1, most, "registrations of one process holding a process turn at once, after %d rounds", rounds)
+}
+
+// An attachment dropped for a memory sync it failed, or did not answer in
+// time, let go of its process's turn: the drop took it out of the
+// attachments without, and its connection's end found nothing to let go,
+// so each dropped process's turn stayed, referenced by nobody.
+func TestADroppedAttachmentLetsGoOfItsProcessTurn(t *testing.T) {
+	t.Run("refusing syncs", func(t *testing.T) {
+		p, cfg := startPrimary(t, testenv.Tmpfs(t))
+		for range 3 {
+			h := testproc.Start(t, "raw-claims", []string{cfg.Prefix, cfg.RuntimeDir, "refuse"})
+			h.Expect("ready", 0)
+			require.Equal(t, "claimed 0", ask(t, h, "claim"))
+			require.Len(t, processTurns(t, p, 1), 1)
+			_, err := p.Alloc(p.Backend().PageSize) // its sync fails: dropped
+			require.NoError(t, err)
+			h.Kill()
+			require.Error(t, h.Wait(0))
+			assert.Empty(t, processTurns(t, p, 0), "process turns kept after the dropped process went")
+		}
+	})
+	t.Run("stalled", func(t *testing.T) {
+		p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SyncTimeout = 200 * time.Millisecond })
+		s := startSecondary(t, cfg)
+		require.Len(t, processTurns(t, p, 1), 1)
+		s.Stop()
+		_, err := p.Alloc(p.Backend().PageSize) // it does not answer in time: dropped
+		require.NoError(t, err)
+		s.Continue()
+		s.Kill()
+		require.Error(t, s.Wait(0))
+		assert.Empty(t, processTurns(t, p, 0), "process turns kept after the stalled process was dropped and went")
+	})
+}
