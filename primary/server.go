@@ -849,12 +849,20 @@ type mempoolTurnHold struct {
 	since time.Time // when it was taken
 }
 
-// take queues for the primary's turn.
+// take queues for the primary's turn, and fails if the registration's
+// attachment has left once it comes.
 func (t *mempoolTurnHold) take(ctx context.Context) error {
 	mempoolTurns("wait", t.peer)
 	if err := enterTurn(ctx, t.p.mempools); err != nil {
 		mempoolTurns("abandon", t.peer)
 		return fmt.Errorf("primary: mempool registration: %w", err)
+	}
+	if !(*handler)(t.p).attached(t.peer) {
+		// It detached, or was dropped, since: the registration is for
+		// nobody now.
+		<-t.p.mempools
+		mempoolTurns("left", t.peer)
+		return fmt.Errorf("primary: mempool registration: %w", instance.ErrNotAttached)
 	}
 	t.held, t.since = true, time.Now()
 	mempoolTurns("start", t.peer)
@@ -892,7 +900,8 @@ func (t *mempoolTurnHold) end() {
 // when it queues for its process's; "wait" when it queues for the
 // primary's, having its process's; "start" when it has both; "end" when
 // it gives the primary's back; "abandon" when its context ended while it
-// waited for either. A variable for tests.
+// waited for either; "left" when its attachment had left as the
+// primary's came (it gives it back at once). A variable for tests.
 var mempoolTurns = func(event string, peer *ipc.Peer) {}
 
 // syncSecondaries is subscribed to the data memory's events, after the

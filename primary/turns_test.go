@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -30,7 +31,8 @@ func init() { testproc.Register("raw-claims", helperRawClaims) }
 //	flood I ADDR LEN N -> from as many goroutines as a connection may have
 //	                      requests in flight, asks on connection I over and
 //	                      over for the registration of a mempool of N chunks
-//	                      [ADDR, +LEN): "> flooding I"
+//	                      [ADDR, +LEN), until one fails: "> flooding I"
+//	flood-end          -> waits for every flood to end: "> flood-ended OK FAILED"
 func helperRawClaims(args []string) int {
 	refuse := len(args) > 2 && args[2] == "refuse"
 	push := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
@@ -41,6 +43,7 @@ func helperRawClaims(args []string) int {
 	})
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
+	var ok, failed atomic.Int64
 	var segs []*shm.Segment
 	var clients []*ipc.Client
 	defer func() {
@@ -74,11 +77,19 @@ func helperRawClaims(args []string) int {
 			req, cl := &ipc.RegisterMempool{Name: "flood", Chunks: chunks}, clients[i]
 			for range ipc.DefaultMaxInflight {
 				wg.Go(func() {
-					for ctx.Err() == nil && cl.Call(ctx, ipc.KindRegisterMempool, req, &ipc.RegisterMempoolReply{}) == nil {
+					for ctx.Err() == nil {
+						if cl.Call(ctx, ipc.KindRegisterMempool, req, &ipc.RegisterMempoolReply{}) != nil {
+							failed.Add(1)
+							return
+						}
+						ok.Add(1)
 					}
 				})
 			}
 			testproc.Say("> flooding %d", i)
+		case "flood-end":
+			wg.Wait()
+			testproc.Say("> flood-ended %d %d", ok.Load(), failed.Load())
 		}
 	})
 	return 0
@@ -123,7 +134,7 @@ func TestAProcessTurnOutlivesADetachWhileItsRegistrationsRun(t *testing.T) {
 		case "wait": // holds its process's turn, queued for the primary's
 			holding++
 			most = max(most, holding)
-		case "end":
+		case "end", "left": // gives the primary's turn back, or the detach stopped it
 			holding--
 		}
 	}))
@@ -199,4 +210,61 @@ func TestADroppedAttachmentLetsGoOfItsProcessTurn(t *testing.T) {
 		require.Error(t, s.Wait(0))
 		assert.Empty(t, processTurns(t, p, 0), "process turns kept after the stalled process was dropped and went")
 	})
+}
+
+// A detach stops the registrations under way on its connection: they
+// were for an attachment that has left, and ran to their end, each of
+// millions of steps, taking turns with everyone else's.
+func TestADetachStopsItsConnectionsRegistrations(t *testing.T) {
+	const pages = 2000
+	var mu sync.Mutex
+	flooder, queued, starts := -1, 0, 0
+	detached := false
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case pid != flooder:
+		case event == "queue":
+			queued++
+		case event == "start" && detached:
+			starts++
+		}
+	}))
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
+	})
+	region, err := p.Alloc(pages * 4096)
+	require.NoError(t, err)
+	q := p.NewQueue() // an MR a page: each registration takes a while
+	defer q.Close()
+	for i := range uintptr(pages) {
+		_, err := q.Lookup(region.Addr + i*4096)
+		require.NoError(t, err)
+	}
+	h := testproc.Start(t, "raw-claims", []string{cfg.Prefix, cfg.RuntimeDir})
+	mu.Lock()
+	flooder = h.PID()
+	mu.Unlock()
+	h.Expect("ready", 0)
+	require.Equal(t, "claimed 0", ask(t, h, "claim"))
+	require.Equal(t, "flooding 0", ask(t, h, "flood 0 %d %d 2500", region.Addr, pages*4096))
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		mu.Lock()
+		n := queued
+		mu.Unlock()
+		if n >= ipc.DefaultMaxInflight {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "%d of the connection's registrations queued", n)
+	}
+	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
+	mu.Lock()
+	detached = true
+	mu.Unlock()
+	assert.Regexp(t, `^flood-ended \d+ 64$`, ask(t, h, "flood-end"), "every registration under way fails")
+	mu.Lock()
+	defer mu.Unlock()
+	// One may have taken its turn as the detach was answered.
+	assert.LessOrEqual(t, starts, 1, "turns that registrations of the detached attachment took after its detach")
 }
