@@ -403,7 +403,10 @@ func TestDescriptorFloodIsBounded(t *testing.T) {
 			base := testenv.OpenFDs()
 			h := testproc.Start(t, "flood", []string{s.path, strconv.Itoa(os.Geteuid()), tc.mode, "5000"})
 			h.Expect("ready", 0)
-			require.True(t, eventually(func() bool { return s.Stats().Conns == 1 }), "the server has the connection")
+			// Its peer, not only the connection: the peer's process is
+			// pinned (a pidfd) before the peer is listed, and must count in
+			// before.
+			require.True(t, eventually(func() bool { return len(s.Peers()) == 1 }), "the server has the peer")
 			before := testenv.OpenFDs()
 			stop := make(chan struct{})
 			peak := testenv.PeakFDs(stop)
