@@ -79,7 +79,7 @@ type Primary struct {
 	judging map[process]chan struct{}
 	// procTurns holds, by process, the turn its attachments' mempool
 	// registrations queue for the primary's with (see mempoolTurn), while
-	// it has attachments in peers.
+	// it has attachments in peers or registrations under way.
 	procTurns map[process]*procTurn
 
 	served instance.Histogram // service time of requests
