@@ -174,19 +174,12 @@ func TestBreaker7StatsAfterCloseDoesNotCrash(t *testing.T) {
 // peer's (with one turn for all and none of a peer's own, 35–54 here).
 func TestMempoolRegistrationsTakeTurnsFairly(t *testing.T) {
 	var mu sync.Mutex
-	var legit, working, most, done, overtaken int
-	waiting := false
+	var working, most, done int
+	var o overtakes
 	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		o.see(event, pid)
 		mu.Lock()
 		defer mu.Unlock()
-		switch {
-		case event == "wait" && pid == legit:
-			waiting = true
-		case event == "start" && pid == legit:
-			waiting = false
-		case event == "start" && waiting:
-			overtaken++
-		}
 		switch event {
 		case "start":
 			working++
@@ -200,28 +193,18 @@ func TestMempoolRegistrationsTakeTurnsFairly(t *testing.T) {
 	region, err := p.Alloc(p.Backend().PageSize)
 	require.NoError(t, err)
 	other := startSecondary(t, cfg)
-	mu.Lock()
-	legit = other.PID()
-	mu.Unlock()
-	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, "2",
-		strconv.FormatUint(uint64(region.Addr), 10), "64", "1500"})
-	line := flood.Expect("", 0)
-	require.True(t, strings.HasPrefix(line, "flooding"), line)
-	for busy := false; !busy; {
-		// Once one registration came back, the others are in flight.
-		flood.Send("count")
-		busy = !strings.HasPrefix(flood.Expect("> ", 0), "> ok=0 ")
-	}
+	o.watch(other.PID())
+	flood := startFlood(t, cfg, 2, region.Addr)
 	assert.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr, 4096))
 	flood.Kill()
 	require.Error(t, flood.Wait(0))
 	mu.Lock()
 	defer mu.Unlock()
-	t.Logf("%d registrations done; %d of the flooding peers' started while the other peer's waited", done, overtaken)
+	t.Logf("%d registrations done; %d of the flooding peers' started while the other peer's waited", done, o.count())
 	assert.Equal(t, 1, most, "mempool registrations at work at once (%d done)", done)
 	// At most one of each flooding peer's, 2, but the report of the wait
 	// and the queueing are two steps, between which the flood may run on.
-	assert.LessOrEqual(t, overtaken, 10, "registrations of the two flooding peers that started while another peer's waited")
+	assert.LessOrEqual(t, o.count(), 10, "registrations of the two flooding peers that started while another peer's waited")
 }
 
 // With registrations taking turns, a cheap one waited for each expensive
@@ -246,17 +229,7 @@ func TestAnExpensiveRegistrationLetsOthersThrough(t *testing.T) {
 			}
 		}
 	}))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
-		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
-	})
-	region, err := p.Alloc(pages * 4096)
-	require.NoError(t, err)
-	q := p.NewQueue() // an MR a page, registered here: no request's timeout to meet
-	defer q.Close()
-	for i := range uintptr(pages) {
-		_, err := q.Lookup(region.Addr + i*4096)
-		require.NoError(t, err)
-	}
+	_, cfg, region := costlyMemory(t, pages) // registered here: no request's timeout to meet
 	other := startSecondary(t, cfg)
 	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(conns),
 		strconv.FormatUint(uint64(region.Addr), 10), strconv.Itoa(pages * 4096), "2500"})
@@ -310,45 +283,64 @@ func TestARegistrationYieldsAfterAnyStepPastItsSlice(t *testing.T) {
 // secondary's at a time, not sixteen.
 func TestAProcessQueuesOneRegistrationAtATime(t *testing.T) {
 	const conns = 16
-	var mu sync.Mutex
-	var legit, overtaken int
-	waiting := false
-	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
-		mu.Lock()
-		defer mu.Unlock()
-		switch {
-		case event == "wait" && pid == legit:
-			waiting = true
-		case event == "start" && pid == legit:
-			waiting = false
-		case event == "start" && waiting:
-			overtaken++
-		}
-	}))
+	var o overtakes
+	t.Cleanup(primary.SetMempoolTurns(o.see)) // restored after the primary closes
 	p, cfg := startPrimary(t, testenv.Tmpfs(t))
 	region, err := p.Alloc(p.Backend().PageSize)
 	require.NoError(t, err)
 	other := startSecondary(t, cfg)
-	mu.Lock()
-	legit = other.PID()
-	mu.Unlock()
+	o.watch(other.PID())
+	flood := startFlood(t, cfg, conns, region.Addr)
+	for i := range 5 {
+		assert.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr, 4096), "registration %d", i)
+	}
+	flood.Kill()
+	require.Error(t, flood.Wait(0))
+	t.Logf("%d of the flooding process's registrations started while the other's waited, in 5 waits", o.count())
+	// One of the flooding process's at a time, and the report of the wait
+	// and the queueing are two steps, between which the flood may run on.
+	assert.LessOrEqual(t, o.count(), 5*3, "registrations of the flooding process that started while another's waited")
+}
+
+// startFlood starts b7-mempool-flood on conns connections, registering
+// 1,500 chunks of the 64 bytes at addr a request, and waits until one of
+// its registrations came back: the others are in flight then.
+func startFlood(t *testing.T, cfg primary.Config, conns int, addr uintptr) *testproc.Proc {
+	t.Helper()
 	flood := testproc.Start(t, "b7-mempool-flood", []string{cfg.Prefix, cfg.RuntimeDir, strconv.Itoa(conns),
-		strconv.FormatUint(uint64(region.Addr), 10), "64", "1500"})
+		strconv.FormatUint(uint64(addr), 10), "64", "1500"})
 	line := flood.Expect("", 0)
 	require.True(t, strings.HasPrefix(line, "flooding"), line)
 	for busy := false; !busy; {
 		flood.Send("count")
 		busy = !strings.HasPrefix(flood.Expect("> ", 0), "> ok=0 ")
 	}
-	for i := range 5 {
-		assert.Equal(t, "ok", ask(t, other, "regpool %d %d", region.Addr, 4096), "registration %d", i)
+	return flood
+}
+
+// overtakes counts, from the mempool turns' hook (see), the
+// registrations that start while one of the watched process's waits for
+// the primary's turn.
+type overtakes struct {
+	mu      sync.Mutex
+	watched int
+	waiting bool
+	n       int
+}
+
+func (o *overtakes) watch(pid int) { o.mu.Lock(); o.watched = pid; o.mu.Unlock() }
+
+func (o *overtakes) count() int { o.mu.Lock(); defer o.mu.Unlock(); return o.n }
+
+func (o *overtakes) see(event string, pid int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch {
+	case event == "wait" && pid == o.watched:
+		o.waiting = true
+	case event == "start" && pid == o.watched:
+		o.waiting = false
+	case event == "start" && o.waiting:
+		o.n++
 	}
-	flood.Kill()
-	require.Error(t, flood.Wait(0))
-	mu.Lock()
-	defer mu.Unlock()
-	t.Logf("%d of the flooding process's registrations started while the other's waited, in 5 waits", overtaken)
-	// One of the flooding process's at a time, and the report of the wait
-	// and the queueing are two steps, between which the flood may run on.
-	assert.LessOrEqual(t, overtaken, 5*3, "registrations of the flooding process that started while another's waited")
 }

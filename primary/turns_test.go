@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
@@ -95,6 +96,47 @@ func helperRawClaims(args []string) int {
 	return 0
 }
 
+// startRawClaims starts the raw-claims helper for cfg's instance with
+// extra arguments, tells seen its pid before it claims anything, and
+// waits until it is ready.
+func startRawClaims(t *testing.T, cfg primary.Config, seen func(pid int), extra ...string) *testproc.Proc {
+	t.Helper()
+	h := testproc.Start(t, "raw-claims", append([]string{cfg.Prefix, cfg.RuntimeDir}, extra...))
+	seen(h.PID())
+	h.Expect("ready", 0)
+	return h
+}
+
+// costlyMemory starts a primary in single-page mode with pages pages of
+// 4 KiB, allocates them all as one region and registers each page as an
+// MR of its own, here: a registration of chunks that span the region
+// takes a step per page each.
+func costlyMemory(t *testing.T, pages int) (*primary.Primary, primary.Config, hugetlb.Region) {
+	t.Helper()
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
+	})
+	region, err := p.Alloc(uint64(pages) * 4096)
+	require.NoError(t, err)
+	q := p.NewQueue()
+	defer q.Close()
+	for i := range uintptr(pages) {
+		_, err := q.Lookup(region.Addr + i*4096)
+		require.NoError(t, err)
+	}
+	return p, cfg, region
+}
+
+// until polls n until it is at least want, failing the test after 10 s.
+func until(t *testing.T, n func() int, want int, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for got := n(); got < want; got = n() {
+		require.True(t, time.Now().Before(deadline), "%s: %d of %d", what, got, want)
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // processTurns waits, bounded, until the primary has attached attachments,
 // and returns the references its process turns hold then, by pid.
 func processTurns(t *testing.T, p *primary.Primary, attached int) map[int]int {
@@ -138,22 +180,8 @@ func TestAProcessTurnOutlivesADetachWhileItsRegistrationsRun(t *testing.T) {
 			holding--
 		}
 	}))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
-		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
-	})
-	region, err := p.Alloc(pages * 4096)
-	require.NoError(t, err)
-	q := p.NewQueue() // an MR a page: each registration takes a while
-	defer q.Close()
-	for i := range uintptr(pages) {
-		_, err := q.Lookup(region.Addr + i*4096)
-		require.NoError(t, err)
-	}
-	h := testproc.Start(t, "raw-claims", []string{cfg.Prefix, cfg.RuntimeDir})
-	mu.Lock()
-	flooder = h.PID()
-	mu.Unlock()
-	h.Expect("ready", 0)
+	_, cfg, region := costlyMemory(t, pages)
+	h := startRawClaims(t, cfg, func(pid int) { mu.Lock(); flooder = pid; mu.Unlock() })
 	for i := range rounds {
 		require.Equal(t, fmt.Sprintf("claimed %d", i), ask(t, h, "claim"))
 		mu.Lock()
@@ -161,15 +189,7 @@ func TestAProcessTurnOutlivesADetachWhileItsRegistrationsRun(t *testing.T) {
 		mu.Unlock()
 		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 2500", i, region.Addr, pages*4096))
 		// Every registration of the connection queued, before it detaches.
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-			mu.Lock()
-			n := queued - before
-			mu.Unlock()
-			if n >= ipc.DefaultMaxInflight {
-				break
-			}
-			require.True(t, time.Now().Before(deadline), "%d of the connection's registrations queued", n)
-		}
+		until(t, func() int { mu.Lock(); defer mu.Unlock(); return queued - before }, ipc.DefaultMaxInflight, "registrations queued")
 		require.Equal(t, fmt.Sprintf("detached %d <nil>", i), ask(t, h, "detach %d", i))
 	}
 	h.Kill()
@@ -187,8 +207,7 @@ func TestADroppedAttachmentLetsGoOfItsProcessTurn(t *testing.T) {
 	t.Run("refusing syncs", func(t *testing.T) {
 		p, cfg := startPrimary(t, testenv.Tmpfs(t))
 		for range 3 {
-			h := testproc.Start(t, "raw-claims", []string{cfg.Prefix, cfg.RuntimeDir, "refuse"})
-			h.Expect("ready", 0)
+			h := startRawClaims(t, cfg, func(int) {}, "refuse")
 			require.Equal(t, "claimed 0", ask(t, h, "claim"))
 			require.Len(t, processTurns(t, p, 1), 1)
 			_, err := p.Alloc(p.Backend().PageSize) // its sync fails: dropped
@@ -231,33 +250,11 @@ func TestADetachStopsItsConnectionsRegistrations(t *testing.T) {
 			starts++
 		}
 	}))
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
-		c.SinglePage, c.MemoryPages, c.PageSize = true, pages, 4096
-	})
-	region, err := p.Alloc(pages * 4096)
-	require.NoError(t, err)
-	q := p.NewQueue() // an MR a page: each registration takes a while
-	defer q.Close()
-	for i := range uintptr(pages) {
-		_, err := q.Lookup(region.Addr + i*4096)
-		require.NoError(t, err)
-	}
-	h := testproc.Start(t, "raw-claims", []string{cfg.Prefix, cfg.RuntimeDir})
-	mu.Lock()
-	flooder = h.PID()
-	mu.Unlock()
-	h.Expect("ready", 0)
+	_, cfg, region := costlyMemory(t, pages)
+	h := startRawClaims(t, cfg, func(pid int) { mu.Lock(); flooder = pid; mu.Unlock() })
 	require.Equal(t, "claimed 0", ask(t, h, "claim"))
 	require.Equal(t, "flooding 0", ask(t, h, "flood 0 %d %d 2500", region.Addr, pages*4096))
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		mu.Lock()
-		n := queued
-		mu.Unlock()
-		if n >= ipc.DefaultMaxInflight {
-			break
-		}
-		require.True(t, time.Now().Before(deadline), "%d of the connection's registrations queued", n)
-	}
+	until(t, func() int { mu.Lock(); defer mu.Unlock(); return queued }, ipc.DefaultMaxInflight, "registrations queued")
 	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
 	mu.Lock()
 	detached = true
