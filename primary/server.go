@@ -747,7 +747,14 @@ func (h *handler) mempoolTurn(ctx context.Context, peer *ipc.Peer) (*mempoolTurn
 		return nil, instance.ErrNotAttached
 	}
 	mempoolTurns("queue", peer)
-	if err := enterTurn(ctx, own.ch); err != nil {
+	err := enterTurn(ctx, own.ch)
+	if err == nil && !h.attached(peer) {
+		// It left while the process's other registrations went first:
+		// not worth a place in the primary's queue.
+		<-own.ch
+		err = instance.ErrNotAttached
+	}
+	if err != nil {
 		mempoolTurns("abandon", peer)
 		h.unrefTurn(own)
 		return nil, fmt.Errorf("primary: mempool registration: %w", err)
@@ -900,8 +907,9 @@ func (t *mempoolTurnHold) end() {
 // when it queues for its process's; "wait" when it queues for the
 // primary's, having its process's; "start" when it has both; "end" when
 // it gives the primary's back; "abandon" when its context ended while it
-// waited for either; "left" when its attachment had left as the
-// primary's came (it gives it back at once). A variable for tests.
+// waited for either, or its attachment had left as its process's came;
+// "left" when its attachment had left as the primary's came (it gives it
+// back at once). A variable for tests.
 var mempoolTurns = func(event string, peer *ipc.Peer) {}
 
 // syncSecondaries is subscribed to the data memory's events, after the

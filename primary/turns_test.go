@@ -33,7 +33,7 @@ func init() { testproc.Register("raw-claims", helperRawClaims) }
 //	                      requests in flight, asks on connection I over and
 //	                      over for the registration of a mempool of N chunks
 //	                      [ADDR, +LEN), until one fails: "> flooding I"
-//	flood-end          -> waits for every flood to end: "> flood-ended OK FAILED"
+//	flood-end I        -> waits for connection I's flood to end: "> flood-ended OK FAILED"
 func helperRawClaims(args []string) int {
 	refuse := len(args) > 2 && args[2] == "refuse"
 	push := ipc.PushHandlerFunc(func(context.Context, ipc.Kind, *ipc.Decoder) (any, error) {
@@ -44,7 +44,11 @@ func helperRawClaims(args []string) int {
 	})
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	var ok, failed atomic.Int64
+	type flood struct {
+		wg         sync.WaitGroup
+		ok, failed atomic.Int64
+	}
+	floods := map[int]*flood{}
 	var segs []*shm.Segment
 	var clients []*ipc.Client
 	defer func() {
@@ -75,22 +79,26 @@ func helperRawClaims(args []string) int {
 			for j := range chunks {
 				chunks[j] = ipc.Chunk{Addr: c.Num(1), Len: c.Num(2)}
 			}
-			req, cl := &ipc.RegisterMempool{Name: "flood", Chunks: chunks}, clients[i]
+			req, cl, f := &ipc.RegisterMempool{Name: "flood", Chunks: chunks}, clients[i], &flood{}
+			floods[i] = f
 			for range ipc.DefaultMaxInflight {
+				f.wg.Add(1)
 				wg.Go(func() {
+					defer f.wg.Done()
 					for ctx.Err() == nil {
 						if cl.Call(ctx, ipc.KindRegisterMempool, req, &ipc.RegisterMempoolReply{}) != nil {
-							failed.Add(1)
+							f.failed.Add(1)
 							return
 						}
-						ok.Add(1)
+						f.ok.Add(1)
 					}
 				})
 			}
 			testproc.Say("> flooding %d", i)
 		case "flood-end":
-			wg.Wait()
-			testproc.Say("> flood-ended %d %d", ok.Load(), failed.Load())
+			f := floods[i]
+			f.wg.Wait()
+			testproc.Say("> flood-ended %d %d", f.ok.Load(), f.failed.Load())
 		}
 	})
 	return 0
@@ -259,9 +267,45 @@ func TestADetachStopsItsConnectionsRegistrations(t *testing.T) {
 	mu.Lock()
 	detached = true
 	mu.Unlock()
-	assert.Regexp(t, `^flood-ended \d+ 64$`, ask(t, h, "flood-end"), "every registration under way fails")
+	assert.Regexp(t, `^flood-ended \d+ 64$`, ask(t, h, "flood-end 0"), "every registration under way fails")
 	mu.Lock()
 	defer mu.Unlock()
 	// One may have taken its turn as the detach was answered.
 	assert.LessOrEqual(t, starts, 1, "turns that registrations of the detached attachment took after its detach")
+}
+
+// A registration of an attachment that left, behind the live ones of its
+// process, gives up as its process's turn comes, without queueing for the
+// primary's first: a process flooding on two connections, one of them
+// detached, put each of the detached one's registrations in the
+// primary's queue once more, for nothing.
+func TestAStaleRegistrationDoesNotQueueForThePrimarysTurn(t *testing.T) {
+	const pages = 2000
+	var mu sync.Mutex
+	flooder, queued, left := -1, 0, 0
+	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case pid != flooder:
+		case event == "queue":
+			queued++
+		case event == "left": // only after the detach: attached before
+			left++
+		}
+	}))
+	_, cfg, region := costlyMemory(t, pages)
+	h := startRawClaims(t, cfg, func(pid int) { mu.Lock(); flooder = pid; mu.Unlock() })
+	for i := range 2 {
+		require.Equal(t, fmt.Sprintf("claimed %d", i), ask(t, h, "claim"))
+		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 100", i, region.Addr, pages*4096))
+	}
+	until(t, func() int { mu.Lock(); defer mu.Unlock(); return queued }, 2*ipc.DefaultMaxInflight, "registrations queued")
+	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
+	assert.Regexp(t, `^flood-ended \d+ 64$`, ask(t, h, "flood-end 0"), "every registration of the detached attachment fails")
+	mu.Lock()
+	defer mu.Unlock()
+	// The one that held the process's turn as the detach came may have
+	// been queued for, or at work in, the primary's.
+	assert.LessOrEqual(t, left, 1, "registrations of the detached attachment that queued for the primary's turn after it left")
 }
