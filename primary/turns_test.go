@@ -244,34 +244,18 @@ func TestADroppedAttachmentLetsGoOfItsProcessTurn(t *testing.T) {
 // millions of steps, taking turns with everyone else's.
 func TestADetachStopsItsConnectionsRegistrations(t *testing.T) {
 	const pages = 2000
-	var mu sync.Mutex
-	flooder, queued, starts := -1, 0, 0
-	detached := false
-	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
-		mu.Lock()
-		defer mu.Unlock()
-		switch {
-		case pid != flooder:
-		case event == "queue":
-			queued++
-		case event == "start" && detached:
-			starts++
-		}
-	}))
+	var ev turnEvents
+	t.Cleanup(primary.SetMempoolTurns(ev.see)) // restored after the primary closes
 	_, cfg, region := costlyMemory(t, pages)
-	h := startRawClaims(t, cfg, func(pid int) { mu.Lock(); flooder = pid; mu.Unlock() })
+	h := startRawClaims(t, cfg, ev.watch)
 	require.Equal(t, "claimed 0", ask(t, h, "claim"))
 	require.Equal(t, "flooding 0", ask(t, h, "flood 0 %d %d 2500", region.Addr, pages*4096))
-	until(t, func() int { mu.Lock(); defer mu.Unlock(); return queued }, ipc.DefaultMaxInflight, "registrations queued")
+	until(t, func() int { return ev.count("queue") }, ipc.DefaultMaxInflight, "registrations queued")
 	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
-	mu.Lock()
-	detached = true
-	mu.Unlock()
+	before := ev.count("start")
 	assert.Regexp(t, `^flood-ended \d+ 64$`, ask(t, h, "flood-end 0"), "every registration under way fails")
-	mu.Lock()
-	defer mu.Unlock()
 	// One may have taken its turn as the detach was answered.
-	assert.LessOrEqual(t, starts, 1, "turns that registrations of the detached attachment took after its detach")
+	assert.LessOrEqual(t, ev.count("start")-before, 1, "turns that registrations of the detached attachment took after its detach")
 }
 
 // A registration of an attachment that left, behind the live ones of its
@@ -281,31 +265,42 @@ func TestADetachStopsItsConnectionsRegistrations(t *testing.T) {
 // primary's queue once more, for nothing.
 func TestAStaleRegistrationDoesNotQueueForThePrimarysTurn(t *testing.T) {
 	const pages = 2000
-	var mu sync.Mutex
-	flooder, queued, left := -1, 0, 0
-	t.Cleanup(primary.SetMempoolTurns(func(event string, pid int) { // restored after the primary closes
-		mu.Lock()
-		defer mu.Unlock()
-		switch {
-		case pid != flooder:
-		case event == "queue":
-			queued++
-		case event == "left": // only after the detach: attached before
-			left++
-		}
-	}))
+	var ev turnEvents
+	t.Cleanup(primary.SetMempoolTurns(ev.see)) // restored after the primary closes
 	_, cfg, region := costlyMemory(t, pages)
-	h := startRawClaims(t, cfg, func(pid int) { mu.Lock(); flooder = pid; mu.Unlock() })
+	h := startRawClaims(t, cfg, ev.watch)
 	for i := range 2 {
 		require.Equal(t, fmt.Sprintf("claimed %d", i), ask(t, h, "claim"))
 		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 100", i, region.Addr, pages*4096))
 	}
-	until(t, func() int { mu.Lock(); defer mu.Unlock(); return queued }, 2*ipc.DefaultMaxInflight, "registrations queued")
+	until(t, func() int { return ev.count("queue") }, 2*ipc.DefaultMaxInflight, "registrations queued")
 	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
 	assert.Regexp(t, `^flood-ended \d+ 64$`, ask(t, h, "flood-end 0"), "every registration of the detached attachment fails")
-	mu.Lock()
-	defer mu.Unlock()
-	// The one that held the process's turn as the detach came may have
-	// been queued for, or at work in, the primary's.
-	assert.LessOrEqual(t, left, 1, "registrations of the detached attachment that queued for the primary's turn after it left")
+	// "left" comes only after the detach, and the one that held the
+	// process's turn as it came may have been queued for, or at work in,
+	// the primary's.
+	assert.LessOrEqual(t, ev.count("left"), 1, "registrations of the detached attachment that queued for the primary's turn after it left")
 }
+
+// turnEvents counts the mempool turns' events of the watched process, by
+// name, from the hook (see).
+type turnEvents struct {
+	mu  sync.Mutex
+	pid int
+	n   map[string]int
+}
+
+func (e *turnEvents) watch(pid int) { e.mu.Lock(); e.pid = pid; e.mu.Unlock() }
+
+func (e *turnEvents) see(event string, pid int) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if pid == e.pid && pid != 0 {
+		if e.n == nil {
+			e.n = map[string]int{}
+		}
+		e.n[event]++
+	}
+}
+
+func (e *turnEvents) count(event string) int { e.mu.Lock(); defer e.mu.Unlock(); return e.n[event] }
