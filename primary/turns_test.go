@@ -271,7 +271,7 @@ func TestAStaleRegistrationDoesNotQueueForThePrimarysTurn(t *testing.T) {
 	h := startRawClaims(t, cfg, ev.watch)
 	for i := range 2 {
 		require.Equal(t, fmt.Sprintf("claimed %d", i), ask(t, h, "claim"))
-		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 100", i, region.Addr, pages*4096))
+		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 10", i, region.Addr, pages*4096))
 	}
 	until(t, func() int { return ev.count("queue") }, 2*ipc.DefaultMaxInflight, "registrations queued")
 	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
