@@ -159,7 +159,8 @@ func TestAbandonedQueuedCallStartsEnded(t *testing.T) {
 // A cancellation names a call of the peer that sends it: one naming
 // another peer's call, or none, changes nothing, and the connection goes
 // on. One that is not well formed (a body that is not the empty Cancel,
-// descriptors) breaks the protocol.
+// descriptors), or sent on the connection rather than the lane, breaks
+// the protocol.
 func TestCancelFramesAreScopedAndChecked(t *testing.T) {
 	a := abandoningServer(t, 2)
 	c := laneClient(t, a.testServer, false, ipc.ClientConfig{})
@@ -196,12 +197,14 @@ func TestCancelFramesAreScopedAndChecked(t *testing.T) {
 	}
 
 	for _, tc := range []struct {
-		name  string
-		body  any
-		files func(t *testing.T) []*os.File
+		name   string
+		body   any
+		files  func(t *testing.T) []*os.File
+		onConn bool // sent on the connection, where no call is cancelled
 	}{
-		{"a body with a field", &ipc.CreateMR{Addr: 1}, nil},
-		{"a descriptor", &ipc.Cancel{}, func(t *testing.T) []*os.File { _, w := pipe(t); return []*os.File{w} }},
+		{"a body with a field", &ipc.CreateMR{Addr: 1}, nil, false},
+		{"a descriptor", &ipc.Cancel{}, func(t *testing.T) []*os.File { _, w := pipe(t); return []*os.File{w} }, false},
+		{"on the connection", &ipc.Cancel{}, nil, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			conn, lane := rawLane(t, a.testServer)
@@ -209,11 +212,18 @@ func TestCancelFramesAreScopedAndChecked(t *testing.T) {
 			if tc.files != nil {
 				files = tc.files(t)
 			}
-			send(lane, 1, ipc.KindCancel, tc.body, files)
+			if tc.onConn {
+				b, err := ipc.AppendFrame(nil, 1, ipc.KindCancel, 0, tc.body)
+				require.NoError(t, err)
+				require.NoError(t, conn.Send(b, nil))
+			} else {
+				send(lane, 1, ipc.KindCancel, tc.body, files)
+			}
 			require.NoError(t, conn.SetReadDeadline(time.Now().Add(bound)))
 			for {
 				n, _, err := conn.Recv(buf)
 				if err != nil {
+					require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the connection goes on")
 					break // the connection ended
 				}
 				f, err := ipc.ParseFrame(buf[:n])
@@ -222,6 +232,7 @@ func TestCancelFramesAreScopedAndChecked(t *testing.T) {
 			}
 			_, _, err := lane.Recv(buf, time.Now().Add(bound))
 			require.Error(t, err, "the lane ends with the connection")
+			require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the lane goes on")
 		})
 	}
 
