@@ -961,6 +961,9 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 
 // CreateMR asks the primary for the MR covering addr (creating it if
 // needed). It implements the create path of this process's local caches.
+// When the primary follows its callers' CPUs (primary.Config.FollowCPU)
+// and no other create of this process is in flight, the calling thread
+// stays on the CPU it is on until the answer, and then has its CPUs back.
 func (s *Secondary) CreateMR(addr uint64) (cache.Entry, error) { return s.createMR(addr, 0) }
 
 // createMR is CreateMR for a caller bound to CPU cpu-1 (0: to none).
