@@ -10,7 +10,7 @@ import (
 // ABI is the version of the protocol and messages of this package. Hello
 // carries it, so that a primary can refuse a secondary built against
 // another.
-const ABI uint32 = 9
+const ABI uint32 = 8
 
 // Kind names what a frame carries. Requests go from a client to the server,
 // pushes from the server to a client; KindReply and KindError answer either.
@@ -166,10 +166,6 @@ type HelloReply struct {
 	// lock's fence time, twice): a request may wait that long for its
 	// answer beyond the requester's own timeout.
 	Hold int64 `msgpack:"hold,omitempty"`
-	// Follows says that the primary answers a create on the CPU it names
-	// (CreateMR.CPU; see Peer.Follow), so that a caller may name the one
-	// it is on for the call's length.
-	Follows bool `msgpack:"follows,omitempty"`
 }
 
 // MaxHold bounds HelloReply.Hold.
@@ -196,8 +192,8 @@ func (m *HelloReply) Validate() error {
 
 // CreateMR asks the primary for the memory region covering Addr, creating
 // (registering) it if none exists. CPU, if not 0, says that the caller's
-// thread is bound to CPU number CPU-1, for good or until the answer,
-// where the primary may answer it (see Peer.Follow). A plain value.
+// thread is bound to CPU number CPU-1, where the primary may answer it
+// (see Peer.Follow). A plain value.
 type CreateMR struct {
 	Addr uint64 `msgpack:"addr"`
 	CPU  uint32 `msgpack:"cpu,omitempty"`

@@ -85,16 +85,13 @@ func helperCreateLoop(args []string) int {
 // secondary for answers for 50 µs before sleeping (Config.Spin); "idle"
 // has the secondary wait 20 ms before each request, as the main job's
 // secondaries do between the misses its churn causes: both processes'
-// threads and CPUs are then asleep and their caches cold; "follow" asks
-// from a thread bound to no CPU to a primary with FollowCPU, which answers
-// it on the CPU it is on; "bound" from a queue bound to a CPU (BindCPU),
-// to the same. Target,
+// threads and CPUs are then asleep and their caches cold. Target,
 // without polling: "new" p50 <= 0.7x and p99 <= 1x DPDK's
 // rte_mp_request_sync echo measured in the same run
 // (../shared/anchors/run dpdk-mp).
 func BenchmarkCreateMRRoundTrip(b *testing.B) {
 	for _, kind := range []string{"tmpfs", "hugetlbfs"} {
-		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin", "new/idle", "new/follow", "new/bound"} {
+		for _, mode := range []string{"new", "existing", "new/spin", "existing/spin", "new/idle", "new/bound"} {
 			b.Run(kind+"/"+mode, func(b *testing.B) {
 				bk := testenv.Tmpfs(b)
 				if kind == "hugetlbfs" {
@@ -108,8 +105,7 @@ func BenchmarkCreateMRRoundTrip(b *testing.B) {
 				if strings.HasSuffix(mode, "/idle") {
 					idle = 20 * time.Millisecond
 				}
-				bound, follow := strings.HasSuffix(mode, "/bound"), strings.HasSuffix(mode, "/follow")
-				benchCreate(b, bk, strings.HasPrefix(mode, "new"), spin, idle, bound, bound || follow)
+				benchCreate(b, bk, strings.HasPrefix(mode, "new"), spin, idle, strings.HasSuffix(mode, "/bound"))
 			})
 		}
 	}
@@ -117,10 +113,9 @@ func BenchmarkCreateMRRoundTrip(b *testing.B) {
 
 // benchCreate runs the create loop; spin is the primary's and the
 // secondary's Config.Spin, idle how long the secondary waits before each
-// request, bound whether it asks from a queue bound to a CPU, follow
-// whether the primary follows its callers' CPUs.
-func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration, idle time.Duration, bound, follow bool) {
-	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage, c.Spin, c.FollowCPU = true, spin[0], follow })
+// request, bound whether it asks from a queue bound to a CPU.
+func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Duration, idle time.Duration, bound bool) {
+	p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage, c.Spin, c.FollowCPU = true, spin[0], bound })
 	ps := p.Backend().PageSize
 	const pages = 8
 	r, err := p.Alloc(pages * ps)
@@ -205,16 +200,14 @@ func helperCreateBurst(args []string) int {
 // BenchmarkCreateMRConcurrent has 2 secondaries with 8 goroutines each
 // miss at once: every goroutine asks the primary for the MR of each of 8
 // pages, which are fresh ("new": each burst registers them, single-page
-// mode) or registered already ("existing"); "follow" asks a primary with
-// FollowCPU. It reports requests per second over the bursts, and fails if
-// any request is not answered.
+// mode) or registered already ("existing"). It reports requests per
+// second over the bursts, and fails if any request is not answered.
 func BenchmarkCreateMRConcurrent(b *testing.B) {
 	const secondaries, goroutines, pages = 2, 8, 8
-	for _, mode := range []string{"new", "existing", "new/follow"} {
+	for _, mode := range []string{"new", "existing"} {
 		b.Run("hugetlbfs/"+mode, func(b *testing.B) {
 			bk := testenv.Hugetlb(b, 16)
-			follow := strings.HasSuffix(mode, "/follow")
-			p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage, c.FollowCPU = true, follow })
+			p, cfg := startPrimary(b, bk, func(c *primary.Config) { c.SinglePage = true })
 			ps := p.Backend().PageSize
 			r, err := p.Alloc(pages * ps)
 			if err != nil {
@@ -253,7 +246,7 @@ func BenchmarkCreateMRConcurrent(b *testing.B) {
 				n, d := burst()
 				requests += n
 				took += d
-				if strings.HasPrefix(mode, "new") {
+				if mode == "new" {
 					b.StopTimer()
 					if err := p.Free(r); err != nil {
 						b.Fatal(err)

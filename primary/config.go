@@ -74,10 +74,7 @@ type Config struct {
 	// FollowCPU has the thread that answers a secondary's creates bind
 	// itself to the CPU the asking queue is bound to (secondary's
 	// Queue.BindCPU), so that a miss hands that CPU over and back instead
-	// of waking another (see the README's "IPC round trip"). A queue bound
-	// to no CPU then keeps its thread on the CPU it is on until the answer
-	// and names that one, when it is its process's only create in flight.
-	// Off by
+	// of waking another (see the README's "IPC round trip"). Off by
 	// default: a secondary then chooses where that thread runs, and one
 	// that names a CPU it keeps busy makes its creates wait there, holding
 	// the global lock while they register, which every other secondary's

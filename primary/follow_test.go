@@ -3,15 +3,12 @@ package primary_test
 import (
 	"fmt"
 	"os"
-	"runtime"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
@@ -19,10 +16,7 @@ import (
 	"github.com/mpmr/mpmr/secondary"
 )
 
-func init() {
-	testproc.Register("bound-queue", helperBoundQueue)
-	testproc.Register("unbound-queue", helperUnboundQueue)
-}
+func init() { testproc.Register("bound-queue", helperBoundQueue) }
 
 // helperBoundQueue attaches, binds a queue to CPU args[2] and looks up
 // args[3] and args[4], two pages no MR holds yet. It prints "refused N":
@@ -113,98 +107,6 @@ func TestBoundQueueIsAnsweredOnItsCPU(t *testing.T) {
 			// instead.
 			require.Eventually(t, func() bool { _, n := testenv.ThreadsBoundTo(t, cpu); return n == beforeOthers }, testproc.DefaultTimeout,
 				time.Millisecond, "the thread bound for the secondary ends with its lane")
-		})
-	}
-}
-
-// helperUnboundQueue attaches and, on a thread it lets use only the CPUs
-// args[2] lists (comma-separated), without binding a queue, looks up
-// args[3] and args[4], two pages no MR holds yet. It prints "done CPUS KEY
-// KEY", the CPUs its thread may use after the lookups and their keys, and
-// exits at "exit".
-func helperUnboundQueue(args []string) int {
-	fail := func(err error) int {
-		fmt.Fprintln(os.Stderr, err)
-		return 3
-	}
-	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
-	if err != nil {
-		return fail(err)
-	}
-	defer s.Close()
-	q := s.NewQueue()
-	defer q.Close()
-	runtime.LockOSThread() // the thread ends with the process
-	var set unix.CPUSet
-	for _, c := range strings.Split(args[2], ",") {
-		cpu, _ := strconv.Atoi(c)
-		set.Set(cpu)
-	}
-	if err := unix.SchedSetaffinity(0, &set); err != nil {
-		return fail(err)
-	}
-	var keys [2]uint32
-	for i, a := range args[3:5] {
-		addr, _ := strconv.ParseUint(a, 10, 64)
-		if keys[i], err = q.Lookup(uintptr(addr)); err != nil {
-			return fail(err)
-		}
-	}
-	cpus, err := testenv.CPUs()
-	if err != nil {
-		return fail(err)
-	}
-	testproc.Say("done %s %d %d", strings.Trim(strings.Join(strings.Fields(fmt.Sprint(cpus)), ","), "[]"), keys[0], keys[1])
-	in := testproc.Commands()
-	for in.Scan() && in.Text() != "exit" {
-	}
-	return 0
-}
-
-// A queue bound to no CPU, asking a primary with FollowCPU, keeps its
-// thread on the CPU it is on until the answer and names it: the primary's
-// thread for that secondary's calls is bound there after the first miss.
-// The queue's thread then has its CPUs back, whether it had several or
-// one (its owner's binding). Without FollowCPU, the primary binds
-// nothing.
-func TestUnboundQueueIsAnsweredOnTheCPUItIsOn(t *testing.T) {
-	cpus := testenv.NeedCPUs(t, 2)
-	first, last := cpus[0], cpus[len(cpus)-1]
-	for _, tc := range []struct {
-		follow bool
-		cpus   []int
-	}{{true, []int{last}}, {true, []int{first, last}}, {false, []int{first, last}}} {
-		list := strings.Trim(strings.Join(strings.Fields(fmt.Sprint(tc.cpus)), ","), "[]")
-		t.Run(fmt.Sprintf("FollowCPU=%v/cpus=%s", tc.follow, list), func(t *testing.T) {
-			p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SinglePage, c.FollowCPU = true, tc.follow })
-			ps := p.Backend().PageSize
-			r, err := p.Alloc(2 * ps)
-			require.NoError(t, err)
-			bound := func() (n int) {
-				for _, c := range tc.cpus {
-					b, _ := testenv.ThreadsBoundTo(t, c)
-					n += b
-				}
-				return n
-			}
-			before := bound()
-
-			h := testproc.Start(t, "unbound-queue", []string{cfg.Prefix, cfg.RuntimeDir, list,
-				strconv.FormatUint(uint64(r.Addr)+8, 10), strconv.FormatUint(uint64(r.Addr)+ps+8, 10)})
-			var after string
-			var k1, k2 uint32
-			line := h.Expect("done", 0)
-			_, err = fmt.Sscanf(line, "done %s %d %d", &after, &k1, &k2)
-			require.NoError(t, err, line)
-			assert.Equal(t, list, after, "the queue's thread has its CPUs back")
-			assert.NotEqual(t, k1, k2, "two pages, two MRs: both misses went to the primary")
-			if tc.follow {
-				assert.Equal(t, before+1, bound(), "the primary answers the queue on the CPU it was on")
-			} else {
-				assert.Equal(t, before, bound(), "the primary binds nothing unless told to")
-			}
-			h.Send("exit")
-			require.NoError(t, h.Wait(0))
 		})
 	}
 }

@@ -579,7 +579,7 @@ func (h *handler) hello(peer *ipc.Peer, m *ipc.Hello) (any, error) {
 	}
 	reply := &ipc.HelloReply{Slot: slot, Segment: p.segOpts.Path, LockFile: p.segOpts.LockPath,
 		LayoutTag: instance.LayoutTag, Backend: p.backend.Kind.String(), PageSize: p.backend.PageSize,
-		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(memoryHold), Follows: p.cfg.FollowCPU}
+		PrimaryPID: os.Getpid(), Device: p.vdev.Name(), Hold: int64(memoryHold)}
 	if pd, ok := p.pd.(interface{ Handle() uint32 }); ok {
 		reply.PD = pd.Handle()
 	}

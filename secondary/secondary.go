@@ -130,11 +130,6 @@ type Secondary struct {
 	// requestTimeout bounds a request: RequestTimeout and the primary's
 	// hold (see Config.RequestTimeout); set by the hello.
 	requestTimeout time.Duration
-	// follows says that the primary answers a create on the CPU it names
-	// (primary.Config.FollowCPU); set by the hello.
-	follows atomic.Bool
-	// creating counts the creates in flight (see createMRHere).
-	creating atomic.Int32
 	// instanceUnlock lets the process's next attach attempt to the
 	// instance go (see lockInstance); nil before the lock is taken.
 	instanceUnlock func()
@@ -335,7 +330,6 @@ func (s *Secondary) attach(ctx context.Context) error {
 	holding.heard(s.info.Segment, left)
 	s.device, s.pdHandle = hello.Device, hello.PD
 	s.requestTimeout = s.cfg.RequestTimeout + time.Duration(hello.Hold)
-	s.follows.Store(hello.Follows)
 	for i, f := range withFiles.Files {
 		if i == 0 {
 			s.devFile = f
@@ -961,51 +955,10 @@ func (s *Secondary) call(what request, kind ipc.Kind, req, reply any) error {
 
 // CreateMR asks the primary for the MR covering addr (creating it if
 // needed). It implements the create path of this process's local caches.
-// When the primary follows its callers' CPUs (primary.Config.FollowCPU)
-// and no other create of this process is in flight, the calling thread
-// stays on the CPU it is on until the answer, and then has its CPUs back.
 func (s *Secondary) CreateMR(addr uint64) (cache.Entry, error) { return s.createMR(addr, 0) }
 
 // createMR is CreateMR for a caller bound to CPU cpu-1 (0: to none).
 func (s *Secondary) createMR(addr uint64, cpu uint32) (cache.Entry, error) {
-	if cpu == 0 && s.follows.Load() {
-		return s.createMRHere(addr)
-	}
-	return s.ask(addr, cpu)
-}
-
-// createMRHere is createMR for a caller bound to no CPU, when the primary
-// answers creates on the CPU they name: the caller's thread stays on the
-// CPU it is running on until the answer, and names it. The request then
-// hands that CPU to the primary's thread for this process's calls, which
-// waits there, and the answer hands it back, instead of each waking the
-// other on an idle CPU. Only a create that is the only one in flight
-// does: the primary's thread follows one CPU at a time, and a goroutine
-// locked to its thread that waits behind another's call costs a thread
-// hand-off more when its answer comes.
-func (s *Secondary) createMRHere(addr uint64) (cache.Entry, error) {
-	defer s.creating.Add(-1)
-	if s.creating.Add(1) != 1 {
-		return s.ask(addr, 0)
-	}
-	runtime.LockOSThread()
-	var pin affinity.Pin
-	if pin.Here() != nil {
-		runtime.UnlockOSThread()
-		return s.ask(addr, 0)
-	}
-	defer func() {
-		// A thread the kernel would not give its CPUs back stays locked
-		// to this goroutine: bound to one CPU, it must run no other.
-		if pin.Release() == nil {
-			runtime.UnlockOSThread()
-		}
-	}()
-	return s.ask(addr, uint32(pin.CPU())+1)
-}
-
-// ask sends one create request, naming CPU cpu-1 (0: none).
-func (s *Secondary) ask(addr uint64, cpu uint32) (cache.Entry, error) {
 	var r ipc.CreateMRReply
 	if err := s.call(request{what: "create MR for", addr: addr, withAddr: true}, ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: cpu}, &r); err != nil {
 		return cache.Entry{LKey: cache.InvalidKey}, err

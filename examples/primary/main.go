@@ -42,7 +42,6 @@ type config struct {
 	churn        bool
 	secondaryBin string
 	grace        time.Duration
-	follow       bool
 }
 
 func main() {
@@ -55,7 +54,6 @@ func main() {
 	flag.BoolVar(&c.churn, "churn", true, "free and reallocate memory while the secondaries work")
 	flag.StringVar(&c.secondaryBin, "secondary-bin", "", "the examples/secondary program to launch (default: built from this module)")
 	flag.DurationVar(&c.grace, "grace", 20*time.Second, "how long past -duration a secondary may take to attach and detach before it is stopped")
-	flag.BoolVar(&c.follow, "follow", false, "answer each miss on the CPU its queue is on (FollowCPU; -bind turns it on too)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := run(ctx, c)
@@ -74,11 +72,8 @@ func run(ctx context.Context, c config) error {
 	// Start creates the control segment, the data memory, the device and
 	// the global MR cache, and serves secondaries on a unix socket. Only
 	// one primary runs per prefix; a dead one's leftovers are cleaned up.
-	// FollowCPU lets each secondary choose the CPU its creates are
-	// answered on: this primary launches its own secondaries, and trusts
-	// them to.
 	p, err := primary.Start(primary.Config{Prefix: c.Prefix, RuntimeDir: c.RuntimeDir, Backend: kind,
-		Device: c.device, FollowCPU: c.follow || c.Bind >= 0, Logger: c.Logger()})
+		Device: c.device, FollowCPU: c.Bind >= 0, Logger: c.Logger()})
 	if err != nil {
 		return err
 	}
