@@ -22,7 +22,7 @@ var flatEdges = []uint64{0, 1, 0x7f, 0x80, 0xff, 0x100, 0xffff, 0x1_0000, math.M
 
 // flatSamples returns values of every hot message built from the edges.
 func flatSamples() []any {
-	out := []any{&SyncAck{}}
+	out := []any{&SyncAck{}, &Cancel{}}
 	for _, a := range flatEdges {
 		out = append(out, &CreateMR{Addr: a}, &CreateMR{Addr: a, CPU: uint32(min(a, math.MaxUint32))})
 		for _, b := range flatEdges {
@@ -66,7 +66,7 @@ func TestFlatEncodesAsReflective(t *testing.T) {
 // below never carry, so that a field a decoder leaves alone shows.
 func newFlat() []any {
 	return []any{&CreateMR{Addr: 0xdead, CPU: 0xbeef}, &CreateMRReply{Start: 1, End: 2, LKey: 3}, &Sync{Op: 9, List: 9, First: 9, Count: 9}, &SyncAck{},
-		&RegisterMempool{Name: "old", Chunks: []Chunk{{Addr: 9, Len: 9}, {Addr: 8, Len: 8}}}, &RegisterMempoolReply{Keys: make([]uint32, 2, 40)}}
+		&RegisterMempool{Name: "old", Chunks: []Chunk{{Addr: 9, Len: 9}, {Addr: 8, Len: 8}}}, &RegisterMempoolReply{Keys: make([]uint32, 2, 40)}, &Cancel{}}
 }
 
 // sameAsReflective decodes b into each hot message both ways and fails t
@@ -193,6 +193,25 @@ func BenchmarkRegisterMempoolDecode(b *testing.B) {
 			for b.Loop() {
 				var got RegisterMempool
 				if err := way.decode(body, &got); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkCancelDecode decodes a cancellation, which a peer may send by
+// the thousand, by hand and through the reflective decoder.
+func BenchmarkCancelDecode(b *testing.B) {
+	body, err := appendBody(nil, &Cancel{})
+	require.NoError(b, err)
+	for _, way := range []struct {
+		name   string
+		decode func([]byte, any) error
+	}{{"flat", Unmarshal}, {"reflective", unmarshalReflect}} {
+		b.Run(way.name, func(b *testing.B) {
+			for b.Loop() {
+				if err := way.decode(body, &Cancel{}); err != nil {
 					b.Fatal(err)
 				}
 			}
