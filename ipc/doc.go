@@ -20,8 +20,9 @@
 // on serving everyone else. Containers are bounded (MaxItems) before
 // anything is allocated for them. The messages of the miss and sync
 // paths (CreateMR, CreateMRReply, Sync, SyncAck), and the large ones of
-// mempool registrations (RegisterMempool, RegisterMempoolReply), encode
-// and decode their canonical form by hand, byte for byte what the
+// mempool registrations (RegisterMempool, RegisterMempoolReply), and the
+// cancellations a peer may send by the thousand (Cancel), encode and
+// decode their canonical form by hand, byte for byte what the
 // reflective codec writes; any other form of them goes to the reflective
 // decoder.
 //
