@@ -135,31 +135,24 @@ func costlyMemory(t *testing.T, pages int) (*primary.Primary, primary.Config, hu
 	return p, cfg, region
 }
 
-// until polls n until it is at least want, failing the test after 10 s.
+// until waits until n is at least want (see waitUntil).
 func until(t *testing.T, n func() int, want int, what string) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for got := n(); got < want; got = n() {
-		require.True(t, time.Now().Before(deadline), "%s: %d of %d", what, got, want)
-		time.Sleep(time.Millisecond)
-	}
+	waitUntil(t, fmt.Sprintf("%s: %d", what, want), func() bool { return n() >= want })
 }
 
-// processTurns waits, bounded, until the primary has attached attachments,
-// and returns the references its process turns hold then, by pid.
+// processTurns waits until the primary has attached attachments (see
+// waitUntil), and returns the references its process turns hold then, by
+// pid.
 func processTurns(t *testing.T, p *primary.Primary, attached int) map[int]int {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		refs, n := primary.ProcessTurns(p)
-		if n == attached {
-			return refs
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d attachments, waited for %d", n, attached)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	var refs map[int]int
+	waitUntil(t, fmt.Sprintf("%d attachments", attached), func() bool {
+		var n int
+		refs, n = primary.ProcessTurns(p)
+		return n == attached
+	})
+	return refs
 }
 
 // A process that detaches an attachment with registrations under way on
@@ -243,13 +236,9 @@ func TestADroppedAttachmentLetsGoOfItsProcessTurn(t *testing.T) {
 // were for an attachment that has left, and ran to their end, each of
 // millions of steps, taking turns with everyone else's.
 func TestADetachStopsItsConnectionsRegistrations(t *testing.T) {
-	const pages = 2000
-	var ev turnEvents
-	t.Cleanup(primary.SetMempoolTurns(ev.see)) // restored after the primary closes
-	_, cfg, region := costlyMemory(t, pages)
-	h := startRawClaims(t, cfg, ev.watch)
+	ev, h, region := startWatchedClaims(t)
 	require.Equal(t, "claimed 0", ask(t, h, "claim"))
-	require.Equal(t, "flooding 0", ask(t, h, "flood 0 %d %d 2500", region.Addr, pages*4096))
+	require.Equal(t, "flooding 0", ask(t, h, "flood 0 %d %d 2500", region.Addr, watchedPages*4096))
 	until(t, func() int { return ev.count("queue") }, ipc.DefaultMaxInflight, "registrations queued")
 	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
 	before := ev.count("start")
@@ -264,14 +253,10 @@ func TestADetachStopsItsConnectionsRegistrations(t *testing.T) {
 // detached, put each of the detached one's registrations in the
 // primary's queue once more, for nothing.
 func TestAStaleRegistrationDoesNotQueueForThePrimarysTurn(t *testing.T) {
-	const pages = 2000
-	var ev turnEvents
-	t.Cleanup(primary.SetMempoolTurns(ev.see)) // restored after the primary closes
-	_, cfg, region := costlyMemory(t, pages)
-	h := startRawClaims(t, cfg, ev.watch)
+	ev, h, region := startWatchedClaims(t)
 	for i := range 2 {
 		require.Equal(t, fmt.Sprintf("claimed %d", i), ask(t, h, "claim"))
-		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 10", i, region.Addr, pages*4096))
+		require.Equal(t, fmt.Sprintf("flooding %d", i), ask(t, h, "flood %d %d %d 10", i, region.Addr, watchedPages*4096))
 	}
 	until(t, func() int { return ev.count("queue") }, 2*ipc.DefaultMaxInflight, "registrations queued")
 	require.Equal(t, "detached 0 <nil>", ask(t, h, "detach 0"))
@@ -280,6 +265,20 @@ func TestAStaleRegistrationDoesNotQueueForThePrimarysTurn(t *testing.T) {
 	// process's turn as it came may have been queued for, or at work in,
 	// the primary's.
 	assert.LessOrEqual(t, ev.count("left"), 1, "registrations of the detached attachment that queued for the primary's turn after it left")
+}
+
+// watchedPages is how many pages startWatchedClaims registers.
+const watchedPages = 2000
+
+// startWatchedClaims starts a primary with watchedPages pages registered
+// one MR each (see costlyMemory) and the raw-claims helper for it, and
+// counts the turns' events of the helper's registrations.
+func startWatchedClaims(t *testing.T) (*turnEvents, *testproc.Proc, hugetlb.Region) {
+	t.Helper()
+	ev := &turnEvents{}
+	t.Cleanup(primary.SetMempoolTurns(ev.see)) // restored after the primary closes
+	_, cfg, region := costlyMemory(t, watchedPages)
+	return ev, startRawClaims(t, cfg, ev.watch), region
 }
 
 // turnEvents counts the mempool turns' events of the watched process, by
