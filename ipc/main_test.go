@@ -14,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
@@ -205,13 +206,7 @@ func ctxBound(t testing.TB) context.Context {
 // waitFor receives from ch within bound.
 func waitFor[T any](t testing.TB, ch <-chan T, what string) T {
 	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(bound):
-		t.Fatalf("no %s within %v", what, bound)
-		panic("unreachable")
-	}
+	return testenv.Receive(t, ch, bound, what)
 }
 
 // quietHandler is handler without the connect and disconnect reports,

@@ -150,17 +150,11 @@ func TestAGivenUpRegistrationStops(t *testing.T) {
 	}
 }
 
-// waitFor receives from ch, failing the test if nothing comes within a
-// minute.
+// waitFor receives from ch, failing the test if nothing comes within
+// 30 s.
 func waitFor[T any](t *testing.T, ch <-chan T, what string) T {
 	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(30 * time.Second):
-		t.Fatalf("no %s within 30 s", what)
-		panic("unreachable")
-	}
+	return testenv.Receive(t, ch, 30*time.Second, what)
 }
 
 // A registration whose caller gave it up before its turn came takes no

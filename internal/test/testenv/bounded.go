@@ -22,3 +22,16 @@ func Bounded(t *testing.T, what string, limit time.Duration, fn func() error) (t
 		return 0, nil
 	}
 }
+
+// Receive receives from ch, failing the test if nothing comes within
+// limit.
+func Receive[T any](tb testing.TB, ch <-chan T, limit time.Duration, what string) T {
+	tb.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(limit):
+		tb.Fatalf("no %s within %v", what, limit)
+		panic("unreachable")
+	}
+}
