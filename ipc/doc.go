@@ -123,6 +123,17 @@
 // reason; Server.Stats counts each limit that tripped, and the server
 // logs it (at most once a second per limit).
 //
+// Descriptors the server refuses are dropped (sock.Drop: a socket is
+// reset first, so that its close does not wait on a linger its sender
+// set). A server that takes none at all (MaxFilesPerMessage negative)
+// should listen with ListenNoFiles: the kernel then refuses them at the
+// sender, on the connections and the lanes, and a client's call that
+// carries some fails with ErrFilesRefused, its connection whole. Closing
+// a descriptor can wait on whoever sent it in ways no drop can prevent (a
+// file on a FUSE mount the sender serves; a socket left unread in the
+// queue of a socket being closed), so only refusal keeps a server's
+// threads, and its Close, from waiting on its peers.
+//
 // Every wait has the caller's context as its bound, and none outlives the
 // connection: when it ends, every pending and later call fails at once with
 // ErrPeerGone. Errors that handlers return travel as a code and a message;

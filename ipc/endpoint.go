@@ -331,6 +331,9 @@ func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) er
 		}
 		err = fmt.Errorf("%w: peer took no message for %v", errSlowReader, e.writeTimeout)
 	}
+	if errors.Is(err, ErrFilesRefused) {
+		return err // nothing went: the connection is whole
+	}
 	if err != nil {
 		e.fail(err)
 		return e.Err()
@@ -505,6 +508,9 @@ func (e *endpoint) laneSent(err error) error {
 	}
 	if !errors.Is(err, errSlowReader) {
 		err = connErr(err)
+	}
+	if errors.Is(err, ErrFilesRefused) {
+		return err // nothing went but its notice, which the next frame with descriptors uses
 	}
 	e.fail(err)
 	return e.Err()

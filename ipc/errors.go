@@ -57,6 +57,10 @@ var (
 	ErrUnsafeDir = ErrPermission
 	// ErrNoHandler means the client has no PushHandler for a push.
 	ErrNoHandler = errors.New("ipc: no handler for this message")
+	// ErrFilesRefused means a message with descriptors was not sent: the
+	// peer's socket takes none (a server made with ListenNoFiles, on a
+	// kernel that can refuse them). The connection goes on.
+	ErrFilesRefused = errors.New("ipc: the peer takes no descriptors")
 )
 
 // ErrorReply is the body of a KindError frame: a failed request or push.

@@ -297,7 +297,7 @@ func TestTooLargeReplyBecomesAnError(t *testing.T) {
 func rawServer(t *testing.T, cfg ipc.ClientConfig) (*ipc.Client, *sock.Conn) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "raw.sock")
-	l, err := sock.Listen(path)
+	l, err := sock.Listen(path, false)
 	require.NoError(t, err)
 	defer l.Close()
 	accepted := make(chan *sock.Conn, 1)

@@ -96,19 +96,37 @@ type Listener struct {
 // atomic against another process doing the same: one server per path is
 // the caller's policy (a lock file, as the primary's). A server killed an
 // instant ago may still hold its listening socket until its exit completes.
-func Listen(path string) (*Listener, error) {
+func Listen(path string) (*Listener, error) { return listen(path, false) }
+
+// ListenNoFiles is Listen for a server whose peers may send no
+// descriptors (Limits.MaxFilesPerMessage negative): the kernel fails a
+// peer's send of any with EPERM, from the moment it connects
+// (SO_PASSRIGHTS, Linux 6.16 on; RefusesFiles says whether it does). A
+// descriptor the server must close is one whose close its sender may
+// hold up: the last close of a TCP socket set to linger waits for its
+// unsent data, and a close of a socket with such a descriptor still queued
+// on it too. On older kernels they come as on Listen's, and the server
+// drops them on arrival, sockets among them made to close at once; see
+// the README's "Not defended" for what that leaves.
+func ListenNoFiles(path string) (*Listener, error) { return listen(path, true) }
+
+// RefusesFiles reports whether the kernel refuses descriptors sent on the
+// connections l accepts (see ListenNoFiles).
+func (l *Listener) RefusesFiles() bool { return l.l.RefusesRights() }
+
+func listen(path string, noFiles bool) (*Listener, error) {
 	c := checker{uid: os.Geteuid(), create: true}
 	d, err := c.open(filepath.Dir(path), false, true)
 	if err != nil {
 		return nil, fmt.Errorf("ipc: listen: %w", err)
 	}
 	d.Close()
-	l, err := sock.Listen(path)
+	l, err := sock.Listen(path, noFiles)
 	if errors.Is(err, sock.ErrAddressInUse) {
 		if err := removeStale(path); err != nil {
 			return nil, err
 		}
-		l, err = sock.Listen(path)
+		l, err = sock.Listen(path, noFiles)
 	}
 	if errors.Is(err, sock.ErrAddressInUse) {
 		return nil, fmt.Errorf("%w: %s", ErrAddressInUse, path)
@@ -254,6 +272,8 @@ func connErr(err error) error {
 		return fmt.Errorf("%w: frame longer than %d bytes", ErrTooLarge, MaxMessage)
 	case errors.Is(err, sock.ErrTooManyFiles):
 		return fmt.Errorf("%w: %w", ErrMalformed, err)
+	case errors.Is(err, sock.ErrRightsRefused):
+		return ErrFilesRefused
 	}
 	return fmt.Errorf("ipc: %w", err)
 }

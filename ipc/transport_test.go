@@ -83,7 +83,7 @@ func TestListenOnALiveSocketFails(t *testing.T) {
 
 func TestListenReplacesAStaleSocket(t *testing.T) {
 	path := filepath.Join(t.TempDir(), ipc.SocketName)
-	dead, err := sock.Listen(path) // a server that ended without removing its file
+	dead, err := sock.Listen(path, false) // a server that ended without removing its file
 	require.NoError(t, err)
 	require.NoError(t, dead.Close())
 	_, err = ipc.Dial(ctxBound(t), path)

@@ -92,6 +92,15 @@ func BlockingPair() (*Blocking, *os.File, error) {
 	return newBlocking(fds[0], -1), os.NewFile(uintptr(fds[1]), "seqpacket-pair"), nil
 }
 
+// RefuseRights has the kernel refuse the descriptors the peer sends on c
+// (see Listen), and reports whether it does. Call it before the peer has
+// its end.
+func (c *Blocking) RefuseRights() bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return !c.closed.Load() && refuseOn(c.fd)
+}
+
 // NewBlocking takes over f, a unix SOCK_SEQPACKET socket (as received from
 // a peer), and closes f. With wakeable set, Wake can end its waits.
 func NewBlocking(f *os.File, wakeable bool) (*Blocking, error) {
@@ -241,6 +250,8 @@ func (c *Blocking) sendOne(b, oob []byte, deadline time.Time, try bool) error {
 				return errBlockingClosed
 			}
 			return ErrPeerClosed
+		case err == unix.EPERM && len(oob) > 0:
+			return ErrRightsRefused
 		default:
 			return fmt.Errorf("sock: send: %w", err)
 		}
@@ -356,7 +367,7 @@ func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error)
 	if n == 1 && !rights && p[0] == filesNotice {
 		if oobn > 0 {
 			files, _ := parseRights(c.oob[:oobn]) // closes a pidfd; none of the files it returns
-			closeAll(files)
+			Drop(files)
 		}
 		c.expect++
 		return 0, 0, 0, errNoticed
@@ -405,7 +416,7 @@ func (c *Blocking) setTimeout(deadline time.Time) error {
 func (c *Blocking) received(n, size, oobn, rflags int, err error) (int, []*os.File, error) {
 	n, files, err := received(n, size, c.oob[:max(oobn, 0)], rflags, err)
 	if c.closed.Load() && (err != nil || n == 0 && len(files) == 0) {
-		closeAll(files)
+		Drop(files)
 		return 0, nil, errBlockingClosed // Close shut the socket down: not the peer's end
 	}
 	return n, files, err

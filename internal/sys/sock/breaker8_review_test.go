@@ -159,7 +159,7 @@ func TestBreaker8RawRecvmsgEdges(t *testing.T) {
 		require.NoError(t, err, name)
 		assert.Equal(t, "fd", string(buf[:n]), name)
 		require.Len(t, files, 2, name)
-		closeAll(files)
+		Drop(files)
 
 		require.NoError(t, a.Send([]byte("longer than eight"), []*os.File{r}, time.Time{}))
 		_, files, err = recv(buf)

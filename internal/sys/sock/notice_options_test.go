@@ -81,7 +81,7 @@ func TestBlockingReceiveOptionsKeepFilesAndNotices(t *testing.T) {
 				require.NoError(t, err)
 				assert.Equal(t, "files", string(buf[:n]))
 				assert.Len(t, files, 1)
-				closeAll(files)
+				Drop(files)
 				n, files, err = b.RecvBy(buf, time.Now().Add(time.Minute))
 				require.NoError(t, err)
 				assert.Equal(t, "last", string(buf[:n]), "the stray notice is not the caller's")
@@ -130,7 +130,7 @@ func TestBlockingReceiveOptionsManySenders(t *testing.T) {
 		default:
 			t.Fatalf("an unexpected message %q", msg)
 		}
-		closeAll(files)
+		Drop(files)
 	}
 	wg.Wait()
 	close(errs)

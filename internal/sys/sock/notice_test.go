@@ -70,7 +70,7 @@ func TestBlockingFilesAmongPlainMessagesFromManySenders(t *testing.T) {
 					require.True(t, strings.HasPrefix(msg, "plain "), "an unexpected message %q", msg)
 					assert.Empty(t, files, msg)
 				}
-				closeAll(files)
+				Drop(files)
 			}
 			wg.Wait()
 			close(errs)
@@ -107,7 +107,7 @@ func TestBlockingUnannouncedFilesAreDropped(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "sent", string(buf[:n]))
 	require.Len(t, files, 1)
-	closeAll(files)
+	Drop(files)
 }
 
 // Announcements without the message they announce (a sender that failed
@@ -139,7 +139,7 @@ func TestBlockingStrayNoticesAreHarmless(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "two", string(buf[:n]))
 	assert.Len(t, files, 2)
-	closeAll(files)
+	Drop(files)
 	n, files, err = b.RecvBy(buf, time.Now().Add(time.Minute))
 	require.NoError(t, err)
 	assert.Equal(t, "three", string(buf[:n]))
@@ -202,7 +202,7 @@ func TestBlockingFailedSendLeavesItsNoticeToTheNext(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "files", string(buf[:n]))
 	assert.Len(t, files, 1)
-	closeAll(files)
+	Drop(files)
 	n, files, err = b.RecvBy(buf, time.Time{})
 	require.NoError(t, err)
 	assert.Equal(t, "plain", string(buf[:n]))

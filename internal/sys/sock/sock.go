@@ -13,8 +13,16 @@
 // thread.
 //
 // Received descriptors arrive close-on-exec (MSG_CMSG_CLOEXEC). A receive
-// that fails for any reason closes whatever descriptors came with the
-// message, so a misbehaving peer cannot make this process leak them.
+// that fails for any reason drops whatever descriptors came with the
+// message (Drop), so a misbehaving peer cannot make this process leak them.
+//
+// Closing a descriptor a peer sent can block: the last close of a TCP
+// socket set to linger waits for its unsent data, for as long as the
+// linger says, and so does a close of a socket with such a descriptor
+// still queued on it. A socket that must take none (Listen's
+// refuseRights, Blocking.RefuseRights) has the kernel refuse them at the
+// sender (SO_PASSRIGHTS, Linux 6.16 on); Drop makes the sockets it closes
+// close at once.
 package sock
 
 import (
@@ -54,6 +62,10 @@ var (
 	ErrRefused = errors.New("sock: connection refused")
 	// ErrAddressInUse means the path is already bound (EADDRINUSE).
 	ErrAddressInUse = errors.New("sock: address in use")
+	// ErrRightsRefused means a send with descriptors found the peer's
+	// socket refusing them (EPERM; see Listen): nothing was sent, and the
+	// connection goes on.
+	ErrRightsRefused = errors.New("sock: the peer takes no descriptors")
 )
 
 const network = "unixpacket" // SOCK_SEQPACKET in the net package's terms
@@ -71,22 +83,45 @@ type Cred struct {
 // the socket file when closed: which file to remove, and when, is the
 // caller's policy. Safe for concurrent use.
 type Listener struct {
-	l *net.UnixListener
+	l       *net.UnixListener
+	refuses bool // the kernel refuses descriptors sent on its connections
 }
 
 // Listen binds and listens on path. The socket file is created with the
 // process's umask; tighten it with chmod if needed (the directory around it
-// is what really keeps strangers out).
-func Listen(path string) (*Listener, error) {
-	l, err := net.ListenUnix(network, &net.UnixAddr{Name: path, Net: network})
+// is what really keeps strangers out). With refuseRights, the connections
+// it accepts take no descriptors: the kernel fails a peer's send of any
+// with EPERM, from the moment the peer connects, if it can
+// (RefusesRights); the socket is made so before it is bound.
+func Listen(path string, refuseRights bool) (*Listener, error) {
+	var refuses bool
+	lc := net.ListenConfig{}
+	if refuseRights {
+		lc.Control = func(_, _ string, rc syscall.RawConn) error {
+			return rc.Control(func(fd uintptr) { refuses = refuseOn(int(fd)) })
+		}
+	}
+	nl, err := lc.Listen(context.Background(), network, path)
 	if err != nil {
 		if errors.Is(err, unix.EADDRINUSE) {
 			return nil, fmt.Errorf("%w: %s", ErrAddressInUse, path)
 		}
 		return nil, fmt.Errorf("sock: listen on %s: %w", path, err)
 	}
+	l := nl.(*net.UnixListener)
 	l.SetUnlinkOnClose(false)
-	return &Listener{l: l}, nil
+	return &Listener{l: l, refuses: refuses}, nil
+}
+
+// RefusesRights reports whether the kernel refuses the descriptors peers
+// send on the connections l accepts (see Listen).
+func (l *Listener) RefusesRights() bool { return l.refuses }
+
+// refuseOn has the kernel refuse descriptors sent to socket fd
+// (SO_PASSRIGHTS off), and reports whether it does; kernels before 6.16
+// do not know the option.
+func refuseOn(fd int) bool {
+	return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PASSRIGHTS, 0) == nil
 }
 
 // Accept waits for the next connection. After Close it returns an error
@@ -215,6 +250,9 @@ func (c *Conn) Send(b []byte, files []*os.File) error {
 		if errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET) {
 			return ErrPeerClosed
 		}
+		if errors.Is(err, unix.EPERM) && len(oob) > 0 {
+			return ErrRightsRefused
+		}
 		return fmt.Errorf("sock: send: %w", err)
 	}
 	return nil
@@ -302,7 +340,7 @@ func received(n, size int, oob []byte, flags int, err error) (int, []*os.File, e
 		return 0, nil, io.EOF
 	}
 	if err != nil {
-		closeAll(files)
+		Drop(files)
 		if errors.Is(err, unix.ECONNRESET) {
 			return 0, nil, io.EOF // the peer died with our data unread
 		}
@@ -370,8 +408,21 @@ func carriesRights(oob []byte) bool {
 	return false
 }
 
-func closeAll(files []*os.File) {
+// Drop closes descriptors a peer sent and this process refuses. A socket
+// among them is made to close at once first (SO_LINGER on, zero: a TCP
+// connection is reset, its unsent data discarded), so that the close does
+// not wait on a linger its sender set. Other kinds close as usual: one
+// whose close waits on its sender (a file on a FUSE mount the sender
+// serves) is kept out only by refusing descriptors (Listen).
+func Drop(files []*os.File) {
 	for _, f := range files {
+		if rc, err := f.SyscallConn(); err == nil {
+			_ = rc.Control(func(fd uintptr) {
+				if _, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TYPE); err == nil {
+					_ = unix.SetsockoptLinger(int(fd), unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
+				}
+			})
+		}
 		f.Close()
 	}
 }

@@ -123,7 +123,7 @@ func TestSendDoesNotChangeTheFilesBlockingMode(t *testing.T) {
 	require.NoError(t, a.Send([]byte("x"), []*os.File{r}))
 	_, files, err := b.Recv(make([]byte, 4))
 	require.NoError(t, err)
-	closeAll(files)
+	Drop(files)
 
 	// A read deadline only works on a file that is still on the poller.
 	require.NoError(t, r.SetReadDeadline(time.Now().Add(time.Millisecond)))
@@ -199,9 +199,9 @@ func TestListenDialAccept(t *testing.T) {
 	_, err := Dial(ctx, path)
 	assert.ErrorIs(t, err, ErrNoSocket)
 
-	l, err := Listen(path)
+	l, err := Listen(path, false)
 	require.NoError(t, err)
-	_, err = Listen(path)
+	_, err = Listen(path, false)
 	assert.ErrorIs(t, err, ErrAddressInUse)
 
 	accepted := make(chan *Conn, 1)
