@@ -95,11 +95,14 @@ type Config struct {
 	AllowUIDs []int
 	// Limits bound what any connection to the primary can make it hold;
 	// zero fields take the defaults of ipc.Limits: 256 connections, 128
-	// per user, 4 descriptors per request and 16 held per connection,
-	// 1,024 requests (1 MiB) queued per connection, 5 s to complete the
-	// hello. Until its hello succeeds a connection may send no
-	// descriptors and only small frames, one request at a time. The
-	// counters of Stats say how often each limit tripped.
+	// per user, 1,024 requests (1 MiB) queued per connection, 5 s to
+	// complete the hello. Until its hello succeeds a connection may send
+	// only small frames, one request at a time. No connection may send
+	// descriptors, whatever the descriptor fields say: no request takes
+	// any, and closing one can wait on whoever sent it (a TCP socket set
+	// to linger). The kernel refuses them at the sender where it can
+	// (Linux 6.16 on, see ipc.ListenNoFiles); elsewhere they are dropped
+	// on arrival. The counters of Stats say how often each limit tripped.
 	Limits ipc.Limits
 	// ReplyTimeout bounds how long a reply or a push waits for room in a
 	// secondary's receive queue: one that takes nothing for that long is

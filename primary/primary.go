@@ -278,14 +278,21 @@ func (p *Primary) start() error {
 		return err
 	}
 	sock := filepath.Join(p.dir, ipc.SocketName)
-	ln, err := ipc.Listen(sock)
+	// No request of the primary takes a descriptor: none is let in,
+	// which the kernel enforces where it can (see Config.Limits).
+	ln, err := ipc.ListenNoFiles(sock)
 	if err != nil {
 		return err
 	}
+	if !ln.RefusesFiles() {
+		p.log.Debug("this kernel cannot refuse descriptors sent to the primary (SO_PASSRIGHTS, Linux 6.16); they are dropped on arrival")
+	}
+	limits := c.Limits
+	limits.MaxFilesPerMessage, limits.MaxFilesPerPeer = -1, -1
 	// Until a secondary's hello succeeds, its connection is a stranger's
 	// (see Config.Limits).
 	p.server, err = ipc.NewServer(ipc.ServerConfig{Listener: ln, Handler: (*handler)(p), Logger: p.log,
-		AllowUIDs: c.AllowUIDs, Spin: c.Spin, HelloKind: ipc.KindHello, Limits: c.Limits,
+		AllowUIDs: c.AllowUIDs, Spin: c.Spin, HelloKind: ipc.KindHello, Limits: limits,
 		WriteTimeout: c.ReplyTimeout, Inline: inlineKinds})
 	if err != nil {
 		ln.Close()

@@ -150,10 +150,17 @@ func TestAbuse(t *testing.T) {
 			}()
 			return talk(sockPath, fs, followUp, f)
 		}
-		// Files with a request that takes none are closed after it.
+		// The primary takes no descriptors: the kernel refuses them at the
+		// sender where it can; elsewhere they are closed on arrival, and
+		// a request with them is answered, or refused, as below.
+		refuses := testenv.KernelRefusesRights()
 		out, err := send(sock.MaxFiles, frame(t, 8, ipc.KindStats, &ipc.StatsRequest{}, sock.MaxFiles), true)
-		require.NoError(t, err)
-		assert.Equal(t, answered, out, "files with a stats request")
+		if refuses {
+			assert.ErrorIs(t, err, syscall.EPERM, "files with a stats request")
+		} else {
+			require.NoError(t, err)
+			assert.Equal(t, answered, out, "files with a stats request")
+		}
 		for name, c := range map[string]struct {
 			declared, sent int
 			body           any
@@ -165,6 +172,10 @@ func TestAbuse(t *testing.T) {
 			"with a malformed body": {1, 1, "not a stats request"},
 		} {
 			_, err := send(c.sent, frame(t, 9, ipc.KindStats, c.body, c.declared), false)
+			if refuses && c.sent > 0 {
+				assert.ErrorIs(t, err, syscall.EPERM, "%s: the kernel refuses them", name)
+				continue
+			}
 			assert.NoError(t, err, "%s: the primary hangs up", name)
 		}
 		// The primary lives in this process: every descriptor it received
@@ -236,6 +247,15 @@ func TestAbuse(t *testing.T) {
 		// One message's descriptors are open between their arrival and
 		// their closing; nothing before the hello keeps any.
 		assert.LessOrEqual(t, most, before+sock.MaxFiles+4)
+		if testenv.KernelRefusesRights() {
+			// None arrives: the first send fails, and the connection
+			// is whole.
+			require.NotNil(t, r.Err, "the kernel refuses descriptors sent to the primary")
+			assert.Contains(t, r.Err.Text, sock.ErrRightsRefused.Error())
+			assert.Zero(t, r.Sent)
+			assert.Equal(t, start.IPCRefusedFiles, p.Stats().Counters.IPCRefusedFiles, "none came to refuse")
+			return
+		}
 		require.Eventually(t, func() bool {
 			c := p.Stats().Counters
 			return c.IPCQueueOverflows+c.IPCWriteTimeouts > start.IPCQueueOverflows+start.IPCWriteTimeouts
