@@ -380,6 +380,18 @@ func TestCallTimeout(t *testing.T) {
 // the call lane the server hands over, both closed with the test.
 func rawLane(t *testing.T, s *testServer) (*sock.Conn, *sock.Blocking) {
 	t.Helper()
+	c, f := rawHello(t, s)
+	lane, err := sock.NewBlocking(f, false)
+	require.NoError(t, err)
+	t.Cleanup(func() { lane.Close() })
+	return c, lane
+}
+
+// rawHello dials s, says hello on a bare connection and returns it,
+// closed with the test, with the lane's socket the server hands over
+// (the caller's to close) once the hello's answer has come.
+func rawHello(t *testing.T, s *testServer) (*sock.Conn, *os.File) {
+	t.Helper()
 	c, err := sock.Dial(ctxBound(t), s.path)
 	require.NoError(t, err)
 	t.Cleanup(func() { c.Close() })
@@ -394,15 +406,15 @@ func rawLane(t *testing.T, s *testServer) (*sock.Conn, *sock.Blocking) {
 	require.NoError(t, err)
 	require.Equal(t, ipc.KindChannel, f.Kind, "the lane comes before the hello's answer")
 	require.Len(t, files, 1)
-	lane, err := sock.NewBlocking(files[0], false)
-	require.NoError(t, err)
-	t.Cleanup(func() { lane.Close() })
 	n, _, err = c.Recv(buf)
+	if err != nil {
+		files[0].Close()
+	}
 	require.NoError(t, err)
 	f, err = ipc.ParseFrame(buf[:n])
 	require.NoError(t, err)
 	require.Equal(t, ipc.KindReply, f.Kind, "the hello's answer")
-	return c, lane
+	return c, files[0]
 }
 
 // A call on the lane to a server in another process allocates nothing in

@@ -119,28 +119,10 @@ func TestServerWithoutFilesHasTheKernelRefuseThem(t *testing.T) {
 // the test, for sending what a sock.Blocking would not.
 func rawLaneFD(t *testing.T, s *testServer) (*sock.Conn, int) {
 	t.Helper()
-	c, err := sock.Dial(ctxBound(t), s.path)
+	c, f := rawHello(t, s)
+	defer f.Close()
+	lane, err := unix.Dup(int(f.Fd()))
 	require.NoError(t, err)
-	t.Cleanup(func() { c.Close() })
-	b, err := ipc.AppendFrame(nil, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"})
-	require.NoError(t, err)
-	require.NoError(t, c.Send(b, nil))
-	buf := make([]byte, ipc.MaxMessage)
-	require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
-	var lane int
-	for i := range 2 { // the lane, then the hello's answer
-		n, files, err := c.Recv(buf)
-		require.NoError(t, err)
-		f, err := ipc.ParseFrame(buf[:n])
-		require.NoError(t, err)
-		if i == 0 {
-			require.Equal(t, ipc.KindChannel, f.Kind, "the lane comes before the hello's answer")
-			require.Len(t, files, 1)
-			lane, err = unix.Dup(int(files[0].Fd()))
-			require.NoError(t, err)
-			files[0].Close()
-			t.Cleanup(func() { unix.Close(lane) })
-		}
-	}
+	t.Cleanup(func() { unix.Close(lane) })
 	return c, lane
 }
