@@ -15,6 +15,7 @@ import (
 
 	"github.com/mpmr/mpmr/internal/sys/falloc"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
+	"github.com/mpmr/mpmr/internal/sys/owner"
 	"github.com/mpmr/mpmr/internal/sys/vm"
 	"github.com/mpmr/mpmr/shm"
 )
@@ -431,7 +432,11 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 		m.lists = append(m.lists, l)
 		f, err := os.OpenFile(s.path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		if errors.Is(err, os.ErrExist) {
-			return fail(fmt.Errorf("%w: backing file %s (left by an instance that ended? see RemoveFiles)", ErrExists, s.path))
+			why := "left by an instance that ended? see RemoveFiles"
+			if who := owner.Foreign(s.path); who != "" {
+				why = who + ": not an instance's file"
+			}
+			return fail(fmt.Errorf("%w: backing file %s (%s)", ErrExists, s.path, why))
 		}
 		if err != nil {
 			return fail(err)

@@ -305,7 +305,15 @@ func TestCreateRefusesWhatExists(t *testing.T) {
 	require.ErrorIs(t, err, hugetlb.ErrExists)
 	assert.Contains(t, err.Error(), stale)
 	assert.FileExists(t, stale, "someone else's file is left alone")
+	assert.NotContains(t, err.Error(), "not an instance's", "this user's own file")
 	require.NoError(t, hugetlb.RemoveFiles(b.Dir, other.prefix))
+
+	// Something that is no instance's file is named as such.
+	require.NoError(t, unix.Mkfifo(stale, 0o600))
+	_, err = hugetlb.Create(other.seg, cfg)
+	require.ErrorIs(t, err, hugetlb.ErrExists)
+	assert.ErrorContains(t, err, fmt.Sprintf("a FIFO of uid %d: not an instance's file", os.Geteuid()))
+	require.NoError(t, os.Remove(stale))
 	m, err := hugetlb.Create(other.seg, cfg)
 	require.NoError(t, err)
 	require.NoError(t, m.Close())

@@ -10,6 +10,7 @@ import (
 	"unsafe"
 
 	"github.com/mpmr/mpmr/internal/sys/falloc"
+	"github.com/mpmr/mpmr/internal/sys/owner"
 	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
@@ -147,6 +148,9 @@ func Create(o Options) (_ *Segment, err error) {
 	}
 	f, err := os.OpenFile(o.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if errors.Is(err, os.ErrExist) {
+		if who := owner.Foreign(o.Path); who != "" {
+			return nil, fmt.Errorf("%w: %s (%s: not an instance's file)", ErrExists, o.Path, who)
+		}
 		return nil, fmt.Errorf("%w: %s", ErrExists, o.Path)
 	}
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
+	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
@@ -44,6 +46,15 @@ func TestCreateRefusesExistingFile(t *testing.T) {
 	_, o := newSegment(t, testenv.Tmpfs(t))
 	_, err := shm.Create(o)
 	assert.ErrorIs(t, err, shm.ErrExists)
+	assert.NotContains(t, err.Error(), "not an instance's", "this user's own file")
+
+	// What another user, or something else, put there is named as such,
+	// not taken for an instance's leftover.
+	o.Path = filepath.Join(t.TempDir(), "planted")
+	require.NoError(t, unix.Mkfifo(o.Path, 0o666))
+	_, err = shm.Create(o)
+	assert.ErrorIs(t, err, shm.ErrExists)
+	assert.ErrorContains(t, err, "a FIFO of uid "+strconv.Itoa(os.Geteuid())+": not an instance's file")
 }
 
 func TestGrowKeepsMappingsAndContent(t *testing.T) {
