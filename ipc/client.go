@@ -207,18 +207,18 @@ func (c *Client) incoming(f Frame, files []*os.File) error {
 		return c.takeLane(f, files)
 	}
 	if !f.Kind.IsPush() {
-		closeFiles(files)
+		dropFiles(files)
 		return fmt.Errorf("%w: %s from the server", ErrUnknownKind, f.Kind)
 	}
 	c.pmu.Lock()
 	if c.pushesDone {
 		c.pmu.Unlock()
-		closeFiles(files)
+		dropFiles(files)
 		return nil // the connection has ended: nobody handles it
 	}
 	if len(c.pushes) >= maxPushQueue {
 		c.pmu.Unlock()
-		closeFiles(files)
+		dropFiles(files)
 		return fmt.Errorf("%w: %d pushes waiting", ErrBacklog, len(c.pushes))
 	}
 	c.pushes = append(c.pushes, message{id: f.ID, kind: f.Kind, body: bytes.Clone(f.Body), files: files})
@@ -250,7 +250,7 @@ func (c *Client) pushLoop() {
 		case <-c.done:
 			c.pmu.Lock()
 			for _, m := range c.pushes {
-				closeFiles(m.files)
+				dropFiles(m.files)
 			}
 			c.pushes, c.pushesDone = nil, true
 			c.pmu.Unlock()
@@ -276,7 +276,7 @@ func (c *Client) nextPush() (message, bool) {
 func (c *Client) handlePush(m message) {
 	select {
 	case <-c.done: // ended: nobody to acknowledge
-		closeFiles(m.files)
+		dropFiles(m.files)
 		return
 	default:
 	}
@@ -311,11 +311,11 @@ func (c *Client) handlePush(m message) {
 // protocol.
 func (c *Client) takeLane(f Frame, files []*os.File) error {
 	if f.ID != 0 || len(files) != 1 {
-		closeFiles(files)
+		dropFiles(files)
 		return fmt.Errorf("%w: channel frame with id %d and %d descriptors", ErrMalformed, f.ID, len(files))
 	}
 	if err := Unmarshal(f.Body, &Channel{}); err != nil {
-		closeFiles(files)
+		dropFiles(files)
 		return fmt.Errorf("channel: %w", err)
 	}
 	l, err := sock.NewBlocking(files[0], true)
@@ -555,7 +555,7 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		}
 		f, err := laneAnswer(c.laneBuf[:n], files)
 		if err != nil {
-			closeFiles(files)
+			dropFiles(files)
 			c.fail(err)
 			return nil, false
 		}
@@ -565,7 +565,7 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			continue
 		}
 		if c.take(cl.id) == nil {
-			closeFiles(files)
+			dropFiles(files)
 			return nil, false
 		}
 		return decodeAnswer(f, files, cl.reply), true
@@ -625,7 +625,7 @@ func (c *Client) deliverLane(f Frame, files []*os.File) {
 		cl.ch <- decodeAnswer(f, files, cl.reply)
 		return
 	}
-	closeFiles(files)
+	dropFiles(files)
 	c.mu.Lock()
 	if c.owed > 0 {
 		c.owed--
@@ -674,7 +674,7 @@ func (c *Client) drain(l *sock.Blocking, d *call) {
 		}
 		f, err := laneAnswer(c.laneBuf[:n], files)
 		if err != nil {
-			closeFiles(files)
+			dropFiles(files)
 			c.fail(err)
 			return
 		}

@@ -72,15 +72,13 @@ func (d *Decoder) Files() []*os.File {
 }
 
 func (d *Decoder) release() {
-	closeFiles(d.files)
+	dropFiles(d.files)
 	d.files = nil
 }
 
-func closeFiles(files []*os.File) {
-	for _, f := range files {
-		f.Close()
-	}
-}
+// dropFiles closes descriptors that came from the peer and nobody takes;
+// see sock.Drop.
+func dropFiles(files []*os.File) { sock.Drop(files) }
 
 // message is a received request or push waiting for its handler. Its body
 // is a copy: the receive buffer is reused for the next frame. A request
@@ -264,7 +262,9 @@ func encodeFrame(id uint64, kind Kind, body any) (frame, error) {
 // asked to close once sent.
 func (f *frame) release() {
 	if f.closeAfter {
-		closeFiles(f.files)
+		for _, file := range f.files {
+			file.Close()
+		}
 	}
 	if f.b != nil && cap(f.b) <= 2*MaxMessage {
 		*f.buf = f.b[:0]
@@ -543,7 +543,7 @@ func (e *endpoint) readLoop(incoming func(Frame, []*os.File) error) error {
 			err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
 		}
 		if err != nil {
-			closeFiles(files)
+			dropFiles(files)
 			return err
 		}
 		if f.Kind == KindReply || f.Kind == KindError {
@@ -562,7 +562,7 @@ func (e *endpoint) readLoop(incoming func(Frame, []*os.File) error) error {
 // the peer saying why it drops the connection.
 func (e *endpoint) deliver(f Frame, files []*os.File) error {
 	if f.ID == 0 {
-		closeFiles(files)
+		dropFiles(files)
 		var r ErrorReply
 		if f.Kind != KindError || Unmarshal(f.Body, &r) != nil {
 			return fmt.Errorf("%w: %s frame with id 0", ErrMalformed, f.Kind)
@@ -571,7 +571,7 @@ func (e *endpoint) deliver(f Frame, files []*os.File) error {
 	}
 	c := e.take(f.ID)
 	if c == nil {
-		closeFiles(files)
+		dropFiles(files)
 		e.log.Debug("ipc: dropped an answer nobody waits for", "id", f.ID, "kind", f.Kind)
 		return nil
 	}
@@ -585,7 +585,7 @@ func decodeAnswer(f Frame, files []*os.File, reply any) error {
 	if f.Kind != KindError {
 		return decodeReply(f.Body, files, reply)
 	}
-	closeFiles(files)
+	dropFiles(files)
 	var r ErrorReply
 	err := Unmarshal(f.Body, &r)
 	if err == nil {
@@ -599,7 +599,7 @@ func decodeAnswer(f Frame, files []*os.File, reply any) error {
 func decodeReply(body []byte, files []*os.File, reply any) error {
 	w, ok := reply.(*WithFiles)
 	if !ok {
-		closeFiles(files)
+		dropFiles(files)
 		if reply == nil {
 			return nil
 		}
@@ -607,7 +607,7 @@ func decodeReply(body []byte, files []*os.File, reply any) error {
 	}
 	if w.Body != nil {
 		if err := Unmarshal(body, w.Body); err != nil {
-			closeFiles(files)
+			dropFiles(files)
 			return err
 		}
 	}

@@ -40,21 +40,38 @@ func statsFrame(t *testing.T, files int) []byte {
 // must not wait on its sender: the last close of a TCP socket set to
 // linger waits for the data it could not send, for as long as the linger
 // says. A socket dropped so is reset instead (its peer reads ECONNRESET,
-// not the end of the data), and the server's Close returns while the
-// sender holds on.
+// not the end of the data), whichever way it came: with a request before
+// the hello, on a frame that declares no descriptors, or on an answer
+// nobody asked for. And the server's Close returns while the sender holds
+// on.
 func TestDroppedSocketsCloseAtOnce(t *testing.T) {
 	s := startServer(t, newHandler(), withHello) // takes descriptors, after the hello
-	c, err := sock.Dial(ctxBound(t), s.path)
-	require.NoError(t, err)
-	t.Cleanup(func() { c.Close() })
-	sender, peer := lingering(t)
-	// Before its hello, a peer's descriptors are dropped on arrival.
-	require.NoError(t, c.Send(statsFrame(t, 1), []*os.File{sender}))
-	require.NoError(t, sender.Close())
-	assert.ErrorIs(t, testenv.ReadUntilEnd(peer, bound), unix.ECONNRESET,
-		"the server reset the socket it dropped, instead of waiting for its data to go")
-	_, err = testenv.Bounded(t, "the server's Close", bound, s.Close)
+	for name, frame := range map[string][]byte{
+		"a request before the hello": statsFrame(t, 1),
+		"a frame that declares none": statsFrame(t, 0),
+		"a stray answer":             replyFrame(t, 99, 1),
+	} {
+		t.Run(name, func(t *testing.T) {
+			c, err := sock.Dial(ctxBound(t), s.path)
+			require.NoError(t, err)
+			t.Cleanup(func() { c.Close() })
+			sender, peer := lingering(t)
+			require.NoError(t, c.Send(frame, []*os.File{sender}))
+			require.NoError(t, sender.Close())
+			assert.ErrorIs(t, testenv.ReadUntilEnd(peer, bound), unix.ECONNRESET,
+				"the server reset the socket it dropped, instead of waiting for its data to go")
+		})
+	}
+	_, err := testenv.Bounded(t, "the server's Close", bound, s.Close)
 	assert.NoError(t, err)
+}
+
+// replyFrame is a reply to call id declaring files descriptors.
+func replyFrame(t *testing.T, id uint64, files int) []byte {
+	t.Helper()
+	b, err := ipc.AppendFrame(nil, id, ipc.KindReply, files, &ipc.StatsReply{})
+	require.NoError(t, err)
+	return b
 }
 
 // A server that takes no descriptors (ListenNoFiles, MaxFilesPerMessage

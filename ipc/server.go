@@ -430,7 +430,7 @@ func refuse(c *Conn, err error) {
 	buf := make([]byte, 512)
 	for {
 		_, files, err := c.recv(buf)
-		sock.Drop(files)
+		dropFiles(files)
 		if err != nil && !errors.Is(err, ErrTooLarge) && !errors.Is(err, ErrMalformed) {
 			return
 		}
@@ -691,7 +691,7 @@ func (p *Peer) incoming(f Frame, files []*os.File) error {
 // checked here, before any handler sees the request.
 func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline bool, err error) {
 	if !f.Kind.IsRequest() {
-		sock.Drop(files)
+		dropFiles(files)
 		return false, fmt.Errorf("%w: %s from a client", ErrUnknownKind, f.Kind)
 	}
 	m := message{id: f.ID, kind: f.Kind, lane: lane}
@@ -702,7 +702,7 @@ func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline b
 	p.qmu.Lock()
 	if p.overdue {
 		p.qmu.Unlock()
-		sock.Drop(files)
+		dropFiles(files)
 		return false, nil // the connection is closing for an overdue hello
 	}
 	if f.Kind == p.srv.cfg.HelloKind && !p.admitted.Load() {
@@ -715,7 +715,7 @@ func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline b
 	if len(files) > 0 {
 		strip, err := p.checkFiles(f.Kind, len(files))
 		if strip || err != nil {
-			sock.Drop(files) // at once: they must not pile up
+			dropFiles(files) // at once: they must not pile up
 			m.refused = err
 		} else {
 			m.files = files
@@ -755,7 +755,7 @@ func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline b
 			p.hellos--
 		}
 		p.qmu.Unlock()
-		sock.Drop(m.files)
+		dropFiles(m.files)
 		return false, fmt.Errorf("%w: %d waiting", ErrBacklog, waiting)
 	}
 	p.backlog = append(p.backlog, m)
@@ -794,7 +794,7 @@ func (p *Peer) doneWith(m message) {
 // A cancellation is an empty Cancel and brings no descriptors.
 func (p *Peer) cancelCall(f Frame, files []*os.File) error {
 	if len(files) > 0 {
-		sock.Drop(files)
+		dropFiles(files)
 		return fmt.Errorf("%w: %s frame with %d descriptors", ErrMalformed, f.Kind, len(files))
 	}
 	if err := Unmarshal(f.Body, &Cancel{}); err != nil {
@@ -833,7 +833,7 @@ func (p *Peer) handle(m message) {
 	// Gone, or going (its error is set a moment before its context
 	// ends): nobody to answer, and a hello must not admit it.
 	if p.Err() != nil {
-		sock.Drop(m.files)
+		dropFiles(m.files)
 		p.releaseFiles(len(m.files), m.hello)
 		return
 	}
@@ -952,7 +952,7 @@ func (p *Peer) serveLane(l *sock.Blocking) {
 		inline := false
 		switch {
 		case err != nil:
-			sock.Drop(files)
+			dropFiles(files)
 		case f.Kind == KindCancel:
 			err = p.cancelCall(f, files)
 		default:
