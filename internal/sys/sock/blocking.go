@@ -74,6 +74,8 @@ type Blocking struct {
 	// into when the caller's is empty. They too belong to the receiver.
 	expect int
 	one    [1]byte
+	// seeAll has every receive use recvmsg (ReceiveAllRights).
+	seeAll bool
 	// owed counts the notices sent whose messages could not follow them
 	// (see send).
 	owed atomic.Int64
@@ -100,6 +102,15 @@ func (c *Blocking) RefuseRights() bool {
 	defer c.mu.RUnlock()
 	return !c.closed.Load() && refuseOn(c.fd)
 }
+
+// ReceiveAllRights has every receive on c make room for descriptors,
+// announced or not (recvmsg, where a receive with no descriptor announced
+// is a cheaper recvfrom): a message's descriptors then always come to the
+// caller, to take or to drop (Drop), and the kernel never closes them
+// inside the receive, where nothing can make them safe to close first.
+// For a connection whose peer may send descriptors unasked and that does
+// not refuse them (RefuseRights). Call it before the first receive.
+func (c *Blocking) ReceiveAllRights() { c.seeAll = true }
 
 // NewBlocking takes over f, a unix SOCK_SEQPACKET socket (as received from
 // a peer), and closes f. With wakeable set, Wake can end its waits.
@@ -154,7 +165,7 @@ func NewBlocking(f *os.File, wakeable bool) (*Blocking, error) {
 }
 
 func newBlocking(fd, wake int) *Blocking {
-	return &Blocking{fd: fd, wake: wake, oob: make([]byte, unix.CmsgSpace(MaxFiles*4))}
+	return &Blocking{fd: fd, wake: wake, oob: make([]byte, oobSize)}
 }
 
 // Send sends b as one message, with files' descriptors attached, as
@@ -341,7 +352,9 @@ var errNoticed = errors.New("sock: notice of files")
 // notice is pending: then recvmsg, with room for the descriptors. A
 // message with descriptors that recvfrom receives (a peer that wrote it
 // without its notice) has them closed by the kernel: none is installed
-// here, and none leaks. The count of pending notices only ever errs high,
+// here, and none leaks, but that close happens inside the receive, where
+// nothing can make it safe (see Drop); ReceiveAllRights has every receive
+// use recvmsg instead. The count of pending notices only ever errs high,
 // towards receiving with recvmsg, so descriptors sent through Send, from
 // however many senders, always find room.
 func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error) {
@@ -351,11 +364,11 @@ func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error)
 	}
 	// With MSG_TRUNC, n is the message's whole length.
 	rights := false
-	if c.expect > 0 {
+	if c.expect > 0 || c.seeAll {
 		n, oobn, rflags, err = recvmsg(c.fd, p, c.oob, flags|unix.MSG_TRUNC|unix.MSG_CMSG_CLOEXEC)
 		// Other control messages (credentials, a pidfd, a timestamp: what
 		// options whoever holds the socket set ask for) are no descriptors.
-		if rights = err == nil && oobn > 0 && carriesRights(c.oob[:oobn]); rights {
+		if rights = err == nil && oobn > 0 && carriesRights(c.oob[:oobn]); rights && c.expect > 0 {
 			c.expect--
 		}
 	} else {
@@ -522,6 +535,7 @@ func (c *Blocking) Close() error {
 		_ = unix.Shutdown(c.fd, unix.SHUT_RDWR)
 		c.mu.Lock()
 		defer c.mu.Unlock()
+		discard(c.fd, 0) // what the peer sent and nobody read, descriptors included
 		if err := unix.Close(c.fd); err != nil {
 			c.err = fmt.Errorf("sock: close: %w", err)
 		}

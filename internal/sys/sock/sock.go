@@ -34,6 +34,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -205,14 +206,15 @@ func Pair() (*Conn, *Conn, error) {
 // goroutines at once (each message goes out whole); Recv must be called
 // from one goroutine at a time, since it reuses a control buffer.
 type Conn struct {
-	c   *net.UnixConn
-	rc  syscall.RawConn // for SpinReadable; nil if unavailable
-	oob []byte          // control-message buffer of Recv
+	c       *net.UnixConn
+	rc      syscall.RawConn // for SpinReadable; nil if unavailable
+	oob     []byte          // control-message buffer of Recv
+	closing atomic.Bool     // Close has begun: the end a Recv sees is ours
 }
 
 func newConn(c *net.UnixConn) *Conn {
 	rc, _ := c.SyscallConn()
-	return &Conn{c: c, rc: rc, oob: make([]byte, unix.CmsgSpace(MaxFiles*4))}
+	return &Conn{c: c, rc: rc, oob: make([]byte, oobSize)}
 }
 
 // rights is the control message that passes files' descriptors (none for
@@ -314,7 +316,12 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 // with ErrTooManyFiles; either way its descriptors are closed.
 func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
 	n, oobn, flags, _, err := c.c.ReadMsgUnix(b, c.oob)
-	return received(n, len(b), c.oob[:max(oobn, 0)], flags, err)
+	n, files, err := received(n, len(b), c.oob[:max(oobn, 0)], flags, err)
+	if c.closing.Load() && (err != nil || n == 0 && len(files) == 0) {
+		Drop(files)
+		return 0, nil, errBlockingClosed // Close shut the socket down: not the peer's end
+	}
+	return n, files, err
 }
 
 // received turns what recvmsg returned into Recv's results: the files
@@ -332,7 +339,7 @@ func received(n, size int, oob []byte, flags int, err error) (int, []*os.File, e
 	}
 	switch {
 	case err != nil:
-	case flags&unix.MSG_CTRUNC != 0:
+	case flags&unix.MSG_CTRUNC != 0 || len(files) > MaxFiles:
 		err = ErrTooManyFiles
 	case flags&unix.MSG_TRUNC != 0:
 		err = fmt.Errorf("%w: longer than %d bytes", ErrTruncated, size)
@@ -411,21 +418,74 @@ func carriesRights(oob []byte) bool {
 // Drop closes descriptors a peer sent and this process refuses. A socket
 // among them is made to close at once first (SO_LINGER on, zero: a TCP
 // connection is reset, its unsent data discarded), so that the close does
-// not wait on a linger its sender set. Other kinds close as usual: one
-// whose close waits on its sender (a file on a FUSE mount the sender
-// serves) is kept out only by refusing descriptors (Listen).
-func Drop(files []*os.File) {
+// not wait on a linger its sender set; a unix socket has what is queued on
+// it dropped so too (see discard), a few sockets deep. Other kinds close
+// as usual: one whose close waits on its sender (a file on a FUSE mount
+// the sender serves) is kept out only by refusing descriptors (Listen).
+func Drop(files []*os.File) { drop(files, 0) }
+
+// maxDropDepth bounds how many unix sockets deep Drop looks: a socket
+// queued on a socket queued on one that was sent.
+const maxDropDepth = 4
+
+func drop(files []*os.File, depth int) {
 	for _, f := range files {
 		if rc, err := f.SyscallConn(); err == nil {
-			_ = rc.Control(func(fd uintptr) {
-				if _, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TYPE); err == nil {
-					_ = unix.SetsockoptLinger(int(fd), unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
-				}
-			})
+			_ = rc.Control(func(fd uintptr) { disarm(int(fd), depth) })
 		}
 		f.Close()
 	}
 }
+
+// disarm makes socket fd safe to close: no linger, and nothing queued on
+// it that its close would close. Anything but a socket is left alone.
+func disarm(fd, depth int) {
+	domain, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
+	if err != nil {
+		return // not a socket
+	}
+	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
+	if domain == unix.AF_UNIX && depth < maxDropDepth {
+		discard(fd, depth+1)
+	}
+}
+
+// maxDiscard bounds the messages discard reads off one socket.
+const maxDiscard = 1 << 12
+
+// discard drops the messages queued, unread, on unix socket fd, with
+// their descriptors (through drop, at depth): closing the socket with
+// them still queued would close them inside that close, with no chance to
+// make them safe first. The socket is shut down for reading, so that its
+// peer can add nothing more (its sends fail), and then read without
+// waiting.
+func discard(fd, depth int) {
+	_ = unix.Shutdown(fd, unix.SHUT_RD)
+	var one [1]byte
+	oob := make([]byte, oobSize)
+	for range maxDiscard {
+		n, oobn, _, _, err := unix.Recvmsg(fd, one[:], oob, unix.MSG_DONTWAIT|unix.MSG_CMSG_CLOEXEC|unix.MSG_TRUNC)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil || n == 0 && oobn == 0 {
+			return // nothing more (EAGAIN), or the end
+		}
+		if oobn > 0 {
+			files, _ := parseRights(oob[:oobn])
+			drop(files, depth)
+		}
+	}
+}
+
+// oobSize is the room a receive gives control messages: the most
+// descriptors one message can carry (the kernel's SCM_MAX_FD), and the
+// credentials and pidfd whoever holds the socket may ask for. With less,
+// the kernel would close the descriptors that do not fit inside the
+// receive, where they cannot be made safe to close first (see Drop).
+var oobSize = unix.CmsgSpace(scmMaxFD*4) + unix.CmsgSpace(unix.SizeofUcred) + unix.CmsgSpace(4)
+
+const scmMaxFD = 253
 
 // PeerCred returns the peer's credentials (SO_PEERCRED).
 func (c *Conn) PeerCred() (Cred, error) {
@@ -528,6 +588,11 @@ func (c *Conn) SetWriteDeadline(t time.Time) error { return c.c.SetWriteDeadline
 // Close closes the connection; a blocked Recv or Send returns an error that
 // satisfies errors.Is(err, net.ErrClosed). It is idempotent.
 func (c *Conn) Close() error {
+	if c.rc != nil && !c.closing.Swap(true) {
+		// What the peer sent and nobody read, descriptors included: a
+		// close with them queued would close them inside it.
+		_ = c.rc.Control(func(fd uintptr) { discard(int(fd), 0) })
+	}
 	err := c.c.Close()
 	if errors.Is(err, net.ErrClosed) {
 		return nil
