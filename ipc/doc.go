@@ -97,8 +97,8 @@
 // plus one ppoll on the client (the eventfd) when the call can be
 // cancelled, and no other system call or wake-up: the C floor's shape
 // and calls. (A frame with descriptors goes after a one-byte notice, and
-// is received with recvmsg; descriptors that come without a notice are
-// closed by the kernel, see sock.Blocking.) The price is a thread per
+// is received with recvmsg; see sock.Blocking for descriptors that come
+// without a notice.) The price is a thread per
 // goroutine blocked on a lane: one per admitted peer in the server, one
 // per waiting caller's reader in the client. A frame that finds no room
 // in the peer's queue does not cost a thread: the frames that wait for
@@ -129,10 +129,12 @@
 // should listen with ListenNoFiles: the kernel then refuses them at the
 // sender, on the connections and the lanes, and a client's call that
 // carries some fails with ErrFilesRefused, its connection whole. Closing
-// a descriptor can wait on whoever sent it in ways no drop can prevent (a
-// file on a FUSE mount the sender serves; a socket left unread in the
-// queue of a socket being closed), so only refusal keeps a server's
-// threads, and its Close, from waiting on its peers.
+// a descriptor can wait on whoever sent it in a way no drop can prevent (a
+// file on a FUSE mount the sender serves), so only refusal keeps a
+// server's threads, and its Close, from waiting on its peers. Where the
+// kernel cannot refuse them, a server's call lanes receive every
+// descriptor a peer sends, announced or not (sock.Blocking's
+// ReceiveAllRights), so that none is closed inside the receive.
 //
 // Every wait has the caller's context as its bound, and none outlives the
 // connection: when it ends, every pending and later call fails at once with

@@ -66,6 +66,24 @@ func TestDroppedSocketsCloseAtOnce(t *testing.T) {
 	assert.NoError(t, err)
 }
 
+// A descriptor sent on a call lane without the notice that announces one
+// is received and dropped like any other the server does not take, where
+// the lane does not refuse it (a server that takes descriptors, or a
+// kernel that cannot refuse them): the kernel no longer closes it inside
+// the lane thread's receive, where it lingered.
+func TestUnannouncedDescriptorOnTheLaneIsDropped(t *testing.T) {
+	s := startServer(t, newHandler(), withHello) // takes descriptors: its lanes do not refuse them
+	_, lane := rawLaneFD(t, s)
+	sender, peer := lingering(t)
+	_, err := unix.SendmsgN(lane, statsFrame(t, 1), unix.UnixRights(int(sender.Fd())), nil, 0)
+	require.NoError(t, err)
+	require.NoError(t, sender.Close())
+	assert.ErrorIs(t, testenv.ReadUntilEnd(peer, bound), unix.ECONNRESET,
+		"the server reset the socket it dropped, instead of waiting for its data to go")
+	_, err = testenv.Bounded(t, "the server's Close", bound, s.Close)
+	assert.NoError(t, err)
+}
+
 // replyFrame is a reply to call id declaring files descriptors.
 func replyFrame(t *testing.T, id uint64, files int) []byte {
 	t.Helper()

@@ -909,11 +909,13 @@ func (p *Peer) openLane() {
 		p.srv.log.Warn("ipc: no call lane for a peer; it is served on its connection", "peer", p.id, "err", err)
 		return
 	}
-	if p.srv.lim.MaxFilesPerMessage == 0 || p.srv.cfg.Listener.RefusesFiles() {
-		// As its listener (ListenNoFiles) where the kernel can: a
-		// descriptor sent on the lane without its notice would be
-		// closed by the kernel in the lane's receive, on its thread.
-		l.RefuseRights()
+	// A descriptor sent on the lane without its notice would be closed
+	// by the kernel inside the lane's receive, on its thread: refused as
+	// by the listener (ListenNoFiles) where the kernel can, else taken in
+	// by every receive and dropped like any other that comes unasked.
+	noFiles := p.srv.lim.MaxFilesPerMessage == 0 || p.srv.cfg.Listener.RefusesFiles()
+	if refused := noFiles && l.RefuseRights(); !refused {
+		l.ReceiveAllRights()
 	}
 	if err := p.installLane(l); err != nil || p.lane.Load() != l {
 		f.Close() // the connection has ended
