@@ -15,19 +15,6 @@ import (
 	"github.com/mpmr/mpmr/ipc"
 )
 
-// lingering returns the sending end of a TCP connection whose last close
-// waits up to ten minutes, and its peer, both closed with the test.
-func lingering(t *testing.T) (sender, peer *os.File) {
-	t.Helper()
-	sender, peer, err := testenv.LingeringTCP(10 * time.Minute)
-	require.NoError(t, err)
-	// The peer first: it resets the connection, so that no close of the
-	// sender (the test's, or one still waiting elsewhere) waits.
-	t.Cleanup(func() { sender.Close() })
-	t.Cleanup(func() { peer.Close() })
-	return sender, peer
-}
-
 // statsFrame is a stats request declaring files descriptors.
 func statsFrame(t *testing.T, files int) []byte {
 	t.Helper()
@@ -55,7 +42,7 @@ func TestDroppedSocketsCloseAtOnce(t *testing.T) {
 			c, err := sock.Dial(ctxBound(t), s.path)
 			require.NoError(t, err)
 			t.Cleanup(func() { c.Close() })
-			sender, peer := lingering(t)
+			sender, peer := testenv.Lingering(t)
 			require.NoError(t, c.Send(frame, []*os.File{sender}))
 			require.NoError(t, sender.Close())
 			assert.ErrorIs(t, testenv.ReadUntilEnd(peer, bound), unix.ECONNRESET,
@@ -74,7 +61,7 @@ func TestDroppedSocketsCloseAtOnce(t *testing.T) {
 func TestUnannouncedDescriptorOnTheLaneIsDropped(t *testing.T) {
 	s := startServer(t, newHandler(), withHello) // takes descriptors: its lanes do not refuse them
 	_, lane := rawLaneFD(t, s)
-	sender, peer := lingering(t)
+	sender, peer := testenv.Lingering(t)
 	_, err := unix.SendmsgN(lane, statsFrame(t, 1), unix.UnixRights(int(sender.Fd())), nil, 0)
 	require.NoError(t, err)
 	require.NoError(t, sender.Close())
@@ -108,7 +95,7 @@ func TestServerWithoutFilesHasTheKernelRefuseThem(t *testing.T) {
 	require.True(t, l.RefusesFiles())
 	s := startServerOn(t, l, newHandler(), withHello, func(c *ipc.ServerConfig) { c.Limits.MaxFilesPerMessage = -1 })
 
-	sender, _ := lingering(t) // the test's to close: the server never has it
+	sender, _ := testenv.Lingering(t) // the test's to close: the server never has it
 	// Before the hello, on a connection not yet accepted, and after.
 	early, err := sock.Dial(ctxBound(t), s.path)
 	require.NoError(t, err)

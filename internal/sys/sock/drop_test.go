@@ -12,35 +12,11 @@ import (
 	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
-// lingering returns the sending end of a TCP connection whose last close
-// waits up to ten minutes, and its peer, both closed with the test (the
-// peer first: it resets the connection, so that no close waits then).
-func lingering(t *testing.T) (sender, peer *os.File) {
-	t.Helper()
-	sender, peer, err := testenv.LingeringTCP(10 * time.Minute)
-	require.NoError(t, err)
-	t.Cleanup(func() { sender.Close() })
-	t.Cleanup(func() { peer.Close() })
-	return sender, peer
-}
-
 // reset checks that the lingering socket whose peer is peer was reset,
 // not let to linger: its peer reads ECONNRESET after the data, not EOF.
 func reset(t *testing.T, peer *os.File, how string) {
 	t.Helper()
 	assert.ErrorIs(t, testenv.ReadUntilEnd(peer, 10*time.Second), unix.ECONNRESET, how)
-}
-
-// bounded runs fn, failing t if it does not return within 10 s.
-func bounded(t *testing.T, what string, fn func()) {
-	t.Helper()
-	done := make(chan struct{})
-	go func() { fn(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%s did not return within 10 s", what)
-	}
 }
 
 // sendRaw sends b with fds on c, bypassing Send's own limits.
@@ -62,7 +38,7 @@ func sendRaw(t *testing.T, c *Conn, b []byte, fds ...int) {
 func TestNoDescriptorIsClosedUnseen(t *testing.T) {
 	t.Run("more than MaxFiles in one message", func(t *testing.T) {
 		a, b := pair(t)
-		sender, peer := lingering(t)
+		sender, peer := testenv.Lingering(t)
 		var fds []int
 		for range MaxFiles {
 			fds = append(fds, int(os.Stdin.Fd()))
@@ -71,16 +47,16 @@ func TestNoDescriptorIsClosedUnseen(t *testing.T) {
 		sendRaw(t, a, []byte("x"), fds...)
 		require.NoError(t, sender.Close())
 		var err error
-		bounded(t, "Recv", func() { _, _, err = b.Recv(make([]byte, 8)) })
+		testenv.Bounded(t, "Recv", 10*time.Second, func() error { _, _, err = b.Recv(make([]byte, 8)); return nil })
 		assert.ErrorIs(t, err, ErrTooManyFiles)
 		reset(t, peer, "dropped, not closed inside the receive")
 	})
 	t.Run("queued on a connection being closed", func(t *testing.T) {
 		a, b := pair(t)
-		sender, peer := lingering(t)
+		sender, peer := testenv.Lingering(t)
 		sendRaw(t, a, []byte("x"), int(sender.Fd()))
 		require.NoError(t, sender.Close())
-		bounded(t, "Close", func() { b.Close() })
+		testenv.Bounded(t, "Close", 10*time.Second, b.Close)
 		reset(t, peer, "dropped, not closed inside the close")
 	})
 	t.Run("queued on a blocking connection being closed", func(t *testing.T) {
@@ -89,21 +65,21 @@ func TestNoDescriptorIsClosedUnseen(t *testing.T) {
 		other, err := NewBlocking(f, false)
 		require.NoError(t, err)
 		t.Cleanup(func() { other.Close(); l.Close() })
-		sender, peer := lingering(t)
+		sender, peer := testenv.Lingering(t)
 		require.NoError(t, other.Send([]byte("x"), []*os.File{sender}, time.Time{}))
 		require.NoError(t, sender.Close())
-		bounded(t, "Close", func() { l.Close() })
+		testenv.Bounded(t, "Close", 10*time.Second, l.Close)
 		reset(t, peer, "dropped, not closed inside the close")
 	})
 	t.Run("queued on a unix socket that is dropped", func(t *testing.T) {
 		carrier, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 		require.NoError(t, err)
-		sender, peer := lingering(t)
+		sender, peer := testenv.Lingering(t)
 		_, err = unix.SendmsgN(carrier[0], []byte("x"), unix.UnixRights(int(sender.Fd())), nil, 0)
 		require.NoError(t, err)
 		require.NoError(t, sender.Close())
 		unix.Close(carrier[0])
-		bounded(t, "Drop", func() { Drop([]*os.File{os.NewFile(uintptr(carrier[1]), "carrier")}) })
+		testenv.Bounded(t, "Drop", 10*time.Second, func() error { Drop([]*os.File{os.NewFile(uintptr(carrier[1]), "carrier")}); return nil })
 		reset(t, peer, "dropped, not closed inside the carrier's close")
 	})
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -86,6 +87,21 @@ func LingeringTCP(linger time.Duration) (sender, peer *os.File, err error) {
 		return fail(err)
 	}
 	return sender, peer, nil
+}
+
+// Lingering is LingeringTCP with a ten-minute linger for a test: both
+// ends are closed with it, the peer first, which resets the connection,
+// so that no close of the sender (the test's, or one still waiting
+// elsewhere) waits then.
+func Lingering(tb testing.TB) (sender, peer *os.File) {
+	tb.Helper()
+	sender, peer, err := LingeringTCP(10 * time.Minute)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { sender.Close() })
+	tb.Cleanup(func() { peer.Close() })
+	return sender, peer
 }
 
 // ReadUntilEnd reads peer until it ends, for at most limit, and returns
