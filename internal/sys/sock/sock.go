@@ -419,9 +419,12 @@ func carriesRights(oob []byte) bool {
 // among them is made to close at once first (SO_LINGER on, zero: a TCP
 // connection is reset, its unsent data discarded), so that the close does
 // not wait on a linger its sender set; a unix socket has what is queued on
-// it dropped so too (see discard), a few sockets deep. Other kinds close
-// as usual: one whose close waits on its sender (a file on a FUSE mount
-// the sender serves) is kept out only by refusing descriptors (Listen).
+// it, or waiting on it to be accepted, dropped so too (see discard), four
+// sockets deep and 4,096 messages or connections a socket. The sockets are
+// changed for whoever else holds them: shut down for reading, no linger.
+// Other kinds close as usual: one whose close waits on its sender (a file
+// on a FUSE mount the sender serves) is kept out only by refusing
+// descriptors (Listen), and so is a socket past those bounds.
 func Drop(files []*os.File) { drop(files, 0) }
 
 // maxDropDepth bounds how many unix sockets deep Drop looks: a socket
@@ -438,43 +441,72 @@ func drop(files []*os.File, depth int) {
 }
 
 // disarm makes socket fd safe to close: no linger, and nothing queued on
-// it that its close would close. Anything but a socket is left alone.
+// it, or waiting on it to be accepted, that its close would close.
+// Anything but a socket is left alone.
 func disarm(fd, depth int) {
 	domain, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
 	if err != nil {
 		return // not a socket
 	}
 	_ = unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1})
-	if domain == unix.AF_UNIX && depth < maxDropDepth {
-		discard(fd, depth+1)
+	if domain != unix.AF_UNIX || depth >= maxDropDepth {
+		return
 	}
+	if on, _ := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); on == 1 {
+		// Connections made and not accepted: each queues what its
+		// peer sent already. Accept has no flag not to wait.
+		if err := unix.SetNonblock(fd, true); err != nil {
+			return
+		}
+		for range maxDiscard {
+			c, _, err := unix.Accept4(fd, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+			if err == unix.EINTR || err == unix.ECONNABORTED {
+				continue
+			}
+			if err != nil {
+				return
+			}
+			disarm(c, depth+1)
+			unix.Close(c)
+		}
+		return
+	}
+	discard(fd, depth+1)
 }
 
-// maxDiscard bounds the messages discard reads off one socket.
+// maxDiscard bounds the messages discard reads off one socket, and the
+// connections disarm accepts on one.
 const maxDiscard = 1 << 12
 
 // discard drops the messages queued, unread, on unix socket fd, with
 // their descriptors (through drop, at depth): closing the socket with
 // them still queued would close them inside that close, with no chance to
 // make them safe first. The socket is shut down for reading, so that its
-// peer can add nothing more (its sends fail), and then read without
-// waiting.
+// peer can add nothing more (its sends fail), and asked for the sender's
+// credentials with each message (SO_PASSCRED), so that a message, even an
+// empty one, always comes with a control message and the end never does.
 func discard(fd, depth int) {
+	_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PASSCRED, 1)
 	_ = unix.Shutdown(fd, unix.SHUT_RD)
-	var one [1]byte
+	stream := false
+	if t, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err == nil && t == unix.SOCK_STREAM {
+		stream = true
+	}
+	buf := make([]byte, 1) // a record's first byte; MSG_TRUNC drops the rest
+	if stream {
+		buf = make([]byte, 64<<10) // bytes, not records: take them in bulk
+	}
 	oob := make([]byte, oobSize)
 	for range maxDiscard {
-		n, oobn, _, _, err := unix.Recvmsg(fd, one[:], oob, unix.MSG_DONTWAIT|unix.MSG_CMSG_CLOEXEC|unix.MSG_TRUNC)
+		n, oobn, _, _, err := unix.Recvmsg(fd, buf, oob, unix.MSG_DONTWAIT|unix.MSG_CMSG_CLOEXEC|unix.MSG_TRUNC)
 		if err == unix.EINTR {
 			continue
 		}
-		if err != nil || n == 0 && oobn == 0 {
+		if err != nil || n == 0 && (stream || oobn == 0) {
 			return // nothing more (EAGAIN), or the end
 		}
-		if oobn > 0 {
-			files, _ := parseRights(oob[:oobn])
-			drop(files, depth)
-		}
+		files, _ := parseRights(oob[:oobn])
+		drop(files, depth)
 	}
 }
 
