@@ -64,10 +64,12 @@ type IdleFloodCheck struct {
 }
 
 // FilesFloodResult is how many requests went out before the server hung
-// up (Err), if it did.
+// up (Err), if it did. Refused says the server's socket refused the
+// descriptors (sock.ErrRightsRefused): the requests then went without.
 type FilesFloodResult struct {
-	Sent int          `json:"sent"`
-	Err  *ErrorReport `json:"err,omitempty"`
+	Sent    int          `json:"sent"`
+	Refused bool         `json:"refused,omitempty"`
+	Err     *ErrorReport `json:"err,omitempty"`
 }
 
 func runSocketFlood(args []byte) int {
@@ -190,9 +192,17 @@ func floodFiles(h *helper, a SocketFloodArgs) int {
 		"flood": func([]byte) (any, error) {
 			var r FilesFloodResult
 			for i := range a.N {
-				b, err := ipc.AppendFrame(nil, uint64(i+2), ipc.KindStats, len(files), &ipc.StatsRequest{})
+				send := files
+				if r.Refused {
+					send = nil // still a peer that sends and reads nothing
+				}
+				b, err := ipc.AppendFrame(nil, uint64(i+2), ipc.KindStats, len(send), &ipc.StatsRequest{})
 				if err == nil {
-					err = c.Send(b, files)
+					err = c.Send(b, send)
+				}
+				if errors.Is(err, sock.ErrRightsRefused) && !r.Refused {
+					r.Refused = true
+					continue
 				}
 				if err != nil {
 					r.Err = Report(err)
