@@ -64,7 +64,10 @@ func (d *Decoder) Decode(v any) error {
 
 // Files returns the files that came with the message and hands them over
 // to the caller, who must close them. Files not taken by the time the
-// handler returns are closed.
+// handler returns are dropped as refused ones are (sock.Drop): a socket
+// among them is reset, and a unix one shut down for reading and emptied,
+// for its sender too if it still holds it. Take the files to keep them
+// as they are.
 func (d *Decoder) Files() []*os.File {
 	f := d.files
 	d.files = nil

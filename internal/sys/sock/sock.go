@@ -421,8 +421,9 @@ func carriesRights(oob []byte) bool {
 // not wait on a linger its sender set; a unix socket has what is queued on
 // it, or waiting on it to be accepted, dropped so too (see discard), four
 // sockets deep and 4,096 messages or connections a socket. The sockets are
-// changed for whoever else holds them: shut down for reading, no linger.
-// Other kinds close as usual: one whose close waits on its sender (a file
+// changed for whoever else holds them: no linger, and a unix socket shut
+// down for reading and asked for credentials (a listening one made
+// non-blocking). Other kinds close as usual: one whose close waits on its sender (a file
 // on a FUSE mount the sender serves) is kept out only by refusing
 // descriptors (Listen), and so is a socket past those bounds.
 func Drop(files []*os.File) { drop(files, 0) }
