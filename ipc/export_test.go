@@ -5,3 +5,6 @@ func HasLane(c *Client) bool { return c.lane.Load() != nil }
 
 // SetAfterCheckHook has RemoveDir call f between its check and the removal.
 func SetAfterCheckHook(f func()) { afterCheckHook = f }
+
+// LaneChecks counts the times s looked at its bound lanes.
+func LaneChecks(s *Server) uint64 { return s.laneChecks.Load() }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"math"
 	"runtime"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -155,4 +157,149 @@ func TestBoundLaneDoesNotPoll(t *testing.T) {
 		}
 		runtime.Gosched()
 	}
+}
+
+// Addresses the handlers of the starving tests tell apart.
+const (
+	addrStarve = 0x2000 // keep the thread busy until it is let go
+	addrWait   = 0x3000 // block until released
+)
+
+// starveHandler follows the CPU each request names, as followHandler
+// does. A request for addrStarve keeps its thread busy until the thread
+// may run on a CPU other than cpu, for at most bound/2, and answers
+// LKey 1 if it was let go so, 0 if not; one for addrWait says it started
+// on started and blocks until release is closed.
+func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *handler {
+	h := newHandler()
+	h.handle = func(_ context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind != ipc.KindCreateMR {
+			return nil, nil, false
+		}
+		var m ipc.CreateMR
+		if err := body.Decode(&m); err != nil {
+			return nil, err, true
+		}
+		p.Follow(int(m.CPU) - 1)
+		r := &ipc.CreateMRReply{Start: m.Addr, End: m.Addr + 1, LKey: 7}
+		switch m.Addr {
+		case addrStarve:
+			r.LKey = 0
+			for end := time.Now().Add(bound / 2); time.Now().Before(end); {
+				var set unix.CPUSet
+				if unix.SchedGetaffinity(0, &set) == nil && (set.Count() > 1 || !set.IsSet(cpu)) {
+					r.LKey = 1
+					break
+				}
+			}
+		case addrWait:
+			started <- struct{}{}
+			<-release
+		}
+		return r, nil, true
+	}
+	return h
+}
+
+// spinOn keeps cpu busy from a thread of its own until stop is called or
+// the test ends.
+func spinOn(t *testing.T, cpu int) (stop func()) {
+	var halt atomic.Bool
+	done := make(chan struct{})
+	ready := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread()
+		var all, one unix.CPUSet
+		if unix.SchedGetaffinity(0, &all) != nil {
+			close(ready)
+			return // the thread ends with the goroutine
+		}
+		one.Set(cpu)
+		if unix.SchedSetaffinity(0, &one) != nil {
+			close(ready)
+			return
+		}
+		close(ready)
+		for !halt.Load() {
+		}
+		if unix.SchedSetaffinity(0, &all) == nil {
+			runtime.UnlockOSThread()
+		}
+	}()
+	<-ready
+	stop = sync.OnceFunc(func() { halt.Store(true); <-done })
+	t.Cleanup(stop)
+	return stop
+}
+
+// A lane thread bound to its caller's CPU that cannot run there, because
+// something else keeps that CPU busy, is let go while it answers: it may
+// run on the process's other CPUs, and the lane follows that peer no
+// more, so that the locks its handler takes are not held on a CPU the
+// peer keeps busy. Another peer's lane still follows.
+func TestAStarvedBoundLaneIsLetGo(t *testing.T) {
+	cpu := lastCPU(t)
+	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	call := func(c *ipc.Client, addr uint64, hint uint32) uint32 {
+		t.Helper()
+		var r ipc.CreateMRReply
+		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: hint}, &r))
+		return r.LKey
+	}
+	twice := func(c *ipc.Client, hint uint32) { call(c, 0x1000, hint); call(c, 0x1000, hint) }
+
+	twice(c, uint32(cpu)+1)
+	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
+	func() {
+		defer spinOn(t, cpu)()
+		assert.Equal(t, uint32(1), call(c, addrStarve, uint32(cpu)+1),
+			"a lane thread kept from its CPU for %v was not let go", bound/2)
+	}()
+	assert.Equal(t, uint64(1), s.Stats().StarvedLanes)
+	twice(c, uint32(cpu)+1)
+	assert.Zero(t, threadsBoundTo(t, cpu), "the lane follows the peer that starved it no more")
+
+	other := laneClient(t, s, true, ipc.ClientConfig{})
+	twice(other, uint32(cpu)+1)
+	assert.Equal(t, 1, threadsBoundTo(t, cpu), "another peer's lane still follows")
+	twice(other, 0)
+	assert.Zero(t, threadsBoundTo(t, cpu))
+}
+
+// A bound lane thread whose handler waits (for a lock, say) is not let go
+// however long it waits: only a thread kept from running is.
+func TestABoundLaneThatWaitsIsNotLetGo(t *testing.T) {
+	cpu := lastCPU(t)
+	started, release := make(chan struct{}), make(chan struct{})
+	s := startServer(t, starveHandler(cpu, started, release), withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	call := func(addr uint64, hint uint32) {
+		t.Helper()
+		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: hint}, &ipc.CreateMRReply{}))
+	}
+	twice := func(hint uint32) { call(0x1000, hint); call(0x1000, hint) }
+	twice(uint32(cpu) + 1)
+	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
+	let := sync.OnceFunc(func() { close(release) })
+	defer func() {
+		let() // first, should the test fail with the handler waiting
+		twice(0)
+		assert.Zero(t, threadsBoundTo(t, cpu))
+	}()
+
+	answered := make(chan struct{})
+	go func() { defer close(answered); call(addrWait, uint32(cpu)+1) }()
+	waitFor(t, started, "the waiting request's handler")
+	// Three looks at the lane while the handler waits.
+	from := ipc.LaneChecks(s.Server)
+	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+3; runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the server did not look at its bound lanes for %v", bound)
+	}
+	let()
+	waitFor(t, answered, "the answer")
+	twice(uint32(cpu) + 1)
+	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the lane still follows its caller")
+	assert.Zero(t, s.Stats().StarvedLanes)
 }

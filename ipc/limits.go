@@ -159,6 +159,9 @@ type ServerStats struct {
 	// a malformed, oversized (MaxMessage, or MaxUnadmittedMessage before
 	// the hello) or unexpected frame.
 	Violations uint64 `json:"violations"`
+	// StarvedLanes counts lanes let go from the CPU their peer named
+	// because their thread could not run there (see Peer.Follow).
+	StarvedLanes uint64 `json:"starved_lanes"`
 }
 
 // tripEvery is how often each limit may log that it tripped: a flood
@@ -210,5 +213,6 @@ func (s *Server) Stats() ServerStats {
 	st.QueueOverflows = s.queueOverflows.Load()
 	st.WriteTimeouts = s.writeTimeouts.Load()
 	st.Violations = s.violations.Load()
+	st.StarvedLanes = s.starvedLanes.Load()
 	return st
 }

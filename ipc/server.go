@@ -133,7 +133,13 @@ type Server struct {
 	queueOverflows   atomic.Uint64
 	writeTimeouts    atomic.Uint64
 	violations       atomic.Uint64
+	starvedLanes     atomic.Uint64
+	laneChecks       atomic.Uint64 // looks at the bound lanes, for tests
 	trips            tripLog
+
+	lanesMu    sync.Mutex
+	boundLanes map[*Peer]struct{} // lanes whose thread is bound (see Follow)
+	checking   bool               // checkLanes runs
 
 	closing   chan struct{}
 	closeOnce sync.Once
@@ -466,6 +472,7 @@ type Peer struct {
 	calls        map[uint64]callCtx // requests queued or running, not inline, by id
 
 	follow atomic.Int32 // the CPU + 1 its lane should wait on, 0 any (see Follow)
+	watch  laneWatch    // the lane's thread while bound (see Follow)
 }
 
 // callCtx is a request's handler context, with the means to end it.
@@ -935,6 +942,11 @@ func (p *Peer) serveLane(l *sock.Blocking) {
 	defer p.srv.wg.Done()
 	buf := make([]byte, MaxMessage)
 	var cpu laneCPU
+	defer func() {
+		if cpu.bound != 0 {
+			p.watch.unbound(p) // the thread ends with this goroutine
+		}
+	}()
 	for {
 		cpu.apply(p)
 		if p.spin > 0 && cpu.bound == 0 {
@@ -952,6 +964,10 @@ func (p *Peer) serveLane(l *sock.Blocking) {
 			err = fmt.Errorf("%w: %s frame declares %d files, %d came", ErrMalformed, f.Kind, f.Files, len(files))
 		}
 		inline := false
+		watched := cpu.bound != 0
+		if watched {
+			p.watch.busy.Add(1)
+		}
 		switch {
 		case err != nil:
 			dropFiles(files)
@@ -959,6 +975,9 @@ func (p *Peer) serveLane(l *sock.Blocking) {
 			err = p.cancelCall(f, files)
 		default:
 			inline, err = p.request(f, files, l)
+		}
+		if watched {
+			p.watch.busy.Add(1)
 		}
 		if err != nil {
 			p.fail(err)

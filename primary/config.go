@@ -78,10 +78,14 @@ type Config struct {
 	// default: a secondary then chooses where that thread runs, and one
 	// that names a CPU it keeps busy makes its creates wait there, holding
 	// the global lock while they register, which every other secondary's
-	// creates wait for. Turn it on when the secondaries are trusted to
-	// name their CPUs and keep them free while they wait. A thread so
-	// bound does not poll (Spin): it would poll on the very CPU it hands
-	// back to the queue with each answer.
+	// creates wait for. The primary lets such a thread go once it has
+	// waited to run for 1 ms of a create that spans one of its looks,
+	// 5 ms apart, and stops following that secondary (a warning, and the
+	// ipc_starved_lanes counter; see ipc.Peer.Follow), so each connection
+	// can hold the others up once, for about 10 ms. Turn it on when the
+	// secondaries are trusted to name their CPUs and keep them free while
+	// they wait. A thread so bound does not poll (Spin): it would poll on
+	// the very CPU it hands back to the queue with each answer.
 	FollowCPU bool
 	// AllowUIDs lists users besides the primary's own and root that may
 	// attach. (The runtime directory's and socket's permissions must be

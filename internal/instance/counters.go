@@ -48,6 +48,7 @@ const (
 	CIPCWriteTimeouts        // peers dropped for not reading their replies
 	CIPCThrottled            // requests of peers not attached refused for their budget
 	CIPCViolations           // connections closed for breaking the protocol
+	CIPCStarvedLanes         // lane threads let go from a CPU they could not run on
 	NumCounters
 )
 
@@ -59,7 +60,7 @@ var CounterNames = [NumCounters]string{
 	"selective_flushes", "full_flush_dropped", "selective_flush_dropped", "fenced", "quarantined_pages", "read_fences",
 	"ipc_conns", "ipc_refused_conns", "ipc_refused_conns_per_uid", "ipc_hello_timeouts",
 	"ipc_refused_files", "ipc_refused_files_in_flight", "ipc_queue_overflows", "ipc_write_timeouts",
-	"ipc_strangers_throttled", "ipc_violations",
+	"ipc_strangers_throttled", "ipc_violations", "ipc_starved_lanes",
 }
 
 // Map returns the counters by CounterNames.
@@ -158,6 +159,9 @@ type Counters struct {
 	// Connections closed for breaking the protocol: malformed, oversized
 	// or unexpected frames (primary).
 	IPCViolations uint64 `json:"ipc_violations"`
+	// Lane threads bound to the CPU their secondary named that could not
+	// run there, let go (primary with FollowCPU; see ipc.Peer.Follow).
+	IPCStarvedLanes uint64 `json:"ipc_starved_lanes"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
@@ -167,7 +171,7 @@ func (c *Counters) vector() *[NumCounters]uint64 {
 		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences,
 		uint64(c.IPCConns), c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts,
 		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCThrottled,
-		c.IPCViolations}
+		c.IPCViolations, c.IPCStarvedLanes}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
@@ -184,6 +188,7 @@ func fromVector(v *[NumCounters]uint64) Counters {
 		IPCHelloTimeouts: v[CIPCHelloTimeouts], IPCRefusedFiles: v[CIPCRefusedFiles],
 		IPCRefusedFilesInFlight: v[CIPCRefusedFilesInFlight], IPCQueueOverflows: v[CIPCQueueOverflows],
 		IPCWriteTimeouts: v[CIPCWriteTimeouts], IPCThrottled: v[CIPCThrottled], IPCViolations: v[CIPCViolations],
+		IPCStarvedLanes: v[CIPCStarvedLanes],
 	}
 }
 
@@ -199,6 +204,7 @@ func (c *Counters) SetIPC(st ipc.ServerStats) {
 	c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID = st.Conns, st.RefusedConns, st.RefusedConnsUID
 	c.IPCHelloTimeouts, c.IPCRefusedFiles, c.IPCRefusedFilesInFlight = st.HelloTimeouts, st.RefusedFiles, st.RefusedFilesInFlight
 	c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCViolations = st.QueueOverflows, st.WriteTimeouts, st.Violations
+	c.IPCStarvedLanes = st.StarvedLanes
 }
 
 // SetLatency copies a histogram's quantiles in.
