@@ -8,3 +8,10 @@ func SetAfterCheckHook(f func()) { afterCheckHook = f }
 
 // LaneChecks counts the times s looked at its bound lanes.
 func LaneChecks(s *Server) uint64 { return s.laneChecks.Load() }
+
+// LaneCheckerRunning reports whether s's checker of bound lanes runs.
+func LaneCheckerRunning(s *Server) bool {
+	s.lanesMu.Lock()
+	defer s.lanesMu.Unlock()
+	return s.checking
+}

@@ -2,7 +2,6 @@ package ipc
 
 import (
 	"bytes"
-	"fmt"
 	"os"
 	"runtime"
 	"strconv"
@@ -35,17 +34,26 @@ import (
 // The lane's thread answers all of the peer's inline requests, from any
 // of its threads, wherever it is bound; one that is bound to a CPU
 // something else keeps busy waits for its turn there, and so do the locks
-// its handler holds. So the server watches its bound lanes, every 5 ms
-// while it has any: a thread that has been answering one request since
-// the last look, and waited to run for more than 1 ms of that time, is let
-// go at once (it may run on the process's other CPUs for the rest of that
-// request), and its lane follows that peer no more
-// (ServerStats.StarvedLanes counts them, and a warning names the peer).
-// A handler that waits, for a lock say, is not let go: only a thread that
-// could run and did not. The watch is a goroutine, which needs a P: while
-// as many lane threads as GOMAXPROCS are kept from their CPUs at once,
-// each holding its P, it waits for one of them to run. Follow only the
-// CPUs of peers trusted to name them and to keep them free meanwhile.
+// its handler holds, and the P its goroutine holds. So:
+//
+//   - One lane at a time follows each CPU, and at most GOMAXPROCS-1 lanes
+//     are bound at once (as read when one binds), so that lane threads
+//     kept from running cannot hold every P. A peer that names a CPU
+//     another lane has, or one past that count, is not followed until
+//     one is free again.
+//   - The server watches its bound lanes, every 5 ms while it has any,
+//     from a thread kept off their CPUs. A lane thread that has answered
+//     one request for 2 ms or more since the watch first saw it, runnable
+//     then and now, and ran for less than a quarter of that time, is let
+//     go at once: it may run on the
+//     process's other CPUs for the rest of that request, and its lane
+//     follows that peer no more (ServerStats.StarvedLanes counts them,
+//     and a warning names the peer). A handler that waits, for a lock
+//     say, is not let go: only a thread that could run and did not.
+//
+// The watch is a goroutine, and looks late when the Go scheduler runs it
+// late (tens of milliseconds on a loaded machine). Follow only the CPUs of
+// peers trusted to name them and to keep them free meanwhile.
 func (p *Peer) Follow(cpu int) {
 	switch {
 	case cpu < 0:
@@ -60,9 +68,9 @@ const cpuSetSize = len(unix.CPUSet{}) * 64
 
 // laneCPU keeps a lane thread's binding. While bound, the lane's goroutine
 // is locked to its thread (binding an unlocked thread would bind whatever
-// goroutine ran on it next), so that the thread ends with the goroutine if
-// the lane ends bound; unbound, the thread has its CPUs back and returns
-// to the runtime.
+// goroutine ran on it next); unbound, the thread has its CPUs back and
+// returns to the runtime. A lane that ends unbinds its thread; one the
+// kernel would not unbind ends with the goroutine.
 type laneCPU struct {
 	bound   int32       // as Peer.follow: 0 unbound, else the CPU + 1
 	ignored int32       // the last CPU + 1 asked for that home does not hold
@@ -71,8 +79,9 @@ type laneCPU struct {
 }
 
 // apply binds or unbinds the calling thread as p asked, if it asked for a
-// change. A binding the kernel refuses (the CPU went offline, say) is
-// tried again at the next request.
+// change. A binding the kernel refuses (the CPU went offline, say), or
+// that another lane's holds up (see Server.takeLane), is tried again at
+// the next request.
 func (l *laneCPU) apply(p *Peer) {
 	want := p.follow.Load()
 	if p.watch.letGo.Load() {
@@ -90,33 +99,46 @@ func (l *laneCPU) apply(p *Peer) {
 	if want == l.bound || want == l.ignored {
 		return
 	}
+	cpu := int(want - 1)
+	if l.bound != 0 {
+		if !l.home.IsSet(cpu) {
+			l.ignored = want
+			return
+		}
+		// Moving: the thread lets go of its CPU first, so that it never
+		// takes the lanes' lock where it may be kept from running.
+		if l.unbind(p); l.bound != 0 {
+			return
+		}
+	}
+	if !p.srv.takeLane(p, cpu) {
+		return
+	}
 	if !l.locked {
 		runtime.LockOSThread()
 		if err := unix.SchedGetaffinity(0, &l.home); err != nil {
+			p.srv.dropLane(p)
 			runtime.UnlockOSThread()
 			return
 		}
 		l.locked = true
 	}
-	cpu := int(want - 1)
 	if !l.home.IsSet(cpu) {
+		p.srv.dropLane(p)
 		l.ignored = want
-		if l.bound == 0 {
-			l.unbind(p)
-		}
+		l.unbind(p)
 		return
 	}
+	p.watch.bound(&l.home, cpu)
 	var one unix.CPUSet
 	one.Set(cpu)
 	if err := unix.SchedSetaffinity(0, &one); err != nil {
 		p.srv.log.Debug("ipc: lane cannot follow its caller", "peer", p.id, "cpu", cpu, "err", err)
-		if l.bound == 0 {
-			l.unbind(p)
-		}
+		p.watch.unbound(p)
+		l.unbind(p)
 		return
 	}
 	l.bound, l.ignored = want, 0
-	p.watch.bound(p, unix.Gettid(), cpu, &l.home)
 }
 
 // unbind gives the thread its CPUs back and unlocks it. If the kernel
@@ -124,11 +146,10 @@ func (l *laneCPU) apply(p *Peer) {
 func (l *laneCPU) unbind(p *Peer) {
 	if l.locked {
 		if l.bound != 0 {
-			p.watch.unbound(p)
 			if unix.SchedSetaffinity(0, &l.home) != nil {
-				p.watch.bound(p, unix.Gettid(), int(l.bound-1), &l.home)
 				return
 			}
+			p.watch.unbound(p) // not before: its CPUs back, it can run
 		}
 		runtime.UnlockOSThread()
 		l.locked = false
@@ -136,165 +157,264 @@ func (l *laneCPU) unbind(p *Peer) {
 	l.bound = 0
 }
 
+// end is unbind for a lane that ends: a thread the kernel would not
+// unbind ends with the lane's goroutine, unwatched.
+func (l *laneCPU) end(p *Peer) {
+	if l.bound != 0 {
+		l.unbind(p)
+	}
+	if l.bound != 0 {
+		p.watch.unbound(p)
+	}
+}
+
 // laneCheckEvery is how often the server looks at its bound lanes, while
-// it has any; laneStarved is how long a bound lane's thread may wait to
-// run, between two looks at one request, before it is let go. A request
-// normally takes microseconds: one that spans a look is already rare.
+// it has any. A bound lane's thread that has answered one request for at
+// least laneStarvedAfter, runnable when it started and at the end, and
+// run for less than 1/laneStarvedShare of that time, is kept from
+// running: it is let go.
+// A request normally takes microseconds: one that spans a look is
+// already rare.
 const (
-	laneCheckEvery = 5 * time.Millisecond
-	laneStarved    = time.Millisecond
+	laneCheckEvery   = 5 * time.Millisecond
+	laneStarvedAfter = 2 * time.Millisecond
+	laneStarvedShare = 4
 )
 
-// laneWatch is what the server's checker needs of a bound lane.
+// laneWatch is what the server's checker needs of a bound lane. The lane
+// takes no lock here while it is bound (a thread kept from running would
+// hold it), and the checker waits for none.
 type laneWatch struct {
 	// busy is odd while the lane's thread answers a request while bound.
 	busy atomic.Uint64
 	// letGo is set once the lane's thread was let go: it follows the peer
 	// no more.
 	letGo atomic.Bool
+	tid   atomic.Int32 // the lane's thread while it is watched, else 0
+	cpu   atomic.Int32 // the CPU it is bound to
+	home  unix.CPUSet  // its CPUs before; written only while tid is 0
+	// mu is held by the checker from reading tid until it is done with
+	// the thread, and by the lane to set tid to 0 (a thread may end, and
+	// its id be reused, only then).
+	mu sync.Mutex
 
-	mu   sync.Mutex
-	tid  int         // the lane's thread while it is bound, else 0
-	cpu  int         // the CPU it is bound to
-	home unix.CPUSet // its CPUs before
-
-	// The checker's own, from its last look.
-	seen   uint64        // busy
-	waited time.Duration // the thread's wait to run so far, -1 if unread
+	// The checker's own, from its last look at the request it saw.
+	seen     uint64        // busy
+	ran      time.Duration // the thread's CPU time then
+	at       time.Time     // when
+	runnable bool          // whether it was runnable
 }
 
-// bound records that the lane's thread tid is bound to cpu, having had
-// home before, and has the server watch it.
-func (w *laneWatch) bound(p *Peer, tid, cpu int, home *unix.CPUSet) {
-	w.mu.Lock()
-	w.tid, w.cpu, w.home = tid, cpu, *home
-	w.mu.Unlock()
-	p.srv.watchLane(p, true)
+// bound has the server watch the calling thread, about to be bound to
+// cpu, and records the CPUs it has now. The lane has taken cpu
+// (Server.takeLane).
+func (w *laneWatch) bound(home *unix.CPUSet, cpu int) {
+	w.home = *home
+	w.cpu.Store(int32(cpu))
+	w.tid.Store(int32(unix.Gettid()))
 }
 
-// unbound records that the lane's thread is no longer bound (or is about
-// to end): the checker must not touch it from now on.
+// unbound stops the watch of the lane's thread, no longer bound or about
+// to end, and lets go of its CPU: the checker does not touch the thread
+// from then on.
 func (w *laneWatch) unbound(p *Peer) {
 	w.mu.Lock()
-	w.tid = 0
+	w.tid.Store(0)
 	w.mu.Unlock()
-	p.srv.watchLane(p, false)
+	p.srv.dropLane(p)
 }
 
-// look is the checker's look at p's lane: it lets the lane's thread go if
-// it has answered the same request since the last look and waited to run
-// for more than laneStarved meanwhile.
+// look is the checker's look at p's lane: it lets the lane's thread go
+// if, between two looks at least laneStarvedAfter apart at the request it
+// answers, it was runnable at both and ran for less than
+// 1/laneStarvedShare of the time.
+// The kernel counts a thread's wait to run only once it runs again, so
+// the sign of a thread kept from running is a clock that does not move.
 func (w *laneWatch) look(p *Peer) {
 	busy := w.busy.Load()
 	if busy%2 == 0 {
 		w.seen = busy
 		return
 	}
-	w.mu.Lock()
+	if !w.mu.TryLock() {
+		return // the lane is unwatching itself
+	}
 	defer w.mu.Unlock()
-	if w.tid == 0 || w.letGo.Load() {
+	tid := int(w.tid.Load())
+	if tid == 0 || w.letGo.Load() {
 		return
 	}
-	waited, err := runWait(w.tid)
+	ran, err := threadCPUTime(tid)
+	now, r := time.Now(), runnable(tid)
 	if err != nil || w.busy.Load() != busy {
 		w.seen = 0
 		return
 	}
-	if busy != w.seen || w.waited < 0 {
-		w.seen, w.waited = busy, waited // a request not seen before: from now
+	if busy != w.seen {
+		// A request not seen before: from now.
+		w.seen, w.ran, w.at, w.runnable = busy, ran, now, r
 		return
 	}
-	if waited-w.waited < laneStarved {
-		w.waited = waited
+	over := now.Sub(w.at)
+	if over < laneStarvedAfter {
+		return
+	}
+	if !r || !w.runnable || ran-w.ran >= over/laneStarvedShare {
+		w.ran, w.at, w.runnable = ran, now, r
 		return
 	}
 	w.letGo.Store(true)
+	p.srv.starvedLanes.Add(1) // before the thread may run, and answer
+	cpu := int(w.cpu.Load())
 	wide := w.home
-	wide.Clear(w.cpu)
+	wide.Clear(cpu)
 	if wide.Count() > 0 {
 		// Off the CPU it waits for: the kernel moves a thread that may
 		// still run where it waits only when it gets round to it.
-		if err := unix.SchedSetaffinity(w.tid, &wide); err != nil {
-			p.srv.log.Warn("ipc: cannot let a starved lane thread go", "peer", p.id, "cpu", w.cpu, "err", err)
+		if err := unix.SchedSetaffinity(tid, &wide); err != nil {
+			p.srv.log.Warn("ipc: cannot let a starved lane thread go", "peer", p.id, "cpu", cpu, "err", err)
 		}
 	}
-	p.srv.starvedLanes.Add(1)
 	p.srv.log.Warn("ipc: a lane thread bound to the CPU its peer named could not run there; it follows that peer no more",
-		"peer", p.id, "cpu", w.cpu, "waited", waited-w.waited)
+		"peer", p.id, "cpu", cpu, "over", over, "ran", ran-w.ran)
 }
 
-// runWait returns how long thread tid of this process has waited to run,
-// runnable, in all: the second field of its schedstat.
-func runWait(tid int) (time.Duration, error) {
-	b, err := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/schedstat")
-	if err != nil {
+// threadCPUTime returns the CPU time thread tid of this process has used,
+// to the nanosecond (its CPUCLOCK_SCHED clock: see clock_getcpuclockid).
+func threadCPUTime(tid int) (time.Duration, error) {
+	const perThreadSched = 2 | 4 // CPUCLOCK_SCHED | CPUCLOCK_PERTHREAD_MASK
+	var ts unix.Timespec
+	if err := unix.ClockGettime(int32(^tid<<3|perThreadSched), &ts); err != nil {
 		return 0, err
 	}
-	f := bytes.Fields(b)
-	if len(f) < 2 {
-		return 0, fmt.Errorf("ipc: schedstat of thread %d: %q", tid, b)
-	}
-	ns, err := strconv.ParseInt(string(f[1]), 10, 64)
-	return time.Duration(ns), err
+	return time.Duration(ts.Nano()), nil
 }
 
-// watchLane adds p to the lanes the checker looks at, or takes it out,
-// and starts the checker when the first comes.
-func (s *Server) watchLane(p *Peer, on bool) {
+// runnable reports whether thread tid of this process is running or
+// waiting to run (state R in its stat), not waiting for something else.
+func runnable(tid int) bool {
+	b, err := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/stat")
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(b, ')') // the command may hold anything
+	return i >= 0 && i+2 < len(b) && b[i+2] == 'R'
+}
+
+// takeLane has p's lane take cpu, unless another lane has it or as many
+// lanes as GOMAXPROCS-1 have one: a lane thread that its CPU's load keeps
+// from running holds its P meanwhile, and one P must be left for the rest
+// of the process (the watch included). It starts the watch if it does
+// not run. A lane calls it only while its thread is not bound.
+func (s *Server) takeLane(p *Peer, cpu int) bool {
 	s.lanesMu.Lock()
 	defer s.lanesMu.Unlock()
-	if !on {
-		delete(s.boundLanes, p)
-		return
+	if _, taken := s.laneCPUs[cpu]; taken || len(s.lanes) >= runtime.GOMAXPROCS(0)-1 {
+		return false
 	}
-	if s.boundLanes == nil {
-		s.boundLanes = map[*Peer]struct{}{}
+	if s.lanes == nil {
+		s.lanes, s.laneCPUs = map[*Peer]int{}, map[int]*Peer{}
 	}
-	s.boundLanes[p] = struct{}{}
+	s.lanes[p], s.laneCPUs[cpu] = cpu, p
 	if !s.checking {
 		s.checking = true
-		s.wg.Add(1) // under a lane's goroutine, itself counted
+		s.wg.Add(1) // on a lane's goroutine, itself counted
 		go s.checkLanes()
+	}
+	return true
+}
+
+// dropLane lets go of the CPU p's lane took, if it took one.
+func (s *Server) dropLane(p *Peer) {
+	s.lanesMu.Lock()
+	defer s.lanesMu.Unlock()
+	if cpu, ok := s.lanes[p]; ok {
+		delete(s.lanes, p)
+		delete(s.laneCPUs, cpu)
 	}
 }
 
-// checkLanes looks at the bound lanes every laneCheckEvery until there are
-// none or the server closes.
+// checkLanes looks at the watched lanes every laneCheckEvery until there
+// are none or the server closes. It keeps its own thread off the CPUs the
+// lanes are bound to, which their peers may keep busy: the kernel would
+// keep it from running there too.
 func (s *Server) checkLanes() {
 	defer s.wg.Done()
 	t := time.NewTicker(laneCheckEvery)
 	defer t.Stop()
+	var away awayFrom
+	defer away.end()
 	var lanes []*Peer
 	for {
 		select {
 		case <-s.closing:
+			return
 		case <-t.C:
 		}
-		s.lanesMu.Lock()
-		if len(s.boundLanes) == 0 || s.isClosing() {
+		// A lane holding the lock is not bound: it runs, and the next
+		// look will do.
+		if !s.lanesMu.TryLock() {
+			continue
+		}
+		if len(s.lanes) == 0 {
 			s.checking = false
 			s.lanesMu.Unlock()
 			return
 		}
-		lanes = lanes[:0]
-		for p := range s.boundLanes {
+		var busy unix.CPUSet
+		for p, cpu := range s.lanes {
 			lanes = append(lanes, p)
+			busy.Set(cpu)
 		}
 		s.lanesMu.Unlock()
+		away.set(&busy)
 		for _, p := range lanes {
 			p.watch.look(p)
 		}
 		s.laneChecks.Add(1)
 		clear(lanes)
+		lanes = lanes[:0]
 	}
 }
 
-// isClosing reports whether the server is closing.
-func (s *Server) isClosing() bool {
-	select {
-	case <-s.closing:
-		return true
-	default:
-		return false
+// awayFrom keeps the calling goroutine's thread off a set of CPUs, where
+// it may still run elsewhere.
+type awayFrom struct {
+	locked bool
+	home   unix.CPUSet // the thread's CPUs before
+	now    unix.CPUSet // those it has
+}
+
+// set keeps the thread off the CPUs in busy, or lets it run on all it had
+// if that would leave it none. A change the kernel refuses is tried
+// again at the next call.
+func (a *awayFrom) set(busy *unix.CPUSet) {
+	if !a.locked {
+		runtime.LockOSThread()
+		if unix.SchedGetaffinity(0, &a.home) != nil {
+			runtime.UnlockOSThread()
+			return
+		}
+		a.now, a.locked = a.home, true
+	}
+	want := a.home
+	for i := range cpuSetSize {
+		if busy.IsSet(i) {
+			want.Clear(i)
+		}
+	}
+	if want.Count() == 0 {
+		want = a.home
+	}
+	if want != a.now && unix.SchedSetaffinity(0, &want) == nil {
+		a.now = want
+	}
+}
+
+// end gives the thread its CPUs back and unlocks it; a thread the kernel
+// would not give them back to ends with its goroutine.
+func (a *awayFrom) end() {
+	if a.locked && (a.now == a.home || unix.SchedSetaffinity(0, &a.home) == nil) {
+		runtime.UnlockOSThread()
 	}
 }

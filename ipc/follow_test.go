@@ -2,10 +2,12 @@ package ipc_test
 
 import (
 	"context"
+	"fmt"
 	"math"
+	"os"
 	"runtime"
+	"strconv"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
 
@@ -201,43 +204,55 @@ func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *h
 	return h
 }
 
-// spinOn keeps cpu busy from a thread of its own until stop is called or
-// the test ends.
-func spinOn(t *testing.T, cpu int) (stop func()) {
-	var halt atomic.Bool
-	done := make(chan struct{})
-	ready := make(chan struct{})
-	go func() {
-		defer close(done)
-		runtime.LockOSThread()
-		var all, one unix.CPUSet
-		if unix.SchedGetaffinity(0, &all) != nil {
-			close(ready)
-			return // the thread ends with the goroutine
-		}
-		one.Set(cpu)
-		if unix.SchedSetaffinity(0, &one) != nil {
-			close(ready)
-			return
-		}
-		close(ready)
-		for !halt.Load() {
-		}
-		if unix.SchedSetaffinity(0, &all) == nil {
-			runtime.UnlockOSThread()
-		}
-	}()
-	<-ready
-	stop = sync.OnceFunc(func() { halt.Store(true); <-done })
-	t.Cleanup(stop)
-	return stop
+func init() {
+	testproc.Register("spin", helperSpin)
+}
+
+// helperSpin keeps the CPU its first argument names busy from as many
+// threads as its second says, says "spinning", and spins until its input
+// ends.
+func helperSpin(args []string) int {
+	cpu, _ := strconv.Atoi(args[0])
+	n, _ := strconv.Atoi(args[1])
+	runtime.GOMAXPROCS(n + 1)
+	var one unix.CPUSet
+	one.Set(cpu)
+	var ready sync.WaitGroup
+	for range n {
+		ready.Add(1)
+		go func() {
+			runtime.LockOSThread()
+			if err := unix.SchedSetaffinity(0, &one); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				os.Exit(3)
+			}
+			ready.Done()
+			for {
+			}
+		}()
+	}
+	ready.Wait()
+	testproc.Say("spinning")
+	for testproc.Commands().Scan() {
+	}
+	return 0
+}
+
+// spinOn keeps cpu busy from n threads of another process until stop is
+// called or the test ends.
+func spinOn(t *testing.T, cpu, n int) (stop func()) {
+	h := testproc.Start(t, "spin", []string{strconv.Itoa(cpu), strconv.Itoa(n)})
+	h.Expect("spinning", 0)
+	return h.Kill
 }
 
 // A lane thread bound to its caller's CPU that cannot run there, because
 // something else keeps that CPU busy, is let go while it answers: it may
 // run on the process's other CPUs, and the lane follows that peer no
 // more, so that the locks its handler takes are not held on a CPU the
-// peer keeps busy. Another peer's lane still follows.
+// peer keeps busy. Another peer's lane still follows. Here seven threads
+// of another process spin on the CPU: the handler's thread, busy too,
+// gets an eighth of it.
 func TestAStarvedBoundLaneIsLetGo(t *testing.T) {
 	cpu := lastCPU(t)
 	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
@@ -253,7 +268,7 @@ func TestAStarvedBoundLaneIsLetGo(t *testing.T) {
 	twice(c, uint32(cpu)+1)
 	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
 	func() {
-		defer spinOn(t, cpu)()
+		defer spinOn(t, cpu, 7)()
 		assert.Equal(t, uint32(1), call(c, addrStarve, uint32(cpu)+1),
 			"a lane thread kept from its CPU for %v was not let go", bound/2)
 	}()
@@ -302,4 +317,94 @@ func TestABoundLaneThatWaitsIsNotLetGo(t *testing.T) {
 	twice(uint32(cpu) + 1)
 	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the lane still follows its caller")
 	assert.Zero(t, s.Stats().StarvedLanes)
+}
+
+// threadsWithCPUs counts this process's threads whose affinity is exactly
+// set.
+func threadsWithCPUs(t *testing.T, set unix.CPUSet) int {
+	t.Helper()
+	tasks, err := os.ReadDir("/proc/self/task")
+	require.NoError(t, err)
+	n := 0
+	for _, task := range tasks {
+		tid, err := strconv.Atoi(task.Name())
+		require.NoError(t, err)
+		var s unix.CPUSet
+		if unix.SchedGetaffinity(tid, &s) == nil && s == set {
+			n++
+		}
+	}
+	return n
+}
+
+// The thread that watches the bound lanes keeps off their CPUs, which
+// their peers may keep busy, and has its CPUs back once no lane is bound.
+func TestTheLaneWatchKeepsOffTheLanesCPUs(t *testing.T) {
+	cpu := lastCPU(t)
+	var home unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &home))
+	away := home
+	away.Clear(cpu)
+	s := startServer(t, followHandler(), withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	twice := func(hint uint32) {
+		t.Helper()
+		for range 2 {
+			require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: hint}, &ipc.CreateMRReply{}))
+		}
+	}
+	before := threadsWithCPUs(t, away)
+	twice(uint32(cpu) + 1)
+	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
+	from := ipc.LaneChecks(s.Server)
+	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+2; runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the server did not look at its bound lane for %v", bound)
+	}
+	assert.Equal(t, before+1, threadsWithCPUs(t, away), "the watching thread keeps off the lane's CPU")
+
+	twice(0)
+	require.Zero(t, threadsBoundTo(t, cpu))
+	for end := time.Now().Add(bound); ipc.LaneCheckerRunning(s.Server); runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the watch still runs %v after the last lane was unbound", bound)
+	}
+	assert.Equal(t, before, threadsWithCPUs(t, away), "the watching thread has its CPUs back")
+}
+
+// One lane follows each CPU, and no more lanes are bound than leaves the
+// process a P: a lane thread kept from running holds its P, and with every
+// P so held nothing else in the process runs, the watch included. A peer
+// not followed for that is followed once the CPU is free again.
+func TestBoundLanesLeaveAPAndShareNoCPU(t *testing.T) {
+	cpus := testenv.NeedCPUs(t, 2)
+	first, last := cpus[0], cpus[len(cpus)-1]
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(2))
+	s := startServer(t, followHandler(), withHello, withInline)
+	clients := [3]*ipc.Client{}
+	for i := range clients {
+		clients[i] = laneClient(t, s, true, ipc.ClientConfig{})
+	}
+	twice := func(c *ipc.Client, cpu int) {
+		t.Helper()
+		for range 2 {
+			require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &ipc.CreateMRReply{}))
+		}
+	}
+	twice(clients[0], last)
+	require.Equal(t, 1, threadsBoundTo(t, last), "the first lane follows its caller")
+	defer func() {
+		for _, c := range clients {
+			twice(c, -1)
+		}
+		assert.Zero(t, threadsBoundTo(t, last))
+		assert.Zero(t, threadsBoundTo(t, first))
+	}()
+	twice(clients[1], last)
+	assert.Equal(t, 1, threadsBoundTo(t, last), "a second lane does not follow its caller to a CPU a lane has")
+	twice(clients[2], first)
+	assert.Zero(t, threadsBoundTo(t, first), "with GOMAXPROCS 2, a second lane bound would leave no P")
+
+	twice(clients[0], -1)
+	require.Zero(t, threadsBoundTo(t, last), "the first lane let go of its CPU")
+	twice(clients[1], last)
+	assert.Equal(t, 1, threadsBoundTo(t, last), "the second lane follows once the CPU is free")
 }

@@ -137,9 +137,10 @@ type Server struct {
 	laneChecks       atomic.Uint64 // looks at the bound lanes, for tests
 	trips            tripLog
 
-	lanesMu    sync.Mutex
-	boundLanes map[*Peer]struct{} // lanes whose thread is bound (see Follow)
-	checking   bool               // checkLanes runs
+	lanesMu  sync.Mutex    // taken by no lane while its thread is bound
+	lanes    map[*Peer]int // the CPU each bound lane took (see Follow)
+	laneCPUs map[int]*Peer // the same, by CPU
+	checking bool          // checkLanes runs
 
 	closing   chan struct{}
 	closeOnce sync.Once
@@ -942,11 +943,7 @@ func (p *Peer) serveLane(l *sock.Blocking) {
 	defer p.srv.wg.Done()
 	buf := make([]byte, MaxMessage)
 	var cpu laneCPU
-	defer func() {
-		if cpu.bound != 0 {
-			p.watch.unbound(p) // the thread ends with this goroutine
-		}
-	}()
+	defer cpu.end(p)
 	for {
 		cpu.apply(p)
 		if p.spin > 0 && cpu.bound == 0 {

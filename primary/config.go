@@ -78,11 +78,13 @@ type Config struct {
 	// default: a secondary then chooses where that thread runs, and one
 	// that names a CPU it keeps busy makes its creates wait there, holding
 	// the global lock while they register, which every other secondary's
-	// creates wait for. The primary lets such a thread go once it has
-	// waited to run for 1 ms of a create that spans one of its looks,
-	// 5 ms apart, and stops following that secondary (a warning, and the
-	// ipc_starved_lanes counter; see ipc.Peer.Follow), so each connection
-	// can hold the others up once, for about 10 ms. Turn it on when the
+	// creates wait for. So one thread at a time follows each CPU, at most
+	// GOMAXPROCS-1 are bound at once, and the primary lets such a thread
+	// go once it has run for less than a quarter of 2 ms or more of one
+	// create, runnable, and stops following that secondary (a warning,
+	// and the ipc_starved_lanes counter; see ipc.Peer.Follow): each
+	// connection can hold the others up once, for milliseconds (the
+	// README's "IPC round trip" has figures). Turn it on when the
 	// secondaries are trusted to name their CPUs and keep them free while
 	// they wait. A thread so bound does not poll (Spin): it would poll on
 	// the very CPU it hands back to the queue with each answer.
