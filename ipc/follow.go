@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -37,10 +38,10 @@ import (
 // its handler holds, and the P its goroutine holds. So:
 //
 //   - One lane at a time follows each CPU, and at most GOMAXPROCS-1 lanes
-//     are bound at once (as read when one binds), so that lane threads
-//     kept from running cannot hold every P. A peer that names a CPU
-//     another lane has, or one past that count, is not followed until
-//     one is free again.
+//     are bound at once, so that lane threads kept from running cannot
+//     hold every P. A peer that names a CPU another lane has, or one past
+//     that count, is not followed until one is free again; the lanes past
+//     it when GOMAXPROCS falls follow their peers no more.
 //   - The server watches its bound lanes, every 5 ms while it has any,
 //     from a thread kept off their CPUs. A lane thread that has answered
 //     one request for 2 ms or more since the watch first saw it, runnable
@@ -52,8 +53,13 @@ import (
 //     say, is not let go: only a thread that could run and did not.
 //
 // The watch is a goroutine, and looks late when the Go scheduler runs it
-// late (tens of milliseconds on a loaded machine). Follow only the CPUs of
-// peers trusted to name them and to keep them free meanwhile.
+// late (tens of milliseconds on a loaded machine). A garbage collection
+// that starts while a lane thread is kept from running waits for that
+// thread's P, with every other goroutine stopped, the watch's included:
+// a peer that can keep its CPU from others (a real-time thread) can so
+// stop the whole process, once per lane, for as long as it keeps the CPU.
+// Follow only the CPUs of peers trusted to name them and to keep them
+// free meanwhile.
 func (p *Peer) Follow(cpu int) {
 	switch {
 	case cpu < 0:
@@ -134,7 +140,8 @@ func (l *laneCPU) apply(p *Peer) {
 	one.Set(cpu)
 	if err := unix.SchedSetaffinity(0, &one); err != nil {
 		p.srv.log.Debug("ipc: lane cannot follow its caller", "peer", p.id, "cpu", cpu, "err", err)
-		p.watch.unbound(p)
+		p.watch.unwatch()
+		p.srv.dropLane(p)
 		l.unbind(p)
 		return
 	}
@@ -146,10 +153,15 @@ func (l *laneCPU) apply(p *Peer) {
 func (l *laneCPU) unbind(p *Peer) {
 	if l.locked {
 		if l.bound != 0 {
+			// Unwatched first, so that no let-go narrows the thread
+			// after its CPUs are back; the lanes' lock only after, when
+			// it can run.
+			p.watch.unwatch()
 			if unix.SchedSetaffinity(0, &l.home) != nil {
+				p.watch.tid.Store(int32(unix.Gettid()))
 				return
 			}
-			p.watch.unbound(p) // not before: its CPUs back, it can run
+			p.srv.dropLane(p)
 		}
 		runtime.UnlockOSThread()
 		l.locked = false
@@ -164,7 +176,8 @@ func (l *laneCPU) end(p *Peer) {
 		l.unbind(p)
 	}
 	if l.bound != 0 {
-		p.watch.unbound(p)
+		p.watch.unwatch()
+		p.srv.dropLane(p)
 	}
 }
 
@@ -214,14 +227,30 @@ func (w *laneWatch) bound(home *unix.CPUSet, cpu int) {
 	w.tid.Store(int32(unix.Gettid()))
 }
 
-// unbound stops the watch of the lane's thread, no longer bound or about
-// to end, and lets go of its CPU: the checker does not touch the thread
-// from then on.
-func (w *laneWatch) unbound(p *Peer) {
+// unwatch stops the watch of the lane's thread, about to be unbound or to
+// end: the checker does not touch the thread from then on. The lane's CPU
+// is still its own (Server.dropLane).
+func (w *laneWatch) unwatch() {
 	w.mu.Lock()
 	w.tid.Store(0)
 	w.mu.Unlock()
-	p.srv.dropLane(p)
+}
+
+// evict has the lane's thread follow its peer no more, for a reason other
+// than its CPU: it gets its CPUs back now (it waits for a request, or
+// answers one) and unbinds before its next wait. It reports false if the
+// lane is busy unwatching itself: then try again later.
+func (w *laneWatch) evict(p *Peer, why string) bool {
+	if !w.mu.TryLock() {
+		return false
+	}
+	defer w.mu.Unlock()
+	if tid := int(w.tid.Load()); tid != 0 && !w.letGo.Load() {
+		w.letGo.Store(true)
+		_ = unix.SchedSetaffinity(tid, &w.home) // else at its next wait
+		p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", w.cpu.Load(), "why", why)
+	}
+	return true
 }
 
 // look is the checker's look at p's lane: it lets the lane's thread go
@@ -309,13 +338,17 @@ func runnable(tid int) bool {
 func (s *Server) takeLane(p *Peer, cpu int) bool {
 	s.lanesMu.Lock()
 	defer s.lanesMu.Unlock()
-	if _, taken := s.laneCPUs[cpu]; taken || len(s.lanes) >= runtime.GOMAXPROCS(0)-1 {
+	lanes := s.boundLanes()
+	if len(lanes) >= runtime.GOMAXPROCS(0)-1 {
 		return false
 	}
-	if s.lanes == nil {
-		s.lanes, s.laneCPUs = map[*Peer]int{}, map[int]*Peer{}
+	for _, l := range lanes {
+		if l.cpu == cpu {
+			return false
+		}
 	}
-	s.lanes[p], s.laneCPUs[cpu] = cpu, p
+	next := append(slices.Clip(lanes), boundLane{p, cpu})
+	s.lanes.Store(&next)
 	if !s.checking {
 		s.checking = true
 		s.wg.Add(1) // on a lane's goroutine, itself counted
@@ -328,52 +361,76 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 func (s *Server) dropLane(p *Peer) {
 	s.lanesMu.Lock()
 	defer s.lanesMu.Unlock()
-	if cpu, ok := s.lanes[p]; ok {
-		delete(s.lanes, p)
-		delete(s.laneCPUs, cpu)
+	lanes := s.boundLanes()
+	if i := slices.IndexFunc(lanes, func(l boundLane) bool { return l.p == p }); i >= 0 {
+		next := slices.Delete(slices.Clone(lanes), i, i+1)
+		s.lanes.Store(&next)
 	}
+}
+
+// boundLane is a lane whose thread is bound, with its CPU.
+type boundLane struct {
+	p   *Peer
+	cpu int
+}
+
+// boundLanes returns the lanes bound now, oldest first: a slice nobody
+// changes, which the checker reads without the lanes' lock (a lane
+// holding it, unbound, may still be kept from running where it was).
+func (s *Server) boundLanes() []boundLane {
+	if l := s.lanes.Load(); l != nil {
+		return *l
+	}
+	return nil
 }
 
 // checkLanes looks at the watched lanes every laneCheckEvery until there
 // are none or the server closes. It keeps its own thread off the CPUs the
 // lanes are bound to, which their peers may keep busy: the kernel would
-// keep it from running there too.
+// keep it from running there too. It has the lanes past GOMAXPROCS-1
+// follow their peers no more (GOMAXPROCS fell since they were bound).
 func (s *Server) checkLanes() {
 	defer s.wg.Done()
 	t := time.NewTicker(laneCheckEvery)
 	defer t.Stop()
 	var away awayFrom
 	defer away.end()
-	var lanes []*Peer
 	for {
 		select {
 		case <-s.closing:
 			return
 		case <-t.C:
 		}
-		// A lane holding the lock is not bound: it runs, and the next
-		// look will do.
-		if !s.lanesMu.TryLock() {
+		lanes := s.boundLanes()
+		if len(lanes) == 0 {
+			// Under the lock, so that a lane bound meanwhile finds the
+			// checker still running or starts another; a lane holding
+			// it has the next look do.
+			if !s.lanesMu.TryLock() {
+				continue
+			}
+			done := len(s.boundLanes()) == 0
+			s.checking = !done
+			s.lanesMu.Unlock()
+			if done {
+				return
+			}
 			continue
 		}
-		if len(s.lanes) == 0 {
-			s.checking = false
-			s.lanesMu.Unlock()
-			return
-		}
 		var busy unix.CPUSet
-		for p, cpu := range s.lanes {
-			lanes = append(lanes, p)
-			busy.Set(cpu)
+		for _, l := range lanes {
+			busy.Set(l.cpu)
 		}
-		s.lanesMu.Unlock()
 		away.set(&busy)
-		for _, p := range lanes {
-			p.watch.look(p)
+		for _, l := range lanes {
+			l.p.watch.look(l.p)
+		}
+		if extra := len(lanes) - (runtime.GOMAXPROCS(0) - 1); extra > 0 {
+			for _, l := range lanes[len(lanes)-extra:] {
+				l.p.watch.evict(l.p, "GOMAXPROCS fell")
+			}
 		}
 		s.laneChecks.Add(1)
-		clear(lanes)
-		lanes = lanes[:0]
 	}
 }
 

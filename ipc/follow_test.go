@@ -35,7 +35,8 @@ func threadsBoundTo(t *testing.T, cpu int) int {
 }
 
 // followHandler answers create requests inline, following the CPU the
-// request names as the primary does.
+// request names as the primary does. Its answers' End is the id of the
+// lane thread that answered.
 func followHandler() *handler {
 	h := newHandler()
 	h.handle = func(_ context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
@@ -47,7 +48,7 @@ func followHandler() *handler {
 			return nil, err, true
 		}
 		p.Follow(int(m.CPU) - 1)
-		return &ipc.CreateMRReply{Start: m.Addr, End: m.Addr + 1, LKey: 7}, nil, true
+		return &ipc.CreateMRReply{Start: m.Addr, End: uint64(unix.Gettid()), LKey: 7}, nil, true
 	}
 	return h
 }
@@ -120,6 +121,7 @@ func TestLaneFollowsFromAServerMadeOnABoundThread(t *testing.T) {
 	twice(uint32(cpu) + 1)
 	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the lane follows its caller to a CPU the server's maker may not use")
 	twice(0)
+	watchEnds(t, s) // its thread keeps off the lane's CPU while it runs
 	assert.Zero(t, threadsBoundTo(t, cpu))
 	assert.Equal(t, before, threadsBoundTo(t, first), "unbound, the lane's thread may use every CPU again")
 }
@@ -370,6 +372,38 @@ func TestTheLaneWatchKeepsOffTheLanesCPUs(t *testing.T) {
 	assert.Equal(t, before, threadsWithCPUs(t, away), "the watching thread has its CPUs back")
 }
 
+// laneCPUOf asks c's lane to follow cpu (none if negative) twice, and
+// returns the CPU that lane's thread is bound to then, or -1 if it may
+// run on more than one: the binding each request asks for is in place
+// before the next is read.
+func laneCPUOf(t *testing.T, c *ipc.Client, cpu int) int {
+	t.Helper()
+	var r ipc.CreateMRReply
+	for range 2 {
+		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &r))
+	}
+	var set unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(int(r.End), &set))
+	if set.Count() != 1 {
+		return -1
+	}
+	for i := range len(set) * 64 {
+		if set.IsSet(i) {
+			return i
+		}
+	}
+	return -1
+}
+
+// watchEnds waits for s's watch of its bound lanes to end, once none is
+// bound: its thread keeps off their CPUs meanwhile.
+func watchEnds(t *testing.T, s *testServer) {
+	t.Helper()
+	for end := time.Now().Add(bound); ipc.LaneCheckerRunning(s.Server); runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the watch still runs %v after the last lane was unbound", bound)
+	}
+}
+
 // One lane follows each CPU, and no more lanes are bound than leaves the
 // process a P: a lane thread kept from running holds its P, and with every
 // P so held nothing else in the process runs, the watch included. A peer
@@ -383,28 +417,47 @@ func TestBoundLanesLeaveAPAndShareNoCPU(t *testing.T) {
 	for i := range clients {
 		clients[i] = laneClient(t, s, true, ipc.ClientConfig{})
 	}
-	twice := func(c *ipc.Client, cpu int) {
-		t.Helper()
-		for range 2 {
-			require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &ipc.CreateMRReply{}))
-		}
-	}
-	twice(clients[0], last)
-	require.Equal(t, 1, threadsBoundTo(t, last), "the first lane follows its caller")
+	require.Equal(t, last, laneCPUOf(t, clients[0], last), "the first lane follows its caller")
 	defer func() {
 		for _, c := range clients {
-			twice(c, -1)
+			laneCPUOf(t, c, -1)
 		}
+		watchEnds(t, s)
 		assert.Zero(t, threadsBoundTo(t, last))
 		assert.Zero(t, threadsBoundTo(t, first))
 	}()
-	twice(clients[1], last)
-	assert.Equal(t, 1, threadsBoundTo(t, last), "a second lane does not follow its caller to a CPU a lane has")
-	twice(clients[2], first)
-	assert.Zero(t, threadsBoundTo(t, first), "with GOMAXPROCS 2, a second lane bound would leave no P")
+	assert.Equal(t, -1, laneCPUOf(t, clients[1], last), "a second lane does not follow its caller to a CPU a lane has")
+	assert.Equal(t, -1, laneCPUOf(t, clients[2], first), "with GOMAXPROCS 2, a second lane bound would leave no P")
 
-	twice(clients[0], -1)
-	require.Zero(t, threadsBoundTo(t, last), "the first lane let go of its CPU")
-	twice(clients[1], last)
-	assert.Equal(t, 1, threadsBoundTo(t, last), "the second lane follows once the CPU is free")
+	require.Equal(t, -1, laneCPUOf(t, clients[0], -1), "the first lane let go of its CPU")
+	assert.Equal(t, last, laneCPUOf(t, clients[1], last), "the second lane follows once the CPU is free")
+}
+
+// Lanes bound past GOMAXPROCS-1 when GOMAXPROCS falls (a program's call,
+// or the runtime following its cgroup's CPU limit) follow their peers no
+// more, the last bound first.
+func TestLanesPastAFallenGOMAXPROCSAreLetGo(t *testing.T) {
+	cpus := testenv.NeedCPUs(t, 2)
+	first, last := cpus[0], cpus[len(cpus)-1]
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
+	s := startServer(t, followHandler(), withHello, withInline)
+	a, b := laneClient(t, s, true, ipc.ClientConfig{}), laneClient(t, s, true, ipc.ClientConfig{})
+	defer func() {
+		laneCPUOf(t, a, -1)
+		laneCPUOf(t, b, -1)
+		watchEnds(t, s)
+		assert.Zero(t, threadsBoundTo(t, last))
+		assert.Zero(t, threadsBoundTo(t, first))
+	}()
+	require.Equal(t, last, laneCPUOf(t, a, last), "with GOMAXPROCS 3, two lanes follow")
+	require.Equal(t, first, laneCPUOf(t, b, first), "with GOMAXPROCS 3, two lanes follow")
+
+	runtime.GOMAXPROCS(2)
+	from := ipc.LaneChecks(s.Server)
+	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+2; runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the server did not look at its bound lanes for %v", bound)
+	}
+	assert.Equal(t, last, laneCPUOf(t, a, last), "the lane bound first still follows")
+	assert.Equal(t, -1, laneCPUOf(t, b, first), "the lane bound last follows its peer no more")
+	assert.Zero(t, s.Stats().StarvedLanes, "not for want of its CPU")
 }

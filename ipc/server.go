@@ -137,10 +137,9 @@ type Server struct {
 	laneChecks       atomic.Uint64 // looks at the bound lanes, for tests
 	trips            tripLog
 
-	lanesMu  sync.Mutex    // taken by no lane while its thread is bound
-	lanes    map[*Peer]int // the CPU each bound lane took (see Follow)
-	laneCPUs map[int]*Peer // the same, by CPU
-	checking bool          // checkLanes runs
+	lanesMu  sync.Mutex                  // changes lanes; taken by no lane while bound
+	lanes    atomic.Pointer[[]boundLane] // the lanes bound (see Follow)
+	checking bool                        // checkLanes runs; guarded by lanesMu
 
 	closing   chan struct{}
 	closeOnce sync.Once
