@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -170,24 +171,21 @@ const (
 	addrWait   = 0x3000 // block until released
 )
 
-// starveHandler follows the CPU each request names, as followHandler
-// does. A request for addrStarve keeps its thread busy until the thread
-// may run on a CPU other than cpu, for at most bound/2, and answers
-// LKey 1 if it was let go so, 0 if not; one for addrWait says it started
-// on started and blocks until release is closed.
+// starveHandler is followHandler with two addresses of its own. A
+// request for addrStarve keeps its thread busy until the thread may run
+// on a CPU other than cpu, for at most bound/2, and answers LKey 1 if it
+// was let go so, 0 if not; one for addrWait says it started on started
+// and blocks until release is closed.
 func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *handler {
-	h := newHandler()
-	h.handle = func(_ context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
-		if kind != ipc.KindCreateMR {
-			return nil, nil, false
+	h := followHandler()
+	follow := h.handle
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		reply, err, ok := follow(ctx, p, kind, body)
+		r, _ := reply.(*ipc.CreateMRReply)
+		if err != nil || r == nil {
+			return reply, err, ok
 		}
-		var m ipc.CreateMR
-		if err := body.Decode(&m); err != nil {
-			return nil, err, true
-		}
-		p.Follow(int(m.CPU) - 1)
-		r := &ipc.CreateMRReply{Start: m.Addr, End: m.Addr + 1, LKey: 7}
-		switch m.Addr {
+		switch r.Start {
 		case addrStarve:
 			r.LKey = 0
 			for end := time.Now().Add(bound / 2); time.Now().Before(end); {
@@ -219,6 +217,8 @@ func helperSpin(args []string) int {
 	runtime.GOMAXPROCS(n + 1)
 	var one unix.CPUSet
 	one.Set(cpu)
+	var spin atomic.Bool
+	spin.Store(true)
 	var ready sync.WaitGroup
 	for range n {
 		ready.Add(1)
@@ -229,7 +229,7 @@ func helperSpin(args []string) int {
 				os.Exit(3)
 			}
 			ready.Done()
-			for {
+			for spin.Load() { // until the process ends
 			}
 		}()
 	}
@@ -310,10 +310,7 @@ func TestABoundLaneThatWaitsIsNotLetGo(t *testing.T) {
 	go func() { defer close(answered); call(addrWait, uint32(cpu)+1) }()
 	waitFor(t, started, "the waiting request's handler")
 	// Three looks at the lane while the handler waits.
-	from := ipc.LaneChecks(s.Server)
-	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+3; runtime.Gosched() {
-		require.True(t, time.Now().Before(end), "the server did not look at its bound lanes for %v", bound)
-	}
+	waitLooks(t, s, 3)
 	let()
 	waitFor(t, answered, "the answer")
 	twice(uint32(cpu) + 1)
@@ -349,26 +346,13 @@ func TestTheLaneWatchKeepsOffTheLanesCPUs(t *testing.T) {
 	away.Clear(cpu)
 	s := startServer(t, followHandler(), withHello, withInline)
 	c := laneClient(t, s, true, ipc.ClientConfig{})
-	twice := func(hint uint32) {
-		t.Helper()
-		for range 2 {
-			require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: hint}, &ipc.CreateMRReply{}))
-		}
-	}
 	before := threadsWithCPUs(t, away)
-	twice(uint32(cpu) + 1)
-	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
-	from := ipc.LaneChecks(s.Server)
-	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+2; runtime.Gosched() {
-		require.True(t, time.Now().Before(end), "the server did not look at its bound lane for %v", bound)
-	}
+	require.Equal(t, cpu, laneCPUOf(t, c, cpu), "the lane's thread follows its caller")
+	waitLooks(t, s, 2)
 	assert.Equal(t, before+1, threadsWithCPUs(t, away), "the watching thread keeps off the lane's CPU")
 
-	twice(0)
-	require.Zero(t, threadsBoundTo(t, cpu))
-	for end := time.Now().Add(bound); ipc.LaneCheckerRunning(s.Server); runtime.Gosched() {
-		require.True(t, time.Now().Before(end), "the watch still runs %v after the last lane was unbound", bound)
-	}
+	require.Equal(t, -1, laneCPUOf(t, c, -1))
+	watchEnds(t, s)
 	assert.Equal(t, before, threadsWithCPUs(t, away), "the watching thread has its CPUs back")
 }
 
@@ -393,6 +377,15 @@ func laneCPUOf(t *testing.T, c *ipc.Client, cpu int) int {
 		}
 	}
 	return -1
+}
+
+// waitLooks waits for s to look at its bound lanes n more times.
+func waitLooks(t *testing.T, s *testServer, n uint64) {
+	t.Helper()
+	from := ipc.LaneChecks(s.Server)
+	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+n; runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the server did not look at its bound lanes for %v", bound)
+	}
 }
 
 // watchEnds waits for s's watch of its bound lanes to end, once none is
@@ -453,10 +446,7 @@ func TestLanesPastAFallenGOMAXPROCSAreLetGo(t *testing.T) {
 	require.Equal(t, first, laneCPUOf(t, b, first), "with GOMAXPROCS 3, two lanes follow")
 
 	runtime.GOMAXPROCS(2)
-	from := ipc.LaneChecks(s.Server)
-	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+2; runtime.Gosched() {
-		require.True(t, time.Now().Before(end), "the server did not look at its bound lanes for %v", bound)
-	}
+	waitLooks(t, s, 2)
 	assert.Equal(t, last, laneCPUOf(t, a, last), "the lane bound first still follows")
 	assert.Equal(t, -1, laneCPUOf(t, b, first), "the lane bound last follows its peer no more")
 	assert.Zero(t, s.Stats().StarvedLanes, "not for want of its CPU")
