@@ -135,17 +135,16 @@ func (l *laneCPU) apply(p *Peer) {
 		l.unbind(p)
 		return
 	}
-	p.watch.bound(&l.home, cpu)
 	var one unix.CPUSet
 	one.Set(cpu)
 	if err := unix.SchedSetaffinity(0, &one); err != nil {
 		p.srv.log.Debug("ipc: lane cannot follow its caller", "peer", p.id, "cpu", cpu, "err", err)
-		p.watch.unwatch()
 		p.srv.dropLane(p)
 		l.unbind(p)
 		return
 	}
 	l.bound, l.ignored = want, 0
+	p.watch.bound(&l.home, cpu)
 }
 
 // unbind gives the thread its CPUs back and unlocks it. If the kernel
@@ -218,9 +217,10 @@ type laneWatch struct {
 	runnable bool          // whether it was runnable
 }
 
-// bound has the server watch the calling thread, about to be bound to
-// cpu, and records the CPUs it has now. The lane has taken cpu
-// (Server.takeLane).
+// bound has the server watch the calling thread, bound to cpu, which
+// the lane has taken (Server.takeLane); home is the CPUs it had before.
+// Watched only once bound, so that whatever the watch does to the thread
+// comes after the binding.
 func (w *laneWatch) bound(home *unix.CPUSet, cpu int) {
 	w.home = *home
 	w.cpu.Store(int32(cpu))
@@ -237,20 +237,38 @@ func (w *laneWatch) unwatch() {
 }
 
 // evict has the lane's thread follow its peer no more, for a reason other
-// than its CPU: it gets its CPUs back now (it waits for a request, or
-// answers one) and unbinds before its next wait. It reports false if the
-// lane is busy unwatching itself: then try again later.
+// than its CPU's load: its thread may run elsewhere from now on (it waits
+// for a request, or answers one) and unbinds before its next wait, and
+// its CPU is free for another lane at once. It reports false if the lane
+// is binding or unbinding, or a lock is taken: then try again later.
 func (w *laneWatch) evict(p *Peer, why string) bool {
 	if !w.mu.TryLock() {
 		return false
 	}
-	defer w.mu.Unlock()
-	if tid := int(w.tid.Load()); tid != 0 && !w.letGo.Load() {
+	defer w.mu.Unlock() // held until the CPU is let go: the lane may not take another meanwhile
+	tid := int(w.tid.Load())
+	if tid == 0 {
+		return false
+	}
+	if !w.letGo.Load() {
 		w.letGo.Store(true)
-		_ = unix.SchedSetaffinity(tid, &w.home) // else at its next wait
+		w.release(tid)
 		p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", w.cpu.Load(), "why", why)
 	}
-	return true
+	return p.srv.tryDropLane(p)
+}
+
+// release lets thread tid, the lane's, run on the CPUs it had before it
+// was bound, but the one it was bound to: the kernel moves a thread that
+// may still run where it waits only when it gets round to it. Call it
+// with w.mu held.
+func (w *laneWatch) release(tid int) {
+	wide := w.home
+	wide.Clear(int(w.cpu.Load()))
+	if wide.Count() == 0 {
+		return
+	}
+	_ = unix.SchedSetaffinity(tid, &wide) // else when it unbinds, before its next wait
 }
 
 // look is the checker's look at p's lane: it lets the lane's thread go
@@ -295,15 +313,7 @@ func (w *laneWatch) look(p *Peer) {
 	w.letGo.Store(true)
 	p.srv.starvedLanes.Add(1) // before the thread may run, and answer
 	cpu := int(w.cpu.Load())
-	wide := w.home
-	wide.Clear(cpu)
-	if wide.Count() > 0 {
-		// Off the CPU it waits for: the kernel moves a thread that may
-		// still run where it waits only when it gets round to it.
-		if err := unix.SchedSetaffinity(tid, &wide); err != nil {
-			p.srv.log.Warn("ipc: cannot let a starved lane thread go", "peer", p.id, "cpu", cpu, "err", err)
-		}
-	}
+	w.release(tid)
 	p.srv.log.Warn("ipc: a lane thread bound to the CPU its peer named could not run there; it follows that peer no more",
 		"peer", p.id, "cpu", cpu, "over", over, "ran", ran-w.ran)
 }
@@ -361,6 +371,23 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 func (s *Server) dropLane(p *Peer) {
 	s.lanesMu.Lock()
 	defer s.lanesMu.Unlock()
+	s.removeLane(p)
+}
+
+// tryDropLane is dropLane for the watch, which waits for no lock: it
+// reports false if the lock is taken.
+func (s *Server) tryDropLane(p *Peer) bool {
+	if !s.lanesMu.TryLock() {
+		return false
+	}
+	defer s.lanesMu.Unlock()
+	s.removeLane(p)
+	return true
+}
+
+// removeLane takes p's lane out of the bound ones. Call it with lanesMu
+// held.
+func (s *Server) removeLane(p *Peer) {
 	lanes := s.boundLanes()
 	if i := slices.IndexFunc(lanes, func(l boundLane) bool { return l.p == p }); i >= 0 {
 		next := slices.Delete(slices.Clone(lanes), i, i+1)

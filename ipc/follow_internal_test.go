@@ -3,7 +3,9 @@ package ipc
 import (
 	"log/slog"
 	"runtime"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -45,4 +47,55 @@ func TestLaneTriesAnIgnoredCPUAgain(t *testing.T) {
 	assert.True(t, l.locked)
 	assert.Equal(t, int32(-1), step(-1))
 	assert.False(t, l.locked, "unbound, the thread goes back to the runtime")
+}
+
+// The watch may evict a lane (GOMAXPROCS fell) at any moment, as the lane
+// binds its thread too: a lane evicted so never waits for its next
+// request bound to the CPU it named.
+func TestAnEvictedLaneNeverWaitsBound(t *testing.T) {
+	var all unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &all))
+	if !all.IsSet(0) || !all.IsSet(1) {
+		t.Skip("needs a process that may use CPUs 0 and 1")
+	}
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
+	s := &Server{log: slog.New(slog.DiscardHandler), closing: make(chan struct{})}
+	defer func() { close(s.closing); s.wg.Wait() }()
+	p := &Peer{srv: s}
+	var stop atomic.Bool
+	evicting := make(chan struct{})
+	go func() {
+		defer close(evicting)
+		for !stop.Load() {
+			p.watch.evict(p, "test")
+		}
+	}()
+	defer func() { stop.Store(true); <-evicting }()
+
+	runtime.LockOSThread() // this goroutine's thread stands for a lane's
+	defer runtime.UnlockOSThread()
+	defer func() { require.NoError(t, unix.SchedSetaffinity(0, &all)) }()
+	var one unix.CPUSet
+	one.Set(1)
+	var l laneCPU
+	for range 500 {
+		p.Follow(1)
+		l.apply(p)
+		// The lane would wait now: the eviction comes during the
+		// binding, or while it waits.
+		for end := time.Now().Add(10 * time.Second); !p.watch.letGo.Load(); runtime.Gosched() {
+			require.True(t, time.Now().Before(end), "a bound lane was not evicted in 10 s")
+		}
+		var set unix.CPUSet
+		p.watch.mu.Lock() // once the eviction is done with the thread
+		err := unix.SchedGetaffinity(0, &set)
+		p.watch.mu.Unlock()
+		require.NoError(t, err)
+		require.NotEqual(t, one, set, "an evicted lane waits bound to its CPU")
+		p.Follow(-1)
+		l.apply(p)
+		require.Zero(t, l.bound)
+		p.watch.letGo.Store(false) // follow again
+	}
+	assert.Empty(t, s.boundLanes(), "no CPU held")
 }

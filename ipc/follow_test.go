@@ -447,7 +447,14 @@ func TestLanesPastAFallenGOMAXPROCSAreLetGo(t *testing.T) {
 
 	runtime.GOMAXPROCS(2)
 	waitLooks(t, s, 2)
-	assert.Equal(t, last, laneCPUOf(t, a, last), "the lane bound first still follows")
+	// The evicted lane lets go of its CPU at once, whether or not its peer
+	// asks anything again: once the first lane is unbound, another may
+	// take it.
+	require.Equal(t, last, laneCPUOf(t, a, last), "the lane bound first still follows")
+	require.Equal(t, -1, laneCPUOf(t, a, -1))
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	assert.Equal(t, first, laneCPUOf(t, c, first), "the evicted lane left its CPU to others")
+	laneCPUOf(t, c, -1)
 	assert.Equal(t, -1, laneCPUOf(t, b, first), "the lane bound last follows its peer no more")
 	assert.Zero(t, s.Stats().StarvedLanes, "not for want of its CPU")
 }
