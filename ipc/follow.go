@@ -46,11 +46,11 @@ import (
 //     from a thread kept off their CPUs. A lane thread that has answered
 //     one request for 2 ms or more since the watch first saw it, runnable
 //     then and now, and ran for less than a quarter of that time, is let
-//     go at once: it may run on the
-//     process's other CPUs for the rest of that request, and its lane
-//     follows that peer no more (ServerStats.StarvedLanes counts them,
-//     and a warning names the peer). A handler that waits, for a lock
-//     say, is not let go: only a thread that could run and did not.
+//     go at once: it may run on the process's other CPUs for the rest of
+//     that request, and its lane follows that peer no more
+//     (ServerStats.StarvedLanes counts them, and a warning names the
+//     peer). A handler that waits, for a lock say, is not let go: only a
+//     thread that could run and did not.
 //
 // The watch is a goroutine, and looks late when the Go scheduler runs it
 // late (tens of milliseconds on a loaded machine). A garbage collection
@@ -184,9 +184,8 @@ func (l *laneCPU) end(p *Peer) {
 // it has any. A bound lane's thread that has answered one request for at
 // least laneStarvedAfter, runnable when it started and at the end, and
 // run for less than 1/laneStarvedShare of that time, is kept from
-// running: it is let go.
-// A request normally takes microseconds: one that spans a look is
-// already rare.
+// running: it is let go. A request normally takes microseconds: one that
+// spans a look is already rare.
 const (
 	laneCheckEvery   = 5 * time.Millisecond
 	laneStarvedAfter = 2 * time.Millisecond
@@ -274,9 +273,9 @@ func (w *laneWatch) release(tid int) {
 // look is the checker's look at p's lane: it lets the lane's thread go
 // if, between two looks at least laneStarvedAfter apart at the request it
 // answers, it was runnable at both and ran for less than
-// 1/laneStarvedShare of the time.
-// The kernel counts a thread's wait to run only once it runs again, so
-// the sign of a thread kept from running is a clock that does not move.
+// 1/laneStarvedShare of the time. (The kernel counts a thread's wait to
+// run only once it runs again: the sign of a thread kept from running is
+// a CPU clock that does not move.)
 func (w *laneWatch) look(p *Peer) {
 	busy := w.busy.Load()
 	if busy%2 == 0 {
