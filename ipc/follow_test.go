@@ -36,8 +36,8 @@ func threadsBoundTo(t *testing.T, cpu int) int {
 }
 
 // followHandler answers create requests inline, following the CPU the
-// request names as the primary does. Its answers' End is the id of the
-// lane thread that answered.
+// request names as the primary does. Its answers' length less one is the
+// id of the lane thread that answered (see laneTID).
 func followHandler() *handler {
 	h := newHandler()
 	h.handle = func(_ context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
@@ -49,7 +49,7 @@ func followHandler() *handler {
 			return nil, err, true
 		}
 		p.Follow(int(m.CPU) - 1)
-		return &ipc.CreateMRReply{Start: m.Addr, End: uint64(unix.Gettid()), LKey: 7}, nil, true
+		return &ipc.CreateMRReply{Start: m.Addr, End: m.Addr + 1 + uint64(unix.Gettid()), LKey: 7}, nil, true
 	}
 	return h
 }
@@ -367,7 +367,7 @@ func laneCPUOf(t *testing.T, c *ipc.Client, cpu int) int {
 		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &r))
 	}
 	var set unix.CPUSet
-	require.NoError(t, unix.SchedGetaffinity(int(r.End), &set))
+	require.NoError(t, unix.SchedGetaffinity(laneTID(r), &set))
 	if set.Count() != 1 {
 		return -1
 	}
@@ -387,6 +387,10 @@ func waitLooks(t *testing.T, s *testServer, n uint64) {
 		require.True(t, time.Now().Before(end), "the server did not look at its bound lanes for %v", bound)
 	}
 }
+
+// laneTID returns the id of the lane thread that made r, an answer of
+// followHandler's.
+func laneTID(r ipc.CreateMRReply) int { return int(r.End - r.Start - 1) }
 
 // watchEnds waits for s's watch of its bound lanes to end, once none is
 // bound: its thread keeps off their CPUs meanwhile.
