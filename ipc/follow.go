@@ -2,6 +2,7 @@ package ipc
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"runtime"
 	"slices"
@@ -50,7 +51,8 @@ import (
 //     that request, and its lane follows that peer no more
 //     (ServerStats.StarvedLanes counts them, and a warning names the
 //     peer). A handler that waits, for a lock say, is not let go: only a
-//     thread that could run and did not.
+//     thread that could run and did not. A thread whose state the watch
+//     cannot read (no /proc) is let go too, rather than left unwatched.
 //
 // The watch is a goroutine, and looks late when the Go scheduler runs it
 // late (tens of milliseconds on a loaded machine). A garbage collection
@@ -291,8 +293,19 @@ func (w *laneWatch) look(p *Peer) {
 		return
 	}
 	ran, err := threadCPUTime(tid)
-	now, r := time.Now(), runnable(tid)
-	if err != nil || w.busy.Load() != busy {
+	now, r := time.Now(), false
+	if err == nil {
+		r, err = threadRunnable(tid)
+	}
+	if err != nil {
+		// Not watched, it would not be let go if it starved: it follows
+		// its peer no more instead (tid is alive while w.mu is held).
+		w.letGo.Store(true)
+		w.release(tid)
+		p.srv.log.Warn("ipc: cannot watch a lane thread; it follows its peer no more", "peer", p.id, "err", err)
+		return
+	}
+	if w.busy.Load() != busy {
 		w.seen = 0
 		return
 	}
@@ -328,15 +341,18 @@ func threadCPUTime(tid int) (time.Duration, error) {
 	return time.Duration(ts.Nano()), nil
 }
 
-// runnable reports whether thread tid of this process is running or
+// threadRunnable reports whether thread tid of this process is running or
 // waiting to run (state R in its stat), not waiting for something else.
-func runnable(tid int) bool {
+var threadRunnable = func(tid int) (bool, error) {
 	b, err := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/stat")
 	if err != nil {
-		return false
+		return false, err
 	}
 	i := bytes.LastIndexByte(b, ')') // the command may hold anything
-	return i >= 0 && i+2 < len(b) && b[i+2] == 'R'
+	if i < 0 || i+2 >= len(b) {
+		return false, fmt.Errorf("ipc: stat of thread %d: %q", tid, b)
+	}
+	return b[i+2] == 'R', nil
 }
 
 // takeLane has p's lane take cpu, unless another lane has it or as many

@@ -1,6 +1,7 @@
 package ipc
 
 import (
+	"errors"
 	"log/slog"
 	"runtime"
 	"sync/atomic"
@@ -98,4 +99,24 @@ func TestAnEvictedLaneNeverWaitsBound(t *testing.T) {
 		p.watch.letGo.Store(false) // follow again
 	}
 	assert.Empty(t, s.boundLanes(), "no CPU held")
+}
+
+// A watch that cannot read a bound lane thread's state (no /proc, say)
+// lets the thread go, as it would a starved one, rather than leave it
+// bound and unwatched.
+func TestALaneTheWatchCannotReadIsLetGo(t *testing.T) {
+	defer func(f func(int) (bool, error)) { threadRunnable = f }(threadRunnable)
+	threadRunnable = func(int) (bool, error) { return false, errors.New("no /proc here") }
+	var home unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &home))
+	runtime.LockOSThread() // this goroutine's thread stands for a lane's
+	defer runtime.UnlockOSThread()
+	defer func() { require.NoError(t, unix.SchedSetaffinity(0, &home)) }()
+
+	p := &Peer{srv: &Server{log: slog.New(slog.DiscardHandler)}}
+	p.watch.bound(&home, 0)
+	p.watch.busy.Add(1) // answering a request
+	p.watch.look(p)
+	assert.True(t, p.watch.letGo.Load(), "a lane thread the watch cannot read follows its peer no more")
+	assert.Zero(t, p.srv.Stats().StarvedLanes, "not counted as starved")
 }
