@@ -15,3 +15,6 @@ func LaneCheckerRunning(s *Server) bool {
 	defer s.lanesMu.Unlock()
 	return s.checking
 }
+
+// LaneTakes counts the times a lane of s asked for a CPU.
+func LaneTakes(s *Server) uint64 { return s.laneTakes.Load() }

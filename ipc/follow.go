@@ -84,7 +84,18 @@ type laneCPU struct {
 	ignored int32       // the last CPU + 1 asked for that home does not hold
 	home    unix.CPUSet // the thread's CPUs before it was bound
 	locked  bool        // the goroutine is locked to its thread
+
+	// The last CPU + 1 that Server.takeLane refused, and the bound lanes'
+	// generation then: not asked for again until they change, or for
+	// laneRetryEvery requests (GOMAXPROCS may have risen).
+	refused    int32
+	refusedGen uint64
+	retry      int
 }
+
+// laneRetryEvery is how many requests a lane refused a CPU lets go by
+// before it asks again, the bound lanes unchanged.
+const laneRetryEvery = 256
 
 // apply binds or unbinds the calling thread as p asked, if it asked for a
 // change. A binding the kernel refuses (the CPU went offline, say), or
@@ -119,9 +130,16 @@ func (l *laneCPU) apply(p *Peer) {
 			return
 		}
 	}
-	if !p.srv.takeLane(p, cpu) {
+	gen := p.srv.lanesGen.Load()
+	if want == l.refused && gen == l.refusedGen && l.retry < laneRetryEvery {
+		l.retry++
 		return
 	}
+	if !p.srv.takeLane(p, cpu) {
+		l.refused, l.refusedGen, l.retry = want, gen, 0
+		return
+	}
+	l.refused = 0
 	if !l.locked {
 		runtime.LockOSThread()
 		if err := unix.SchedGetaffinity(0, &l.home); err != nil {
@@ -361,6 +379,7 @@ var threadRunnable = func(tid int) (bool, error) {
 // of the process (the watch included). It starts the watch if it does
 // not run. A lane calls it only while its thread is not bound.
 func (s *Server) takeLane(p *Peer, cpu int) bool {
+	s.laneTakes.Add(1)
 	s.lanesMu.Lock()
 	defer s.lanesMu.Unlock()
 	lanes := s.boundLanes()
@@ -374,6 +393,7 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 	}
 	next := append(slices.Clip(lanes), boundLane{p, cpu})
 	s.lanes.Store(&next)
+	s.lanesGen.Add(1)
 	if !s.checking {
 		s.checking = true
 		s.wg.Add(1) // on a lane's goroutine, itself counted
@@ -407,6 +427,7 @@ func (s *Server) removeLane(p *Peer) {
 	if i := slices.IndexFunc(lanes, func(l boundLane) bool { return l.p == p }); i >= 0 {
 		next := slices.Delete(slices.Clone(lanes), i, i+1)
 		s.lanes.Store(&next)
+		s.lanesGen.Add(1)
 	}
 }
 

@@ -462,3 +462,23 @@ func TestLanesPastAFallenGOMAXPROCSAreLetGo(t *testing.T) {
 	assert.Equal(t, -1, laneCPUOf(t, b, first), "the lane bound last follows its peer no more")
 	assert.Zero(t, s.Stats().StarvedLanes, "not for want of its CPU")
 }
+
+// A lane refused a CPU (another lane has it) does not ask for it again at
+// every request: only once the bound lanes change, or every so often.
+func TestARefusedLaneDoesNotAskAtEveryRequest(t *testing.T) {
+	cpu := lastCPU(t)
+	s := startServer(t, followHandler(), withHello, withInline)
+	a, b := laneClient(t, s, true, ipc.ClientConfig{}), laneClient(t, s, true, ipc.ClientConfig{})
+	require.Equal(t, cpu, laneCPUOf(t, a, cpu))
+	defer func() {
+		laneCPUOf(t, a, -1)
+		laneCPUOf(t, b, -1)
+	}()
+	from := ipc.LaneTakes(s.Server)
+	for range 50 {
+		require.Equal(t, -1, laneCPUOf(t, b, cpu), "a CPU another lane has")
+	}
+	assert.LessOrEqual(t, ipc.LaneTakes(s.Server)-from, uint64(2), "asked for at each of 100 requests")
+	require.Equal(t, -1, laneCPUOf(t, a, -1))
+	assert.Equal(t, cpu, laneCPUOf(t, b, cpu), "asked again once the CPU is free")
+}

@@ -135,10 +135,12 @@ type Server struct {
 	violations       atomic.Uint64
 	starvedLanes     atomic.Uint64
 	laneChecks       atomic.Uint64 // looks at the bound lanes, for tests
+	laneTakes        atomic.Uint64 // lanes' asks for a CPU, for tests
 	trips            tripLog
 
 	lanesMu  sync.Mutex                  // changes lanes; taken by no lane while bound
 	lanes    atomic.Pointer[[]boundLane] // the lanes bound (see Follow)
+	lanesGen atomic.Uint64               // counts changes to lanes
 	checking bool                        // checkLanes runs; guarded by lanesMu
 
 	closing   chan struct{}
