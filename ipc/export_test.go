@@ -1,5 +1,7 @@
 package ipc
 
+import "time"
+
 // HasLane reports whether c has its call lane.
 func HasLane(c *Client) bool { return c.lane.Load() != nil }
 
@@ -18,3 +20,12 @@ func LaneCheckerRunning(s *Server) bool {
 
 // LaneTakes counts the times a lane of s asked for a CPU.
 func LaneTakes(s *Server) uint64 { return s.laneTakes.Load() }
+
+// SetLaneIdleAfter sets how long a bound lane's peer may ask nothing
+// before the lane gives its CPU to a lane waiting for one; the returned
+// function sets it back.
+func SetLaneIdleAfter(d time.Duration) (restore func()) {
+	old := laneIdleAfter
+	laneIdleAfter = d
+	return func() { laneIdleAfter = old }
+}

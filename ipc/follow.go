@@ -43,6 +43,11 @@ import (
 //     hold every P. A peer that names a CPU another lane has, or one past
 //     that count, is not followed until one is free again; the lanes past
 //     it when GOMAXPROCS falls follow their peers no more.
+//   - A bound lane whose peer has asked nothing for a second gives its
+//     CPU back if a lane was refused one since it took it
+//     (ServerStats.IdleLanes counts them): the CPU goes to a peer that
+//     asks, and the quiet peer's lane binds again at its next request if
+//     a CPU is free then.
 //   - The server watches its bound lanes, every 5 ms while it has any,
 //     from a thread kept off their CPUs. A lane thread that has answered
 //     one request for 2 ms or more since the watch first saw it, runnable
@@ -102,6 +107,16 @@ const laneRetryEvery = 256
 // that another lane's holds up (see Server.takeLane), is tried again at
 // the next request.
 func (l *laneCPU) apply(p *Peer) {
+	if p.watch.idle.Load() {
+		// The watch took the lane's CPU back while its peer asked
+		// nothing: unbound, it binds again below if a CPU is free.
+		if l.bound != 0 {
+			if l.unbind(p); l.bound != 0 {
+				return
+			}
+		}
+		p.watch.idle.Store(false)
+	}
 	want := p.follow.Load()
 	if p.watch.letGo.Load() {
 		want = 0
@@ -206,6 +221,10 @@ func (l *laneCPU) end(p *Peer) {
 // run for less than 1/laneStarvedShare of that time, is kept from
 // running: it is let go. A request normally takes microseconds: one that
 // spans a look is already rare.
+// laneIdleAfter is how long a bound lane's peer may ask nothing before
+// the lane gives its CPU back, if another lane was refused one meanwhile.
+var laneIdleAfter = time.Second
+
 const (
 	laneCheckEvery   = 5 * time.Millisecond
 	laneStarvedAfter = 2 * time.Millisecond
@@ -221,9 +240,16 @@ type laneWatch struct {
 	// letGo is set once the lane's thread was let go: it follows the peer
 	// no more.
 	letGo atomic.Bool
-	tid   atomic.Int32 // the lane's thread while it is watched, else 0
-	cpu   atomic.Int32 // the CPU it is bound to
-	home  unix.CPUSet  // its CPUs before; written only while tid is 0
+	// idle is set once the lane gave its CPU back while its peer asked
+	// nothing: it unbinds, and may bind again.
+	idle atomic.Bool
+	// binds counts the lane's bindings; demand is the server's refused
+	// takes when it took its CPU.
+	binds  atomic.Uint64
+	demand atomic.Uint64
+	tid    atomic.Int32 // the lane's thread while it is watched, else 0
+	cpu    atomic.Int32 // the CPU it is bound to
+	home   unix.CPUSet  // its CPUs before; written only while tid is 0
 	// mu is held by the checker from reading tid until it is done with
 	// the thread, and by the lane to set tid to 0 (a thread may end, and
 	// its id be reused, only then).
@@ -234,6 +260,10 @@ type laneWatch struct {
 	ran      time.Duration // the thread's CPU time then
 	at       time.Time     // when
 	runnable bool          // whether it was runnable
+	// And since when its peer has asked nothing: since quietSince, busy
+	// was quietAt and the lane's binding quietBinds.
+	quietAt, quietBinds uint64
+	quietSince          time.Time
 }
 
 // bound has the server watch the calling thread, bound to cpu, which
@@ -243,6 +273,7 @@ type laneWatch struct {
 func (w *laneWatch) bound(home *unix.CPUSet, cpu int) {
 	w.home = *home
 	w.cpu.Store(int32(cpu))
+	w.binds.Add(1)
 	w.tid.Store(int32(unix.Gettid()))
 }
 
@@ -300,6 +331,7 @@ func (w *laneWatch) look(p *Peer) {
 	busy := w.busy.Load()
 	if busy%2 == 0 {
 		w.seen = busy
+		w.quiet(p, busy)
 		return
 	}
 	if !w.mu.TryLock() {
@@ -348,6 +380,37 @@ func (w *laneWatch) look(p *Peer) {
 		"peer", p.id, "cpu", cpu, "over", over, "ran", ran-w.ran)
 }
 
+// quiet is the checker's look at p's lane between two requests, busy
+// counting them: a lane whose peer has asked nothing for laneIdleAfter
+// gives its CPU back if another lane was refused one since it took its
+// own. Its thread may run anywhere again at once, and it unbinds at its
+// next request, after which it binds again if a CPU is free.
+func (w *laneWatch) quiet(p *Peer, busy uint64) {
+	now, binds := time.Now(), w.binds.Load()
+	if busy != w.quietAt || binds != w.quietBinds || w.quietSince.IsZero() {
+		w.quietAt, w.quietBinds, w.quietSince = busy, binds, now
+		return
+	}
+	if now.Sub(w.quietSince) < laneIdleAfter || p.srv.laneRefusals.Load() == w.demand.Load() {
+		return
+	}
+	if !w.mu.TryLock() {
+		return
+	}
+	defer w.mu.Unlock()
+	tid := int(w.tid.Load())
+	if tid == 0 || w.letGo.Load() || w.busy.Load() != busy {
+		return // unbinding, let go, or asked something meanwhile
+	}
+	if !w.idle.Load() {
+		w.idle.Store(true)
+		_ = unix.SchedSetaffinity(tid, &w.home) // else when it unbinds
+		p.srv.idleLanes.Add(1)
+		p.srv.log.Debug("ipc: a quiet lane gives its CPU back", "peer", p.id, "cpu", w.cpu.Load(), "quiet", now.Sub(w.quietSince))
+	}
+	p.srv.tryDropLane(p) // else at the next look, or when it unbinds
+}
+
 // threadCPUTime returns the CPU time thread tid of this process has used,
 // to the nanosecond (its CPUCLOCK_SCHED clock: see clock_getcpuclockid).
 func threadCPUTime(tid int) (time.Duration, error) {
@@ -383,14 +446,11 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 	s.lanesMu.Lock()
 	defer s.lanesMu.Unlock()
 	lanes := s.boundLanes()
-	if len(lanes) >= runtime.GOMAXPROCS(0)-1 {
+	if len(lanes) >= runtime.GOMAXPROCS(0)-1 || slices.ContainsFunc(lanes, func(l boundLane) bool { return l.cpu == cpu }) {
+		s.laneRefusals.Add(1) // a quiet lane gives its CPU back for it
 		return false
 	}
-	for _, l := range lanes {
-		if l.cpu == cpu {
-			return false
-		}
-	}
+	p.watch.demand.Store(s.laneRefusals.Load())
 	next := append(slices.Clip(lanes), boundLane{p, cpu})
 	s.lanes.Store(&next)
 	s.lanesGen.Add(1)

@@ -485,3 +485,51 @@ func TestARefusedLaneDoesNotAskAtEveryRequest(t *testing.T) {
 	require.Equal(t, -1, laneCPUOf(t, a, -1))
 	assert.Equal(t, cpu, laneCPUOf(t, b, cpu), "asked again once the CPU is free")
 }
+
+// boundTo returns the CPU thread tid is bound to, or -1 if it may run on
+// more than one.
+func boundTo(t *testing.T, tid int) int {
+	t.Helper()
+	var set unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(tid, &set))
+	for i := range len(set) * 64 {
+		if set.Count() == 1 && set.IsSet(i) {
+			return i
+		}
+	}
+	return -1
+}
+
+// A lane whose peer asks nothing for a while gives its CPU back to a lane
+// that was refused one meanwhile, and follows its own peer again once a
+// CPU is free; a quiet lane nobody waits for keeps its CPU.
+func TestAnIdleLaneGivesItsCPUToALaneWaitingForOne(t *testing.T) {
+	cpu := lastCPU(t)
+	const idle = 50 * time.Millisecond
+	defer ipc.SetLaneIdleAfter(idle)()
+	s := startServer(t, followHandler(), withHello, withInline)
+	a, b := laneClient(t, s, true, ipc.ClientConfig{}), laneClient(t, s, true, ipc.ClientConfig{})
+	defer func() {
+		laneCPUOf(t, a, -1)
+		laneCPUOf(t, b, -1)
+		watchEnds(t, s)
+	}()
+	require.Equal(t, cpu, laneCPUOf(t, a, cpu))
+	var r ipc.CreateMRReply
+	require.NoError(t, a.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &r))
+	tid := laneTID(r)
+
+	waitLooks(t, s, uint64(3*idle/(5*time.Millisecond)))
+	require.Equal(t, cpu, boundTo(t, tid), "a quiet lane nobody waits for keeps its CPU")
+
+	require.Equal(t, -1, laneCPUOf(t, b, cpu), "a CPU another lane has")
+	for end := time.Now().Add(bound); s.Stats().IdleLanes == 0; runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the quiet lane kept its CPU from a lane waiting for it for %v", bound)
+	}
+	assert.Equal(t, -1, boundTo(t, tid), "the quiet lane's thread may run anywhere again")
+	assert.Equal(t, cpu, laneCPUOf(t, b, cpu), "the waiting lane follows its peer once the CPU is free")
+	assert.Equal(t, -1, laneCPUOf(t, a, cpu), "the lane that gave the CPU back waits for it in turn")
+	require.Equal(t, -1, laneCPUOf(t, b, -1))
+	assert.Equal(t, cpu, laneCPUOf(t, a, cpu), "and follows its peer again once it is free")
+	assert.Zero(t, s.Stats().StarvedLanes)
+}

@@ -162,6 +162,10 @@ type ServerStats struct {
 	// StarvedLanes counts lanes let go from the CPU their peer named
 	// because their thread could not run there (see Peer.Follow).
 	StarvedLanes uint64 `json:"starved_lanes"`
+	// IdleLanes counts lanes that gave their CPU back, for another lane
+	// to follow its peer there, after their own peer asked nothing for a
+	// while (see Peer.Follow).
+	IdleLanes uint64 `json:"idle_lanes"`
 }
 
 // tripEvery is how often each limit may log that it tripped: a flood
@@ -214,5 +218,6 @@ func (s *Server) Stats() ServerStats {
 	st.WriteTimeouts = s.writeTimeouts.Load()
 	st.Violations = s.violations.Load()
 	st.StarvedLanes = s.starvedLanes.Load()
+	st.IdleLanes = s.idleLanes.Load()
 	return st
 }

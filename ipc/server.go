@@ -134,8 +134,10 @@ type Server struct {
 	writeTimeouts    atomic.Uint64
 	violations       atomic.Uint64
 	starvedLanes     atomic.Uint64
+	idleLanes        atomic.Uint64
 	laneChecks       atomic.Uint64 // looks at the bound lanes, for tests
 	laneTakes        atomic.Uint64 // lanes' asks for a CPU, for tests
+	laneRefusals     atomic.Uint64 // those refused
 	trips            tripLog
 
 	lanesMu  sync.Mutex                  // changes lanes; taken by no lane while bound

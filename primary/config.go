@@ -79,9 +79,11 @@ type Config struct {
 	// that names a CPU it keeps busy makes its creates wait there, holding
 	// the global lock while they register, which every other secondary's
 	// creates wait for. So one thread at a time follows each CPU, at most
-	// GOMAXPROCS-1 are bound at once, and the primary lets such a thread
-	// go once it has run for less than a quarter of 2 ms or more of one
-	// create, runnable, and stops following that secondary (a warning,
+	// GOMAXPROCS-1 are bound at once (one that follows a secondary that
+	// has asked nothing for a second gives way to one that asks), and the
+	// primary lets such a thread go once it has run for less than a
+	// quarter of 2 ms or more of one create, runnable, and stops
+	// following that secondary (a warning,
 	// and the ipc_starved_lanes counter; see ipc.Peer.Follow): each
 	// connection can hold the others up once, for milliseconds (the
 	// README's "IPC round trip" has figures). Turn it on when the
