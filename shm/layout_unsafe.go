@@ -5,6 +5,7 @@ import (
 	"hash/fnv"
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -191,17 +192,27 @@ func LayoutHash(descs ...string) uint32 {
 var ownLayout = LayoutHash(Describe(header{}), Describe(procSlot{}),
 	Describe(blockHeader{}), Describe(lockHead{}), Describe(readerLine{}))
 
-// plainTypes caches the types checkPlain accepted.
-var plainTypes sync.Map
+// plainTypes caches the types checkPlain accepted; plainSeen caches the
+// last few of them by their descriptor's address (a type's descriptor
+// never moves), which costs At no hashing and the least memory to read.
+var (
+	plainTypes sync.Map
+	plainSeen  [256]atomic.Uintptr
+)
 
 // mustBePlain panics if t can hold a Go pointer (see checkPlain); the
 // answer is cached per type.
 func mustBePlain(t reflect.Type) {
-	if _, ok := plainTypes.Load(t); ok {
+	key := reflect.ValueOf(t).Pointer()
+	seen := &plainSeen[key>>4%uintptr(len(plainSeen))]
+	if seen.Load() == key {
 		return
 	}
-	checkPlain(t)
-	plainTypes.Store(t, struct{}{})
+	if _, ok := plainTypes.Load(t); !ok {
+		checkPlain(t)
+		plainTypes.Store(t, struct{}{})
+	}
+	seen.Store(key)
 }
 
 // checkPlain panics if t can hold a Go pointer: such a type must never be
@@ -229,8 +240,7 @@ func checkPlain(t reflect.Type) {
 // panics otherwise: offsets come from the segment's own arena, so a bad one
 // is a bug, not an input error). Access the fields with sync/atomic.
 func At[T any](s *Segment, off uint64) *T {
-	var zero T
-	t := reflect.TypeOf(zero)
+	t := reflect.TypeFor[T]()
 	mustBePlain(t)
 	s.mustRange(off, uint64(t.Size()), uint64(t.Align()))
 	return (*T)(unsafe.Add(s.basePtr(), off))
@@ -239,8 +249,7 @@ func At[T any](s *Segment, off uint64) *T {
 // Slice returns n consecutive Ts starting at offset off, under the same
 // rules as At.
 func Slice[T any](s *Segment, off uint64, n int) []T {
-	var zero T
-	t := reflect.TypeOf(zero)
+	t := reflect.TypeFor[T]()
 	mustBePlain(t)
 	if n < 0 {
 		panic("shm: negative slice length")

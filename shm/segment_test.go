@@ -437,3 +437,19 @@ func TestCloseUnderReadersWhileReadersAskAboutSlots(t *testing.T) {
 	assert.Equal(t, -1, other.Slot(), "the slot is released")
 	assert.False(t, owner.Proc(mine).Live)
 }
+
+// At and Slice refuse, every time, a type that can hold a Go pointer or
+// whose size depends on the machine; the plain types they accept between
+// refusals change nothing.
+func TestAtRefusesTypesThatAreNotPlain(t *testing.T) {
+	s, _ := newSegment(t, testenv.Tmpfs(t))
+	off, err := s.Alloc(64, 16)
+	require.NoError(t, err)
+	for range 2 {
+		assert.NotPanics(t, func() { shm.At[[4]uint64](s, off) })
+		assert.NotPanics(t, func() { shm.Slice[struct{ A, B uint32 }](s, off, 2) })
+		assert.Panics(t, func() { shm.At[struct{ P *int }](s, off) })
+		assert.Panics(t, func() { shm.At[int](s, off) })
+		assert.Panics(t, func() { shm.Slice[string](s, off, 1) })
+	}
+}
