@@ -87,8 +87,12 @@ func TestLaneFollowsItsCallersCPU(t *testing.T) {
 		call(uint32(i%2*cpu) + 1) // CPU 0, the last, 0, ...
 	}
 	call(uint32(cpu) + 1)
+	// The watch's thread keeps off the lane's CPU: it may be bound to the
+	// last one since the lane was on CPU 0, until its next look.
+	waitLooks(t, s, 2)
 	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the thread follows the last caller")
 	twice(0)
+	watchEnds(t, s)
 	assert.Zero(t, threadsBoundTo(t, cpu))
 }
 
