@@ -29,3 +29,10 @@ func SetLaneIdleAfter(d time.Duration) (restore func()) {
 	laneIdleAfter = d
 	return func() { laneIdleAfter = old }
 }
+
+// LanesWaiting counts the lanes of s waiting for a CPU they were refused.
+func LanesWaiting(s *Server) int {
+	s.lanesMu.Lock()
+	defer s.lanesMu.Unlock()
+	return len(s.waiting)
+}

@@ -128,6 +128,7 @@ func (l *laneCPU) apply(p *Peer) {
 		if l.bound != 0 {
 			l.unbind(p)
 		}
+		l.stopWaiting(p)
 		return
 	}
 	if want == l.bound || want == l.ignored {
@@ -149,6 +150,15 @@ func (l *laneCPU) apply(p *Peer) {
 	if want == l.refused && gen == l.refusedGen && l.retry < laneRetryEvery {
 		l.retry++
 		return
+	}
+	if !l.locked {
+		// A CPU the thread may not use is not waited for (see quiet).
+		var now unix.CPUSet
+		if unix.SchedGetaffinity(0, &now) == nil && !now.IsSet(cpu) {
+			l.ignored = want
+			l.stopWaiting(p)
+			return
+		}
 	}
 	if !p.srv.takeLane(p, cpu) {
 		l.refused, l.refusedGen, l.retry = want, gen, 0
@@ -182,6 +192,15 @@ func (l *laneCPU) apply(p *Peer) {
 	p.watch.bound(&l.home, cpu)
 }
 
+// stopWaiting has the server forget that the lane, unbound, waits for a
+// CPU it was refused.
+func (l *laneCPU) stopWaiting(p *Peer) {
+	if l.refused != 0 {
+		p.srv.dropLane(p)
+		l.refused = 0
+	}
+}
+
 // unbind gives the thread its CPUs back and unlocks it. If the kernel
 // refuses, the thread stays as it is, locked, until the next request.
 func (l *laneCPU) unbind(p *Peer) {
@@ -206,6 +225,7 @@ func (l *laneCPU) unbind(p *Peer) {
 // end is unbind for a lane that ends: a thread the kernel would not
 // unbind ends with the lane's goroutine, unwatched.
 func (l *laneCPU) end(p *Peer) {
+	l.stopWaiting(p)
 	if l.bound != 0 {
 		l.unbind(p)
 	}
@@ -243,13 +263,11 @@ type laneWatch struct {
 	// idle is set once the lane gave its CPU back while its peer asked
 	// nothing: it unbinds, and may bind again.
 	idle atomic.Bool
-	// binds counts the lane's bindings; demand is the server's refused
-	// takes when it took its CPU.
-	binds  atomic.Uint64
-	demand atomic.Uint64
-	tid    atomic.Int32 // the lane's thread while it is watched, else 0
-	cpu    atomic.Int32 // the CPU it is bound to
-	home   unix.CPUSet  // its CPUs before; written only while tid is 0
+	// binds counts the lane's bindings.
+	binds atomic.Uint64
+	tid   atomic.Int32 // the lane's thread while it is watched, else 0
+	cpu   atomic.Int32 // the CPU it is bound to
+	home  unix.CPUSet  // its CPUs before; written only while tid is 0
 	// mu is held by the checker from reading tid until it is done with
 	// the thread, and by the lane to set tid to 0 (a thread may end, and
 	// its id be reused, only then).
@@ -382,16 +400,16 @@ func (w *laneWatch) look(p *Peer) {
 
 // quiet is the checker's look at p's lane between two requests, busy
 // counting them: a lane whose peer has asked nothing for laneIdleAfter
-// gives its CPU back if another lane was refused one since it took its
-// own. Its thread may run anywhere again at once, and it unbinds at its
-// next request, after which it binds again if a CPU is free.
+// gives its CPU back if a lane waits for it (see Server.helps). Its
+// thread may run anywhere again at once, and it unbinds at its next
+// request, after which it binds again if a CPU is free.
 func (w *laneWatch) quiet(p *Peer, busy uint64) {
 	now, binds := time.Now(), w.binds.Load()
 	if busy != w.quietAt || binds != w.quietBinds || w.quietSince.IsZero() {
 		w.quietAt, w.quietBinds, w.quietSince = busy, binds, now
 		return
 	}
-	if now.Sub(w.quietSince) < laneIdleAfter || p.srv.laneRefusals.Load() == w.demand.Load() {
+	if now.Sub(w.quietSince) < laneIdleAfter {
 		return
 	}
 	if !w.mu.TryLock() {
@@ -399,16 +417,22 @@ func (w *laneWatch) quiet(p *Peer, busy uint64) {
 	}
 	defer w.mu.Unlock()
 	tid := int(w.tid.Load())
-	if tid == 0 || w.letGo.Load() || w.busy.Load() != busy {
-		return // unbinding, let go, or asked something meanwhile
+	if tid == 0 || w.letGo.Load() || w.idle.Load() || w.busy.Load() != busy {
+		return // unbinding, let go, given back, or asked something meanwhile
 	}
-	if !w.idle.Load() {
-		w.idle.Store(true)
-		_ = unix.SchedSetaffinity(tid, &w.home) // else when it unbinds
-		p.srv.idleLanes.Add(1)
-		p.srv.log.Debug("ipc: a quiet lane gives its CPU back", "peer", p.id, "cpu", w.cpu.Load(), "quiet", now.Sub(w.quietSince))
+	s := p.srv
+	if !s.lanesMu.TryLock() {
+		return // at the next look
 	}
-	p.srv.tryDropLane(p) // else at the next look, or when it unbinds
+	defer s.lanesMu.Unlock()
+	cpu := int(w.cpu.Load())
+	if !s.helps(cpu) || unix.SchedSetaffinity(tid, &w.home) != nil {
+		return
+	}
+	w.idle.Store(true)
+	s.removeLane(p)
+	s.idleLanes.Add(1)
+	s.log.Debug("ipc: a quiet lane gives its CPU back", "peer", p.id, "cpu", cpu, "quiet", now.Sub(w.quietSince))
 }
 
 // threadCPUTime returns the CPU time thread tid of this process has used,
@@ -447,10 +471,13 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 	defer s.lanesMu.Unlock()
 	lanes := s.boundLanes()
 	if len(lanes) >= runtime.GOMAXPROCS(0)-1 || slices.ContainsFunc(lanes, func(l boundLane) bool { return l.cpu == cpu }) {
-		s.laneRefusals.Add(1) // a quiet lane gives its CPU back for it
+		if s.waiting == nil {
+			s.waiting = map[*Peer]int{}
+		}
+		s.waiting[p] = cpu // a quiet lane may give its CPU back for it
 		return false
 	}
-	p.watch.demand.Store(s.laneRefusals.Load())
+	delete(s.waiting, p)
 	next := append(slices.Clip(lanes), boundLane{p, cpu})
 	s.lanes.Store(&next)
 	s.lanesGen.Add(1)
@@ -462,7 +489,22 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 	return true
 }
 
-// dropLane lets go of the CPU p's lane took, if it took one.
+// helps reports whether a bound lane giving cpu back would let a lane
+// that waits bind: one waits for cpu, or, with as many lanes bound as may
+// be, for a CPU no lane has. Call it with lanesMu held.
+func (s *Server) helps(cpu int) bool {
+	lanes := s.boundLanes()
+	full := len(lanes) >= runtime.GOMAXPROCS(0)-1
+	for _, want := range s.waiting {
+		if want == cpu || full && !slices.ContainsFunc(lanes, func(l boundLane) bool { return l.cpu == want }) {
+			return true
+		}
+	}
+	return false
+}
+
+// dropLane lets go of the CPU p's lane took, if it took one, and of its
+// wait for one.
 func (s *Server) dropLane(p *Peer) {
 	s.lanesMu.Lock()
 	defer s.lanesMu.Unlock()
@@ -480,9 +522,10 @@ func (s *Server) tryDropLane(p *Peer) bool {
 	return true
 }
 
-// removeLane takes p's lane out of the bound ones. Call it with lanesMu
-// held.
+// removeLane takes p's lane out of the bound ones, and out of those that
+// wait for a CPU. Call it with lanesMu held.
 func (s *Server) removeLane(p *Peer) {
+	delete(s.waiting, p)
 	lanes := s.boundLanes()
 	if i := slices.IndexFunc(lanes, func(l boundLane) bool { return l.p == p }); i >= 0 {
 		next := slices.Delete(slices.Clone(lanes), i, i+1)
@@ -548,6 +591,7 @@ func (s *Server) checkLanes() {
 		for _, l := range lanes {
 			l.p.watch.look(l.p)
 		}
+		lanes = s.boundLanes() // less those given back
 		if extra := len(lanes) - (runtime.GOMAXPROCS(0) - 1); extra > 0 {
 			for _, l := range lanes[len(lanes)-extra:] {
 				l.p.watch.evict(l.p, "GOMAXPROCS fell")

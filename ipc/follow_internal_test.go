@@ -120,3 +120,46 @@ func TestALaneTheWatchCannotReadIsLetGo(t *testing.T) {
 	assert.True(t, p.watch.letGo.Load(), "a lane thread the watch cannot read follows its peer no more")
 	assert.Zero(t, p.srv.Stats().StarvedLanes, "not counted as starved")
 }
+
+// A quiet lane that cannot take the lanes' lock gives nothing back, and
+// counts nothing: a lane waiting for its CPU would not see the change. It
+// gives its CPU back, counted, at the look after.
+func TestAQuietLaneCountsOnlyTheCPUItGaveBack(t *testing.T) {
+	var home unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &home); err != nil || home.Count() < 2 {
+		t.Skip("needs a process that may use 2 CPUs")
+	}
+	defer SetLaneIdleAfter(0)()
+	runtime.LockOSThread() // stands for the lane's thread
+	defer runtime.UnlockOSThread()
+	s := &Server{log: slog.New(slog.DiscardHandler), waiting: map[*Peer]int{}}
+	p, waiter := &Peer{srv: s}, &Peer{srv: s}
+	cpu := -1
+	for i := range cpuSetSize {
+		if home.IsSet(i) {
+			cpu = i
+		}
+	}
+	lanes := []boundLane{{p, cpu}}
+	s.lanes.Store(&lanes)
+	p.watch.bound(&home, cpu)
+	s.waiting[waiter] = cpu
+
+	s.lanesMu.Lock() // as the waiting lane's next takeLane holds it
+	p.watch.quiet(p, 0)
+	p.watch.quiet(p, 0)
+	s.lanesMu.Unlock()
+	assert.Zero(t, s.idleLanes.Load())
+	assert.False(t, p.watch.idle.Load())
+	assert.Len(t, s.boundLanes(), 1)
+
+	gen := s.lanesGen.Load()
+	p.watch.quiet(p, 0)
+	assert.Equal(t, uint64(1), s.idleLanes.Load())
+	assert.True(t, p.watch.idle.Load())
+	assert.Empty(t, s.boundLanes())
+	assert.NotEqual(t, gen, s.lanesGen.Load(), "a lane that waits asks again")
+	var now unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &now))
+	assert.Equal(t, home, now, "the thread may run where it could before")
+}

@@ -537,3 +537,66 @@ func TestAnIdleLaneGivesItsCPUToALaneWaitingForOne(t *testing.T) {
 	assert.Equal(t, cpu, laneCPUOf(t, a, cpu), "and follows its peer again once it is free")
 	assert.Zero(t, s.Stats().StarvedLanes)
 }
+
+// A quiet lane keeps its CPU unless giving it back lets a lane that waits
+// bind: not for a lane that has ended, nor for one that names a CPU the
+// process may not use, nor for one that waits for another lane's CPU.
+func TestAQuietLaneKeepsItsCPUUnlessThatHelpsALaneWaiting(t *testing.T) {
+	cpus := testenv.NeedCPUs(t, 2)
+	first, last := cpus[0], cpus[len(cpus)-1]
+	const idle = 20 * time.Millisecond
+	defer ipc.SetLaneIdleAfter(idle)()
+	// quietLane binds a lane of s to cpu and returns its thread.
+	quietLane := func(t *testing.T, s *testServer, cpu int) (c *ipc.Client, tid int) {
+		c = laneClient(t, s, true, ipc.ClientConfig{})
+		require.Equal(t, cpu, laneCPUOf(t, c, cpu))
+		var r ipc.CreateMRReply
+		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &r))
+		return c, laneTID(r)
+	}
+	quietLooks := uint64(3 * idle / (5 * time.Millisecond))
+
+	t.Run("the waiting lane ended", func(t *testing.T) {
+		s := startServer(t, followHandler(), withHello, withInline)
+		a, tid := quietLane(t, s, last)
+		defer func() { laneCPUOf(t, a, -1); watchEnds(t, s) }()
+		b := laneClient(t, s, true, ipc.ClientConfig{})
+		require.Equal(t, -1, laneCPUOf(t, b, last))
+		require.Equal(t, 1, ipc.LanesWaiting(s.Server))
+		require.NoError(t, b.Close())
+		for end := time.Now().Add(bound); ipc.LanesWaiting(s.Server) != 0; runtime.Gosched() {
+			require.True(t, time.Now().Before(end), "a lane that ended still waits for a CPU after %v", bound)
+		}
+		waitLooks(t, s, quietLooks)
+		assert.Zero(t, s.Stats().IdleLanes)
+		assert.Equal(t, last, boundTo(t, tid), "a quiet lane nobody waits for keeps its CPU")
+	})
+	t.Run("the waiting lane names a CPU it may not use", func(t *testing.T) {
+		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(2))
+		s := startServer(t, followHandler(), withHello, withInline)
+		a, tid := quietLane(t, s, last)
+		b := laneClient(t, s, true, ipc.ClientConfig{})
+		defer func() { laneCPUOf(t, a, -1); laneCPUOf(t, b, -1); watchEnds(t, s) }()
+		require.Equal(t, -1, laneCPUOf(t, b, 1000), "no machine here has CPU 1000")
+		waitLooks(t, s, quietLooks)
+		assert.Zero(t, ipc.LanesWaiting(s.Server), "ignored, not waited for")
+		assert.Zero(t, s.Stats().IdleLanes)
+		assert.Equal(t, last, boundTo(t, tid), "a CPU nobody can use in its place is kept")
+	})
+	t.Run("the waiting lane names another lane's CPU", func(t *testing.T) {
+		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
+		s := startServer(t, followHandler(), withHello, withInline)
+		a, tid := quietLane(t, s, first)
+		c, _ := quietLane(t, s, last)
+		b := laneClient(t, s, true, ipc.ClientConfig{})
+		defer func() { laneCPUOf(t, a, -1); laneCPUOf(t, b, -1); laneCPUOf(t, c, -1); watchEnds(t, s) }()
+		require.Equal(t, -1, laneCPUOf(t, b, last), "c has it")
+		for end := time.Now().Add(bound); s.Stats().IdleLanes == 0; runtime.Gosched() {
+			require.True(t, time.Now().Before(end), "c, quiet, kept the CPU b waits for %v", bound)
+		}
+		waitLooks(t, s, quietLooks)
+		assert.Equal(t, uint64(1), s.Stats().IdleLanes, "c gave its CPU back, and only c")
+		assert.Equal(t, first, boundTo(t, tid), "a quiet lane whose CPU nobody waits for keeps it")
+		assert.Equal(t, last, laneCPUOf(t, b, last))
+	})
+}

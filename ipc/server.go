@@ -137,13 +137,13 @@ type Server struct {
 	idleLanes        atomic.Uint64
 	laneChecks       atomic.Uint64 // looks at the bound lanes, for tests
 	laneTakes        atomic.Uint64 // lanes' asks for a CPU, for tests
-	laneRefusals     atomic.Uint64 // those refused
 	trips            tripLog
 
 	lanesMu  sync.Mutex                  // changes lanes; taken by no lane while bound
 	lanes    atomic.Pointer[[]boundLane] // the lanes bound (see Follow)
 	lanesGen atomic.Uint64               // counts changes to lanes
 	checking bool                        // checkLanes runs; guarded by lanesMu
+	waiting  map[*Peer]int               // lanes refused a CPU, and which; guarded by lanesMu
 
 	closing   chan struct{}
 	closeOnce sync.Once
