@@ -386,13 +386,20 @@ func laneCPUOf(t *testing.T, c *ipc.Client, cpu int) int {
 	return -1
 }
 
+// waitUntil waits for done to report true, failing t with what (and
+// bound) if it does not within bound.
+func waitUntil(t *testing.T, done func() bool, what string) {
+	t.Helper()
+	for end := time.Now().Add(bound); !done(); runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "%s for %v", what, bound)
+	}
+}
+
 // waitLooks waits for s to look at its bound lanes n more times.
 func waitLooks(t *testing.T, s *testServer, n uint64) {
 	t.Helper()
 	from := ipc.LaneChecks(s.Server)
-	for end := time.Now().Add(bound); ipc.LaneChecks(s.Server) < from+n; runtime.Gosched() {
-		require.True(t, time.Now().Before(end), "the server did not look at its bound lanes for %v", bound)
-	}
+	waitUntil(t, func() bool { return ipc.LaneChecks(s.Server) >= from+n }, "the server did not look at its bound lanes")
 }
 
 // laneTID returns the id of the lane thread that made r, an answer of
@@ -403,9 +410,7 @@ func laneTID(r ipc.CreateMRReply) int { return int(r.End - r.Start - 1) }
 // bound: its thread keeps off their CPUs meanwhile.
 func watchEnds(t *testing.T, s *testServer) {
 	t.Helper()
-	for end := time.Now().Add(bound); ipc.LaneCheckerRunning(s.Server); runtime.Gosched() {
-		require.True(t, time.Now().Before(end), "the watch still runs %v after the last lane was unbound", bound)
-	}
+	waitUntil(t, func() bool { return !ipc.LaneCheckerRunning(s.Server) }, "the watch ran on after the last lane was unbound")
 }
 
 // One lane follows each CPU, and no more lanes are bound than leaves the
@@ -504,6 +509,17 @@ func boundTo(t *testing.T, tid int) int {
 	return -1
 }
 
+// boundLane makes a client of s whose lane is bound to cpu, and returns
+// it with the lane's thread.
+func boundLane(t *testing.T, s *testServer, cpu int) (c *ipc.Client, tid int) {
+	t.Helper()
+	c = laneClient(t, s, true, ipc.ClientConfig{})
+	require.Equal(t, cpu, laneCPUOf(t, c, cpu))
+	var r ipc.CreateMRReply
+	require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &r))
+	return c, laneTID(r)
+}
+
 // A lane whose peer asks nothing for a while gives its CPU back to a lane
 // that was refused one meanwhile, and follows its own peer again once a
 // CPU is free; a quiet lane nobody waits for keeps its CPU.
@@ -512,24 +528,19 @@ func TestAnIdleLaneGivesItsCPUToALaneWaitingForOne(t *testing.T) {
 	const idle = 50 * time.Millisecond
 	defer ipc.SetLaneIdleAfter(idle)()
 	s := startServer(t, followHandler(), withHello, withInline)
-	a, b := laneClient(t, s, true, ipc.ClientConfig{}), laneClient(t, s, true, ipc.ClientConfig{})
+	a, tid := boundLane(t, s, cpu)
+	b := laneClient(t, s, true, ipc.ClientConfig{})
 	defer func() {
 		laneCPUOf(t, a, -1)
 		laneCPUOf(t, b, -1)
 		watchEnds(t, s)
 	}()
-	require.Equal(t, cpu, laneCPUOf(t, a, cpu))
-	var r ipc.CreateMRReply
-	require.NoError(t, a.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &r))
-	tid := laneTID(r)
 
 	waitLooks(t, s, uint64(3*idle/(5*time.Millisecond)))
 	require.Equal(t, cpu, boundTo(t, tid), "a quiet lane nobody waits for keeps its CPU")
 
 	require.Equal(t, -1, laneCPUOf(t, b, cpu), "a CPU another lane has")
-	for end := time.Now().Add(bound); s.Stats().IdleLanes == 0; runtime.Gosched() {
-		require.True(t, time.Now().Before(end), "the quiet lane kept its CPU from a lane waiting for it for %v", bound)
-	}
+	waitUntil(t, func() bool { return s.Stats().IdleLanes != 0 }, "the quiet lane kept its CPU from a lane waiting for it")
 	assert.Equal(t, -1, boundTo(t, tid), "the quiet lane's thread may run anywhere again")
 	assert.Equal(t, cpu, laneCPUOf(t, b, cpu), "the waiting lane follows its peer once the CPU is free")
 	assert.Equal(t, -1, laneCPUOf(t, a, cpu), "the lane that gave the CPU back waits for it in turn")
@@ -546,54 +557,45 @@ func TestAQuietLaneKeepsItsCPUUnlessThatHelpsALaneWaiting(t *testing.T) {
 	first, last := cpus[0], cpus[len(cpus)-1]
 	const idle = 20 * time.Millisecond
 	defer ipc.SetLaneIdleAfter(idle)()
-	// quietLane binds a lane of s to cpu and returns its thread.
-	quietLane := func(t *testing.T, s *testServer, cpu int) (c *ipc.Client, tid int) {
-		c = laneClient(t, s, true, ipc.ClientConfig{})
-		require.Equal(t, cpu, laneCPUOf(t, c, cpu))
-		var r ipc.CreateMRReply
-		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000, CPU: uint32(cpu + 1)}, &r))
-		return c, laneTID(r)
-	}
 	quietLooks := uint64(3 * idle / (5 * time.Millisecond))
+	// keeps checks that s's lane on thread tid keeps cpu while quiet.
+	keeps := func(t *testing.T, s *testServer, tid, cpu int) {
+		t.Helper()
+		waitLooks(t, s, quietLooks)
+		assert.Zero(t, s.Stats().IdleLanes)
+		assert.Equal(t, cpu, boundTo(t, tid), "a quiet lane keeps its CPU")
+	}
 
 	t.Run("the waiting lane ended", func(t *testing.T) {
 		s := startServer(t, followHandler(), withHello, withInline)
-		a, tid := quietLane(t, s, last)
+		a, tid := boundLane(t, s, last)
 		defer func() { laneCPUOf(t, a, -1); watchEnds(t, s) }()
 		b := laneClient(t, s, true, ipc.ClientConfig{})
 		require.Equal(t, -1, laneCPUOf(t, b, last))
 		require.Equal(t, 1, ipc.LanesWaiting(s.Server))
 		require.NoError(t, b.Close())
-		for end := time.Now().Add(bound); ipc.LanesWaiting(s.Server) != 0; runtime.Gosched() {
-			require.True(t, time.Now().Before(end), "a lane that ended still waits for a CPU after %v", bound)
-		}
-		waitLooks(t, s, quietLooks)
-		assert.Zero(t, s.Stats().IdleLanes)
-		assert.Equal(t, last, boundTo(t, tid), "a quiet lane nobody waits for keeps its CPU")
+		waitUntil(t, func() bool { return ipc.LanesWaiting(s.Server) == 0 }, "a lane that ended still waited for a CPU")
+		keeps(t, s, tid, last)
 	})
 	t.Run("the waiting lane names a CPU it may not use", func(t *testing.T) {
 		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(2))
 		s := startServer(t, followHandler(), withHello, withInline)
-		a, tid := quietLane(t, s, last)
+		a, tid := boundLane(t, s, last)
 		b := laneClient(t, s, true, ipc.ClientConfig{})
 		defer func() { laneCPUOf(t, a, -1); laneCPUOf(t, b, -1); watchEnds(t, s) }()
 		require.Equal(t, -1, laneCPUOf(t, b, 1000), "no machine here has CPU 1000")
-		waitLooks(t, s, quietLooks)
 		assert.Zero(t, ipc.LanesWaiting(s.Server), "ignored, not waited for")
-		assert.Zero(t, s.Stats().IdleLanes)
-		assert.Equal(t, last, boundTo(t, tid), "a CPU nobody can use in its place is kept")
+		keeps(t, s, tid, last)
 	})
 	t.Run("the waiting lane names another lane's CPU", func(t *testing.T) {
 		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
 		s := startServer(t, followHandler(), withHello, withInline)
-		a, tid := quietLane(t, s, first)
-		c, _ := quietLane(t, s, last)
+		a, tid := boundLane(t, s, first)
+		c, _ := boundLane(t, s, last)
 		b := laneClient(t, s, true, ipc.ClientConfig{})
 		defer func() { laneCPUOf(t, a, -1); laneCPUOf(t, b, -1); laneCPUOf(t, c, -1); watchEnds(t, s) }()
 		require.Equal(t, -1, laneCPUOf(t, b, last), "c has it")
-		for end := time.Now().Add(bound); s.Stats().IdleLanes == 0; runtime.Gosched() {
-			require.True(t, time.Now().Before(end), "c, quiet, kept the CPU b waits for %v", bound)
-		}
+		waitUntil(t, func() bool { return s.Stats().IdleLanes != 0 }, "c, quiet, kept the CPU b waits for")
 		waitLooks(t, s, quietLooks)
 		assert.Equal(t, uint64(1), s.Stats().IdleLanes, "c gave its CPU back, and only c")
 		assert.Equal(t, first, boundTo(t, tid), "a quiet lane whose CPU nobody waits for keeps it")
