@@ -44,10 +44,10 @@ import (
 //     that count, is not followed until one is free again; the lanes past
 //     it when GOMAXPROCS falls follow their peers no more.
 //   - A bound lane whose peer has asked nothing for a second gives its
-//     CPU back if a lane was refused one since it took it
-//     (ServerStats.IdleLanes counts them): the CPU goes to a peer that
-//     asks, and the quiet peer's lane binds again at its next request if
-//     a CPU is free then.
+//     CPU back when that lets a lane waiting for one bind: one refused
+//     that CPU, or, with as many lanes bound as may be, one refused a CPU
+//     no lane has (ServerStats.IdleLanes counts them). The quiet peer's
+//     lane binds again at its next request if a CPU is free then.
 //   - The server watches its bound lanes, every 5 ms while it has any,
 //     from a thread kept off their CPUs. A lane thread that has answered
 //     one request for 2 ms or more since the watch first saw it, runnable
@@ -242,7 +242,7 @@ func (l *laneCPU) end(p *Peer) {
 // running: it is let go. A request normally takes microseconds: one that
 // spans a look is already rare.
 // laneIdleAfter is how long a bound lane's peer may ask nothing before
-// the lane gives its CPU back, if another lane was refused one meanwhile.
+// the lane gives its CPU back, if that lets a waiting lane bind (quiet).
 var laneIdleAfter = time.Second
 
 const (

@@ -80,7 +80,7 @@ type Config struct {
 	// the global lock while they register, which every other secondary's
 	// creates wait for. So one thread at a time follows each CPU, at most
 	// GOMAXPROCS-1 are bound at once (one that follows a secondary that
-	// has asked nothing for a second gives way to one that asks), and the
+	// has asked nothing for a second gives way to one that waits), and the
 	// primary lets such a thread go once it has run for less than a
 	// quarter of 2 ms or more of one create, runnable, and stops
 	// following that secondary (a warning,
