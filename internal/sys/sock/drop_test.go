@@ -34,6 +34,15 @@ func sendRaw(t *testing.T, c *Conn, b []byte, fds ...int) {
 	require.NoError(t, err)
 }
 
+// passAndClose sends one byte with sender's descriptor on socket fd, and
+// closes sender: the descriptor queued there is the last one.
+func passAndClose(t *testing.T, fd int, sender *os.File) {
+	t.Helper()
+	_, err := unix.SendmsgN(fd, []byte("x"), unix.UnixRights(int(sender.Fd())), nil, 0)
+	require.NoError(t, err)
+	require.NoError(t, sender.Close())
+}
+
 // Descriptors the kernel would close inside a receive or a close, where
 // nothing can make them safe first, are taken out and dropped instead:
 // those of a message with more than fit (the receive keeps room for all a
@@ -94,9 +103,7 @@ func TestNoDescriptorIsClosedUnseen(t *testing.T) {
 		sender, peer := testenv.Lingering(t)
 		_, err = unix.Write(s[0], make([]byte, 2*maxDiscard))
 		require.NoError(t, err)
-		_, err = unix.SendmsgN(s[0], []byte("x"), unix.UnixRights(int(sender.Fd())), nil, 0)
-		require.NoError(t, err)
-		require.NoError(t, sender.Close())
+		passAndClose(t, s[0], sender)
 		unix.Close(s[0])
 		testenv.Bounded(t, "Drop", 10*time.Second, func() error { Drop([]*os.File{os.NewFile(uintptr(s[1]), "stream")}); return nil })
 		reset(t, peer, "dropped, not closed inside the stream's close")
@@ -112,9 +119,7 @@ func TestNoDescriptorIsClosedUnseen(t *testing.T) {
 		t.Cleanup(func() { unix.Close(c) })
 		require.NoError(t, unix.Connect(c, &unix.SockaddrUnix{Name: path}))
 		sender, peer := testenv.Lingering(t)
-		_, err = unix.SendmsgN(c, []byte("x"), unix.UnixRights(int(sender.Fd())), nil, 0)
-		require.NoError(t, err)
-		require.NoError(t, sender.Close())
+		passAndClose(t, c, sender)
 		testenv.Bounded(t, "Drop", 10*time.Second, func() error { Drop([]*os.File{os.NewFile(uintptr(l), "listener")}); return nil })
 		reset(t, peer, "dropped, not closed inside the listener's close")
 	})
@@ -122,9 +127,7 @@ func TestNoDescriptorIsClosedUnseen(t *testing.T) {
 		carrier, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 		require.NoError(t, err)
 		sender, peer := testenv.Lingering(t)
-		_, err = unix.SendmsgN(carrier[0], []byte("x"), unix.UnixRights(int(sender.Fd())), nil, 0)
-		require.NoError(t, err)
-		require.NoError(t, sender.Close())
+		passAndClose(t, carrier[0], sender)
 		unix.Close(carrier[0])
 		testenv.Bounded(t, "Drop", 10*time.Second, func() error { Drop([]*os.File{os.NewFile(uintptr(carrier[1]), "carrier")}); return nil })
 		reset(t, peer, "dropped, not closed inside the carrier's close")
