@@ -46,8 +46,9 @@ import (
 //   - A bound lane whose peer has asked nothing for a second gives its
 //     CPU back when that lets a lane waiting for one bind: one refused
 //     that CPU, or, with as many lanes bound as may be, one refused a CPU
-//     no lane has (ServerStats.IdleLanes counts them). The quiet peer's
-//     lane binds again at its next request if a CPU is free then.
+//     no lane has, since the bound lanes last changed
+//     (ServerStats.IdleLanes counts them). The quiet peer's lane binds
+//     again at its next request if a CPU is free then.
 //   - The server watches its bound lanes, every 5 ms while it has any,
 //     from a thread kept off their CPUs. A lane thread that has answered
 //     one request for 2 ms or more since the watch first saw it, runnable
@@ -477,10 +478,8 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 		s.waiting[p] = cpu // a quiet lane may give its CPU back for it
 		return false
 	}
-	delete(s.waiting, p)
 	next := append(slices.Clip(lanes), boundLane{p, cpu})
-	s.lanes.Store(&next)
-	s.lanesGen.Add(1)
+	s.setLanes(next)
 	if !s.checking {
 		s.checking = true
 		s.wg.Add(1) // on a lane's goroutine, itself counted
@@ -528,10 +527,19 @@ func (s *Server) removeLane(p *Peer) {
 	delete(s.waiting, p)
 	lanes := s.boundLanes()
 	if i := slices.IndexFunc(lanes, func(l boundLane) bool { return l.p == p }); i >= 0 {
-		next := slices.Delete(slices.Clone(lanes), i, i+1)
-		s.lanes.Store(&next)
-		s.lanesGen.Add(1)
+		s.setLanes(slices.Delete(slices.Clone(lanes), i, i+1))
 	}
+}
+
+// setLanes makes next the bound lanes, a new generation of them. The
+// lanes that waited for a CPU wait no more: each asks again at its next
+// request (its refusal was for the generation before), and waits again if
+// refused, while one that has stopped asking is not given way to again.
+// Call it with lanesMu held.
+func (s *Server) setLanes(next []boundLane) {
+	s.lanes.Store(&next)
+	s.lanesGen.Add(1)
+	clear(s.waiting)
 }
 
 // boundLane is a lane whose thread is bound, with its CPU.

@@ -602,3 +602,26 @@ func TestAQuietLaneKeepsItsCPUUnlessThatHelpsALaneWaiting(t *testing.T) {
 		assert.Equal(t, last, laneCPUOf(t, b, last))
 	})
 }
+
+// A lane that was refused a CPU and then asks nothing more waits for it
+// no longer once the lanes change: a quiet lane gives its CPU back for it
+// once, not again each time it has been quiet for a while.
+func TestALaneThatStoppedAskingIsNotWaitedForAgain(t *testing.T) {
+	cpu := lastCPU(t)
+	const idle = 20 * time.Millisecond
+	defer ipc.SetLaneIdleAfter(idle)()
+	s := startServer(t, followHandler(), withHello, withInline)
+	a, _ := boundLane(t, s, cpu)
+	b := laneClient(t, s, true, ipc.ClientConfig{})
+	defer func() {
+		laneCPUOf(t, a, -1)
+		laneCPUOf(t, b, -1)
+		watchEnds(t, s)
+	}()
+	require.Equal(t, -1, laneCPUOf(t, b, cpu), "a CPU another lane has")
+	waitUntil(t, func() bool { return s.Stats().IdleLanes != 0 }, "the quiet lane kept its CPU from a lane waiting for it")
+	// b asks nothing more: a takes its CPU back.
+	require.Equal(t, cpu, laneCPUOf(t, a, cpu), "the CPU was free again")
+	waitLooks(t, s, uint64(3*idle/(5*time.Millisecond)))
+	assert.Equal(t, uint64(1), s.Stats().IdleLanes, "given back again for a lane that asked nothing since")
+}
