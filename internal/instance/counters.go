@@ -49,6 +49,7 @@ const (
 	CIPCThrottled            // requests of peers not attached refused for their budget
 	CIPCViolations           // connections closed for breaking the protocol
 	CIPCStarvedLanes         // lane threads let go from a CPU they could not run on
+	CIPCIdleLanes            // lane threads that gave their CPU back while their peer was quiet
 	NumCounters
 )
 
@@ -61,6 +62,7 @@ var CounterNames = [NumCounters]string{
 	"ipc_conns", "ipc_refused_conns", "ipc_refused_conns_per_uid", "ipc_hello_timeouts",
 	"ipc_refused_files", "ipc_refused_files_in_flight", "ipc_queue_overflows", "ipc_write_timeouts",
 	"ipc_strangers_throttled", "ipc_violations", "ipc_starved_lanes",
+	"ipc_idle_lanes",
 }
 
 // Map returns the counters by CounterNames.
@@ -162,6 +164,9 @@ type Counters struct {
 	// Lane threads bound to the CPU their secondary named that could not
 	// run there, let go (primary with FollowCPU; see ipc.Peer.Follow).
 	IPCStarvedLanes uint64 `json:"ipc_starved_lanes"`
+	// Lane threads that gave their CPU back to a lane waiting for one
+	// while their secondary asked nothing (primary with FollowCPU).
+	IPCIdleLanes uint64 `json:"ipc_idle_lanes"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
@@ -171,7 +176,7 @@ func (c *Counters) vector() *[NumCounters]uint64 {
 		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences,
 		uint64(c.IPCConns), c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts,
 		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCThrottled,
-		c.IPCViolations, c.IPCStarvedLanes}
+		c.IPCViolations, c.IPCStarvedLanes, c.IPCIdleLanes}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
@@ -188,7 +193,7 @@ func fromVector(v *[NumCounters]uint64) Counters {
 		IPCHelloTimeouts: v[CIPCHelloTimeouts], IPCRefusedFiles: v[CIPCRefusedFiles],
 		IPCRefusedFilesInFlight: v[CIPCRefusedFilesInFlight], IPCQueueOverflows: v[CIPCQueueOverflows],
 		IPCWriteTimeouts: v[CIPCWriteTimeouts], IPCThrottled: v[CIPCThrottled], IPCViolations: v[CIPCViolations],
-		IPCStarvedLanes: v[CIPCStarvedLanes],
+		IPCStarvedLanes: v[CIPCStarvedLanes], IPCIdleLanes: v[CIPCIdleLanes],
 	}
 }
 
@@ -204,7 +209,7 @@ func (c *Counters) SetIPC(st ipc.ServerStats) {
 	c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID = st.Conns, st.RefusedConns, st.RefusedConnsUID
 	c.IPCHelloTimeouts, c.IPCRefusedFiles, c.IPCRefusedFilesInFlight = st.HelloTimeouts, st.RefusedFiles, st.RefusedFilesInFlight
 	c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCViolations = st.QueueOverflows, st.WriteTimeouts, st.Violations
-	c.IPCStarvedLanes = st.StarvedLanes
+	c.IPCStarvedLanes, c.IPCIdleLanes = st.StarvedLanes, st.IdleLanes
 }
 
 // SetLatency copies a histogram's quantiles in.

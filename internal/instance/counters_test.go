@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/assert"
+
+	"github.com/mpmr/mpmr/ipc"
 )
 
 func TestHistogramQuantiles(t *testing.T) {
@@ -37,4 +39,18 @@ func TestBucketsCoverValues(t *testing.T) {
 			assert.Greater(t, v, bucketTop(b-1), "value %d above bucket %d", v, b-1)
 		}
 	}
+}
+
+// Every server statistic SetIPC copies comes back out of the counters'
+// vector under its own name, the lanes' ones too.
+func TestIPCCountersKeepTheirPlaces(t *testing.T) {
+	var c Counters
+	c.SetIPC(ipc.ServerStats{Conns: 1, RefusedConns: 2, RefusedConnsUID: 3, HelloTimeouts: 4, RefusedFiles: 5,
+		RefusedFilesInFlight: 6, QueueOverflows: 7, WriteTimeouts: 8, Violations: 9, StarvedLanes: 10, IdleLanes: 11})
+	got := fromVector(c.vector())
+	assert.Equal(t, c, got)
+	m := got.Map()
+	assert.Equal(t, uint64(10), m["ipc_starved_lanes"])
+	assert.Equal(t, uint64(11), m["ipc_idle_lanes"])
+	assert.Equal(t, uint64(9), m["ipc_violations"])
 }
