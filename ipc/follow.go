@@ -559,9 +559,9 @@ func (s *Server) boundLanes() []boundLane {
 }
 
 // checkLanes looks at the watched lanes every laneCheckEvery until there
-// are none or the server closes. It keeps its own thread off the CPUs the
-// lanes are bound to, which their peers may keep busy: the kernel would
-// keep it from running there too. It has the lanes past GOMAXPROCS-1
+// are none, a closing server's too (its lanes end). It keeps its own
+// thread off the CPUs the lanes are bound to, which their peers may keep
+// busy: the kernel would keep it from running there too. It has the lanes past GOMAXPROCS-1
 // follow their peers no more (GOMAXPROCS fell since they were bound).
 func (s *Server) checkLanes() {
 	defer s.wg.Done()
@@ -569,10 +569,13 @@ func (s *Server) checkLanes() {
 	defer t.Stop()
 	var away awayFrom
 	defer away.end()
+	closing := s.closing
 	for {
 		select {
-		case <-s.closing:
-			return
+		case <-closing:
+			// Close waits for the lanes: they are watched until they
+			// have ended, so that none kept from running delays it.
+			closing = nil
 		case <-t.C:
 		}
 		lanes := s.boundLanes()

@@ -625,3 +625,34 @@ func TestALaneThatStoppedAskingIsNotWaitedForAgain(t *testing.T) {
 	waitLooks(t, s, uint64(3*idle/(5*time.Millisecond)))
 	assert.Equal(t, uint64(1), s.Stats().IdleLanes, "given back again for a lane that asked nothing since")
 }
+
+// A lane thread kept from its CPU while the server closes is still let go:
+// Close waits for the lanes, and would wait for that one as long as its
+// CPU stays busy.
+func TestAStarvedLaneIsLetGoWhileTheServerCloses(t *testing.T) {
+	cpu := lastCPU(t)
+	h := starveHandler(cpu, nil, nil)
+	starve := h.handle
+	running, result := make(chan struct{}), make(chan uint32, 1)
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		var m ipc.CreateMR
+		if kind == ipc.KindCreateMR && body.Decode(&m) == nil && m.Addr == addrStarve {
+			close(running)
+		}
+		reply, err, ok := starve(ctx, p, kind, body)
+		if r, _ := reply.(*ipc.CreateMRReply); r != nil && r.Start == addrStarve {
+			result <- r.LKey
+		}
+		return reply, err, ok
+	}
+	s := startServer(t, h, withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	require.Equal(t, cpu, laneCPUOf(t, c, cpu))
+	defer spinOn(t, cpu, 7)()
+	go func() {
+		_ = c.Call(context.Background(), ipc.KindCreateMR, &ipc.CreateMR{Addr: addrStarve, CPU: uint32(cpu) + 1}, nil)
+	}()
+	<-running
+	require.NoError(t, s.Close())
+	assert.Equal(t, uint32(1), <-result, "a lane thread kept from its CPU while the server closed was not let go in %v", bound/2)
+}
