@@ -264,6 +264,9 @@ type laneWatch struct {
 	// idle is set once the lane gave its CPU back while its peer asked
 	// nothing: it unbinds, and may bind again.
 	idle atomic.Bool
+	// evicted is set once the lane was let go for a reason other than its
+	// CPU's load: it leaves the bound lanes at the first look that can.
+	evicted atomic.Bool
 	// binds counts the lane's bindings.
 	binds atomic.Uint64
 	tid   atomic.Int32 // the lane's thread while it is watched, else 0
@@ -321,6 +324,7 @@ func (w *laneWatch) evict(p *Peer, why string) bool {
 	}
 	if !w.letGo.Load() {
 		w.letGo.Store(true)
+		w.evicted.Store(true)
 		w.release(tid)
 		p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", w.cpu.Load(), "why", why)
 	}
@@ -603,6 +607,12 @@ func (s *Server) checkLanes() {
 			l.p.watch.look(l.p)
 		}
 		lanes = s.boundLanes() // less those given back
+		for _, l := range lanes {
+			if l.p.watch.evicted.Load() {
+				s.tryDropLane(l.p) // its lock was taken when it was evicted
+			}
+		}
+		lanes = s.boundLanes()
 		if extra := len(lanes) - (runtime.GOMAXPROCS(0) - 1); extra > 0 {
 			for _, l := range lanes[len(lanes)-extra:] {
 				l.p.watch.evict(l.p, "GOMAXPROCS fell")

@@ -163,3 +163,40 @@ func TestAQuietLaneCountsOnlyTheCPUItGaveBack(t *testing.T) {
 	require.NoError(t, unix.SchedGetaffinity(0, &now))
 	assert.Equal(t, home, now, "the thread may run where it could before")
 }
+
+// A lane evicted for a fallen GOMAXPROCS whose lanes' lock was taken at
+// that moment leaves the bound lanes at a later look, even once it is no
+// longer past the cap (another lane left meanwhile): it follows its peer
+// no more, and would keep its CPU from others until its peer asked again.
+func TestAnEvictedLaneLeavesTheBoundLanesOnceItCan(t *testing.T) {
+	var home unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &home))
+	if home.Count() < 2 {
+		t.Skip("needs a process that may use 2 CPUs")
+	}
+	runtime.LockOSThread() // this goroutine's thread stands for the lanes'
+	defer runtime.UnlockOSThread()
+	defer func() { require.NoError(t, unix.SchedSetaffinity(0, &home)) }()
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(2))
+	s := &Server{log: slog.New(slog.DiscardHandler), closing: make(chan struct{})}
+	a, c := &Peer{srv: s}, &Peer{srv: s}
+	a.watch.bound(&home, 0)
+	c.watch.bound(&home, 1)
+	s.setLanes([]boundLane{{a, 0}, {c, 1}})
+
+	s.lanesMu.Lock() // as a lane's takeLane would hold it
+	assert.False(t, c.watch.evict(c, "test"), "the lanes' lock is taken")
+	s.lanesMu.Unlock()
+	require.True(t, c.watch.letGo.Load())
+	s.dropLane(a) // a leaves: c is no longer past the cap
+
+	s.checking = true
+	s.wg.Add(1)
+	go s.checkLanes()
+	defer func() { close(s.closing); s.dropLane(c); s.wg.Wait() }()
+	// The watch ends once no lane is bound.
+	for end := time.Now().Add(10 * time.Second); LaneCheckerRunning(s); runtime.Gosched() {
+		require.True(t, time.Now().Before(end), "the evicted lane still held its CPU after 10s (bound lanes: %d)", len(s.boundLanes()))
+	}
+	assert.Empty(t, s.boundLanes())
+}
