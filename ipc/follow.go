@@ -493,13 +493,15 @@ func (s *Server) takeLane(p *Peer, cpu int) bool {
 }
 
 // helps reports whether a bound lane giving cpu back would let a lane
-// that waits bind: one waits for cpu, or, with as many lanes bound as may
-// be, for a CPU no lane has. Call it with lanesMu held.
+// that waits bind: the lanes left would be fewer than GOMAXPROCS-1, and
+// one waits for cpu or for a CPU no lane has. Call it with lanesMu held.
 func (s *Server) helps(cpu int) bool {
 	lanes := s.boundLanes()
-	full := len(lanes) >= runtime.GOMAXPROCS(0)-1
+	if len(lanes)-1 >= runtime.GOMAXPROCS(0)-1 {
+		return false // as many lanes as may be, or more, without it
+	}
 	for _, want := range s.waiting {
-		if want == cpu || full && !slices.ContainsFunc(lanes, func(l boundLane) bool { return l.cpu == want }) {
+		if want == cpu || !slices.ContainsFunc(lanes, func(l boundLane) bool { return l.cpu == want }) {
 			return true
 		}
 	}

@@ -200,3 +200,32 @@ func TestAnEvictedLaneLeavesTheBoundLanesOnceItCan(t *testing.T) {
 	}
 	assert.Empty(t, s.boundLanes())
 }
+
+// A quiet lane gives its CPU back only if a waiting lane could then bind:
+// not while the lanes left would still be as many as GOMAXPROCS-1 allows
+// (it fell), nor for a lane that waits for another bound lane's CPU.
+func TestAQuietLaneHelpsOnlyALaneThatCouldBind(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(2))
+	s := &Server{}
+	a, b, c := &Peer{srv: s}, &Peer{srv: s}, &Peer{srv: s}
+	for _, tc := range []struct {
+		maxprocs int
+		lanes    []boundLane
+		wants    int
+		helps    bool
+	}{
+		{3, []boundLane{{a, 0}, {c, 1}}, 0, true},  // b waits for a's CPU
+		{3, []boundLane{{a, 0}, {c, 1}}, 1, false}, // b waits for c's
+		{2, []boundLane{{a, 0}}, 1, true},          // b waits for the slot
+		{2, []boundLane{{a, 0}, {c, 1}}, 0, false}, // GOMAXPROCS fell: c still fills it
+		{2, []boundLane{{a, 0}, {c, 1}}, 2, false}, // likewise
+		{3, []boundLane{{a, 0}}, 1, true},          // a waiting lane not bound yet
+	} {
+		runtime.GOMAXPROCS(tc.maxprocs)
+		s.lanesMu.Lock()
+		s.setLanes(tc.lanes)
+		s.waiting = map[*Peer]int{b: tc.wants}
+		assert.Equal(t, tc.helps, s.helps(0), "GOMAXPROCS %d, %d lanes, b waits for CPU %d", tc.maxprocs, len(tc.lanes), tc.wants)
+		s.lanesMu.Unlock()
+	}
+}
