@@ -296,6 +296,9 @@ func (w *laneWatch) bound(home *unix.CPUSet, cpu int) {
 	w.home = *home
 	w.cpu.Store(int32(cpu))
 	w.binds.Add(1)
+	// A release the watch made as the lane left the CPU before (it waits
+	// for w.mu to leave) was of that binding, not this one.
+	w.idle.Store(false)
 	w.tid.Store(int32(unix.Gettid()))
 }
 

@@ -229,3 +229,18 @@ func TestAQuietLaneHelpsOnlyALaneThatCouldBind(t *testing.T) {
 		s.lanesMu.Unlock()
 	}
 }
+
+// A lane bound anew is not marked as having given its CPU back: a mark the
+// watch made as the lane left its CPU before (the lane waits for the
+// watch's lock to leave it) was of that binding, and the watch gives back
+// no CPU of a lane so marked.
+func TestABindingClearsAnIdleMarkOfTheOneBefore(t *testing.T) {
+	var home unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &home))
+	p := &Peer{srv: &Server{}}
+	p.watch.bound(&home, 0)
+	p.watch.idle.Store(true) // by the watch, as the lane moved
+	p.watch.unwatch()
+	p.watch.bound(&home, 1)
+	assert.False(t, p.watch.idle.Load())
+}
