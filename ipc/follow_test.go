@@ -520,21 +520,31 @@ func boundLane(t *testing.T, s *testServer, cpu int) (c *ipc.Client, tid int) {
 	return c, laneTID(r)
 }
 
+// quietPair starts a server whose quiet lanes give way after idle, with a
+// client a whose lane is bound to the last CPU (tid is its thread) and a
+// client b that has a lane; when the test ends, both lanes are unbound
+// and the watch has ended.
+func quietPair(t *testing.T, idle time.Duration) (s *testServer, cpu int, a *ipc.Client, tid int, b *ipc.Client) {
+	t.Helper()
+	cpu = lastCPU(t)
+	t.Cleanup(ipc.SetLaneIdleAfter(idle))
+	s = startServer(t, followHandler(), withHello, withInline)
+	a, tid = boundLane(t, s, cpu)
+	b = laneClient(t, s, true, ipc.ClientConfig{})
+	t.Cleanup(func() {
+		laneCPUOf(t, a, -1)
+		laneCPUOf(t, b, -1)
+		watchEnds(t, s)
+	})
+	return s, cpu, a, tid, b
+}
+
 // A lane whose peer asks nothing for a while gives its CPU back to a lane
 // that was refused one meanwhile, and follows its own peer again once a
 // CPU is free; a quiet lane nobody waits for keeps its CPU.
 func TestAnIdleLaneGivesItsCPUToALaneWaitingForOne(t *testing.T) {
-	cpu := lastCPU(t)
 	const idle = 50 * time.Millisecond
-	defer ipc.SetLaneIdleAfter(idle)()
-	s := startServer(t, followHandler(), withHello, withInline)
-	a, tid := boundLane(t, s, cpu)
-	b := laneClient(t, s, true, ipc.ClientConfig{})
-	defer func() {
-		laneCPUOf(t, a, -1)
-		laneCPUOf(t, b, -1)
-		watchEnds(t, s)
-	}()
+	s, cpu, a, tid, b := quietPair(t, idle)
 
 	waitLooks(t, s, uint64(3*idle/(5*time.Millisecond)))
 	require.Equal(t, cpu, boundTo(t, tid), "a quiet lane nobody waits for keeps its CPU")
@@ -607,17 +617,8 @@ func TestAQuietLaneKeepsItsCPUUnlessThatHelpsALaneWaiting(t *testing.T) {
 // no longer once the lanes change: a quiet lane gives its CPU back for it
 // once, not again each time it has been quiet for a while.
 func TestALaneThatStoppedAskingIsNotWaitedForAgain(t *testing.T) {
-	cpu := lastCPU(t)
 	const idle = 20 * time.Millisecond
-	defer ipc.SetLaneIdleAfter(idle)()
-	s := startServer(t, followHandler(), withHello, withInline)
-	a, _ := boundLane(t, s, cpu)
-	b := laneClient(t, s, true, ipc.ClientConfig{})
-	defer func() {
-		laneCPUOf(t, a, -1)
-		laneCPUOf(t, b, -1)
-		watchEnds(t, s)
-	}()
+	s, cpu, a, _, b := quietPair(t, idle)
 	require.Equal(t, -1, laneCPUOf(t, b, cpu), "a CPU another lane has")
 	waitUntil(t, func() bool { return s.Stats().IdleLanes != 0 }, "the quiet lane kept its CPU from a lane waiting for it")
 	// b asks nothing more: a takes its CPU back.
