@@ -254,9 +254,13 @@ func TestBreakerHelloFromAReusedPIDIsAdmittedInTheVictimsName(t *testing.T) {
 			"was admitted (slot %d of the victim, segment %s handed to uid %d)",
 		oldPID, reply.Slot, reply.Segment, breakerAllowedUID)
 
-	// The attacker hangs up; the victim must not pay for it.
+	// The attacker hangs up; the victim must not pay for it. The primary
+	// counts a connection until it has dealt with its end.
+	open := p.Stats().Counters.IPCConns
 	unix.Close(conn)
-	time.Sleep(500 * time.Millisecond)
+	waitUntil(t, "the primary to deal with the end of the attacker's connection", func() bool {
+		return p.Stats().Counters.IPCConns < open
+	})
 	answer := ask(t, victim, "lookup %d", region.Addr+uintptr(p.Backend().PageSize/2))
 	assert.True(t, strings.HasPrefix(answer, "key "),
 		"the victim secondary was fenced because someone else's connection in its name ended: %s", answer)
