@@ -98,16 +98,16 @@ func helperBreakerChurn(args []string) int {
 		}
 	}
 	g, _ := strconv.Atoi(args[2])
-	d, _ := time.ParseDuration(args[3])
 	var ok, eagain, other atomic.Int64
+	var stop atomic.Bool
+	full := make(chan struct{})
+	var fullOnce sync.Once
 	var wg sync.WaitGroup
-	testproc.Say("churning")
-	deadline := time.Now().Add(d)
 	for range g {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for time.Now().Before(deadline) {
+			for !stop.Load() {
 				fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
 				if err == nil {
 					err = unix.Connect(fd, &unix.SockaddrUnix{Name: args[1]})
@@ -118,12 +118,20 @@ func helperBreakerChurn(args []string) int {
 					ok.Add(1)
 				case unix.EAGAIN:
 					eagain.Add(1)
+					fullOnce.Do(func() { close(full) })
 				default:
 					other.Add(1)
 				}
 			}
 		}()
 	}
+	<-full // the backlog is full: the situation under test
+	testproc.Say("churning")
+	in := testproc.Commands()
+	for in.Scan() {
+		testproc.Say("eagain %d", eagain.Load())
+	}
+	stop.Store(true)
 	wg.Wait()
 	testproc.Say("churned ok=%d eagain=%d other=%d", ok.Load(), eagain.Load(), other.Load())
 	return 0
@@ -303,9 +311,10 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 			}
 			attached := startSecondary(t, cfg)
 
-			churn := testproc.Start(t, "breaker-churn", []string{strconv.Itoa(c.uid), sock, "2", "5s"})
+			// The churner says it churns once connect(2) found the
+			// backlog full, and goes on until its input ends.
+			churn := testproc.Start(t, "breaker-churn", []string{strconv.Itoa(c.uid), sock, "2"})
 			churn.Expect("churning", 0)
-			time.Sleep(200 * time.Millisecond)
 			var failures []string
 			const attaches = 6
 			for range attaches {
@@ -315,11 +324,24 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 					failures = append(failures, line)
 				}
 				h.Kill()
-				time.Sleep(100 * time.Millisecond)
+				_ = h.Wait(0)
+				waitUntil(t, "the primary to see the killed secondary go", func() bool {
+					return p.Stats().Counters.Secondaries == 1
+				})
 			}
 			// Those attached before the flood are served meanwhile.
 			parseKey(t, ask(t, attached, "create %d", region.Addr))
+			// The backlog was still found full after the attaches.
+			churn.Send("count")
+			var before, after int64
+			_, err = fmt.Sscanf(churn.Expect("eagain ", 0), "eagain %d", &before)
+			require.NoError(t, err)
+			churn.Send("count")
+			_, err = fmt.Sscanf(churn.Expect("eagain ", 0), "eagain %d", &after)
+			require.NoError(t, err)
+			churn.CloseInput()
 			t.Logf("%s", churn.Expect("churned", 0))
+			assert.Greater(t, after, before, "the churner no longer found the backlog full")
 			assert.Empty(t, failures, "%d of %d secondaries failed to attach while a peer churned connections", len(failures), attaches)
 		})
 	}
