@@ -308,7 +308,7 @@ func b10Fill(r hugetlb.Region, v byte) { copy(r.Bytes(), bytes.Repeat([]byte{v},
 // the allocator: the old fence must end with the old attachment, not with
 // the process.
 func TestBreaker10ReattachedProcessIsNotFencedForever(t *testing.T) {
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), steadySync)
 	ps := p.Backend().PageSize
 	r, err := p.Alloc(ps)
 	require.NoError(t, err)

@@ -263,7 +263,7 @@ func TestSecondaryKilledMidRequest(t *testing.T) {
 }
 
 func TestStuckSecondaryIsDropped(t *testing.T) {
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SyncTimeout = 200 * time.Millisecond })
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), steadySync) // fine must not be dropped too
 	stuck := startSecondary(t, cfg)
 	fine := startSecondary(t, cfg)
 	stuck.Stop()

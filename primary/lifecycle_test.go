@@ -21,6 +21,11 @@ import (
 // shortSync makes a stalled secondary cost its tests little time.
 func shortSync(c *primary.Config) { c.SyncTimeout = 200 * time.Millisecond }
 
+// steadySync is shortSync for tests whose following secondaries must
+// answer every sync in time, which on a busy machine 200 ms may not
+// leave them: a stalled secondary still costs a second only.
+func steadySync(c *primary.Config) { c.SyncTimeout = time.Second }
+
 // filePages returns how many pages of pageSize the file at path holds: on
 // hugetlbfs, the hugepages it takes from the pool.
 func filePages(t *testing.T, path string, pageSize uint64) uint64 {

@@ -160,7 +160,7 @@ func reconnectSec(args []string) int {
 // unmapped and detached, what the primary frees must go back to the
 // allocator; nothing may wait in quarantine for this process for good.
 func TestReattachDuringASlowDetachLeavesNoFence(t *testing.T) {
-	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
+	p, cfg := startPrimary(t, testenv.Tmpfs(t), steadySync)
 	ps := p.Backend().PageSize
 	r, err := p.Alloc(ps)
 	require.NoError(t, err)

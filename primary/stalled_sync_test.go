@@ -128,8 +128,7 @@ func TestACreateIsNotHeldUpByAQuarantineRelease(t *testing.T) {
 	const bigPages, tries = 512, 3
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
 		c.MemoryPages = bigPages + 2*tries
-		c.SyncTimeout = 300 * time.Millisecond
-	})
+	}, steadySync) // b maps the big allocations in time
 	ps := p.Backend().PageSize
 	b := startSecondary(t, cfg)
 	punching := func() bool { return b3Waiting("(*Memory).releaseQuarantine", "falloc.PunchHole") }
