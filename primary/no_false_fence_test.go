@@ -262,9 +262,9 @@ func TestAnAcknowledgementReadLateFencesNoSecondaryThatLeft(t *testing.T) {
 	waitSecondaries(t, b, 1)
 
 	require.Equal(t, "ok", ask(t, h, "push block"))
-	t0 := time.Now()
 	b.h.Send("free %d %d", a, l)
 	require.Equal(t, "sync", ask(t, h, "wait-sync"))
+	t0 := time.Now() // the sync was pushed before: its deadline is before t0 + 1 s
 	b.h.Stop()
 	require.Equal(t, "ok", ask(t, h, "answer ok"))
 	require.Equal(t, "forgot <nil>", ask(t, h, "forget"))
