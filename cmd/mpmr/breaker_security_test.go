@@ -8,10 +8,10 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
@@ -81,17 +81,11 @@ func TestBreakerToolTrustsASquattedRuntimeDirectory(t *testing.T) {
 	t.Run("stats dials the socket the squatter names", func(t *testing.T) {
 		// A root-only service's socket, out of the squatter's reach.
 		svc := filepath.Join(rootOnly(t), "svc.sock")
-		l, err := ipc.Listen(svc)
+		l, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
 		require.NoError(t, err)
-		defer l.Close()
-		dialled := make(chan struct{}, 1)
-		go func() {
-			if c, err := l.Accept(); err == nil {
-				dialled <- struct{}{}
-				time.Sleep(100 * time.Millisecond)
-				c.Close()
-			}
-		}()
+		defer unix.Close(l)
+		require.NoError(t, unix.Bind(l, &unix.SockaddrUnix{Name: svc}))
+		require.NoError(t, unix.Listen(l, 8))
 		prefix := testenv.Prefix(t)
 		var held *os.File
 		rundir, _ := squattedInstance(t, prefix, instance.Info{Prefix: prefix, PID: 1, Socket: svc},
@@ -105,11 +99,14 @@ func TestBreakerToolTrustsASquattedRuntimeDirectory(t *testing.T) {
 		defer held.Close()
 
 		out, errOut, status := tool(t, "-rundir", rundir, "stats", "-timeout", "300ms", prefix)
-		select {
-		case <-dialled:
+		// A connection the tool made waits to be accepted, whether or not
+		// it is still open.
+		if c, _, err := unix.Accept4(l, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC); err == nil {
+			unix.Close(c)
 			t.Errorf("mpmr stats, run by root, connected to %s because the squatter's instance.json said so "+
 				"(status %d)\n%s%s", svc, status, out, errOut)
-		case <-time.After(200 * time.Millisecond):
+		} else {
+			require.ErrorIs(t, err, unix.EAGAIN, "accept")
 		}
 		assert.Contains(t, out+errOut, ipc.ErrPermission.Error())
 	})
