@@ -8,11 +8,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/ipc"
 )
 
 // The local user who plants files in /dev/shm.
@@ -105,6 +107,19 @@ func TestBreaker3SecToolHangsOnAFIFOAtTheSegmentName(t *testing.T) {
 					cmd, b3secUID, info.Segment, status, out, errOut)
 			}
 			t.Logf("mpmr %s returned in time (status %d):\n%s%s", cmd, status, out, errOut)
+			if cmd == "clean" {
+				// clean leaves another user's file alone, and says so.
+				assert.Contains(t, out+errOut, "left alone")
+				fi, err := os.Lstat(info.Segment)
+				require.NoError(t, err, "the planted FIFO")
+				assert.Equal(t, os.ModeNamedPipe, fi.Mode().Type(), "the planted FIFO")
+			} else {
+				// The others refuse the file as another user's.
+				assert.Contains(t, out+errOut, ipc.ErrPermission.Error())
+			}
+			if cmd == "dump" {
+				assert.NotZero(t, status, "mpmr dump of a segment it refused")
+			}
 		})
 	}
 }
