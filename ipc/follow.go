@@ -3,6 +3,7 @@ package ipc
 import (
 	"bytes"
 	"fmt"
+	"maps"
 	"os"
 	"runtime"
 	"slices"
@@ -56,16 +57,20 @@ import (
 //     go at once: it may run on the process's other CPUs for the rest of
 //     that request, and its lane follows that peer no more
 //     (ServerStats.StarvedLanes counts them, and a warning names the
-//     peer). A handler that waits, for a lock say, is not let go: only a
-//     thread that could run and did not. A thread whose state the watch
-//     cannot read (no /proc) is let go too, rather than left unwatched.
+//     peer). A process two of whose lanes were let go so is followed no
+//     more on any of its connections, those open and those it makes
+//     later, for as long as it lives. A handler that waits, for a lock
+//     say, is not let go: only a thread that could run and did not. A
+//     thread whose state the watch cannot read (no /proc) is let go too,
+//     rather than left unwatched.
 //
 // The watch is a goroutine, and looks late when the Go scheduler runs it
 // late (tens of milliseconds on a loaded machine). A garbage collection
 // that starts while a lane thread is kept from running waits for that
 // thread's P, with every other goroutine stopped, the watch's included:
 // a peer that can keep its CPU from others (a real-time thread) can so
-// stop the whole process, once per lane, for as long as it keeps the CPU.
+// stop the whole process, twice per peer process at most, for as long as
+// it keeps the CPU.
 // Follow only the CPUs of peers trusted to name them and to keep them
 // free meanwhile.
 func (p *Peer) Follow(cpu int) {
@@ -97,6 +102,10 @@ type laneCPU struct {
 	refused    int32
 	refusedGen uint64
 	retry      int
+
+	// noted is set once the lane's let-go for its CPU's load was counted
+	// against its peer's process (Server.noteStarved).
+	noted bool
 }
 
 // laneRetryEvery is how many requests a lane refused a CPU lets go by
@@ -120,6 +129,15 @@ func (l *laneCPU) apply(p *Peer) {
 	}
 	want := p.follow.Load()
 	if p.watch.letGo.Load() {
+		if p.watch.starved.Load() && !l.noted {
+			// Let go, its thread may run elsewhere: it may wait for
+			// the server's lock.
+			l.noted = true
+			p.srv.noteStarved(p)
+		}
+		want = 0
+	}
+	if p.unfollowed.Load() {
 		want = 0
 	}
 	if want == 0 {
@@ -259,8 +277,9 @@ type laneWatch struct {
 	// busy is odd while the lane's thread answers a request while bound.
 	busy atomic.Uint64
 	// letGo is set once the lane's thread was let go: it follows the peer
-	// no more.
-	letGo atomic.Bool
+	// no more. starved says it was for its CPU's load.
+	letGo   atomic.Bool
+	starved atomic.Bool
 	// idle is set once the lane gave its CPU back while its peer asked
 	// nothing: it unbinds, and may bind again.
 	idle atomic.Bool
@@ -398,6 +417,7 @@ func (w *laneWatch) look(p *Peer) {
 		w.ran, w.at, w.runnable = ran, now, r
 		return
 	}
+	w.starved.Store(true)
 	w.letGo.Store(true)
 	p.srv.starvedLanes.Add(1) // before the thread may run, and answer
 	cpu := int(w.cpu.Load())
@@ -441,6 +461,75 @@ func (w *laneWatch) quiet(p *Peer, busy uint64) {
 	s.removeLane(p)
 	s.idleLanes.Add(1)
 	s.log.Debug("ipc: a quiet lane gives its CPU back", "peer", p.id, "cpu", cpu, "quiet", now.Sub(w.quietSince))
+}
+
+// laneStarvedPerProcess is how many lanes of one process may be let go
+// for their CPU's load before the server follows that process no more.
+// Once may be chance (a CPU hog that came and went); again, it is the
+// process's way.
+const laneStarvedPerProcess = 2
+
+// maxStarvedProcs bounds how many processes the server remembers lanes
+// let go for: those that have exited are forgotten when it is reached,
+// and past it a let-go counts against its lane only.
+var maxStarvedProcs = 1024
+
+// procKey names a process beyond the life of its pid: its pid and its
+// start time (see startOf).
+type procKey struct {
+	pid   int
+	start string
+}
+
+// noteStarved counts a lane of p's process let go for its CPU's load.
+// Once laneStarvedPerProcess were, the server follows that process no
+// more, on any of its connections, those open and those it makes later,
+// for as long as it lives: a peer that keeps its CPU from others would
+// otherwise have a lane kept from running (and, should a garbage
+// collection start then, the whole process stopped) once more with each
+// connection it makes. Called by p's lane, unbound.
+func (s *Server) noteStarved(p *Peer) {
+	pid := p.cred.PID
+	start := startOf(pid)
+	if start == nil || !p.ident.alive() {
+		return // exited: its pid may be another's by now
+	}
+	key := procKey{pid, string(start)}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.starved == nil {
+		s.starved = map[procKey]int{}
+	}
+	if _, ok := s.starved[key]; !ok && len(s.starved) >= maxStarvedProcs {
+		// Forget the processes that have exited, asking the kernel
+		// without the lock.
+		known := slices.Collect(maps.Keys(s.starved))
+		s.mu.Unlock()
+		known = slices.DeleteFunc(known, func(k procKey) bool { return bytes.Equal(startOf(k.pid), []byte(k.start)) })
+		s.mu.Lock()
+		for _, k := range known {
+			delete(s.starved, k)
+		}
+		if len(s.starved) >= maxStarvedProcs {
+			return
+		}
+	}
+	s.starved[key]++
+	s.anyStarved.Store(true)
+	if s.starved[key] != laneStarvedPerProcess {
+		return
+	}
+	// The process still holds pid (read above), so a peer whose maker
+	// with that pid lives is one of its own.
+	n := 0
+	for q := range s.peers {
+		if q.cred.PID == pid && q.ident.alive() {
+			q.unfollowed.Store(true)
+			n++
+		}
+	}
+	s.log.Warn("ipc: lanes of this process were kept from their CPUs again; it is followed no more",
+		"pid", pid, "lanes", laneStarvedPerProcess, "connections", n)
 }
 
 // threadCPUTime returns the CPU time thread tid of this process has used,

@@ -3,6 +3,7 @@ package ipc
 import (
 	"errors"
 	"log/slog"
+	"os"
 	"runtime"
 	"sync/atomic"
 	"testing"
@@ -243,4 +244,33 @@ func TestABindingClearsAnIdleMarkOfTheOneBefore(t *testing.T) {
 	p.watch.unwatch()
 	p.watch.bound(&home, 1)
 	assert.False(t, p.watch.idle.Load())
+}
+
+// The server remembers a bounded number of processes whose lanes were let
+// go: when it is full, the processes that have exited are forgotten to
+// make room, and if none has, a let-go counts against its lane only.
+func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
+	defer func(n int) { maxStarvedProcs = n }(maxStarvedProcs)
+	maxStarvedProcs = 2
+	self, parent := os.Getpid(), os.Getppid()
+	key := func(pid int) procKey { return procKey{pid, string(startOf(pid))} }
+	require.NotEmpty(t, key(self).start)
+	require.NotEmpty(t, key(parent).start)
+	s := &Server{log: slog.New(slog.DiscardHandler), peers: map[*Peer]struct{}{}}
+	p := &Peer{srv: s, cred: Cred{PID: self}, ident: identity{pid: self, start: startOf(self)}}
+	s.peers[p] = struct{}{}
+
+	gone := procKey{parent, key(parent).start + "0"} // its pid, another's start: exited
+	s.starved = map[procKey]int{key(parent): 1, gone: 1}
+	s.noteStarved(p)
+	assert.Equal(t, map[procKey]int{key(parent): 1, key(self): 1}, s.starved, "the process that exited made room")
+	assert.False(t, p.unfollowed.Load())
+
+	s.starved = map[procKey]int{key(parent): 1, {1, string(startOf(1))}: 1}
+	s.noteStarved(p)
+	assert.NotContains(t, s.starved, key(self), "counted with no room")
+
+	s.starved = map[procKey]int{key(self): 1}
+	s.noteStarved(p)
+	assert.True(t, p.unfollowed.Load(), "a second let-go of the process's lanes")
 }

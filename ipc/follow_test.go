@@ -266,21 +266,11 @@ func TestAStarvedBoundLaneIsLetGo(t *testing.T) {
 	cpu := lastCPU(t)
 	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
 	c := laneClient(t, s, true, ipc.ClientConfig{})
-	call := func(c *ipc.Client, addr uint64, hint uint32) uint32 {
-		t.Helper()
-		var r ipc.CreateMRReply
-		require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: hint}, &r))
-		return r.LKey
-	}
-	twice := func(c *ipc.Client, hint uint32) { call(c, 0x1000, hint); call(c, 0x1000, hint) }
+	twice := func(c *ipc.Client, hint uint32) { createOn(t, c, 0x1000, hint); createOn(t, c, 0x1000, hint) }
 
 	twice(c, uint32(cpu)+1)
 	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
-	func() {
-		defer spinOn(t, cpu, 7)()
-		assert.Equal(t, uint32(1), call(c, addrStarve, uint32(cpu)+1),
-			"a lane thread kept from its CPU for %v was not let go", bound/2)
-	}()
+	starveOnce(t, c, cpu)
 	assert.Equal(t, uint64(1), s.Stats().StarvedLanes)
 	twice(c, uint32(cpu)+1)
 	assert.Zero(t, threadsBoundTo(t, cpu), "the lane follows the peer that starved it no more")
@@ -290,6 +280,53 @@ func TestAStarvedBoundLaneIsLetGo(t *testing.T) {
 	assert.Equal(t, 1, threadsBoundTo(t, cpu), "another peer's lane still follows")
 	twice(other, 0)
 	assert.Zero(t, threadsBoundTo(t, cpu))
+}
+
+// createOn asks for the MR at addr over c, naming CPU hint (0: none), and
+// returns the key the handler answered.
+func createOn(t *testing.T, c *ipc.Client, addr uint64, hint uint32) uint32 {
+	t.Helper()
+	var r ipc.CreateMRReply
+	require.NoError(t, c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: hint}, &r))
+	return r.LKey
+}
+
+// starveOnce has c's lane, bound to cpu, answer a request while seven
+// threads of another process keep cpu busy: it must be let go.
+func starveOnce(t *testing.T, c *ipc.Client, cpu int) {
+	t.Helper()
+	defer spinOn(t, cpu, 7)()
+	assert.Equal(t, uint32(1), createOn(t, c, addrStarve, uint32(cpu)+1),
+		"a lane thread kept from its CPU for %v was not let go", bound/2)
+}
+
+// A process whose lanes were let go twice is followed no more, on any of
+// its connections, those it had open and those it makes later: each new
+// connection would otherwise bring a lane to starve (and, should a garbage
+// collection start meanwhile, the whole server to stop) once more. Once
+// may be chance: another connection is still followed after the first.
+func TestAProcessWhoseLanesStarvedTwiceIsFollowedNoMore(t *testing.T) {
+	cpu := lastCPU(t)
+	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
+	twice := func(c *ipc.Client, hint uint32) { createOn(t, c, 0x1000, hint); createOn(t, c, 0x1000, hint) }
+	open := laneClient(t, s, true, ipc.ClientConfig{})
+	twice(open, 0)
+
+	for i := range 2 {
+		c := laneClient(t, s, true, ipc.ClientConfig{})
+		twice(c, uint32(cpu)+1)
+		require.Equal(t, 1, threadsBoundTo(t, cpu), "connection %d's lane follows its caller", i+1)
+		starveOnce(t, c, cpu)
+		twice(c, uint32(cpu)+1)
+		assert.Zero(t, threadsBoundTo(t, cpu), "connection %d's lane follows no more", i+1)
+	}
+	assert.Equal(t, uint64(2), s.Stats().StarvedLanes)
+
+	later := laneClient(t, s, true, ipc.ClientConfig{})
+	twice(later, uint32(cpu)+1)
+	assert.Zero(t, threadsBoundTo(t, cpu), "a connection the process made after its second let-go is followed")
+	twice(open, uint32(cpu)+1)
+	assert.Zero(t, threadsBoundTo(t, cpu), "a connection the process had open is followed")
 }
 
 // A bound lane thread whose handler waits (for a lock, say) is not let go

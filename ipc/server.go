@@ -114,12 +114,16 @@ type Server struct {
 	maxInflight int
 	lim         Limits // with defaults
 
-	mu         sync.Mutex
-	serving    bool
-	closed     bool
-	peers      map[*Peer]struct{}
-	nextPeer   uint64
-	conns      int            // open, from accept to the end of serveConn
+	mu       sync.Mutex
+	serving  bool
+	closed   bool
+	peers    map[*Peer]struct{}
+	nextPeer uint64
+	conns    int // open, from accept to the end of serveConn
+	// starved counts, by process, the lanes let go for their CPU's load
+	// (see noteStarved); anyStarved is set once it has an entry.
+	starved    map[procKey]int
+	anyStarved atomic.Bool
 	connsByUID map[int]int    // the same, by user
 	unadmitted int            // peers not admitted yet
 	wg         sync.WaitGroup // connection and handler goroutines
@@ -364,6 +368,10 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 
 	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
 	defer p.ident.close()
+	var start []byte // of the process, if the server follows some no more
+	if s.anyStarved.Load() {
+		start = startOf(cred.PID)
+	}
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
 	p.frameLimit, p.rearm, p.ending = p.maxFrame, p.rearmReader, p.ended
@@ -376,6 +384,9 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	s.nextPeer++
 	p.id = s.nextPeer
 	s.peers[p] = struct{}{}
+	if start != nil && s.starved[procKey{cred.PID, string(start)}] >= laneStarvedPerProcess {
+		p.unfollowed.Store(true)
+	}
 	if s.cfg.HelloKind == 0 {
 		p.admitted.Store(true)
 		p.watchProcess()
@@ -477,6 +488,9 @@ type Peer struct {
 
 	follow atomic.Int32 // the CPU + 1 its lane should wait on, 0 any (see Follow)
 	watch  laneWatch    // the lane's thread while bound (see Follow)
+	// unfollowed is set once lanes of the peer's process were let go for
+	// their CPU's load laneStarvedPerProcess times (see noteStarved).
+	unfollowed atomic.Bool
 }
 
 // callCtx is a request's handler context, with the means to end it.

@@ -84,9 +84,10 @@ type Config struct {
 	// primary lets such a thread go once it has run for less than a
 	// quarter of 2 ms or more of one create, runnable, and stops
 	// following that secondary (a warning,
-	// and the ipc_starved_lanes counter; see ipc.Peer.Follow): each
-	// connection can hold the others up once, for milliseconds (the
-	// README's "IPC round trip" has figures). Turn it on when the
+	// and the ipc_starved_lanes counter; see ipc.Peer.Follow), and every
+	// connection of a process once two were let go: a secondary process
+	// can hold the others up twice, for milliseconds (the README's "IPC
+	// round trip" has figures). Turn it on when the
 	// secondaries are trusted to name their CPUs and keep them free while
 	// they wait. A thread so bound does not poll (Spin): it would poll on
 	// the very CPU it hands back to the queue with each answer.
