@@ -30,6 +30,20 @@ func SetLaneIdleAfter(d time.Duration) (restore func()) {
 	return func() { laneIdleAfter = old }
 }
 
+// StarvedLetGos counts the lanes of process pid that s let go for their
+// CPU's load, as the process's count has them.
+func StarvedLetGos(s *Server, pid int) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for k, c := range s.starved {
+		if k.pid == pid {
+			n += c
+		}
+	}
+	return n
+}
+
 // LanesWaiting counts the lanes of s waiting for a CPU they were refused.
 func LanesWaiting(s *Server) int {
 	s.lanesMu.Lock()

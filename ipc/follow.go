@@ -129,12 +129,7 @@ func (l *laneCPU) apply(p *Peer) {
 	}
 	want := p.follow.Load()
 	if p.watch.letGo.Load() {
-		if p.watch.starved.Load() && !l.noted {
-			// Let go, its thread may run elsewhere: it may wait for
-			// the server's lock.
-			l.noted = true
-			p.srv.noteStarved(p)
-		}
+		l.note(p) // let go, its thread may run elsewhere: it may wait for a lock
 		want = 0
 	}
 	if p.unfollowed.Load() {
@@ -211,6 +206,16 @@ func (l *laneCPU) apply(p *Peer) {
 	p.watch.bound(&l.home, cpu)
 }
 
+// note counts the lane's let-go for its CPU's load, if it was, against
+// its peer's process (Server.noteStarved), once. Call it with the lane's
+// thread let go or unbound.
+func (l *laneCPU) note(p *Peer) {
+	if p.watch.starved.Load() && !l.noted {
+		l.noted = true
+		p.srv.noteStarved(p)
+	}
+}
+
 // stopWaiting has the server forget that the lane, unbound, waits for a
 // CPU it was refused.
 func (l *laneCPU) stopWaiting(p *Peer) {
@@ -242,7 +247,8 @@ func (l *laneCPU) unbind(p *Peer) {
 }
 
 // end is unbind for a lane that ends: a thread the kernel would not
-// unbind ends with the lane's goroutine, unwatched.
+// unbind ends with the lane's goroutine, unwatched. A let-go not counted
+// yet (the request the lane was let go in ended it) is counted.
 func (l *laneCPU) end(p *Peer) {
 	l.stopWaiting(p)
 	if l.bound != 0 {
@@ -252,6 +258,7 @@ func (l *laneCPU) end(p *Peer) {
 		p.watch.unwatch()
 		p.srv.dropLane(p)
 	}
+	l.note(p)
 }
 
 // laneCheckEvery is how often the server looks at its bound lanes, while

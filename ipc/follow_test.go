@@ -171,15 +171,17 @@ func TestBoundLaneDoesNotPoll(t *testing.T) {
 
 // Addresses the handlers of the starving tests tell apart.
 const (
-	addrStarve = 0x2000 // keep the thread busy until it is let go
-	addrWait   = 0x3000 // block until released
+	addrStarve     = 0x2000 // keep the thread busy until it is let go
+	addrWait       = 0x3000 // block until released
+	addrStarveHold = 0x4000 // addrStarve, then addrWait
 )
 
 // starveHandler is followHandler with two addresses of its own. A
 // request for addrStarve keeps its thread busy until the thread may run
 // on a CPU other than cpu, for at most bound/2, and answers LKey 1 if it
 // was let go so, 0 if not; one for addrWait says it started on started
-// and blocks until release is closed.
+// and blocks until release is closed; one for addrStarveHold does the
+// one and then the other.
 func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *handler {
 	h := followHandler()
 	follow := h.handle
@@ -189,8 +191,7 @@ func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *h
 		if err != nil || r == nil {
 			return reply, err, ok
 		}
-		switch r.Start {
-		case addrStarve:
+		if r.Start == addrStarve || r.Start == addrStarveHold {
 			r.LKey = 0
 			for end := time.Now().Add(bound / 2); time.Now().Before(end); {
 				var set unix.CPUSet
@@ -199,7 +200,8 @@ func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *h
 					break
 				}
 			}
-		case addrWait:
+		}
+		if r.Start == addrWait || r.Start == addrStarveHold {
 			started <- struct{}{}
 			<-release
 		}
@@ -360,6 +362,31 @@ func TestABoundLaneThatWaitsIsNotLetGo(t *testing.T) {
 	twice(uint32(cpu) + 1)
 	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the lane still follows its caller")
 	assert.Zero(t, s.Stats().StarvedLanes)
+}
+
+// A let-go counts against its peer's process even when the peer hangs up
+// on the request its lane starved in: the lane counts it once it has
+// answered, whether or not the answer can go.
+func TestALetGoCountsWhenThePeerHangsUpOnTheStarvedRequest(t *testing.T) {
+	cpu := lastCPU(t)
+	started, release := make(chan struct{}, 1), make(chan struct{})
+	s := startServer(t, starveHandler(cpu, started, release), withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	createOn(t, c, 0x1000, uint32(cpu)+1)
+	createOn(t, c, 0x1000, uint32(cpu)+1)
+	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
+	func() {
+		defer spinOn(t, cpu, 7)()
+		go func() {
+			_ = c.Call(context.Background(), ipc.KindCreateMR, &ipc.CreateMR{Addr: addrStarveHold, CPU: uint32(cpu) + 1}, nil)
+		}()
+		waitFor(t, started, "the starving request's handler")
+	}()
+	require.Equal(t, uint64(1), s.Stats().StarvedLanes, "the lane was let go")
+	require.NoError(t, c.Close())
+	close(release) // the answer finds the lane gone
+	require.True(t, eventually(func() bool { return ipc.StarvedLetGos(s.Server, os.Getpid()) == 1 }),
+		"the let-go counted against the process")
 }
 
 // threadsWithCPUs counts this process's threads whose affinity is exactly
