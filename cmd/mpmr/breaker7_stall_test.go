@@ -63,8 +63,12 @@ func TestBreaker7ToolAgainstAStoppedPrimary(t *testing.T) {
 				out, errOut, status, took := b7Tool(t, 10*time.Second, args...)
 				t.Logf("mpmr %v: status %d after %v\n%s%s", args, status, took, out, errOut)
 				assert.Less(t, took, 5*time.Second, "mpmr %v", args)
-				if args[2] == "clean" {
+				switch args[2] {
+				case "clean":
 					assert.NotEqual(t, 0, status, "clean refuses a live primary")
+				case "stats":
+					assert.NotEqual(t, 0, status, "stats without the primary's answer")
+					assert.Contains(t, errOut, "no answer within 300ms", "stats says why")
 				}
 			}
 		})
