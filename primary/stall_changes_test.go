@@ -255,11 +255,31 @@ func TestCloseDuringAStalledFreeWithHelloAndAllocQueued(t *testing.T) {
 	t.Logf("B create during close: %s", ask(t, b, "create %d", r1.Addr))
 
 	_, err = testenv.Bounded(t, "Close", 15*time.Second, func() error { return <-closed })
-	t.Logf("close after %v: %v; free: %v", time.Since(start), err, <-freed)
-	t.Logf("alloc: %v", <-allocd)
-	t.Logf("pool: %v", <-pooled)
+	t.Logf("close after %v: %v", time.Since(start), err)
+	assert.NoError(t, err, "Close")
+	// Each sends its result as it returns: Close returned after them.
+	for _, op := range []struct {
+		what string
+		ch   <-chan error
+	}{{"the free", freed}, {"the alloc", allocd}, {"the pool", pooled}} {
+		select {
+		case err := <-op.ch:
+			t.Logf("%s: %v", op.what, err)
+			if op.what == "the free" {
+				assert.NoError(t, err, "the free")
+			} else if err != nil {
+				assert.ErrorIs(t, err, primary.ErrClosed, "%s failed, and not for the close", op.what)
+			}
+		default:
+			t.Errorf("Close returned before %s", op.what)
+		}
+	}
 	ln, err := tp.Next("", 5*time.Second)
 	t.Logf("T: %q %v", ln, err)
+	require.NoError(t, err, "T says how its attach ended")
+	if !strings.HasPrefix(ln, "ready") {
+		assert.Contains(t, ln, "closing", "T's attach failed, and not for the close")
+	}
 }
 
 // An Alloc waits for a stopped secondary (S) to map its pages: meanwhile a
