@@ -218,14 +218,22 @@ func TestBreakerDeadExclusiveHolderBlocksLookupsUntilAFree(t *testing.T) {
 }
 
 // Free documents that, when it returns nil, the MRs it emptied are
-// deregistered (the device refuses their keys). It deregisters them with
-// Global.GC, which gives up silently when it cannot take the global write
-// lock within its timeout: Free then returns nil with the emptied MR still
-// registered, and the device keeps validating the old key for the freed
-// memory. Here another process holds the write lock (Global.Exclusive) and
-// is stopped between the invalidation and the GC, while a stalled
-// secondary holds Free in its sync.
+// deregistered (the device refuses their keys). It deregisters them after
+// the invalidation, in a collection that needs the global write lock
+// again; if it cannot take it in time, Free must not return nil with the
+// emptied MR still registered, or the device keeps validating the old key
+// for the freed memory. Here another process takes the write lock
+// (Global.Exclusive) between the invalidation and the collection, and is
+// stopped there; a stalled secondary holds Free in its sync as well.
 func TestBreakerFreeReturnsNilWithEmptiedMRStillRegistered(t *testing.T) {
+	var armed atomic.Bool
+	reached, proceed := make(chan struct{}), make(chan struct{})
+	t.Cleanup(primary.SetBeforeCollect(func() {
+		if armed.CompareAndSwap(true, false) {
+			close(reached)
+			<-proceed
+		}
+	}))
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SyncTimeout = time.Second })
 	ps := p.Backend().PageSize
 	r, err := p.Alloc(ps)
@@ -239,14 +247,14 @@ func TestBreakerFreeReturnsNilWithEmptiedMRStillRegistered(t *testing.T) {
 	writer.Expect("ready", 0)
 	staller.Stop()
 
-	gen := p.Global().DevGen()
 	freed := make(chan error, 1)
 	start := time.Now()
+	armed.Store(true)
 	go func() { freed <- p.Free(r) }()
-	require.Eventually(t, func() bool { return p.Global().DevGen() != gen }, 5*time.Second, time.Millisecond,
-		"the free invalidated the region")
+	waitFor(t, reached, "the free between its invalidation and its collection")
 	require.Equal(t, "holding", ask(t, writer, "exclusive"))
 	writer.Stop()
+	close(proceed)
 
 	var ferr error
 	select {
@@ -341,14 +349,24 @@ func (p slowDeregPD) DeregMR(mr verbs.MR) error {
 	return p.PD.DeregMR(mr)
 }
 
-// Free deregisters the MRs it emptied with Global.GC, which first detaches
-// the whole free list under the write lock and deregisters it outside. Any
-// Create runs GC too (every miss of every process ends in one). If a
-// Create's GC detaches the list while Free waits for its syncs, Free's own
-// GC finds the list empty and Free returns nil while the emptied MR is
-// still being deregistered by the other goroutine: its key still validates
-// after Free returned.
+// Free deregisters the MRs it emptied in a collection after its
+// invalidation; collections detach the whole free list under the write
+// lock and deregister outside it, and any Create runs one too (every miss
+// of every process ends in one). If a Create's collection detaches the
+// list between Free's invalidation and its own collection, Free's finds
+// the list empty: it must still not return while the emptied MR is being
+// deregistered by the other goroutine, or its key would still validate
+// after Free returned. Here the Create's deregistration takes as long as
+// the test wants.
 func TestBreakerFreeReturnsBeforeAConcurrentGCDeregistersItsMR(t *testing.T) {
+	var armed atomic.Bool
+	reached, proceed := make(chan struct{}), make(chan struct{})
+	t.Cleanup(primary.SetBeforeCollect(func() {
+		if armed.CompareAndSwap(true, false) {
+			close(reached)
+			<-proceed
+		}
+	}))
 	var dev *slowDeregDevice
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
 		c.SinglePage, c.SyncTimeout = true, time.Second
@@ -375,25 +393,25 @@ func TestBreakerFreeReturnsBeforeAConcurrentGCDeregistersItsMR(t *testing.T) {
 	}()
 
 	staller := startSecondary(t, cfg)
-	staller.Stop() // Free waits SyncTimeout for it
-	gen := p.Global().DevGen()
+	staller.Stop() // Free waits SyncTimeout for it too
 	freed := make(chan error, 1)
+	armed.Store(true)
 	go func() { freed <- p.Free(rA) }()
-	require.Eventually(t, func() bool { return p.Global().DevGen() != gen }, 5*time.Second, time.Millisecond)
+	waitFor(t, reached, "the free between its invalidation and its collection")
 
 	// Meanwhile, a queue misses on other memory: its create collects the
-	// free list first.
+	// free list, and deregisters the emptied MR.
 	go func() {
 		q2 := p.NewQueue()
 		_, _ = q2.Lookup(rB.Addr)
 	}()
-	select {
-	case <-dev.entered:
-	case <-time.After(5 * time.Second):
-		t.Fatal("nobody deregistered the emptied MR")
-	}
-	// Whoever deregisters it (the free itself, or the create's collection),
-	// the free must not return before the device let go of the key.
+	waitFor(t, dev.entered, "the create's collection deregistering the emptied MR")
+	require.Equal(t, 1, testenv.GoroutinesIn("(*Global).Create", "DeregMR"), "the create deregisters it")
+	close(proceed)
+	// The free's own collection waits for the create's.
+	waitUntil(t, "the free's collection waiting", func() bool {
+		return testenv.GoroutinesIn("(*Global).CollectFor", "(*Global).Collect") == 1
+	})
 	select {
 	case err := <-freed:
 		t.Fatalf("Free returned (%v) while the MR it emptied was still being deregistered", err)

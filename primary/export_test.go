@@ -37,6 +37,15 @@ func SetMempoolTurns(f func(event string, pid int)) (restore func()) {
 	return func() { mempoolTurns = old }
 }
 
+// SetBeforeCollect has f run between a free's invalidation and its
+// collection of the MRs it emptied, until restore is called. Set it before
+// the primary starts.
+func SetBeforeCollect(f func()) (restore func()) {
+	old := beforeCollect
+	beforeCollect = f
+	return func() { beforeCollect = old }
+}
+
 // SetMempoolSlice sets how long a mempool registration works on while
 // others wait for the primary's turn, until restore is called. Set it
 // before the primary starts.

@@ -499,8 +499,15 @@ func (p *Primary) Free(r hugetlb.Region) error {
 // stays, without the registrations the invalidation already removed. One
 // it keeps from another free does not refuse this one.
 func (p *Primary) collectFreed(ev hugetlb.Event) error {
+	if beforeCollect != nil {
+		beforeCollect()
+	}
 	return p.global.CollectFor(uint64(ev.Addr), ev.Len)
 }
+
+// beforeCollect, when set (by tests, before the primary starts), runs as
+// collectFreed starts: after the invalidation, before the collection.
+var beforeCollect func()
 
 // Queue is a per-queue MR cache of the primary: use it from one goroutine
 // at a time. Close it when the queue goes away. Its lookups (Lookup, Hit,
