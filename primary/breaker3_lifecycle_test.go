@@ -1,6 +1,7 @@
 package primary_test
 
 import (
+	"context"
 	"strconv"
 	"strings"
 	"testing"
@@ -12,8 +13,10 @@ import (
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/primary"
 	"github.com/mpmr/mpmr/secondary"
+	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
 )
 
@@ -24,13 +27,33 @@ import (
 //	lookup I ADDR      -> "> key K" or "> err TEXT" (attachment I's queue)
 //	dropped I          -> "> dropped=BOOL"
 //	close I            -> "> closed" or "> err TEXT"
+//	claim              -> "> claimed slot=N" or "> claim-failed ERR": a
+//	                      slot claimed and a hello said for it, as Attach
+//	                      does before it maps anything, but without
+//	                      Attach's refusal of a second attachment
+//	hang-up            -> "> hung-up": the claim's slot and connection
+//	                      let go, without a detach
 func init() {
 	testproc.Register("b3-multi", func(args []string) int {
 		var ss []*secondary.Secondary
 		var qs []*secondary.Queue
+		var claim *shm.Segment
+		var claimConn *ipc.Client
 		testproc.Say("ready")
 		testproc.EachCommand(func(c testproc.Line) {
 			switch c.Name {
+			case "claim":
+				var err error
+				claim, claimConn, err = claimAndSayHello(context.Background(), args[0], args[1], ipc.ClientConfig{Logger: quiet})
+				if err != nil {
+					testproc.Say("> claim-failed %v", err)
+					break
+				}
+				testproc.Say("> claimed slot=%d", claim.Slot())
+			case "hang-up":
+				claim.Close()
+				claimConn.Close()
+				testproc.Say("> hung-up")
 			case "attach":
 				s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
 				if err != nil {
@@ -75,6 +98,8 @@ func b3Slot(t *testing.T, answer string) int {
 // connection under the healthy attachment's slot and epoch, and when the
 // connection ends it fences that slot: a secondary that did nothing wrong
 // is dropped, and a failed attach did not leave everything where it was.
+// (Attach now refuses a second attachment of a process before it claims
+// a slot; the process here claims one and says hello itself.)
 func TestBreaker3FailedSecondAttachInOneProcessFencesTheFirst(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
 	ps := p.Backend().PageSize
@@ -99,18 +124,32 @@ func TestBreaker3FailedSecondAttachInOneProcessFencesTheFirst(t *testing.T) {
 	}, 5*time.Second, time.Millisecond, "the other process has left its slot and the primary")
 	fencedBefore := p.Stats().Counters.Fenced
 
-	// A second attachment in the same process: it claims the lower slot.
+	// A second attachment in the same process: Attach refuses it before
+	// it claims anything, and says why.
 	second := ask(t, h, "attach")
 	t.Logf("second attach: %s", second)
-	// However it went, its connection is gone or known once the primary
-	// is back to one secondary.
-	require.Eventually(t, func() bool { return p.Stats().Counters.Secondaries == 1 }, 5*time.Second, time.Millisecond)
-
-	assert.Equal(t, fencedBefore, p.Stats().Counters.Fenced, "the primary fenced nobody")
-	assert.False(t, p.Segment().Proc(high).Fenced, "the first attachment's slot is not fenced")
-	// The second attach cannot map the data memory a second time in one
-	// process; it must not be blamed on incompatible builds either.
 	assert.NotContains(t, second, "incompatible builds", "the second attach fails for what it is")
+	// The process claims the lower slot and says hello for it all the
+	// same, as Attach does before it maps anything, and hangs up.
+	claimed := ask(t, h, "claim")
+	t.Logf("claim: %s", claimed)
+	require.Equal(t, low, b3Slot(t, claimed), "the claim takes the lower slot")
+	conns := p.Stats().Counters.IPCConns
+	require.Equal(t, "hung-up", ask(t, h, "hang-up"))
+	waitUntil(t, "the primary to deal with the end of the claim's connection", func() bool {
+		return p.Stats().Counters.IPCConns < conns
+	})
+
+	// The claim was let go without a detach by a process that maps data
+	// memory: the primary may fence it, but nothing of the first one.
+	t.Logf("fenced %d more; fence records %+v", p.Stats().Counters.Fenced-fencedBefore, p.Segment().Holders())
+	assert.LessOrEqual(t, p.Stats().Counters.Fenced, fencedBefore+1, "the primary fenced more than the claim")
+	for _, f := range p.Segment().Holders() {
+		assert.NotEqual(t, high, f.Slot, "a fence record of the first attachment's slot: %+v", f)
+	}
+	assert.False(t, p.Segment().Proc(high).Fenced, "the first attachment's slot is not fenced")
+	assert.Equal(t, "dropped=false", ask(t, h, "dropped 0"), "the first attachment was dropped")
+	assert.Contains(t, ask(t, h, "lookup 0 %d", r.Addr), "key", "the first attachment works")
 }
 
 // b3Waiting reports whether some goroutine of this process is in every
