@@ -30,6 +30,10 @@ func SetLaneIdleAfter(d time.Duration) (restore func()) {
 	return func() { laneIdleAfter = old }
 }
 
+// LaneStarvedPerUser is how many lanes of one user's processes may be let
+// go for their CPU's load before that user is followed no more.
+const LaneStarvedPerUser = laneStarvedPerUser
+
 // StarvedLetGos counts the lanes of process pid that s let go for their
 // CPU's load, as the process's count has them.
 func StarvedLetGos(s *Server, pid int) int {

@@ -58,10 +58,13 @@ import (
 //     that request, and its lane follows that peer no more
 //     (ServerStats.StarvedLanes counts them, and a warning names the
 //     peer). A process two of whose lanes were let go so is followed no
-//     more on any of its connections, those open and those it makes
-//     later, for as long as it lives. A handler that waits, for a lock
-//     say, is not let go: only a thread that could run and did not. A
-//     thread whose state the watch cannot read (no /proc) is let go too,
+//     more on any of its connections, those open (let go at the watch's
+//     next look) and those it makes later, for as long as it lives; nor
+//     are a user's processes once eight of their lanes were, for the
+//     server's life. Whatever kept the CPU busy counts, the peer's own
+//     threads or another's. A handler that waits, for a lock say, is
+//     not let go: only a thread that could run and did not. A thread
+//     whose state the watch cannot read (no /proc) is let go too,
 //     rather than left unwatched.
 //
 // The watch is a goroutine, and looks late when the Go scheduler runs it
@@ -69,8 +72,8 @@ import (
 // that starts while a lane thread is kept from running waits for that
 // thread's P, with every other goroutine stopped, the watch's included:
 // a peer that can keep its CPU from others (a real-time thread) can so
-// stop the whole process, twice per peer process at most, for as long as
-// it keeps the CPU.
+// stop the whole process, twice per peer process and eight times per
+// user at most, for as long as it keeps the CPU.
 // Follow only the CPUs of peers trusted to name them and to keep them
 // free meanwhile.
 func (p *Peer) Follow(cpu int) {
@@ -473,12 +476,17 @@ func (w *laneWatch) quiet(p *Peer, busy uint64) {
 // laneStarvedPerProcess is how many lanes of one process may be let go
 // for their CPU's load before the server follows that process no more.
 // Once may be chance (a CPU hog that came and went); again, it is the
-// process's way.
+// process's way, or its CPU's.
 const laneStarvedPerProcess = 2
+
+// laneStarvedPerUser is the same for all the processes of one user: one
+// that forks a child for each connection gets two let-gos per child, and
+// the processes the server remembers are bounded (maxStarvedProcs).
+const laneStarvedPerUser = 8
 
 // maxStarvedProcs bounds how many processes the server remembers lanes
 // let go for: those that have exited are forgotten when it is reached,
-// and past it a let-go counts against its lane only.
+// and past it a let-go counts against its user only.
 var maxStarvedProcs = 1024
 
 // procKey names a process beyond the life of its pid: its pid and its
@@ -488,26 +496,34 @@ type procKey struct {
 	start string
 }
 
-// noteStarved counts a lane of p's process let go for its CPU's load.
-// Once laneStarvedPerProcess were, the server follows that process no
-// more, on any of its connections, those open and those it makes later,
-// for as long as it lives: a peer that keeps its CPU from others would
-// otherwise have a lane kept from running (and, should a garbage
-// collection start then, the whole process stopped) once more with each
-// connection it makes. Called by p's lane, unbound.
+// noteStarved counts a lane of p's process let go for its CPU's load,
+// against the process and against its user. Once a process had
+// laneStarvedPerProcess, or its user laneStarvedPerUser, the server
+// follows it (or every process of that user) no more, on any of its
+// connections, those open and those it makes later: for as long as the
+// process lives, and for the server's life for a user. Whatever keeps
+// the CPU busy counts, the peer's own threads or another's: either way
+// its lane cannot run where the peer asks. A peer that keeps its CPU
+// from others would otherwise have a lane kept from running (and, should
+// a garbage collection start then, the whole server stopped) once more
+// with each connection it makes. Called by p's lane, let go or unbound;
+// the watch lets the process's bound lanes go at its next look.
 func (s *Server) noteStarved(p *Peer) {
-	pid := p.cred.PID
+	pid, uid := p.cred.PID, p.cred.UID
 	start := startOf(pid)
-	if start == nil || !p.ident.alive() {
-		return // exited: its pid may be another's by now
+	if start != nil && !p.ident.alive() {
+		start = nil // exited: its pid may be another's by now
 	}
 	key := procKey{pid, string(start)}
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.starved == nil {
 		s.starved = map[procKey]int{}
 	}
-	if _, ok := s.starved[key]; !ok && len(s.starved) >= maxStarvedProcs {
+	if s.starvedUsers == nil {
+		s.starvedUsers = map[int]int{}
+	}
+	full := false
+	if start != nil && s.starved[key] == 0 && len(s.starved) >= maxStarvedProcs {
 		// Forget the processes that have exited, asking the kernel
 		// without the lock.
 		known := slices.Collect(maps.Keys(s.starved))
@@ -518,25 +534,59 @@ func (s *Server) noteStarved(p *Peer) {
 			delete(s.starved, k)
 		}
 		if len(s.starved) >= maxStarvedProcs {
-			return
+			start, full = nil, !s.starvedFull
+			s.starvedFull = true
 		}
 	}
-	s.starved[key]++
 	s.anyStarved.Store(true)
-	if s.starved[key] != laneStarvedPerProcess {
+	s.starvedUsers[uid]++
+	byUser := s.starvedUsers[uid] == laneStarvedPerUser
+	byProcess := false
+	if start != nil {
+		s.starved[key]++
+		// The process still holds pid (if not, another does, whose
+		// connections are not its own).
+		byProcess = s.starved[key] == laneStarvedPerProcess && bytes.Equal(startOf(pid), start)
+	}
+	n := 0
+	if byUser || byProcess {
+		for q := range s.peers {
+			// A peer whose maker with pid lives is one of the process's
+			// own: it holds pid now.
+			if (byUser && q.cred.UID == uid || byProcess && q.cred.PID == pid && q.ident.alive()) && !q.unfollowed.Swap(true) {
+				n++
+			}
+		}
+	}
+	s.mu.Unlock()
+	if full {
+		s.log.Warn("ipc: the lanes let go for their CPU's load now count against their users only",
+			"processes", maxStarvedProcs)
+	}
+	if byProcess {
+		s.log.Warn("ipc: lanes of this process were kept from their CPUs again; it is followed no more",
+			"pid", pid, "lanes", laneStarvedPerProcess, "connections", n)
+	}
+	if byUser {
+		s.log.Warn("ipc: lanes of this user's processes were kept from their CPUs too often; they are followed no more",
+			"uid", uid, "lanes", laneStarvedPerUser, "connections", n)
+	}
+}
+
+// markStarved sets p unfollowed if its process or its user had too many
+// lanes let go (see noteStarved); start is its process's start time if
+// read already. Call it with s.mu held, as p joins the peers.
+func (s *Server) markStarved(p *Peer, start []byte) {
+	if !s.anyStarved.Load() {
 		return
 	}
-	// The process still holds pid (read above), so a peer whose maker
-	// with that pid lives is one of its own.
-	n := 0
-	for q := range s.peers {
-		if q.cred.PID == pid && q.ident.alive() {
-			q.unfollowed.Store(true)
-			n++
-		}
+	if start == nil {
+		start = startOf(p.cred.PID) // the first let-go came meanwhile
 	}
-	s.log.Warn("ipc: lanes of this process were kept from their CPUs again; it is followed no more",
-		"pid", pid, "lanes", laneStarvedPerProcess, "connections", n)
+	if s.starvedUsers[p.cred.UID] >= laneStarvedPerUser ||
+		start != nil && s.starved[procKey{p.cred.PID, string(start)}] >= laneStarvedPerProcess {
+		p.unfollowed.Store(true)
+	}
 }
 
 // threadCPUTime returns the CPU time thread tid of this process has used,
@@ -706,6 +756,10 @@ func (s *Server) checkLanes() {
 		away.set(&busy)
 		for _, l := range lanes {
 			l.p.watch.look(l.p)
+			if l.p.unfollowed.Load() {
+				// Bound before its process (or user) was marked.
+				l.p.watch.evict(l.p, "lanes of its process were kept from their CPUs too often")
+			}
 		}
 		lanes = s.boundLanes() // less those given back
 		for _, l := range lanes {

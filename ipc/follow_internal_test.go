@@ -1,10 +1,13 @@
 package ipc
 
 import (
+	"context"
 	"errors"
 	"log/slog"
 	"os"
 	"runtime"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -248,7 +251,8 @@ func TestABindingClearsAnIdleMarkOfTheOneBefore(t *testing.T) {
 
 // The server remembers a bounded number of processes whose lanes were let
 // go: when it is full, the processes that have exited are forgotten to
-// make room, and if none has, a let-go counts against its lane only.
+// make room, and if none has, a let-go counts against its user only (and
+// the server says so, once).
 func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	defer func(n int) { maxStarvedProcs = n }(maxStarvedProcs)
 	maxStarvedProcs = 2
@@ -256,8 +260,9 @@ func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	key := func(pid int) procKey { return procKey{pid, string(startOf(pid))} }
 	require.NotEmpty(t, key(self).start)
 	require.NotEmpty(t, key(parent).start)
-	s := &Server{log: slog.New(slog.DiscardHandler), peers: map[*Peer]struct{}{}}
-	p := &Peer{srv: s, cred: Cred{PID: self}, ident: identity{pid: self, start: startOf(self)}}
+	var log logLines
+	s := &Server{log: slog.New(&log), peers: map[*Peer]struct{}{}}
+	p := selfPeer(s, os.Getuid())
 	s.peers[p] = struct{}{}
 
 	gone := procKey{parent, key(parent).start + "0"} // its pid, another's start: exited
@@ -265,12 +270,131 @@ func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	s.noteStarved(p)
 	assert.Equal(t, map[procKey]int{key(parent): 1, key(self): 1}, s.starved, "the process that exited made room")
 	assert.False(t, p.unfollowed.Load())
+	assert.Zero(t, log.count("count against their users only"))
 
 	s.starved = map[procKey]int{key(parent): 1, {1, string(startOf(1))}: 1}
 	s.noteStarved(p)
+	s.noteStarved(p)
 	assert.NotContains(t, s.starved, key(self), "counted with no room")
+	assert.Equal(t, 3, s.starvedUsers[os.Getuid()], "every let-go counts against the user")
+	assert.Equal(t, 1, log.count("count against their users only"), "said once")
 
 	s.starved = map[procKey]int{key(self): 1}
 	s.noteStarved(p)
 	assert.True(t, p.unfollowed.Load(), "a second let-go of the process's lanes")
 }
+
+// All the lanes of one user's processes let go laneStarvedPerUser times
+// in all have the server follow that user's processes no more: those
+// connected and those that connect later, whichever process each is (a
+// process that forks a child per connection gets two let-gos per child).
+// Another user's are still followed.
+func TestAUserWhoseLanesStarvedTooOftenIsFollowedNoMore(t *testing.T) {
+	const uid, other = 4242, 4343
+	s := &Server{log: slog.New(slog.DiscardHandler), peers: map[*Peer]struct{}{}}
+	mine, theirs := selfPeer(s, uid), selfPeer(s, other)
+	s.peers[mine], s.peers[theirs] = struct{}{}, struct{}{}
+	// Children that have exited, one let-go each: no process to count.
+	child := &Peer{srv: s, cred: Cred{PID: 1 << 30, UID: uid}, ident: identity{pid: 1 << 30}}
+	for range laneStarvedPerUser - 1 {
+		s.noteStarved(child)
+	}
+	assert.False(t, mine.unfollowed.Load(), "one let-go short")
+	s.noteStarved(child)
+	assert.True(t, mine.unfollowed.Load(), "a connected peer of the user")
+	assert.False(t, theirs.unfollowed.Load(), "another user's peer")
+
+	later, elsewhere := selfPeer(s, uid), selfPeer(s, other)
+	s.markStarved(later, nil)
+	s.markStarved(elsewhere, nil)
+	assert.True(t, later.unfollowed.Load(), "a peer of the user that joins later")
+	assert.False(t, elsewhere.unfollowed.Load(), "another user's that joins later")
+}
+
+// A peer that joins after its process's let-gos were counted is marked
+// even if it found none counted before it took the server's lock.
+func TestAPeerJoiningAsItsProcessIsMarkedIsMarked(t *testing.T) {
+	s := &Server{log: slog.New(slog.DiscardHandler), peers: map[*Peer]struct{}{}}
+	s.starved = map[procKey]int{{os.Getpid(), string(startOf(os.Getpid()))}: laneStarvedPerProcess}
+	s.anyStarved.Store(true)
+	p := selfPeer(s, os.Getuid())
+	s.markStarved(p, nil) // no start read: anyStarved was not set yet
+	assert.True(t, p.unfollowed.Load())
+}
+
+// The server's warnings that it follows a process no more are written
+// without its lock: a log that blocks must not hold up its connections.
+func TestTheWarningOfAMarkedProcessIsLoggedWithoutTheServersLock(t *testing.T) {
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	defer close(release)
+	s := &Server{log: slog.New(&blockingLog{entered: entered, release: release}), peers: map[*Peer]struct{}{}}
+	p := selfPeer(s, os.Getuid())
+	s.starved = map[procKey]int{{os.Getpid(), string(startOf(os.Getpid()))}: 1}
+	go s.noteStarved(p) // the second let-go: it warns
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no warning")
+	}
+	locked := make(chan struct{})
+	go func() { s.mu.Lock(); s.mu.Unlock(); close(locked) }()
+	select {
+	case <-locked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the server's lock is held while its warning waits for the log")
+	}
+}
+
+// selfPeer is a peer of this process, as user uid sees it.
+func selfPeer(s *Server, uid int) *Peer {
+	pid := os.Getpid()
+	return &Peer{srv: s, cred: Cred{PID: pid, UID: uid}, ident: identity{pid: pid, start: startOf(pid)}}
+}
+
+// logLines is a slog handler that keeps the messages it is given.
+type logLines struct {
+	mu   sync.Mutex
+	msgs []string
+}
+
+func (l *logLines) Enabled(context.Context, slog.Level) bool { return true }
+func (l *logLines) Handle(_ context.Context, r slog.Record) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.msgs = append(l.msgs, r.Message)
+	return nil
+}
+func (l *logLines) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *logLines) WithGroup(string) slog.Handler      { return l }
+
+// count reports how many messages had sub in them.
+func (l *logLines) count(sub string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, m := range l.msgs {
+		if strings.Contains(m, sub) {
+			n++
+		}
+	}
+	return n
+}
+
+// blockingLog is a slog handler whose first record says so on entered
+// and waits for release, as a log writing to a full pipe would.
+type blockingLog struct {
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (b *blockingLog) Enabled(context.Context, slog.Level) bool { return true }
+func (b *blockingLog) Handle(context.Context, slog.Record) error {
+	select {
+	case b.entered <- struct{}{}:
+		<-b.release
+	default:
+	}
+	return nil
+}
+func (b *blockingLog) WithAttrs([]slog.Attr) slog.Handler { return b }
+func (b *blockingLog) WithGroup(string) slog.Handler      { return b }

@@ -212,6 +212,7 @@ func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *h
 
 func init() {
 	testproc.Register("spin", helperSpin)
+	testproc.Register("starver", helperStarver)
 }
 
 // helperSpin keeps the CPU its first argument names busy from as many
@@ -362,6 +363,74 @@ func TestABoundLaneThatWaitsIsNotLetGo(t *testing.T) {
 	twice(uint32(cpu) + 1)
 	assert.Equal(t, 1, threadsBoundTo(t, cpu), "the lane still follows its caller")
 	assert.Zero(t, s.Stats().StarvedLanes)
+}
+
+// A lane bound when its process is marked (its second lane let go) is let
+// go at the watch's next look: waiting for a request, it would otherwise
+// answer the next one on the CPU its peer named, and may starve there
+// once more. Two lanes are bound at once here (GOMAXPROCS 3).
+func TestALaneBoundWhenItsProcessIsMarkedIsLetGo(t *testing.T) {
+	cpus := testenv.NeedCPUs(t, 2)
+	first, last := cpus[0], cpus[len(cpus)-1]
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
+	s := startServer(t, starveHandler(last, nil, nil), withHello, withInline)
+	open, tid := boundLane(t, s, first)
+	for i := range 2 {
+		c := laneClient(t, s, true, ipc.ClientConfig{})
+		require.Equal(t, last, laneCPUOf(t, c, last), "connection %d's lane follows its caller", i+1)
+		starveOnce(t, c, last)
+		require.Equal(t, -1, laneCPUOf(t, c, last), "connection %d's lane follows no more", i+1)
+	}
+	require.True(t, eventually(func() bool { return ipc.StarvedLetGos(s.Server, os.Getpid()) == 2 }), "both let-gos counted")
+	waitUntil(t, func() bool {
+		var set unix.CPUSet
+		return unix.SchedGetaffinity(tid, &set) == nil && (set.Count() > 1 || !set.IsSet(first))
+	}, "the open lane, bound when its process was marked, was not let go")
+	assert.Equal(t, -1, laneCPUOf(t, open, first), "the open lane follows its caller still")
+	assert.Equal(t, uint64(2), s.Stats().StarvedLanes)
+}
+
+// helperStarver connects to the socket args[0] names, says hello, has its
+// lane follow CPU args[1], asks for addrStarve there, and exits.
+func helperStarver(args []string) int {
+	cpu, _ := strconv.Atoi(args[1])
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	c, err := ipc.DialClient(ctx, args[0], ipc.ClientConfig{Logger: quiet})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	defer c.Close()
+	if err := c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, nil); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	for _, addr := range []uint64{0x1000, addrStarve} {
+		if err := c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: uint32(cpu) + 1}, nil); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 3
+		}
+	}
+	return 0
+}
+
+// Processes of one user that each connect once, name a CPU something keeps
+// busy and exit (a parent forking a child per connection) have their lanes
+// let go laneStarvedPerUser times in all; after that the user's processes
+// are followed no more, the test's own included.
+func TestTheLanesOfOneUsersProcessesStarveAtMostItsShare(t *testing.T) {
+	cpu := lastCPU(t)
+	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
+	func() {
+		defer spinOn(t, cpu, 7)()
+		for range ipc.LaneStarvedPerUser + 2 {
+			require.NoError(t, testproc.Start(t, "starver", []string{s.path, strconv.Itoa(cpu)}).Wait(bound))
+		}
+	}()
+	assert.Equal(t, uint64(ipc.LaneStarvedPerUser), s.Stats().StarvedLanes)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	assert.Equal(t, -1, laneCPUOf(t, c, cpu), "a lane of the user's followed")
 }
 
 // A let-go counts against its peer's process even when the peer hangs up

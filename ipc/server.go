@@ -120,14 +120,18 @@ type Server struct {
 	peers    map[*Peer]struct{}
 	nextPeer uint64
 	conns    int // open, from accept to the end of serveConn
-	// starved counts, by process, the lanes let go for their CPU's load
-	// (see noteStarved); anyStarved is set once it has an entry.
-	starved    map[procKey]int
-	anyStarved atomic.Bool
-	connsByUID map[int]int    // the same, by user
-	unadmitted int            // peers not admitted yet
-	wg         sync.WaitGroup // connection and handler goroutines
-	refusing   chan struct{}  // refusals draining (maxRefusing)
+	// starved and starvedUsers count, by process and by user, the lanes
+	// let go for their CPU's load (see noteStarved); starvedFull is set
+	// once starved had no room for a process; anyStarved once a lane was
+	// let go so.
+	starved      map[procKey]int
+	starvedUsers map[int]int
+	starvedFull  bool
+	anyStarved   atomic.Bool
+	connsByUID   map[int]int    // the same, by user
+	unadmitted   int            // peers not admitted yet
+	wg           sync.WaitGroup // connection and handler goroutines
+	refusing     chan struct{}  // refusals draining (maxRefusing)
 
 	refusedConns     atomic.Uint64
 	refusedConnsUID  atomic.Uint64
@@ -384,9 +388,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	s.nextPeer++
 	p.id = s.nextPeer
 	s.peers[p] = struct{}{}
-	if start != nil && s.starved[procKey{cred.PID, string(start)}] >= laneStarvedPerProcess {
-		p.unfollowed.Store(true)
-	}
+	s.markStarved(p, start)
 	if s.cfg.HelloKind == 0 {
 		p.admitted.Store(true)
 		p.watchProcess()
