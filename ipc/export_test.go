@@ -42,7 +42,7 @@ func StarvedLetGos(s *Server, pid int) int {
 	n := 0
 	for k, c := range s.starved {
 		if k.pid == pid {
-			n += c
+			n += int(c.Load())
 		}
 	}
 	return n

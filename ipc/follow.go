@@ -105,10 +105,6 @@ type laneCPU struct {
 	refused    int32
 	refusedGen uint64
 	retry      int
-
-	// noted is set once the lane's let-go for its CPU's load was counted
-	// against its peer's process (Server.noteStarved).
-	noted bool
 }
 
 // laneRetryEvery is how many requests a lane refused a CPU lets go by
@@ -132,11 +128,17 @@ func (l *laneCPU) apply(p *Peer) {
 	}
 	want := p.follow.Load()
 	if p.watch.letGo.Load() {
-		l.note(p) // let go, its thread may run elsewhere: it may wait for a lock
 		want = 0
 	}
-	if p.unfollowed.Load() {
-		want = 0
+	if want != 0 {
+		c := p.starves.Load()
+		if c == nil {
+			c = p.srv.starveCountsOf(p) // unbound: it may wait for the lock
+			p.starves.Store(c)
+		}
+		if c.out() {
+			want = 0
+		}
 	}
 	if want == 0 {
 		// A CPU ignored before may be usable by the next binding (back
@@ -209,16 +211,6 @@ func (l *laneCPU) apply(p *Peer) {
 	p.watch.bound(&l.home, cpu)
 }
 
-// note counts the lane's let-go for its CPU's load, if it was, against
-// its peer's process (Server.noteStarved), once. Call it with the lane's
-// thread let go or unbound.
-func (l *laneCPU) note(p *Peer) {
-	if p.watch.starved.Load() && !l.noted {
-		l.noted = true
-		p.srv.noteStarved(p)
-	}
-}
-
 // stopWaiting has the server forget that the lane, unbound, waits for a
 // CPU it was refused.
 func (l *laneCPU) stopWaiting(p *Peer) {
@@ -250,8 +242,7 @@ func (l *laneCPU) unbind(p *Peer) {
 }
 
 // end is unbind for a lane that ends: a thread the kernel would not
-// unbind ends with the lane's goroutine, unwatched. A let-go not counted
-// yet (the request the lane was let go in ended it) is counted.
+// unbind ends with the lane's goroutine, unwatched.
 func (l *laneCPU) end(p *Peer) {
 	l.stopWaiting(p)
 	if l.bound != 0 {
@@ -261,7 +252,6 @@ func (l *laneCPU) end(p *Peer) {
 		p.watch.unwatch()
 		p.srv.dropLane(p)
 	}
-	l.note(p)
 }
 
 // laneCheckEvery is how often the server looks at its bound lanes, while
@@ -287,9 +277,8 @@ type laneWatch struct {
 	// busy is odd while the lane's thread answers a request while bound.
 	busy atomic.Uint64
 	// letGo is set once the lane's thread was let go: it follows the peer
-	// no more. starved says it was for its CPU's load.
-	letGo   atomic.Bool
-	starved atomic.Bool
+	// no more.
+	letGo atomic.Bool
 	// idle is set once the lane gave its CPU back while its peer asked
 	// nothing: it unbinds, and may bind again.
 	idle atomic.Bool
@@ -349,7 +338,8 @@ func (w *laneWatch) evict(p *Peer, why string) bool {
 	if !w.mu.TryLock() {
 		return false
 	}
-	defer w.mu.Unlock() // held until the CPU is let go: the lane may not take another meanwhile
+	var say func()
+	defer w.unlock(&say) // held until the CPU is let go: the lane may not take another meanwhile
 	tid := int(w.tid.Load())
 	if tid == 0 {
 		return false
@@ -358,9 +348,20 @@ func (w *laneWatch) evict(p *Peer, why string) bool {
 		w.letGo.Store(true)
 		w.evicted.Store(true)
 		w.release(tid)
-		p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", w.cpu.Load(), "why", why)
+		cpu := w.cpu.Load()
+		say = func() { p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", cpu, "why", why) }
 	}
 	return p.srv.tryDropLane(p)
+}
+
+// unlock releases w.mu and then logs what was to be said under it: a log
+// that blocks (a full pipe) must not hold up the lane, which takes w.mu
+// to unbind.
+func (w *laneWatch) unlock(say *func()) {
+	w.mu.Unlock()
+	if *say != nil {
+		(*say)()
+	}
 }
 
 // release lets thread tid, the lane's, run on the CPUs it had before it
@@ -392,7 +393,8 @@ func (w *laneWatch) look(p *Peer) {
 	if !w.mu.TryLock() {
 		return // the lane is unwatching itself
 	}
-	defer w.mu.Unlock()
+	var say func()
+	defer w.unlock(&say)
 	tid := int(w.tid.Load())
 	if tid == 0 || w.letGo.Load() {
 		return
@@ -407,7 +409,9 @@ func (w *laneWatch) look(p *Peer) {
 		// its peer no more instead (tid is alive while w.mu is held).
 		w.letGo.Store(true)
 		w.release(tid)
-		p.srv.log.Warn("ipc: cannot watch a lane thread; it follows its peer no more", "peer", p.id, "err", err)
+		say = func() {
+			p.srv.log.Warn("ipc: cannot watch a lane thread; it follows its peer no more", "peer", p.id, "err", err)
+		}
 		return
 	}
 	if w.busy.Load() != busy {
@@ -427,13 +431,27 @@ func (w *laneWatch) look(p *Peer) {
 		w.ran, w.at, w.runnable = ran, now, r
 		return
 	}
-	w.starved.Store(true)
 	w.letGo.Store(true)
 	p.srv.starvedLanes.Add(1) // before the thread may run, and answer
-	cpu := int(w.cpu.Load())
+	var proc, user int32
+	if c := p.starves.Load(); c != nil { // set before the lane bound
+		proc, user = c.add()
+	}
+	cpu, ran := int(w.cpu.Load()), ran-w.ran
 	w.release(tid)
-	p.srv.log.Warn("ipc: a lane thread bound to the CPU its peer named could not run there; it follows that peer no more",
-		"peer", p.id, "cpu", cpu, "over", over, "ran", ran-w.ran)
+	say = func() {
+		log := p.srv.log
+		log.Warn("ipc: a lane thread bound to the CPU its peer named could not run there; it follows that peer no more",
+			"peer", p.id, "cpu", cpu, "over", over, "ran", ran)
+		if proc == laneStarvedPerProcess {
+			log.Warn("ipc: lanes of this process were kept from their CPUs again; it is followed no more",
+				"pid", p.cred.PID, "lanes", proc)
+		}
+		if user == laneStarvedPerUser {
+			log.Warn("ipc: lanes of this user's processes were kept from their CPUs too often; they are followed no more",
+				"uid", p.cred.UID, "lanes", user)
+		}
+	}
 }
 
 // quiet is the checker's look at p's lane between two requests, busy
@@ -453,7 +471,8 @@ func (w *laneWatch) quiet(p *Peer, busy uint64) {
 	if !w.mu.TryLock() {
 		return
 	}
-	defer w.mu.Unlock()
+	var say func()
+	defer w.unlock(&say)
 	tid := int(w.tid.Load())
 	if tid == 0 || w.letGo.Load() || w.idle.Load() || w.busy.Load() != busy {
 		return // unbinding, let go, given back, or asked something meanwhile
@@ -470,7 +489,8 @@ func (w *laneWatch) quiet(p *Peer, busy uint64) {
 	w.idle.Store(true)
 	s.removeLane(p)
 	s.idleLanes.Add(1)
-	s.log.Debug("ipc: a quiet lane gives its CPU back", "peer", p.id, "cpu", cpu, "quiet", now.Sub(w.quietSince))
+	quiet := now.Sub(w.quietSince)
+	say = func() { s.log.Debug("ipc: a quiet lane gives its CPU back", "peer", p.id, "cpu", cpu, "quiet", quiet) }
 }
 
 // laneStarvedPerProcess is how many lanes of one process may be let go
@@ -496,19 +516,38 @@ type procKey struct {
 	start string
 }
 
-// noteStarved counts a lane of p's process let go for its CPU's load,
-// against the process and against its user. Once a process had
-// laneStarvedPerProcess, or its user laneStarvedPerUser, the server
-// follows it (or every process of that user) no more, on any of its
-// connections, those open and those it makes later: for as long as the
-// process lives, and for the server's life for a user. Whatever keeps
-// the CPU busy counts, the peer's own threads or another's: either way
-// its lane cannot run where the peer asks. A peer that keeps its CPU
-// from others would otherwise have a lane kept from running (and, should
-// a garbage collection start then, the whole server stopped) once more
-// with each connection it makes. Called by p's lane, let go or unbound;
-// the watch lets the process's bound lanes go at its next look.
-func (s *Server) noteStarved(p *Peer) {
+// starveCounts are the counts of lanes let go for their CPU's load that a
+// peer shares with the other peers of its process (nil: the server had no
+// room to remember the process; see maxStarvedProcs) and of its user.
+// Whatever kept the CPU busy counts, the peer's own threads or another's:
+// either way its lane could not run where the peer asked. A peer that
+// keeps its CPU from others would otherwise have a lane kept from running
+// (and, should a garbage collection start then, the whole server stopped)
+// once more with each connection it makes, or each process it forks.
+type starveCounts struct {
+	proc, user *atomic.Int32
+}
+
+// out reports whether the peer's process, or its user, had so many lanes
+// let go that the server follows it no more: on any of its connections,
+// those open (the watch lets their lanes go at its next look) and those
+// made later, for as long as the process lives, or the server for a user.
+func (c *starveCounts) out() bool {
+	return c.user.Load() >= laneStarvedPerUser || c.proc != nil && c.proc.Load() >= laneStarvedPerProcess
+}
+
+// add counts a lane let go, and returns the new counts (0 for a process
+// not remembered).
+func (c *starveCounts) add() (proc, user int32) {
+	if c.proc != nil {
+		proc = c.proc.Add(1)
+	}
+	return proc, c.user.Add(1)
+}
+
+// starveCountsOf returns p's counts, those of its process and user. Called
+// by p's lane, unbound, before it first binds.
+func (s *Server) starveCountsOf(p *Peer) *starveCounts {
 	pid, uid := p.cred.PID, p.cred.UID
 	start := startOf(pid)
 	if start != nil && !p.ident.alive() {
@@ -516,14 +555,11 @@ func (s *Server) noteStarved(p *Peer) {
 	}
 	key := procKey{pid, string(start)}
 	s.mu.Lock()
-	if s.starved == nil {
-		s.starved = map[procKey]int{}
-	}
 	if s.starvedUsers == nil {
-		s.starvedUsers = map[int]int{}
+		s.starved, s.starvedUsers = map[procKey]*atomic.Int32{}, map[int]*atomic.Int32{}
 	}
 	full := false
-	if start != nil && s.starved[key] == 0 && len(s.starved) >= maxStarvedProcs {
+	if start != nil && s.starved[key] == nil && len(s.starved) >= maxStarvedProcs {
 		// Forget the processes that have exited, asking the kernel
 		// without the lock.
 		known := slices.Collect(maps.Keys(s.starved))
@@ -533,60 +569,28 @@ func (s *Server) noteStarved(p *Peer) {
 		for _, k := range known {
 			delete(s.starved, k)
 		}
-		if len(s.starved) >= maxStarvedProcs {
+		if s.starved[key] == nil && len(s.starved) >= maxStarvedProcs {
 			start, full = nil, !s.starvedFull
 			s.starvedFull = true
 		}
 	}
-	s.anyStarved.Store(true)
-	s.starvedUsers[uid]++
-	byUser := s.starvedUsers[uid] == laneStarvedPerUser
-	byProcess := false
-	if start != nil {
-		s.starved[key]++
-		// The process still holds pid (if not, another does, whose
-		// connections are not its own).
-		byProcess = s.starved[key] == laneStarvedPerProcess && bytes.Equal(startOf(pid), start)
+	c := &starveCounts{user: s.starvedUsers[uid]}
+	if c.user == nil {
+		c.user = new(atomic.Int32)
+		s.starvedUsers[uid] = c.user
 	}
-	n := 0
-	if byUser || byProcess {
-		for q := range s.peers {
-			// A peer whose maker with pid lives is one of the process's
-			// own: it holds pid now.
-			if (byUser && q.cred.UID == uid || byProcess && q.cred.PID == pid && q.ident.alive()) && !q.unfollowed.Swap(true) {
-				n++
-			}
+	if start != nil {
+		if c.proc = s.starved[key]; c.proc == nil {
+			c.proc = new(atomic.Int32)
+			s.starved[key] = c.proc
 		}
 	}
 	s.mu.Unlock()
 	if full {
-		s.log.Warn("ipc: the lanes let go for their CPU's load now count against their users only",
+		s.log.Warn("ipc: lanes let go for their CPU's load now count against their users only",
 			"processes", maxStarvedProcs)
 	}
-	if byProcess {
-		s.log.Warn("ipc: lanes of this process were kept from their CPUs again; it is followed no more",
-			"pid", pid, "lanes", laneStarvedPerProcess, "connections", n)
-	}
-	if byUser {
-		s.log.Warn("ipc: lanes of this user's processes were kept from their CPUs too often; they are followed no more",
-			"uid", uid, "lanes", laneStarvedPerUser, "connections", n)
-	}
-}
-
-// markStarved sets p unfollowed if its process or its user had too many
-// lanes let go (see noteStarved); start is its process's start time if
-// read already. Call it with s.mu held, as p joins the peers.
-func (s *Server) markStarved(p *Peer, start []byte) {
-	if !s.anyStarved.Load() {
-		return
-	}
-	if start == nil {
-		start = startOf(p.cred.PID) // the first let-go came meanwhile
-	}
-	if s.starvedUsers[p.cred.UID] >= laneStarvedPerUser ||
-		start != nil && s.starved[procKey{p.cred.PID, string(start)}] >= laneStarvedPerProcess {
-		p.unfollowed.Store(true)
-	}
+	return c
 }
 
 // threadCPUTime returns the CPU time thread tid of this process has used,
@@ -755,11 +759,13 @@ func (s *Server) checkLanes() {
 		}
 		away.set(&busy)
 		for _, l := range lanes {
-			l.p.watch.look(l.p)
-			if l.p.unfollowed.Load() {
-				// Bound before its process (or user) was marked.
-				l.p.watch.evict(l.p, "lanes of its process were kept from their CPUs too often")
+			if c := l.p.starves.Load(); c != nil && c.out() {
+				// Bound before its process (or user) had its let-gos,
+				// perhaps kept from running too.
+				l.p.watch.evict(l.p, "lanes of its process or user were kept from their CPUs too often")
+				continue
 			}
+			l.p.watch.look(l.p)
 		}
 		lanes = s.boundLanes() // less those given back
 		for _, l := range lanes {

@@ -251,8 +251,8 @@ func TestABindingClearsAnIdleMarkOfTheOneBefore(t *testing.T) {
 
 // The server remembers a bounded number of processes whose lanes were let
 // go: when it is full, the processes that have exited are forgotten to
-// make room, and if none has, a let-go counts against its user only (and
-// the server says so, once).
+// make room, and if none has, a peer's let-gos count against its user only
+// (and the server says so, once).
 func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	defer func(n int) { maxStarvedProcs = n }(maxStarvedProcs)
 	maxStarvedProcs = 2
@@ -261,87 +261,85 @@ func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	require.NotEmpty(t, key(self).start)
 	require.NotEmpty(t, key(parent).start)
 	var log logLines
-	s := &Server{log: slog.New(&log), peers: map[*Peer]struct{}{}}
+	s := &Server{log: slog.New(&log), starvedUsers: map[int]*atomic.Int32{}}
 	p := selfPeer(s, os.Getuid())
-	s.peers[p] = struct{}{}
 
 	gone := procKey{parent, key(parent).start + "0"} // its pid, another's start: exited
-	s.starved = map[procKey]int{key(parent): 1, gone: 1}
-	s.noteStarved(p)
-	assert.Equal(t, map[procKey]int{key(parent): 1, key(self): 1}, s.starved, "the process that exited made room")
-	assert.False(t, p.unfollowed.Load())
+	s.starved = map[procKey]*atomic.Int32{key(parent): new(atomic.Int32), gone: new(atomic.Int32)}
+	c := s.starveCountsOf(p)
+	assert.NotContains(t, s.starved, gone, "the process that exited made room")
+	assert.Equal(t, s.starved[key(self)], c.proc, "the peer's process is counted")
 	assert.Zero(t, log.count("count against their users only"))
 
-	s.starved = map[procKey]int{key(parent): 1, {1, string(startOf(1))}: 1}
-	s.noteStarved(p)
-	s.noteStarved(p)
-	assert.NotContains(t, s.starved, key(self), "counted with no room")
-	assert.Equal(t, 3, s.starvedUsers[os.Getuid()], "every let-go counts against the user")
+	s.starved = map[procKey]*atomic.Int32{key(parent): new(atomic.Int32), {1, string(startOf(1))}: new(atomic.Int32)}
+	c2, c3 := s.starveCountsOf(p), s.starveCountsOf(p)
+	assert.Nil(t, c2.proc, "a process counted with no room")
+	assert.Same(t, c.user, c2.user, "its user still is")
+	assert.Same(t, c2.user, c3.user)
 	assert.Equal(t, 1, log.count("count against their users only"), "said once")
+}
 
-	s.starved = map[procKey]int{key(self): 1}
-	s.noteStarved(p)
-	assert.True(t, p.unfollowed.Load(), "a second let-go of the process's lanes")
+// A peer's let-go counts against every peer of its process, those there
+// and those to come, and past laneStarvedPerProcess they are followed no
+// more; the user's count holds the others back only at laneStarvedPerUser.
+func TestAProcessesPeersShareItsCounts(t *testing.T) {
+	s := &Server{log: slog.New(slog.DiscardHandler)}
+	a := s.starveCountsOf(selfPeer(s, 4242))
+	a.add()
+	b := s.starveCountsOf(selfPeer(s, 4242))
+	assert.False(t, b.out(), "one let-go")
+	a.add()
+	assert.True(t, b.out(), "two let-gos of the process, counted on another of its peers")
+	assert.True(t, s.starveCountsOf(selfPeer(s, 4242)).out(), "a later peer of the process")
 }
 
 // All the lanes of one user's processes let go laneStarvedPerUser times
-// in all have the server follow that user's processes no more: those
-// connected and those that connect later, whichever process each is (a
-// process that forks a child per connection gets two let-gos per child).
-// Another user's are still followed.
+// in all have the server follow that user's processes no more, whichever
+// process each is (a process that forks a child per connection gets two
+// let-gos per child). Another user's are still followed.
 func TestAUserWhoseLanesStarvedTooOftenIsFollowedNoMore(t *testing.T) {
 	const uid, other = 4242, 4343
-	s := &Server{log: slog.New(slog.DiscardHandler), peers: map[*Peer]struct{}{}}
-	mine, theirs := selfPeer(s, uid), selfPeer(s, other)
-	s.peers[mine], s.peers[theirs] = struct{}{}, struct{}{}
+	s := &Server{log: slog.New(slog.DiscardHandler)}
+	mine, theirs := s.starveCountsOf(selfPeer(s, uid)), s.starveCountsOf(selfPeer(s, other))
 	// Children that have exited, one let-go each: no process to count.
-	child := &Peer{srv: s, cred: Cred{PID: 1 << 30, UID: uid}, ident: identity{pid: 1 << 30}}
+	child := s.starveCountsOf(&Peer{srv: s, cred: Cred{PID: 1 << 30, UID: uid}, ident: identity{pid: 1 << 30}})
+	require.Nil(t, child.proc)
 	for range laneStarvedPerUser - 1 {
-		s.noteStarved(child)
+		child.add()
 	}
-	assert.False(t, mine.unfollowed.Load(), "one let-go short")
-	s.noteStarved(child)
-	assert.True(t, mine.unfollowed.Load(), "a connected peer of the user")
-	assert.False(t, theirs.unfollowed.Load(), "another user's peer")
-
-	later, elsewhere := selfPeer(s, uid), selfPeer(s, other)
-	s.markStarved(later, nil)
-	s.markStarved(elsewhere, nil)
-	assert.True(t, later.unfollowed.Load(), "a peer of the user that joins later")
-	assert.False(t, elsewhere.unfollowed.Load(), "another user's that joins later")
+	assert.False(t, mine.out(), "one let-go short")
+	child.add()
+	assert.True(t, mine.out(), "a peer of the user")
+	assert.True(t, s.starveCountsOf(selfPeer(s, uid)).out(), "a peer of the user that comes later")
+	assert.False(t, theirs.out(), "another user's peer")
 }
 
-// A peer that joins after its process's let-gos were counted is marked
-// even if it found none counted before it took the server's lock.
-func TestAPeerJoiningAsItsProcessIsMarkedIsMarked(t *testing.T) {
-	s := &Server{log: slog.New(slog.DiscardHandler), peers: map[*Peer]struct{}{}}
-	s.starved = map[procKey]int{{os.Getpid(), string(startOf(os.Getpid()))}: laneStarvedPerProcess}
-	s.anyStarved.Store(true)
-	p := selfPeer(s, os.Getuid())
-	s.markStarved(p, nil) // no start read: anyStarved was not set yet
-	assert.True(t, p.unfollowed.Load())
-}
-
-// The server's warnings that it follows a process no more are written
-// without its lock: a log that blocks must not hold up its connections.
-func TestTheWarningOfAMarkedProcessIsLoggedWithoutTheServersLock(t *testing.T) {
+// The watch's messages are written once it has let go of the lane's lock:
+// a log that blocks must not hold up the lane, which takes that lock to
+// unbind.
+func TestTheWatchLogsWithoutTheLanesLock(t *testing.T) {
 	entered, release := make(chan struct{}, 1), make(chan struct{})
 	defer close(release)
-	s := &Server{log: slog.New(&blockingLog{entered: entered, release: release}), peers: map[*Peer]struct{}{}}
+	s := &Server{log: slog.New(&blockingLog{entered: entered, release: release})}
 	p := selfPeer(s, os.Getuid())
-	s.starved = map[procKey]int{{os.Getpid(), string(startOf(os.Getpid()))}: 1}
-	go s.noteStarved(p) // the second let-go: it warns
+	// This thread stands for the lane's; its CPUs are put back.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	require.NoError(t, unix.SchedGetaffinity(0, &p.watch.home))
+	defer func(home unix.CPUSet) { require.NoError(t, unix.SchedSetaffinity(0, &home)) }(p.watch.home)
+	p.watch.tid.Store(int32(unix.Gettid()))
+	go p.watch.evict(p, "a test")
 	select {
 	case <-entered:
 	case <-time.After(10 * time.Second):
-		t.Fatal("no warning")
+		t.Fatal("no message")
 	}
-	locked := make(chan struct{})
-	go func() { s.mu.Lock(); s.mu.Unlock(); close(locked) }()
+	free := make(chan struct{})
+	go func() { p.watch.unwatch(); close(free) }()
 	select {
-	case <-locked:
+	case <-free:
 	case <-time.After(10 * time.Second):
-		t.Fatal("the server's lock is held while its warning waits for the log")
+		t.Fatal("the lane's lock is held while the watch's message waits for the log")
 	}
 }
 

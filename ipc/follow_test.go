@@ -176,13 +176,13 @@ const (
 	addrStarveHold = 0x4000 // addrStarve, then addrWait
 )
 
-// starveHandler is followHandler with two addresses of its own. A
-// request for addrStarve keeps its thread busy until the thread may run
-// on a CPU other than cpu, for at most bound/2, and answers LKey 1 if it
-// was let go so, 0 if not; one for addrWait says it started on started
-// and blocks until release is closed; one for addrStarveHold does the
-// one and then the other.
-func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *handler {
+// starveHandler is followHandler with addresses of its own. A request for
+// addrStarve keeps its thread busy, if it is bound to one CPU, until it
+// may run on others, for at most bound/2, and answers LKey 1 if it may
+// (or could from the start), 0 if not; one for addrWait says it started on
+// started and blocks until release is closed; one for addrStarveHold does
+// the one and then the other.
+func starveHandler(started chan<- struct{}, release <-chan struct{}) *handler {
 	h := followHandler()
 	follow := h.handle
 	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
@@ -192,10 +192,12 @@ func starveHandler(cpu int, started chan<- struct{}, release <-chan struct{}) *h
 			return reply, err, ok
 		}
 		if r.Start == addrStarve || r.Start == addrStarveHold {
+			var was unix.CPUSet
+			_ = unix.SchedGetaffinity(0, &was)
 			r.LKey = 0
 			for end := time.Now().Add(bound / 2); time.Now().Before(end); {
 				var set unix.CPUSet
-				if unix.SchedGetaffinity(0, &set) == nil && (set.Count() > 1 || !set.IsSet(cpu)) {
+				if unix.SchedGetaffinity(0, &set) == nil && (set.Count() > 1 || set != was) {
 					r.LKey = 1
 					break
 				}
@@ -267,7 +269,7 @@ func spinOn(t *testing.T, cpu, n int) (stop func()) {
 // gets an eighth of it.
 func TestAStarvedBoundLaneIsLetGo(t *testing.T) {
 	cpu := lastCPU(t)
-	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
+	s := startServer(t, starveHandler(nil, nil), withHello, withInline)
 	c := laneClient(t, s, true, ipc.ClientConfig{})
 	twice := func(c *ipc.Client, hint uint32) { createOn(t, c, 0x1000, hint); createOn(t, c, 0x1000, hint) }
 
@@ -310,7 +312,7 @@ func starveOnce(t *testing.T, c *ipc.Client, cpu int) {
 // may be chance: another connection is still followed after the first.
 func TestAProcessWhoseLanesStarvedTwiceIsFollowedNoMore(t *testing.T) {
 	cpu := lastCPU(t)
-	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
+	s := startServer(t, starveHandler(nil, nil), withHello, withInline)
 	twice := func(c *ipc.Client, hint uint32) { createOn(t, c, 0x1000, hint); createOn(t, c, 0x1000, hint) }
 	open := laneClient(t, s, true, ipc.ClientConfig{})
 	twice(open, 0)
@@ -337,7 +339,7 @@ func TestAProcessWhoseLanesStarvedTwiceIsFollowedNoMore(t *testing.T) {
 func TestABoundLaneThatWaitsIsNotLetGo(t *testing.T) {
 	cpu := lastCPU(t)
 	started, release := make(chan struct{}), make(chan struct{})
-	s := startServer(t, starveHandler(cpu, started, release), withHello, withInline)
+	s := startServer(t, starveHandler(started, release), withHello, withInline)
 	c := laneClient(t, s, true, ipc.ClientConfig{})
 	call := func(addr uint64, hint uint32) {
 		t.Helper()
@@ -373,7 +375,7 @@ func TestALaneBoundWhenItsProcessIsMarkedIsLetGo(t *testing.T) {
 	cpus := testenv.NeedCPUs(t, 2)
 	first, last := cpus[0], cpus[len(cpus)-1]
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
-	s := startServer(t, starveHandler(last, nil, nil), withHello, withInline)
+	s := startServer(t, starveHandler(nil, nil), withHello, withInline)
 	open, tid := boundLane(t, s, first)
 	for i := range 2 {
 		c := laneClient(t, s, true, ipc.ClientConfig{})
@@ -421,7 +423,7 @@ func helperStarver(args []string) int {
 // are followed no more, the test's own included.
 func TestTheLanesOfOneUsersProcessesStarveAtMostItsShare(t *testing.T) {
 	cpu := lastCPU(t)
-	s := startServer(t, starveHandler(cpu, nil, nil), withHello, withInline)
+	s := startServer(t, starveHandler(nil, nil), withHello, withInline)
 	func() {
 		defer spinOn(t, cpu, 7)()
 		for range ipc.LaneStarvedPerUser + 2 {
@@ -433,13 +435,45 @@ func TestTheLanesOfOneUsersProcessesStarveAtMostItsShare(t *testing.T) {
 	assert.Equal(t, -1, laneCPUOf(t, c, cpu), "a lane of the user's followed")
 }
 
+// A let-go counts as the watch makes it, while the request its lane was
+// let go in still runs (its answer may wait long for room in a lane whose
+// peer does not read it): the process's other lanes must not bind and
+// starve meanwhile. Two lanes may be bound at once here (GOMAXPROCS 3).
+func TestALetGoCountsWhileItsRequestRuns(t *testing.T) {
+	cpus := testenv.NeedCPUs(t, 2)
+	first, last := cpus[0], cpus[len(cpus)-1]
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
+	started, release := make(chan struct{}, 1), make(chan struct{})
+	s := startServer(t, starveHandler(started, release), withHello, withInline)
+	a := laneClient(t, s, true, ipc.ClientConfig{})
+	require.Equal(t, last, laneCPUOf(t, a, last))
+	answered := make(chan error, 1)
+	func() {
+		defer spinOn(t, last, 7)()
+		go func() {
+			answered <- a.Call(context.Background(), ipc.KindCreateMR, &ipc.CreateMR{Addr: addrStarveHold, CPU: uint32(last) + 1}, nil)
+		}()
+		waitFor(t, started, "a's lane let go, its request running on")
+	}()
+	assert.Equal(t, 1, ipc.StarvedLetGos(s.Server, os.Getpid()), "a's let-go, its request still running")
+
+	b := laneClient(t, s, true, ipc.ClientConfig{})
+	require.Equal(t, first, laneCPUOf(t, b, first), "one let-go of the process: another lane follows")
+	starveOnce(t, b, first)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	assert.Equal(t, -1, laneCPUOf(t, c, first), "two let-gos of the process, one of them still answering: a third lane follows")
+	close(release)
+	require.NoError(t, waitFor(t, answered, "a's answer"))
+	assert.Equal(t, uint64(2), s.Stats().StarvedLanes)
+}
+
 // A let-go counts against its peer's process even when the peer hangs up
 // on the request its lane starved in: the lane counts it once it has
 // answered, whether or not the answer can go.
 func TestALetGoCountsWhenThePeerHangsUpOnTheStarvedRequest(t *testing.T) {
 	cpu := lastCPU(t)
 	started, release := make(chan struct{}, 1), make(chan struct{})
-	s := startServer(t, starveHandler(cpu, started, release), withHello, withInline)
+	s := startServer(t, starveHandler(started, release), withHello, withInline)
 	c := laneClient(t, s, true, ipc.ClientConfig{})
 	createOn(t, c, 0x1000, uint32(cpu)+1)
 	createOn(t, c, 0x1000, uint32(cpu)+1)
@@ -765,7 +799,7 @@ func TestALaneThatStoppedAskingIsNotWaitedForAgain(t *testing.T) {
 // CPU stays busy.
 func TestAStarvedLaneIsLetGoWhileTheServerCloses(t *testing.T) {
 	cpu := lastCPU(t)
-	h := starveHandler(cpu, nil, nil)
+	h := starveHandler(nil, nil)
 	starve := h.handle
 	running, result := make(chan struct{}), make(chan uint32, 1)
 	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {

@@ -121,13 +121,11 @@ type Server struct {
 	nextPeer uint64
 	conns    int // open, from accept to the end of serveConn
 	// starved and starvedUsers count, by process and by user, the lanes
-	// let go for their CPU's load (see noteStarved); starvedFull is set
-	// once starved had no room for a process; anyStarved once a lane was
-	// let go so.
-	starved      map[procKey]int
-	starvedUsers map[int]int
+	// let go for their CPU's load (see starveCountsOf); starvedFull is
+	// set once starved had no room for a process.
+	starved      map[procKey]*atomic.Int32
+	starvedUsers map[int]*atomic.Int32
 	starvedFull  bool
-	anyStarved   atomic.Bool
 	connsByUID   map[int]int    // the same, by user
 	unadmitted   int            // peers not admitted yet
 	wg           sync.WaitGroup // connection and handler goroutines
@@ -372,10 +370,6 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 
 	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
 	defer p.ident.close()
-	var start []byte // of the process, if the server follows some no more
-	if s.anyStarved.Load() {
-		start = startOf(cred.PID)
-	}
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
 	p.frameLimit, p.rearm, p.ending = p.maxFrame, p.rearmReader, p.ended
@@ -388,7 +382,6 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	s.nextPeer++
 	p.id = s.nextPeer
 	s.peers[p] = struct{}{}
-	s.markStarved(p, start)
 	if s.cfg.HelloKind == 0 {
 		p.admitted.Store(true)
 		p.watchProcess()
@@ -490,9 +483,10 @@ type Peer struct {
 
 	follow atomic.Int32 // the CPU + 1 its lane should wait on, 0 any (see Follow)
 	watch  laneWatch    // the lane's thread while bound (see Follow)
-	// unfollowed is set once lanes of the peer's process were let go for
-	// their CPU's load laneStarvedPerProcess times (see noteStarved).
-	unfollowed atomic.Bool
+	// starves are the counts of lanes let go for their CPU's load that
+	// the peer shares with its process and its user; set before its
+	// lane first binds (see Server.starveCountsOf).
+	starves atomic.Pointer[starveCounts]
 }
 
 // callCtx is a request's handler context, with the means to end it.
