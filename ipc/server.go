@@ -114,22 +114,22 @@ type Server struct {
 	maxInflight int
 	lim         Limits // with defaults
 
-	mu       sync.Mutex
-	serving  bool
-	closed   bool
-	peers    map[*Peer]struct{}
-	nextPeer uint64
-	conns    int // open, from accept to the end of serveConn
+	mu         sync.Mutex
+	serving    bool
+	closed     bool
+	peers      map[*Peer]struct{}
+	nextPeer   uint64
+	conns      int            // open, from accept to the end of serveConn
+	connsByUID map[int]int    // the same, by user
+	unadmitted int            // peers not admitted yet
+	wg         sync.WaitGroup // connection and handler goroutines
+	refusing   chan struct{}  // refusals draining (maxRefusing)
 	// starved and starvedUsers count, by process and by user, the lanes
 	// let go for their CPU's load (see starveCountsOf); starvedFull is
-	// set once starved had no room for a process.
+	// set once starved had no room for a process. Guarded by mu.
 	starved      map[procKey]*atomic.Int32
 	starvedUsers map[int]*atomic.Int32
 	starvedFull  bool
-	connsByUID   map[int]int    // the same, by user
-	unadmitted   int            // peers not admitted yet
-	wg           sync.WaitGroup // connection and handler goroutines
-	refusing     chan struct{}  // refusals draining (maxRefusing)
 
 	refusedConns     atomic.Uint64
 	refusedConnsUID  atomic.Uint64
