@@ -226,14 +226,7 @@ func TestBreakerDeadExclusiveHolderBlocksLookupsUntilAFree(t *testing.T) {
 // (Global.Exclusive) between the invalidation and the collection, and is
 // stopped there; a stalled secondary holds Free in its sync as well.
 func TestBreakerFreeReturnsNilWithEmptiedMRStillRegistered(t *testing.T) {
-	var armed atomic.Bool
-	reached, proceed := make(chan struct{}), make(chan struct{})
-	t.Cleanup(primary.SetBeforeCollect(func() {
-		if armed.CompareAndSwap(true, false) {
-			close(reached)
-			<-proceed
-		}
-	}))
+	arm, reached, proceed := holdBeforeCollect(t)
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) { c.SyncTimeout = time.Second })
 	ps := p.Backend().PageSize
 	r, err := p.Alloc(ps)
@@ -249,7 +242,7 @@ func TestBreakerFreeReturnsNilWithEmptiedMRStillRegistered(t *testing.T) {
 
 	freed := make(chan error, 1)
 	start := time.Now()
-	armed.Store(true)
+	arm()
 	go func() { freed <- p.Free(r) }()
 	waitFor(t, reached, "the free between its invalidation and its collection")
 	require.Equal(t, "holding", ask(t, writer, "exclusive"))
@@ -273,6 +266,23 @@ func TestBreakerFreeReturnsNilWithEmptiedMRStillRegistered(t *testing.T) {
 	writer.Continue()
 	assert.Equal(t, "released", ask(t, writer, "release"))
 	staller.Continue()
+}
+
+// holdBeforeCollect has the free that follows arm wait between its
+// invalidation and its collection of the MRs it emptied: reached is
+// closed once it waits there, and it goes on once proceed is closed. Call
+// it before the primary starts.
+func holdBeforeCollect(t *testing.T) (arm func(), reached <-chan struct{}, proceed chan struct{}) {
+	var armed atomic.Bool
+	at := make(chan struct{})
+	proceed = make(chan struct{})
+	t.Cleanup(primary.SetBeforeCollect(func() {
+		if armed.CompareAndSwap(true, false) {
+			close(at)
+			<-proceed
+		}
+	}))
+	return func() { armed.Store(true) }, at, proceed
 }
 
 // After a free trims an MR (a middle page of it), the MR stays registered
@@ -359,14 +369,7 @@ func (p slowDeregPD) DeregMR(mr verbs.MR) error {
 // after Free returned. Here the Create's deregistration takes as long as
 // the test wants.
 func TestBreakerFreeReturnsBeforeAConcurrentGCDeregistersItsMR(t *testing.T) {
-	var armed atomic.Bool
-	reached, proceed := make(chan struct{}), make(chan struct{})
-	t.Cleanup(primary.SetBeforeCollect(func() {
-		if armed.CompareAndSwap(true, false) {
-			close(reached)
-			<-proceed
-		}
-	}))
+	arm, reached, proceed := holdBeforeCollect(t)
 	var dev *slowDeregDevice
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
 		c.SinglePage, c.SyncTimeout = true, time.Second
@@ -395,7 +398,7 @@ func TestBreakerFreeReturnsBeforeAConcurrentGCDeregistersItsMR(t *testing.T) {
 	staller := startSecondary(t, cfg)
 	staller.Stop() // Free waits SyncTimeout for it too
 	freed := make(chan error, 1)
-	armed.Store(true)
+	arm()
 	go func() { freed <- p.Free(rA) }()
 	waitFor(t, reached, "the free between its invalidation and its collection")
 
