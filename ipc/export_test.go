@@ -34,6 +34,13 @@ func SetLaneIdleAfter(d time.Duration) (restore func()) {
 // go for their CPU's load before that user is followed no more.
 const LaneStarvedPerUser = laneStarvedPerUser
 
+// ProcessesRemembered counts the processes s keeps let-go counts for.
+func ProcessesRemembered(s *Server) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.starved)
+}
+
 // StarvedLetGos counts the lanes of process pid that s let go for their
 // CPU's load, as the process's count has them.
 func StarvedLetGos(s *Server, pid int) int {
@@ -42,7 +49,7 @@ func StarvedLetGos(s *Server, pid int) int {
 	n := 0
 	for k, c := range s.starved {
 		if k.pid == pid {
-			n += int(c.Load())
+			n += int(c.n.Load())
 		}
 	}
 	return n

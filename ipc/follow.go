@@ -2,7 +2,9 @@ package ipc
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"os"
 	"runtime"
@@ -244,6 +246,9 @@ func (l *laneCPU) unbind(p *Peer) {
 // end is unbind for a lane that ends: a thread the kernel would not
 // unbind ends with the lane's goroutine, unwatched.
 func (l *laneCPU) end(p *Peer) {
+	if c := p.starves.Load(); c != nil {
+		defer p.srv.releaseStarveCounts(c)
+	}
 	l.stopWaiting(p)
 	if l.bound != 0 {
 		l.unbind(p)
@@ -504,9 +509,10 @@ const laneStarvedPerProcess = 2
 // the processes the server remembers are bounded (maxStarvedProcs).
 const laneStarvedPerUser = 8
 
-// maxStarvedProcs bounds how many processes the server remembers lanes
-// let go for: those that have exited are forgotten when it is reached,
-// and past it a let-go counts against its user only.
+// maxStarvedProcs bounds how many processes the server remembers: those
+// with a peer whose lane follows or may follow, and those that had a lane
+// let go. Those that have exited are forgotten when it is reached; past
+// it, a let-go counts against its user only.
 var maxStarvedProcs = 1024
 
 // procKey names a process beyond the life of its pid: its pid and its
@@ -514,6 +520,14 @@ var maxStarvedProcs = 1024
 type procKey struct {
 	pid   int
 	start string
+}
+
+// procStarves is what the server remembers of a process: its lanes let go
+// for their CPU's load, and how many of its peers hold the count. One
+// that no peer holds and that had none let go is forgotten.
+type procStarves struct {
+	n     atomic.Int32
+	peers int // guarded by Server.mu
 }
 
 // starveCounts are the counts of lanes let go for their CPU's load that a
@@ -525,7 +539,9 @@ type procKey struct {
 // (and, should a garbage collection start then, the whole server stopped)
 // once more with each connection it makes, or each process it forks.
 type starveCounts struct {
-	proc, user *atomic.Int32
+	proc *procStarves
+	key  procKey
+	user *atomic.Int32
 }
 
 // out reports whether the peer's process, or its user, had so many lanes
@@ -533,20 +549,21 @@ type starveCounts struct {
 // those open (the watch lets their lanes go at its next look) and those
 // made later, for as long as the process lives, or the server for a user.
 func (c *starveCounts) out() bool {
-	return c.user.Load() >= laneStarvedPerUser || c.proc != nil && c.proc.Load() >= laneStarvedPerProcess
+	return c.user.Load() >= laneStarvedPerUser || c.proc != nil && c.proc.n.Load() >= laneStarvedPerProcess
 }
 
 // add counts a lane let go, and returns the new counts (0 for a process
 // not remembered).
 func (c *starveCounts) add() (proc, user int32) {
 	if c.proc != nil {
-		proc = c.proc.Add(1)
+		proc = c.proc.n.Add(1)
 	}
 	return proc, c.user.Add(1)
 }
 
-// starveCountsOf returns p's counts, those of its process and user. Called
-// by p's lane, unbound, before it first binds.
+// starveCountsOf returns p's counts, those of its process and user, which
+// p holds until releaseStarveCounts. Called by p's lane, unbound, before
+// it first binds.
 func (s *Server) starveCountsOf(p *Peer) *starveCounts {
 	pid, uid := p.cred.PID, p.cred.UID
 	start := startOf(pid)
@@ -556,34 +573,37 @@ func (s *Server) starveCountsOf(p *Peer) *starveCounts {
 	key := procKey{pid, string(start)}
 	s.mu.Lock()
 	if s.starvedUsers == nil {
-		s.starved, s.starvedUsers = map[procKey]*atomic.Int32{}, map[int]*atomic.Int32{}
+		s.starved, s.starvedUsers = map[procKey]*procStarves{}, map[int]*atomic.Int32{}
 	}
 	full := false
-	if start != nil && s.starved[key] == nil && len(s.starved) >= maxStarvedProcs {
+	if start != nil && s.starved[key] == nil && len(s.starved) >= maxStarvedProcs && !s.starvedNoRoom {
 		// Forget the processes that have exited, asking the kernel
-		// without the lock.
+		// without the lock; if none has, not again until one is
+		// forgotten otherwise.
 		known := slices.Collect(maps.Keys(s.starved))
 		s.mu.Unlock()
-		known = slices.DeleteFunc(known, func(k procKey) bool { return bytes.Equal(startOf(k.pid), []byte(k.start)) })
+		known = slices.DeleteFunc(known, func(k procKey) bool { return !procExited(k) })
 		s.mu.Lock()
 		for _, k := range known {
 			delete(s.starved, k)
 		}
-		if s.starved[key] == nil && len(s.starved) >= maxStarvedProcs {
-			start, full = nil, !s.starvedFull
-			s.starvedFull = true
-		}
+		s.starvedNoRoom = len(s.starved) >= maxStarvedProcs
 	}
-	c := &starveCounts{user: s.starvedUsers[uid]}
+	if start != nil && s.starved[key] == nil && len(s.starved) >= maxStarvedProcs {
+		start, full = nil, !s.starvedFull
+		s.starvedFull = true
+	}
+	c := &starveCounts{key: key, user: s.starvedUsers[uid]}
 	if c.user == nil {
 		c.user = new(atomic.Int32)
 		s.starvedUsers[uid] = c.user
 	}
 	if start != nil {
 		if c.proc = s.starved[key]; c.proc == nil {
-			c.proc = new(atomic.Int32)
+			c.proc = new(procStarves)
 			s.starved[key] = c.proc
 		}
+		c.proc.peers++
 	}
 	s.mu.Unlock()
 	if full {
@@ -591,6 +611,33 @@ func (s *Server) starveCountsOf(p *Peer) *starveCounts {
 			"processes", maxStarvedProcs)
 	}
 	return c
+}
+
+// releaseStarveCounts lets go of counts a peer held (its lane has ended):
+// a process that no peer holds and that had no lane let go is forgotten.
+func (s *Server) releaseStarveCounts(c *starveCounts) {
+	if c.proc == nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c.proc.peers--
+	if c.proc.peers == 0 && c.proc.n.Load() == 0 && s.starved[c.key] == c.proc {
+		delete(s.starved, c.key)
+		s.starvedNoRoom = false
+	}
+}
+
+// procExited reports whether the process k names has exited: its pid
+// is gone, or another process's. One that cannot be read for another
+// reason (out of descriptors, say) is taken to live.
+func procExited(k procKey) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(k.pid) + "/stat")
+	if err != nil {
+		return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH)
+	}
+	start := statStart(b)
+	return start != nil && string(start) != k.start
 }
 
 // threadCPUTime returns the CPU time thread tid of this process has used,

@@ -249,10 +249,10 @@ func TestABindingClearsAnIdleMarkOfTheOneBefore(t *testing.T) {
 	assert.False(t, p.watch.idle.Load())
 }
 
-// The server remembers a bounded number of processes whose lanes were let
-// go: when it is full, the processes that have exited are forgotten to
-// make room, and if none has, a peer's let-gos count against its user only
-// (and the server says so, once).
+// The server remembers a bounded number of processes: when it is full,
+// the processes that have exited are forgotten to make room, and if none
+// has, a peer's let-gos count against its user only (and the server says
+// so, once), and it does not search again until it forgets a process.
 func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	defer func(n int) { maxStarvedProcs = n }(maxStarvedProcs)
 	maxStarvedProcs = 2
@@ -263,20 +263,57 @@ func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	var log logLines
 	s := &Server{log: slog.New(&log), starvedUsers: map[int]*atomic.Int32{}}
 	p := selfPeer(s, os.Getuid())
+	starved := func() *procStarves { v := new(procStarves); v.n.Store(1); return v }
 
 	gone := procKey{parent, key(parent).start + "0"} // its pid, another's start: exited
-	s.starved = map[procKey]*atomic.Int32{key(parent): new(atomic.Int32), gone: new(atomic.Int32)}
+	s.starved = map[procKey]*procStarves{key(parent): starved(), gone: starved()}
 	c := s.starveCountsOf(p)
 	assert.NotContains(t, s.starved, gone, "the process that exited made room")
-	assert.Equal(t, s.starved[key(self)], c.proc, "the peer's process is counted")
+	assert.Same(t, s.starved[key(self)], c.proc, "the peer's process is counted")
 	assert.Zero(t, log.count("count against their users only"))
 
-	s.starved = map[procKey]*atomic.Int32{key(parent): new(atomic.Int32), {1, string(startOf(1))}: new(atomic.Int32)}
-	c2, c3 := s.starveCountsOf(p), s.starveCountsOf(p)
+	s.starved = map[procKey]*procStarves{key(parent): starved(), {1, string(startOf(1))}: starved()}
+	c2 := s.starveCountsOf(p)
 	assert.Nil(t, c2.proc, "a process counted with no room")
 	assert.Same(t, c.user, c2.user, "its user still is")
-	assert.Same(t, c2.user, c3.user)
+	assert.True(t, s.starvedNoRoom)
+	s.starved[gone] = s.starved[key(parent)] // exited, but not searched for
+	delete(s.starved, key(parent))
+	assert.Nil(t, s.starveCountsOf(p).proc, "searched again with no process forgotten")
 	assert.Equal(t, 1, log.count("count against their users only"), "said once")
+
+	s.starved[key(parent)] = &procStarves{peers: 1}
+	s.releaseStarveCounts(&starveCounts{proc: s.starved[key(parent)], key: key(parent)})
+	assert.NotContains(t, s.starved, key(parent), "forgotten with its last peer")
+	assert.NotNil(t, s.starveCountsOf(p).proc, "a process forgotten: searched again")
+	assert.NotContains(t, s.starved, gone)
+}
+
+// A process is remembered while a peer of it holds its count, and after
+// only if a lane of it was let go.
+func TestAProcessIsForgottenWithItsLastPeerUnlessALaneOfItWasLetGo(t *testing.T) {
+	s := &Server{log: slog.New(slog.DiscardHandler)}
+	key := procKey{os.Getpid(), string(startOf(os.Getpid()))}
+	a, b := s.starveCountsOf(selfPeer(s, 4242)), s.starveCountsOf(selfPeer(s, 4242))
+	s.releaseStarveCounts(a)
+	assert.Contains(t, s.starved, key, "a peer holds it still")
+	s.releaseStarveCounts(b)
+	assert.NotContains(t, s.starved, key, "no peer holds it, and none of its lanes was let go")
+
+	c := s.starveCountsOf(selfPeer(s, 4242))
+	c.add()
+	s.releaseStarveCounts(c)
+	assert.Contains(t, s.starved, key, "a lane of it was let go")
+	assert.Equal(t, int32(1), s.starveCountsOf(selfPeer(s, 4242)).proc.n.Load(), "for its later peers")
+}
+
+// A process has exited if its pid is gone or another's; one whose stat
+// cannot be read for another reason is taken to live.
+func TestProcExited(t *testing.T) {
+	self := os.Getpid()
+	assert.False(t, procExited(procKey{self, string(startOf(self))}))
+	assert.True(t, procExited(procKey{self, string(startOf(self)) + "0"}), "another start")
+	assert.True(t, procExited(procKey{1 << 30, "1"}), "no such pid")
 }
 
 // A peer's let-go counts against every peer of its process, those there

@@ -467,6 +467,21 @@ func TestALetGoCountsWhileItsRequestRuns(t *testing.T) {
 	assert.Equal(t, uint64(2), s.Stats().StarvedLanes)
 }
 
+// A process whose lanes were never let go is forgotten once its last
+// connection ends: the server remembers only the processes it serves and
+// those whose lanes it let go.
+func TestAProcessIsForgottenWithItsLastConnection(t *testing.T) {
+	cpu := lastCPU(t)
+	s := startServer(t, followHandler(), withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	require.Equal(t, cpu, laneCPUOf(t, c, cpu))
+	assert.Equal(t, 1, ipc.ProcessesRemembered(s.Server), "the process of a lane that followed")
+	laneCPUOf(t, c, -1)
+	require.NoError(t, c.Close())
+	require.True(t, eventually(func() bool { return ipc.ProcessesRemembered(s.Server) == 0 }),
+		"a process none of whose lanes was let go is remembered after its last connection ended")
+}
+
 // A let-go counts against its peer's process even when the peer hangs up
 // on the request its lane starved in: the lane counts it once it has
 // answered, whether or not the answer can go.

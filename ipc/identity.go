@@ -71,6 +71,11 @@ func startOf(pid int) []byte {
 	if err != nil {
 		return nil
 	}
+	return statStart(b)
+}
+
+// statStart returns the start time field of b, a /proc/PID/stat, or nil.
+func statStart(b []byte) []byte {
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
 		return nil

@@ -125,11 +125,13 @@ type Server struct {
 	wg         sync.WaitGroup // connection and handler goroutines
 	refusing   chan struct{}  // refusals draining (maxRefusing)
 	// starved and starvedUsers count, by process and by user, the lanes
-	// let go for their CPU's load (see starveCountsOf); starvedFull is
-	// set once starved had no room for a process. Guarded by mu.
-	starved      map[procKey]*atomic.Int32
-	starvedUsers map[int]*atomic.Int32
-	starvedFull  bool
+	// let go for their CPU's load (see starveCountsOf); starvedNoRoom is
+	// set while a search of starved for exited processes found none,
+	// starvedFull once starved had no room for a process. Guarded by mu.
+	starved       map[procKey]*procStarves
+	starvedUsers  map[int]*atomic.Int32
+	starvedNoRoom bool
+	starvedFull   bool
 
 	refusedConns     atomic.Uint64
 	refusedConnsUID  atomic.Uint64
