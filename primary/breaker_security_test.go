@@ -287,7 +287,10 @@ func TestBreakerHelloFromAReusedPIDIsAdmittedInTheVictimsName(t *testing.T) {
 //
 // The contract: peers that "open thousands of connections ... are cut off
 // by limits, and the legitimate ones keep working"; Attach is bounded by
-// AttachTimeout, and ErrNoPrimary "means nothing listens".
+// AttachTimeout, and ErrNoPrimary "means nothing listens". (A churner of
+// the secondaries' own user can keep that user's connections at their
+// cap, not yet retired by the primary: an attach refused for that cap is
+// the documented limit, not this defect, as long as some get through.)
 func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 	for _, c := range []struct {
 		name string
@@ -315,12 +318,27 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 			// backlog full, and goes on until its input ends.
 			churn := testproc.Start(t, "breaker-churn", []string{strconv.Itoa(c.uid), sock, "2"})
 			churn.Expect("churning", 0)
-			var failures []string
+			eagain := func() int64 {
+				churn.Send("count")
+				var n int64
+				_, err := fmt.Sscanf(churn.Expect("eagain ", 0), "eagain %d", &n)
+				require.NoError(t, err)
+				return n
+			}
+			before := eagain()
+			var failures, capped []string
 			const attaches = 6
 			for range attaches {
 				h := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
 				line := h.Expect("", 0)
-				if !strings.HasPrefix(line, "ready") {
+				switch {
+				case strings.HasPrefix(line, "ready"):
+				case c.uid == os.Geteuid() && strings.Contains(line, "connections open, at most"):
+					// The churner is of the secondary's user: the
+					// connections it has not been rid of yet count
+					// against that user's cap (README, "Not defended").
+					capped = append(capped, line)
+				default:
 					failures = append(failures, line)
 				}
 				h.Kill()
@@ -331,18 +349,16 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 			}
 			// Those attached before the flood are served meanwhile.
 			parseKey(t, ask(t, attached, "create %d", region.Addr))
-			// The backlog was still found full after the attaches.
-			churn.Send("count")
-			var before, after int64
-			_, err = fmt.Sscanf(churn.Expect("eagain ", 0), "eagain %d", &before)
-			require.NoError(t, err)
-			churn.Send("count")
-			_, err = fmt.Sscanf(churn.Expect("eagain ", 0), "eagain %d", &after)
-			require.NoError(t, err)
+			// The backlog was found full while they attached.
+			after := eagain()
 			churn.CloseInput()
 			t.Logf("%s", churn.Expect("churned", 0))
-			assert.Greater(t, after, before, "the churner no longer found the backlog full")
+			assert.Greater(t, after, before, "the churner did not find the backlog full while the secondaries attached")
 			assert.Empty(t, failures, "%d of %d secondaries failed to attach while a peer churned connections", len(failures), attaches)
+			assert.Less(t, len(capped), attaches, "every attach refused for the user's connection cap: %q", capped)
+			if len(capped) > 0 {
+				t.Logf("refused for the same user's cap: %q", capped)
+			}
 		})
 	}
 }
