@@ -34,6 +34,9 @@ func SetLaneIdleAfter(d time.Duration) (restore func()) {
 // go for their CPU's load before that user is followed no more.
 const LaneStarvedPerUser = laneStarvedPerUser
 
+// BoundLanes counts the lanes s has bound.
+func BoundLanes(s *Server) int { return len(s.boundLanes()) }
+
 // ProcessesRemembered counts the processes s keeps let-go counts for.
 func ProcessesRemembered(s *Server) int {
 	s.mu.Lock()

@@ -64,7 +64,9 @@ import (
 //     next look) and those it makes later, for as long as it lives; nor
 //     are a user's processes once eight of their lanes were, for the
 //     server's life. Whatever kept the CPU busy counts, the peer's own
-//     threads or another's. A handler that waits, for a lock say, is
+//     threads or another's. (A process the server has no room to
+//     remember, past 1,024, or one that has exited while a child of it
+//     holds its connection, is held to its user's count alone.) A handler that waits, for a lock say, is
 //     not let go: only a thread that could run and did not. A thread
 //     whose state the watch cannot read (no /proc) is let go too,
 //     rather than left unwatched.
@@ -359,6 +361,26 @@ func (w *laneWatch) evict(p *Peer, why string) bool {
 	return p.srv.tryDropLane(p)
 }
 
+// giveUp lets the lane's thread go as a starved one is, without counting
+// it against its peer: while it answers a request it may be kept from
+// running, so it stays among the bound lanes until it unbinds, after the
+// request. Nothing if it was let go already or is not watched.
+func (w *laneWatch) giveUp(p *Peer, why string) {
+	if !w.mu.TryLock() {
+		return
+	}
+	var say func()
+	defer w.unlock(&say)
+	tid := int(w.tid.Load())
+	if tid == 0 || w.letGo.Load() {
+		return
+	}
+	w.letGo.Store(true)
+	w.release(tid)
+	cpu := w.cpu.Load()
+	say = func() { p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", cpu, "why", why) }
+}
+
 // unlock releases w.mu and then logs what was to be said under it: a log
 // that blocks (a full pipe) must not hold up the lane, which takes w.mu
 // to unbind.
@@ -515,6 +537,10 @@ const laneStarvedPerUser = 8
 // it, a let-go counts against its user only.
 var maxStarvedProcs = 1024
 
+// starvedSearchEvery is how often, at most, the server searches a full
+// table of processes for those that have exited.
+const starvedSearchEvery = time.Second
+
 // procKey names a process beyond the life of its pid: its pid and its
 // start time (see startOf).
 type procKey struct {
@@ -567,8 +593,11 @@ func (c *starveCounts) add() (proc, user int32) {
 func (s *Server) starveCountsOf(p *Peer) *starveCounts {
 	pid, uid := p.cred.PID, p.cred.UID
 	start := startOf(pid)
-	if start != nil && !p.ident.alive() {
-		start = nil // exited: its pid may be another's by now
+	// If the process has exited, its pid may be another's by now. Its
+	// identity is closed once the connection has ended, and then says
+	// nothing: the end is looked at after it.
+	if start != nil && (!p.ident.alive() || p.Err() != nil) {
+		start = nil
 	}
 	key := procKey{pid, string(start)}
 	s.mu.Lock()
@@ -576,10 +605,11 @@ func (s *Server) starveCountsOf(p *Peer) *starveCounts {
 		s.starved, s.starvedUsers = map[procKey]*procStarves{}, map[int]*atomic.Int32{}
 	}
 	full := false
-	if start != nil && s.starved[key] == nil && len(s.starved) >= maxStarvedProcs && !s.starvedNoRoom {
+	if now := time.Now(); start != nil && s.starved[key] == nil && len(s.starved) >= maxStarvedProcs && now.After(s.starvedSearch) {
 		// Forget the processes that have exited, asking the kernel
-		// without the lock; if none has, not again until one is
-		// forgotten otherwise.
+		// without the lock; if none has, not again for a while, or
+		// until one is forgotten otherwise.
+		s.starvedSearch = now.Add(starvedSearchEvery)
 		known := slices.Collect(maps.Keys(s.starved))
 		s.mu.Unlock()
 		known = slices.DeleteFunc(known, func(k procKey) bool { return !procExited(k) })
@@ -587,7 +617,9 @@ func (s *Server) starveCountsOf(p *Peer) *starveCounts {
 		for _, k := range known {
 			delete(s.starved, k)
 		}
-		s.starvedNoRoom = len(s.starved) >= maxStarvedProcs
+		if len(s.starved) < maxStarvedProcs {
+			s.starvedSearch = time.Time{}
+		}
 	}
 	if start != nil && s.starved[key] == nil && len(s.starved) >= maxStarvedProcs {
 		start, full = nil, !s.starvedFull
@@ -624,7 +656,7 @@ func (s *Server) releaseStarveCounts(c *starveCounts) {
 	c.proc.peers--
 	if c.proc.peers == 0 && c.proc.n.Load() == 0 && s.starved[c.key] == c.proc {
 		delete(s.starved, c.key)
-		s.starvedNoRoom = false
+		s.starvedSearch = time.Time{}
 	}
 }
 
@@ -807,9 +839,13 @@ func (s *Server) checkLanes() {
 		away.set(&busy)
 		for _, l := range lanes {
 			if c := l.p.starves.Load(); c != nil && c.out() {
-				// Bound before its process (or user) had its let-gos,
-				// perhaps kept from running too.
-				l.p.watch.evict(l.p, "lanes of its process or user were kept from their CPUs too often")
+				// Bound before its process (or user) had its let-gos.
+				const why = "lanes of its process or user were kept from their CPUs too often"
+				if l.p.watch.busy.Load()%2 == 0 {
+					l.p.watch.evict(l.p, why) // waits for a request: nothing holds it
+				} else {
+					l.p.watch.giveUp(l.p, why) // perhaps kept from running: still counted bound
+				}
 				continue
 			}
 			l.p.watch.look(l.p)

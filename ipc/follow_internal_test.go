@@ -276,7 +276,7 @@ func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	c2 := s.starveCountsOf(p)
 	assert.Nil(t, c2.proc, "a process counted with no room")
 	assert.Same(t, c.user, c2.user, "its user still is")
-	assert.True(t, s.starvedNoRoom)
+	assert.False(t, s.starvedSearch.IsZero(), "not searched again for a while")
 	s.starved[gone] = s.starved[key(parent)] // exited, but not searched for
 	delete(s.starved, key(parent))
 	assert.Nil(t, s.starveCountsOf(p).proc, "searched again with no process forgotten")
@@ -287,6 +287,24 @@ func TestTheProcessesLanesStarvedForAreForgottenOnceGone(t *testing.T) {
 	assert.NotContains(t, s.starved, key(parent), "forgotten with its last peer")
 	assert.NotNil(t, s.starveCountsOf(p).proc, "a process forgotten: searched again")
 	assert.NotContains(t, s.starved, gone)
+
+	// And once a while has passed.
+	s.starved = map[procKey]*procStarves{key(parent): starved(), gone: starved()}
+	s.starvedSearch = time.Now().Add(-time.Millisecond)
+	assert.NotNil(t, s.starveCountsOf(p).proc, "searched again after a while")
+	assert.NotContains(t, s.starved, gone)
+}
+
+// A peer whose connection has ended is held to its user's count alone:
+// its process may have exited, and its pid be another's, which the ended
+// connection's identity no longer tells.
+func TestAPeerWhoseConnectionEndedIsHeldToItsUsersCount(t *testing.T) {
+	s := &Server{log: slog.New(slog.DiscardHandler)}
+	p := selfPeer(s, 4242)
+	p.err = errors.New("ended")
+	c := s.starveCountsOf(p)
+	assert.Nil(t, c.proc)
+	assert.NotNil(t, c.user)
 }
 
 // A process is remembered while a peer of it holds its count, and after

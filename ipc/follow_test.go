@@ -482,6 +482,41 @@ func TestAProcessIsForgottenWithItsLastConnection(t *testing.T) {
 		"a process none of whose lanes was let go is remembered after its last connection ended")
 }
 
+// A lane that answers a request when its process is marked may be kept
+// from running as much as the lanes that were: it is let go, and stays
+// among the bound lanes (their number keeps a P for the rest of the
+// server) until it unbinds after the request. Two lanes may be bound at
+// once here (GOMAXPROCS 3).
+func TestALaneBusyWhenItsProcessIsMarkedStaysBoundUntilItUnbinds(t *testing.T) {
+	cpus := testenv.NeedCPUs(t, 2)
+	first, last := cpus[0], cpus[len(cpus)-1]
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(3))
+	started, release := make(chan struct{}, 1), make(chan struct{})
+	let := sync.OnceFunc(func() { close(release) })
+	defer let() // first, should the test fail with the handler waiting
+	s := startServer(t, starveHandler(started, release), withHello, withInline)
+	a, tid := boundLane(t, s, first)
+	answered := make(chan error, 1)
+	go func() {
+		answered <- a.Call(context.Background(), ipc.KindCreateMR, &ipc.CreateMR{Addr: addrWait, CPU: uint32(first) + 1}, nil)
+	}()
+	waitFor(t, started, "a's request")
+	for i := range 2 {
+		c := laneClient(t, s, true, ipc.ClientConfig{})
+		require.Equal(t, last, laneCPUOf(t, c, last), "connection %d's lane follows its caller", i+1)
+		starveOnce(t, c, last)
+	}
+	waitUntil(t, func() bool {
+		var set unix.CPUSet
+		return unix.SchedGetaffinity(tid, &set) == nil && (set.Count() > 1 || !set.IsSet(first))
+	}, "a's lane, busy when its process was marked, was not let go")
+	assert.Equal(t, 1, ipc.BoundLanes(s.Server), "a's lane left the bound lanes while it answers")
+	let()
+	require.NoError(t, waitFor(t, answered, "a's answer"))
+	assert.Equal(t, -1, laneCPUOf(t, a, first))
+	assert.Zero(t, ipc.BoundLanes(s.Server), "a's lane unbound after its request")
+}
+
 // A let-go counts against its peer's process even when the peer hangs up
 // on the request its lane starved in: the lane counts it once it has
 // answered, whether or not the answer can go.

@@ -125,12 +125,13 @@ type Server struct {
 	wg         sync.WaitGroup // connection and handler goroutines
 	refusing   chan struct{}  // refusals draining (maxRefusing)
 	// starved and starvedUsers count, by process and by user, the lanes
-	// let go for their CPU's load (see starveCountsOf); starvedNoRoom is
-	// set while a search of starved for exited processes found none,
-	// starvedFull once starved had no room for a process. Guarded by mu.
+	// let go for their CPU's load (see starveCountsOf); starved, when
+	// full, is not searched for exited processes before starvedSearch;
+	// starvedFull is set once it had no room for a process. Guarded by
+	// mu.
 	starved       map[procKey]*procStarves
 	starvedUsers  map[int]*atomic.Int32
-	starvedNoRoom bool
+	starvedSearch time.Time
 	starvedFull   bool
 
 	refusedConns     atomic.Uint64
