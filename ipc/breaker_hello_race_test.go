@@ -217,9 +217,4 @@ func TestHelloQueuedBehindALateRefusedOneIsNotHandled(t *testing.T) {
 		waitFor(t, h.ended, "the end of the connection")
 	}
 	assert.Zero(t, h.onDead.Load(), "hellos handled for a peer whose connection had ended")
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	for p, n := range h.seen {
-		assert.Equal(t, 1, n, "hellos handled for peer %d, whose first was refused once its time was up", p.ID())
-	}
 }
