@@ -85,10 +85,10 @@ type Config struct {
 	// quarter of 2 ms or more of one create, runnable, and stops
 	// following that secondary (a warning,
 	// and the ipc_starved_lanes counter; see ipc.Peer.Follow), and every
-	// connection of a process once two of its threads were let go, of a
-	// user once eight were: a secondary process can hold the others up
-	// twice, for milliseconds (the README's "IPC round trip" has
-	// figures). Turn it on when the
+	// connection of a secondary process once two of its connections'
+	// threads were let go, of a user once eight were: a secondary process
+	// can hold the others up twice, for milliseconds (the README's "IPC
+	// round trip" has figures). Turn it on when the
 	// secondaries are trusted to name their CPUs and keep them free while
 	// they wait. A thread so bound does not poll (Spin): it would poll on
 	// the very CPU it hands back to the queue with each answer.
