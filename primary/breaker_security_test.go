@@ -288,9 +288,9 @@ func TestBreakerHelloFromAReusedPIDIsAdmittedInTheVictimsName(t *testing.T) {
 // The contract: peers that "open thousands of connections ... are cut off
 // by limits, and the legitimate ones keep working"; Attach is bounded by
 // AttachTimeout, and ErrNoPrimary "means nothing listens". (A churner of
-// the secondaries' own user can keep that user's connections at their
-// cap, not yet retired by the primary: an attach refused for that cap is
-// the documented limit, not this defect, as long as some get through.)
+// the secondaries' own user can also keep that user's connections at
+// their cap, not yet retired by the primary: a documented limit of
+// per-user caps, which the primary here sets out of the churner's reach.)
 func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 	for _, c := range []struct {
 		name string
@@ -300,7 +300,11 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 			if c.uid != os.Geteuid() {
 				requireRoot(t)
 			}
-			p, cfg := startPrimary(t, testenv.Tmpfs(t))
+			// Caps well above what the churner keeps in flight: the test is
+			// about the listen backlog, not the connection caps.
+			p, cfg := startPrimary(t, testenv.Tmpfs(t), func(c *primary.Config) {
+				c.Limits.MaxConns, c.Limits.MaxConnsPerUID = 4096, 4096
+			})
 			region, err := p.Alloc(p.Backend().PageSize)
 			require.NoError(t, err)
 			sock := filepath.Join(p.RuntimeDir(), ipc.SocketName)
@@ -326,19 +330,12 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 				return n
 			}
 			before := eagain()
-			var failures, capped []string
+			var failures []string
 			const attaches = 6
 			for range attaches {
 				h := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
 				line := h.Expect("", 0)
-				switch {
-				case strings.HasPrefix(line, "ready"):
-				case c.uid == os.Geteuid() && strings.Contains(line, "connections open, at most"):
-					// The churner is of the secondary's user: the
-					// connections it has not been rid of yet count
-					// against that user's cap (README, "Not defended").
-					capped = append(capped, line)
-				default:
+				if !strings.HasPrefix(line, "ready") {
 					failures = append(failures, line)
 				}
 				h.Kill()
@@ -355,10 +352,6 @@ func TestBreakerConnectChurnTurnsAttachesAway(t *testing.T) {
 			t.Logf("%s", churn.Expect("churned", 0))
 			assert.Greater(t, after, before, "the churner did not find the backlog full while the secondaries attached")
 			assert.Empty(t, failures, "%d of %d secondaries failed to attach while a peer churned connections", len(failures), attaches)
-			assert.Less(t, len(capped), attaches, "every attach refused for the user's connection cap: %q", capped)
-			if len(capped) > 0 {
-				t.Logf("refused for the same user's cap: %q", capped)
-			}
 		})
 	}
 }
