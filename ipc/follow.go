@@ -66,10 +66,10 @@ import (
 //     server's life. Whatever kept the CPU busy counts, the peer's own
 //     threads or another's. (A process the server has no room to
 //     remember, past 1,024, or one that has exited while a child of it
-//     holds its connection, is held to its user's count alone.) A handler that waits, for a lock say, is
-//     not let go: only a thread that could run and did not. A thread
-//     whose state the watch cannot read (no /proc) is let go too,
-//     rather than left unwatched.
+//     holds its connection, is held to its user's count alone.) A
+//     handler that waits, for a lock say, is not let go: only a thread
+//     that could run and did not. A thread whose state the watch cannot
+//     read (no /proc) is let go too, rather than left unwatched.
 //
 // The watch is a goroutine, and looks late when the Go scheduler runs it
 // late (tens of milliseconds on a loaded machine). A garbage collection
@@ -267,15 +267,15 @@ func (l *laneCPU) end(p *Peer) {
 // run for less than 1/laneStarvedShare of that time, is kept from
 // running: it is let go. A request normally takes microseconds: one that
 // spans a look is already rare.
-// laneIdleAfter is how long a bound lane's peer may ask nothing before
-// the lane gives its CPU back, if that lets a waiting lane bind (quiet).
-var laneIdleAfter = time.Second
-
 const (
 	laneCheckEvery   = 5 * time.Millisecond
 	laneStarvedAfter = 2 * time.Millisecond
 	laneStarvedShare = 4
 )
+
+// laneIdleAfter is how long a bound lane's peer may ask nothing before
+// the lane gives its CPU back, if that lets a waiting lane bind (quiet).
+var laneIdleAfter = time.Second
 
 // laneWatch is what the server's checker needs of a bound lane. The lane
 // takes no lock here while it is bound (a thread kept from running would
@@ -352,11 +352,8 @@ func (w *laneWatch) evict(p *Peer, why string) bool {
 		return false
 	}
 	if !w.letGo.Load() {
-		w.letGo.Store(true)
 		w.evicted.Store(true)
-		w.release(tid)
-		cpu := w.cpu.Load()
-		say = func() { p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", cpu, "why", why) }
+		say = w.letGoFor(p, tid, why)
 	}
 	return p.srv.tryDropLane(p)
 }
@@ -371,14 +368,18 @@ func (w *laneWatch) giveUp(p *Peer, why string) {
 	}
 	var say func()
 	defer w.unlock(&say)
-	tid := int(w.tid.Load())
-	if tid == 0 || w.letGo.Load() {
-		return
+	if tid := int(w.tid.Load()); tid != 0 && !w.letGo.Load() {
+		say = w.letGoFor(p, tid, why)
 	}
+}
+
+// letGoFor lets thread tid, the lane's, go for why, not its CPU's load,
+// and returns what to log once w.mu, which the caller holds, is released.
+func (w *laneWatch) letGoFor(p *Peer, tid int, why string) (say func()) {
 	w.letGo.Store(true)
 	w.release(tid)
 	cpu := w.cpu.Load()
-	say = func() { p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", cpu, "why", why) }
+	return func() { p.srv.log.Info("ipc: a lane follows its peer no more", "peer", p.id, "cpu", cpu, "why", why) }
 }
 
 // unlock releases w.mu and then logs what was to be said under it: a log
@@ -799,8 +800,10 @@ func (s *Server) boundLanes() []boundLane {
 // checkLanes looks at the watched lanes every laneCheckEvery until there
 // are none, a closing server's too (its lanes end). It keeps its own
 // thread off the CPUs the lanes are bound to, which their peers may keep
-// busy: the kernel would keep it from running there too. It has the lanes past GOMAXPROCS-1
-// follow their peers no more (GOMAXPROCS fell since they were bound).
+// busy: the kernel would keep it from running there too. It has the
+// lanes past GOMAXPROCS-1 follow their peers no more (GOMAXPROCS fell
+// since they were bound), and those of a process or user with too many
+// let-gos (see starveCounts).
 func (s *Server) checkLanes() {
 	defer s.wg.Done()
 	t := time.NewTicker(laneCheckEvery)
