@@ -116,6 +116,38 @@ func TestCleanRemovesADeadInstance(t *testing.T) {
 	})
 }
 
+// The runtime directory given relative to the working directory names
+// the same instance as the absolute path its primary was given: clean
+// finds the dead primary's files and hugepages, instead of removing the
+// runtime directory, the only record of them, and leaving them behind.
+func TestCleanFindsADeadInstanceByARelativeRuntimeDir(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		rundir := testenv.RunDir(t)
+		freeBefore := freeHugepages(t, b)
+		h, prefix := startDeadable(t, b, rundir)
+		assert.Contains(t, h.ask("alloc 2"), "region")
+		h.kill()
+		left := files(t, b, rundir, prefix)
+		require.NotEmpty(t, left, "the dead primary left its files")
+
+		t.Chdir(filepath.Dir(rundir))
+		rel := filepath.Base(rundir)
+		var listed []lsEntry
+		toolJSON(t, &listed, "-rundir", rel, "ls")
+		require.Len(t, listed, 1, "ls -rundir %s", rel)
+		assert.Empty(t, listed[0].Errors, "ls -rundir %s", rel)
+		assert.Equal(t, "dead", listed[0].State, "ls -rundir %s", rel)
+		var got cleanOut
+		toolJSON(t, &got, "-rundir", rel, "clean", prefix)
+		assert.Subset(t, got.Removed, left, "clean -rundir %s", rel)
+		assert.Empty(t, got.Warnings)
+		assert.Empty(t, files(t, b, rundir, prefix), "nothing is left")
+		if b.Kind == hugetlb.Hugetlbfs {
+			assert.Equal(t, freeBefore, freeHugepages(t, b), "every hugepage went back")
+		}
+	})
+}
+
 func TestCleanMarksTheSegmentDeadForSurvivingSecondaries(t *testing.T) {
 	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
 		rundir := testenv.RunDir(t)

@@ -69,14 +69,16 @@ func Name(prefix string, uid int, dir string) string {
 }
 
 // RealPath returns dir, absolute, with symbolic links resolved as far as
-// it exists.
+// it exists. A relative dir is taken from the working directory first:
+// resolved as it is, it would stay relative, and name the instance
+// otherwise than its full path does.
 func RealPath(dir string) string {
-	if r, err := filepath.EvalSymlinks(dir); err == nil {
-		return r
-	}
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return dir
+	}
+	if r, err := filepath.EvalSymlinks(abs); err == nil {
+		return r
 	}
 	if r, err := filepath.EvalSymlinks(filepath.Dir(abs)); err == nil {
 		return filepath.Join(r, filepath.Base(abs))

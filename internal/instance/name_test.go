@@ -1,0 +1,35 @@
+package instance_test
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/instance"
+)
+
+// An instance's runtime directory named relative to the working
+// directory, or through a link, gives its files the name the absolute,
+// resolved path gives: a tool run with -rundir rd from the directory
+// above must find the files of a primary that named it in full.
+func TestNameIsTheRuntimeDirectorysWhateverItIsCalled(t *testing.T) {
+	base, err := filepath.EvalSymlinks(t.TempDir())
+	require.NoError(t, err)
+	rd := filepath.Join(base, "rd")
+	require.NoError(t, os.Mkdir(rd, 0o700))
+	require.NoError(t, os.Symlink(rd, filepath.Join(base, "link")))
+	want := instance.Name("app", 1000, rd)
+	t.Chdir(base)
+	for _, dir := range []string{"rd", "./rd", "link", "rd/../rd", filepath.Join(base, "link")} {
+		assert.Equal(t, want, instance.Name("app", 1000, dir), "runtime directory given as %q", dir)
+		assert.Equal(t, rd, instance.RealPath(dir), "%q", dir)
+	}
+	// One that does not exist yet is named by its absolute path too.
+	gone := filepath.Join(base, "later")
+	assert.Equal(t, instance.Name("app", 1000, gone), instance.Name("app", 1000, "later"))
+	assert.Equal(t, gone, instance.RealPath("later"))
+	assert.NotEqual(t, want, instance.Name("app", 1000, "later"), "two directories, two names")
+}
