@@ -44,7 +44,10 @@ one only if it is a regular file of the instance's user, while it holds
 the life file or where there is none (a live primary of a build from
 before the life file has none: stop it first), whoever else holds the
 segment or a backing file open or locked (the users the primary let in
-may); anything else is left alone, with a warning.
+may); anything else is left alone, with a warning. The runtime directory
+keeps the instance's description (instance.json), with a warning, while
+the segment it names is still there: left alone, or named for another
+runtime directory (one moved since its primary ran: clean it from there).
 
 It reports what it removed and, on hugetlbfs, the free hugepages of the
 instance's page size before and after.`,
@@ -178,7 +181,24 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	for _, dir := range t.backendDirs() {
 		t.cleanBackend(e, rd, dir, out)
 	}
+	// The description is the only record of where the instance's files
+	// are: it stays while the segment it names is still there, left
+	// alone above or named for another runtime directory than this one.
+	keepInfo := false
+	if left, ours := t.describedLeft(); left {
+		keepInfo = true
+		why := "which clean left alone (see above)"
+		if !ours {
+			why = fmt.Sprintf("named for another runtime directory than %s, which clean does not touch "+
+				"(was the directory moved since its primary ran? clean it from where it was)", t.Dir)
+		}
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: it describes %s, still there, %s",
+			filepath.Join(rd.Path(), instance.InfoFile), t.Info.Segment, why))
+	}
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
+		if name == instance.InfoFile && keepInfo {
+			continue
+		}
 		removeIn(name)
 	}
 	// The primary lock goes last, as a closing primary does it: a primary
@@ -200,6 +220,33 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		}
 	}
 	return out, nil
+}
+
+// describedLeft reports whether the control segment the instance's
+// description names is in the backend directory the description names,
+// and whether that is the name the instance's runtime directory gives it
+// (see instance.Name). The directory is listed, and nothing under the
+// name looked up: the description is the instance user's word.
+func (t *target) describedLeft() (left, ours bool) {
+	if t.Info == nil || t.Info.Segment == "" || t.Info.BackendDir == "" ||
+		filepath.Dir(t.Info.Segment) != filepath.Clean(t.Info.BackendDir) {
+		return false, false
+	}
+	bk := t.backend()
+	if bk.err != nil {
+		return false, false
+	}
+	ents, err := os.ReadDir(bk.path)
+	if err != nil {
+		return false, false
+	}
+	base := filepath.Base(t.Info.Segment)
+	for _, e := range ents {
+		if e.Name() == base {
+			return true, base == filepath.Base(instance.SegmentPath(bk.path, t.Name))
+		}
+	}
+	return false, false
 }
 
 // hasFiles reports whether dir holds any of the instance's backend files.

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -142,6 +143,48 @@ func TestCleanFindsADeadInstanceByARelativeRuntimeDir(t *testing.T) {
 		assert.Subset(t, got.Removed, left, "clean -rundir %s", rel)
 		assert.Empty(t, got.Warnings)
 		assert.Empty(t, files(t, b, rundir, prefix), "nothing is left")
+		if b.Kind == hugetlb.Hugetlbfs {
+			assert.Equal(t, freeBefore, freeHugepages(t, b), "every hugepage went back")
+		}
+	})
+}
+
+// A dead instance whose runtime directory moved since its primary ran:
+// its files are named for the old place, which clean, run on the new
+// one, does not touch. It keeps the description, the only record of
+// them, and says why; run from the old place, it removes everything.
+func TestCleanKeepsTheDescriptionOfFilesItLeaves(t *testing.T) {
+	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+		rundir := testenv.RunDir(t)
+		freeBefore := freeHugepages(t, b)
+		h, prefix := startDeadable(t, b, rundir)
+		assert.Contains(t, h.ask("alloc 2"), "region")
+		h.kill()
+		left := files(t, b, rundir, prefix)
+		require.NotEmpty(t, left, "the dead primary left its files")
+
+		moved := rundir + "-moved"
+		require.NoError(t, os.Rename(rundir, moved))
+		t.Cleanup(func() { os.RemoveAll(moved) })
+		var got cleanOut
+		toolJSON(t, &got, "-rundir", moved, "clean", prefix)
+		info := filepath.Join(moved, prefix, instance.InfoFile)
+		assert.NotContains(t, got.Removed, info)
+		assert.FileExists(t, info, "the description of the files left stays")
+		assert.Contains(t, strings.Join(got.Warnings, "\n"), info+" kept")
+		inBackend := func(l []string) []string {
+			return slices.DeleteFunc(slices.Clone(l), func(p string) bool { return filepath.Dir(p) != b.Dir })
+		}
+		require.NotEmpty(t, inBackend(left))
+		assert.ElementsMatch(t, inBackend(left), inBackend(files(t, b, rundir, prefix)), "the files named for the old place are left alone")
+
+		require.NoError(t, os.Rename(moved, rundir))
+		got = cleanOut{}
+		toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+		assert.Subset(t, got.Removed, append(inBackend(left), filepath.Join(rundir, prefix, instance.InfoFile)))
+		assert.Empty(t, got.Warnings)
+		assert.Empty(t, files(t, b, rundir, prefix), "nothing is left")
+		assert.NoDirExists(t, filepath.Join(rundir, prefix))
 		if b.Kind == hugetlb.Hugetlbfs {
 			assert.Equal(t, freeBefore, freeHugepages(t, b), "every hugepage went back")
 		}
