@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -232,6 +233,81 @@ func TestRestartOverDeadInstance(t *testing.T) {
 				assert.Equal(t, before, freeHugepages(t), "the dead instance's hugepages came back")
 			}
 		})
+	}
+}
+
+// A primary on hugetlbfs killed before it described itself (its
+// description removed here, as if it died between making its files and
+// writing it), then a primary of the same instance on tmpfs: the new one
+// finds the dead one's files in the backend directory it does not use,
+// and returns their hugepages. Nothing else would: once it closes, its
+// runtime directory goes, and with it what a tool could find them by.
+func TestRestartOnAnotherBackendCleansUpAfterAnUndescribedDeadPrimary(t *testing.T) {
+	hb, tb := testenv.Hugetlb(t, 8), testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: hb.Kind,
+		MemoryPages: 16, Logger: quiet}
+	name := instance.Name(cfg.Prefix, os.Geteuid(), filepath.Join(cfg.RuntimeDir, cfg.Prefix))
+	before := freeHugepages(t)
+	h, _, _ := startPrimaryProcess(t, cfg)
+	h.Kill()
+	_ = h.Wait(0)
+	require.NoError(t, os.Remove(filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.InfoFile)))
+	require.NotEmpty(t, instance.Files(hb.Dir, name), "the dead primary left its files")
+	require.Less(t, freeHugepages(t), before, "and holds hugepages")
+
+	cfg.Backend = tb.Kind
+	var p *primary.Primary
+	var err error
+	for range 100 { // its listening socket may linger an instant after SIGKILL
+		if p, err = primary.Start(cfg); !errors.Is(err, ipc.ErrAddressInUse) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	require.NoError(t, err)
+	defer p.Close()
+	assert.Equal(t, tb.Dir, p.Backend().Dir)
+	assert.Empty(t, instance.Files(hb.Dir, name), "the dead primary's files on hugetlbfs are gone")
+	assert.Equal(t, before, freeHugepages(t), "and its hugepages came back")
+	require.NoError(t, p.Close())
+}
+
+// Another user's files at the instance's names in the tmpfs directory,
+// which anyone may write: a primary on hugetlbfs, which looks there for
+// what a predecessor on tmpfs may have left, leaves them alone and starts.
+func TestAnotherUsersFilesInABackendDirectoryNotInUseAreLeftAlone(t *testing.T) {
+	requireRoot(t)
+	hb, tb := testenv.Hugetlb(t, 8), testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: hb.Kind,
+		MemoryPages: 16, Logger: quiet}
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	planted := []string{instance.LifePath(tb.Dir, name), instance.SegmentPath(tb.Dir, name),
+		filepath.Join(tb.Dir, hugetlb.FileName(name, 0))}
+	for _, f := range planted {
+		require.NoError(t, os.WriteFile(f, []byte("not yours"), 0o600))
+		t.Cleanup(func() { os.Remove(f) })
+		require.NoError(t, os.Chown(f, squatterUID, squatterUID))
+	}
+	for _, only := range [][]string{planted[:1], planted[1:2], planted[2:]} {
+		for _, f := range planted {
+			if !slices.Contains(only, f) {
+				require.NoError(t, os.Rename(f, f+".aside"))
+			}
+		}
+		p, err := primary.Start(cfg)
+		require.NoError(t, err, "with %v planted", only)
+		assert.Equal(t, hb.Dir, p.Backend().Dir)
+		require.NoError(t, p.Close())
+		for _, f := range only {
+			got, err := os.ReadFile(f)
+			require.NoError(t, err, "%s is left", f)
+			assert.Equal(t, "not yours", string(got), "%s is left alone", f)
+		}
+		for _, f := range planted {
+			if !slices.Contains(only, f) {
+				require.NoError(t, os.Rename(f+".aside", f))
+			}
+		}
 	}
 }
 

@@ -25,7 +25,11 @@ import (
 // for their lifetimes and nobody else may open. A live primary (one whose
 // runtime directory was removed while it ran) fails Start with
 // ErrPrimaryRunning, a file of another user with ErrPermission: neither
-// is touched. Locks on the segment or the backing files count for
+// is touched. A primary that died before it described itself may have
+// chosen another backend than this one: the other backend directories
+// (hugetlbfs mounts and the tmpfs one) are looked into as well, and there
+// a file of another user is left alone with a warning, since anyone may
+// make files in a tmpfs directory. Locks on the segment or the backing files count for
 // nothing: the users the primary let in hold those, and may lock them,
 // as long as they like.
 //
@@ -46,15 +50,22 @@ func (p *Primary) recoverLeftovers() error {
 		p.log.Warn("unreadable instance description; cleaning up", "err", err)
 	}
 	// A primary that died before describing itself may still have left
-	// files in the directory this one uses.
+	// files in the directory this one uses, or in another it chose.
 	dirs = append(dirs, p.backend.Dir)
+	described := len(dirs)
+	dirs = append(dirs, hugetlb.DefaultTmpfsDir)
+	if ms, err := hugetlb.Mounts(); err == nil {
+		for _, m := range ms {
+			dirs = append(dirs, m.Dir)
+		}
+	}
 	seen := map[string]bool{}
-	for _, dir := range dirs {
+	for i, dir := range dirs {
 		if dir == "" || seen[dir] {
 			continue
 		}
 		seen[dir] = true
-		if err := p.removeDeadFiles(dir); err != nil {
+		if err := p.removeDeadFiles(dir, i >= described); err != nil {
 			return err
 		}
 	}
@@ -71,9 +82,18 @@ func (p *Primary) recoverLeftovers() error {
 // removeDeadFiles takes the instance's life file in backend directory dir
 // and removes the instance's other files there (see recoverLeftovers).
 // In the primary's own backend directory it keeps the life file, held;
-// elsewhere it removes it last.
-func (p *Primary) removeDeadFiles(dir string) error {
+// elsewhere it removes it last. In a directory no description names
+// (stray), a file of another user at one of the instance's names is left
+// alone, with a warning, instead of failing Start.
+func (p *Primary) removeDeadFiles(dir string, stray bool) error {
 	own := dir == p.backend.Dir
+	notOurs := func(err error) error {
+		if !stray || !errors.Is(err, ErrPermission) {
+			return err
+		}
+		p.log.Warn("left alone files at this instance's names in a backend directory it does not use", "dir", dir, "err", err)
+		return nil
+	}
 	if !own && len(instance.Files(dir, p.name)) == 0 {
 		return nil // nothing of the instance there (or no directory to look in)
 	}
@@ -109,8 +129,8 @@ func (p *Primary) removeDeadFiles(dir string) error {
 			"its runtime directory %s was removed or replaced while it ran: stop it first",
 			ErrPrimaryRunning, who, lifePath, segPath, p.dir)
 	case errors.Is(err, ofd.ErrNotOwned):
-		return fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
-			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+		return notOurs(fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
 	case err != nil:
 		return err
 	}
@@ -130,13 +150,13 @@ func (p *Primary) removeDeadFiles(dir string) error {
 	// is held: what is left is a dead one's, whoever holds it open or
 	// locked.
 	if err := p.removeDeadSegment(segPath); err != nil {
-		return err
+		return notOurs(err)
 	}
 	err = hugetlb.RemoveEndedFiles(dir, p.name)
 	switch {
 	case errors.Is(err, hugetlb.ErrNotOwned):
-		return fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
-			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+		return notOurs(fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
 	case err != nil:
 		p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
 	}
