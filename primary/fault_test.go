@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -272,9 +273,73 @@ func TestRestartOnAnotherBackendCleansUpAfterAnUndescribedDeadPrimary(t *testing
 	require.NoError(t, p.Close())
 }
 
+// Where a primary makes its files is recorded in its runtime directory
+// before it makes any (the first is its life file): one killed at any
+// point leaves the next primary, whichever backend it chooses, the
+// directory to clean up. The record names only its own directory once it
+// has started, and goes when it closes.
+func TestTheBackendDirectoryIsRecordedBeforeAnyFileIsMadeThere(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	record := filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.BackendsFile)
+	recorded := func() []string {
+		data, err := os.ReadFile(record)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		require.NoError(t, err)
+		return strings.Fields(string(data))
+	}
+	var taken []string
+	defer primary.SetLifeTaken(func(dir string) {
+		taken = append(taken, dir)
+		assert.Contains(t, recorded(), dir, "recorded before the life file of %s was made", dir)
+	})()
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	assert.Equal(t, []string{b.Dir}, taken)
+	assert.Equal(t, []string{b.Dir}, recorded())
+	require.NoError(t, p.Close())
+	assert.NoFileExists(t, record)
+}
+
+// The backend directory given with another spelling than the one it was
+// recorded and described with (a trailing slash, a link to it) is one
+// directory: a primary does not meet its own life file there as a live
+// primary's.
+func TestABackendDirectorySpelledOtherwiseIsOneDirectory(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	link := filepath.Join(t.TempDir(), "shm")
+	require.NoError(t, os.Symlink(b.Dir, link))
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	for _, dir := range []string{b.Dir + "/", link} {
+		// A primary on the directory as the backend names it, killed: its
+		// description and record name it so.
+		h, _, _ := startPrimaryProcess(t, cfg)
+		h.Kill()
+		_ = h.Wait(0)
+		cfg.BackendDir = dir
+		var p *primary.Primary
+		var err error
+		for range 100 { // its listening socket may linger an instant after SIGKILL
+			if p, err = primary.Start(cfg); !errors.Is(err, ipc.ErrAddressInUse) {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		require.NoError(t, err, "backend directory %s", dir)
+		require.NoError(t, p.Close())
+		assert.Empty(t, instance.Files(b.Dir, name), "backend directory %s: nothing is left", dir)
+		cfg.BackendDir = ""
+	}
+}
+
 // Another user's files at the instance's names in the tmpfs directory,
-// which anyone may write: a primary on hugetlbfs, which looks there for
-// what a predecessor on tmpfs may have left, leaves them alone and starts.
+// which anyone may write: a primary on hugetlbfs, which has nothing of
+// the instance's there to clean up, leaves them alone and starts.
 func TestAnotherUsersFilesInABackendDirectoryNotInUseAreLeftAlone(t *testing.T) {
 	requireRoot(t)
 	hb, tb := testenv.Hugetlb(t, 8), testenv.Tmpfs(t)
@@ -285,7 +350,7 @@ func TestAnotherUsersFilesInABackendDirectoryNotInUseAreLeftAlone(t *testing.T) 
 		filepath.Join(tb.Dir, hugetlb.FileName(name, 0))}
 	for _, f := range planted {
 		require.NoError(t, os.WriteFile(f, []byte("not yours"), 0o600))
-		t.Cleanup(func() { os.Remove(f) })
+		t.Cleanup(func() { os.Remove(f); os.Remove(f + ".aside") })
 		require.NoError(t, os.Chown(f, squatterUID, squatterUID))
 	}
 	for _, only := range [][]string{planted[:1], planted[1:2], planted[2:]} {

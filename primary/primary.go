@@ -48,6 +48,7 @@ type Primary struct {
 	// described: this primary wrote the instance's description (teardown
 	// removes only its own; the socket's listener removes its socket).
 	described bool
+	recorded  bool       // it wrote instance.BackendsFile (teardown removes it)
 	life      *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
 	backend   hugetlb.Backend
 	segOpts   shm.Options
@@ -632,6 +633,13 @@ func (p *Primary) teardown() error {
 		// that one's socket and description where they are.
 		if p.described {
 			if err := p.rundir.Remove(instance.InfoFile); err != nil && !errors.Is(err, os.ErrNotExist) {
+				add(err)
+			}
+		}
+		// After the backend files: a primary that dies in between leaves
+		// the next one the record of where they are.
+		if p.recorded {
+			if err := p.rundir.Remove(instance.BackendsFile); err != nil && !errors.Is(err, os.ErrNotExist) {
 				add(err)
 			}
 		}

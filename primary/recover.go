@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -25,13 +26,13 @@ import (
 // for their lifetimes and nobody else may open. A live primary (one whose
 // runtime directory was removed while it ran) fails Start with
 // ErrPrimaryRunning, a file of another user with ErrPermission: neither
-// is touched. A primary that died before it described itself may have
-// chosen another backend than this one: the other backend directories
-// (hugetlbfs mounts and the tmpfs one) are looked into as well, and there
-// a file of another user is left alone with a warning, since anyone may
-// make files in a tmpfs directory. Locks on the segment or the backing files count for
-// nothing: the users the primary let in hold those, and may lock them,
-// as long as they like.
+// is touched. The directories looked into are the one the dead primary
+// described, those recorded in the runtime directory
+// (instance.BackendsFile: a primary records where it makes files before
+// it makes any, so that one that died before describing itself is found
+// whichever backend this one chooses) and this primary's own, last. Locks
+// on the segment or the backing files count for nothing: the users the
+// primary let in hold those, and may lock them, as long as they like.
 //
 // Nothing of the old state is trusted or reused: its segment is marked
 // dead (for secondaries of the old instance that still map it; unless it
@@ -49,27 +50,48 @@ func (p *Primary) recoverLeftovers() error {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		p.log.Warn("unreadable instance description; cleaning up", "err", err)
 	}
-	// A primary that died before describing itself may still have left
-	// files in the directory this one uses, or in another it chose.
-	dirs = append(dirs, p.backend.Dir)
-	described := len(dirs)
-	dirs = append(dirs, hugetlb.DefaultTmpfsDir)
-	if ms, err := hugetlb.Mounts(); err == nil {
-		for _, m := range ms {
-			dirs = append(dirs, m.Dir)
-		}
+	// A primary that died before describing itself recorded where it was
+	// to make its files (and it may have chosen another backend than
+	// this one); it may also have left files in the directory this one
+	// uses.
+	if rec, err := instance.ReadBackendsIn(p.rundir); err == nil {
+		dirs = append(dirs, rec...)
+	} else if !errors.Is(err, os.ErrNotExist) {
+		p.log.Warn("unreadable record of the instance's backend directories; cleaning up", "err", err)
 	}
-	seen := map[string]bool{}
-	for i, dir := range dirs {
-		if dir == "" || seen[dir] {
+	// Recorded before this primary makes any file (its life file, below):
+	// those directories, until they are cleaned, and its own.
+	if err := instance.WriteBackendsIn(p.rundir, append(slices.Clone(dirs), p.backend.Dir)); err != nil {
+		return err
+	}
+	p.recorded = true
+	// The others first, each once, told from this primary's own by what
+	// they are rather than how they are spelled: there, its own life file,
+	// once taken, would be met as a live primary's.
+	own, _ := os.Stat(p.backend.Dir)
+	var seen []os.FileInfo
+	for _, dir := range dirs {
+		if dir == "" {
 			continue
 		}
-		seen[dir] = true
-		if err := p.removeDeadFiles(dir, i >= described); err != nil {
+		if fi, err := os.Stat(dir); err == nil {
+			if own != nil && os.SameFile(fi, own) || slices.ContainsFunc(seen, func(s os.FileInfo) bool { return os.SameFile(s, fi) }) {
+				continue
+			}
+			seen = append(seen, fi)
+		}
+		if err := p.removeDeadFiles(dir); err != nil {
 			return err
 		}
 	}
-	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.SlotsLockFile, ipc.SocketName} {
+	if err := p.removeDeadFiles(p.backend.Dir); err != nil {
+		return err
+	}
+	if err := instance.WriteBackendsIn(p.rundir, []string{p.backend.Dir}); err != nil {
+		return err
+	}
+	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.BackendsFile + ".tmp",
+		instance.SlotsLockFile, ipc.SocketName} {
 		if err := p.rundir.Remove(name); err == nil {
 			p.log.Info("removed stale file", "path", filepath.Join(p.rundir.Path(), name))
 		} else if !errors.Is(err, os.ErrNotExist) {
@@ -82,18 +104,9 @@ func (p *Primary) recoverLeftovers() error {
 // removeDeadFiles takes the instance's life file in backend directory dir
 // and removes the instance's other files there (see recoverLeftovers).
 // In the primary's own backend directory it keeps the life file, held;
-// elsewhere it removes it last. In a directory no description names
-// (stray), a file of another user at one of the instance's names is left
-// alone, with a warning, instead of failing Start.
-func (p *Primary) removeDeadFiles(dir string, stray bool) error {
+// elsewhere it removes it last.
+func (p *Primary) removeDeadFiles(dir string) error {
 	own := dir == p.backend.Dir
-	notOurs := func(err error) error {
-		if !stray || !errors.Is(err, ErrPermission) {
-			return err
-		}
-		p.log.Warn("left alone files at this instance's names in a backend directory it does not use", "dir", dir, "err", err)
-		return nil
-	}
 	if !own && len(instance.Files(dir, p.name)) == 0 {
 		return nil // nothing of the instance there (or no directory to look in)
 	}
@@ -129,8 +142,8 @@ func (p *Primary) removeDeadFiles(dir string, stray bool) error {
 			"its runtime directory %s was removed or replaced while it ran: stop it first",
 			ErrPrimaryRunning, who, lifePath, segPath, p.dir)
 	case errors.Is(err, ofd.ErrNotOwned):
-		return notOurs(fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
-			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
+		return fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
 	case err != nil:
 		return err
 	}
@@ -150,13 +163,13 @@ func (p *Primary) removeDeadFiles(dir string, stray bool) error {
 	// is held: what is left is a dead one's, whoever holds it open or
 	// locked.
 	if err := p.removeDeadSegment(segPath); err != nil {
-		return notOurs(err)
+		return err
 	}
 	err = hugetlb.RemoveEndedFiles(dir, p.name)
 	switch {
 	case errors.Is(err, hugetlb.ErrNotOwned):
-		return notOurs(fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
-			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
+		return fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
 	case err != nil:
 		p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
 	}

@@ -25,8 +25,9 @@ var cmdClean = &command{
 Removes what instance PREFIX left behind when its primary died: the control
 segment and its lock file, the memseg lists' backing files in the backend
 directory (so that their hugepages go back to the kernel), the primary's
-life file, and the runtime directory's files (instance.json, the socket,
-slots.lock, primary.lock, then the directory itself if it is empty).
+life file, and the runtime directory's files (instance.json, the record of
+the backend directories, the socket, slots.lock, primary.lock, then the
+directory itself if it is empty).
 
 It refuses, changing nothing, while the instance's primary lives (holds
 the primary lock, or the lock on its life file); stop the primary
@@ -195,7 +196,8 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: it describes %s, still there, %s",
 			filepath.Join(rd.Path(), instance.InfoFile), t.Info.Segment, why))
 	}
-	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
+	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.BackendsFile,
+		instance.BackendsFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
 		if name == instance.InfoFile && keepInfo {
 			continue
 		}

@@ -51,7 +51,7 @@ func TestCleanRefusesALiveInstance(t *testing.T) {
 	_, err := p.Alloc(b.PageSize)
 	require.NoError(t, err)
 	before := files(t, b, rundir, cfg.Prefix)
-	require.Len(t, before, 7, "instance.json, ipc.sock, primary.lock, slots.lock, segment, life file, memory: %v", before)
+	require.Len(t, before, 8, "instance.json, backends, ipc.sock, primary.lock, slots.lock, segment, life file, memory: %v", before)
 
 	out, errOut, status := tool(t, "-rundir", rundir, "clean", cfg.Prefix)
 	assert.Equal(t, 1, status)

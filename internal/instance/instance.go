@@ -28,6 +28,12 @@ const (
 	InfoFile        = "instance.json" // Info, written by the primary
 	PrimaryLockFile = "primary.lock"  // byte 0 is held by the live primary
 	SlotsLockFile   = "slots.lock"    // the process table's liveness locks
+	// BackendsFile lists the backend directories where a primary of the
+	// instance may have made files, one a line: a primary writes it before
+	// it makes any, so that one that dies before it describes itself
+	// (InfoFile) is cleaned up after by the next, whichever backend that
+	// one chooses.
+	BackendsFile = "backends"
 )
 
 // Info describes a running (or dead) instance; the primary writes it to
@@ -182,6 +188,60 @@ func ReadInfoIn(d *ipc.RunDir) (Info, error) {
 
 // maxInfo bounds the description file read.
 const maxInfo = 64 << 10
+
+// WriteBackendsIn records dirs in BackendsFile in the runtime directory d,
+// atomically, through its descriptor.
+func WriteBackendsIn(d *ipc.RunDir, dirs []string) error {
+	var b []byte
+	for _, dir := range dirs {
+		if dir == "" || strings.ContainsRune(dir, '\n') {
+			return fmt.Errorf("instance: backend directory %q cannot be recorded", dir)
+		}
+		b = append(append(b, dir...), '\n')
+	}
+	tmp := BackendsFile + ".tmp"
+	f, err := d.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("instance: write %w", err)
+	}
+	_, err = f.Write(b)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = d.Rename(tmp, BackendsFile)
+	}
+	if err != nil {
+		d.Remove(tmp)
+		return fmt.Errorf("instance: write %s: %w", filepath.Join(d.Path(), BackendsFile), err)
+	}
+	return nil
+}
+
+// ReadBackendsIn reads the backend directories recorded in the runtime
+// directory d (see BackendsFile), through its descriptor, as ReadInfoIn
+// reads the description.
+func ReadBackendsIn(d *ipc.RunDir) ([]string, error) {
+	f, err := d.OpenFile(BackendsFile, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxInfo+1))
+	if err == nil && len(b) > maxInfo {
+		err = fmt.Errorf("longer than %d bytes", maxInfo)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("instance: %s: %w", f.Name(), err)
+	}
+	var dirs []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if line != "" {
+			dirs = append(dirs, line)
+		}
+	}
+	return dirs, nil
+}
 
 // ReadInfo reads the description in dir.
 func ReadInfo(dir string) (Info, error) {

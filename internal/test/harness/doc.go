@@ -47,7 +47,7 @@
 // with its id (children included), no file of the instance in the runtime
 // directory or the backend directory (segment mpmr.NAME.ctl, memseg
 // files mpmr.NAME.msl*, life file mpmr.NAME.live, where NAME is
-// Scenario.Name; socket, locks, instance.json), no mapping or descriptor
+// Scenario.Name; socket, locks, instance.json, backends), no mapping or descriptor
 // of them in the test process,
 // and on hugetlbfs as many free
 // hugepages as before, waiting a bounded time for the kernel and
