@@ -337,6 +337,67 @@ func TestABackendDirectorySpelledOtherwiseIsOneDirectory(t *testing.T) {
 	}
 }
 
+// A dead primary's runtime directory moved (mv) before the next primary
+// starts there: the dead one's files are named for where the directory
+// was; the new primary finds them by the description it left, removes
+// them and returns their hugepages.
+func TestAPrimaryInAMovedRuntimeDirectoryCleansUpAfterTheOneThatRanThere(t *testing.T) {
+	for _, b := range []string{"tmpfs", "hugetlbfs"} {
+		t.Run(b, func(t *testing.T) {
+			bk := testenv.Tmpfs(t)
+			if b == "hugetlbfs" {
+				bk = testenv.Hugetlb(t, 8)
+			}
+			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: bk.Kind,
+				MemoryPages: 16, Logger: quiet}
+			old := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+			before := freeHugepages(t)
+			h, _, _ := startPrimaryProcess(t, cfg)
+			h.Kill()
+			_ = h.Wait(0)
+			require.NotEmpty(t, instance.Files(bk.Dir, old), "the dead primary left its files")
+
+			moved := cfg.RuntimeDir + "-moved"
+			require.NoError(t, os.Rename(cfg.RuntimeDir, moved))
+			t.Cleanup(func() { os.RemoveAll(moved) })
+			cfg.RuntimeDir = moved
+			require.NotEqual(t, old, runtimeName(cfg.Prefix, os.Geteuid(), moved))
+			p, err := primary.Start(cfg)
+			require.NoError(t, err)
+			assert.Empty(t, instance.Files(bk.Dir, old), "the files named for where the directory was are gone")
+			require.NoError(t, p.Close())
+			if b == "hugetlbfs" {
+				assert.Equal(t, before, freeHugepages(t), "and their hugepages came back")
+			}
+		})
+	}
+}
+
+// The description of a live primary copied into another runtime
+// directory of the prefix: the primary started there leaves the live
+// one's files alone, which goes on serving.
+func TestAPrimaryInACopiedRuntimeDirectoryLeavesTheOriginalAlone(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	live, cfg := startPrimary(t, b)
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	files := instance.Files(b.Dir, name)
+	require.NotEmpty(t, files)
+	data, err := os.ReadFile(filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.InfoFile))
+	require.NoError(t, err)
+	copied := cfg
+	copied.RuntimeDir = testenv.RunDir(t)
+	copied.MemoryBase = 0x200_0000_0000 // the live one's range is taken in this process
+	require.NoError(t, os.Mkdir(filepath.Join(copied.RuntimeDir, copied.Prefix), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(copied.RuntimeDir, copied.Prefix, instance.InfoFile), data, 0o600))
+	p, err := primary.Start(copied)
+	require.NoError(t, err)
+	require.NoError(t, p.Close())
+	assert.Equal(t, files, instance.Files(b.Dir, name), "the live primary's files are left alone")
+	r, err := live.Alloc(b.PageSize)
+	require.NoError(t, err)
+	require.NoError(t, live.Free(r))
+}
+
 // Another user's files at the instance's names in the tmpfs directory,
 // which anyone may write: a primary on hugetlbfs, which has nothing of
 // the instance's there to clean up, leaves them alone and starts.

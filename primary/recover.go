@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -30,8 +31,13 @@ import (
 // described, those recorded in the runtime directory
 // (instance.BackendsFile: a primary records where it makes files before
 // it makes any, so that one that died before describing itself is found
-// whichever backend this one chooses) and this primary's own, last. Locks
-// on the segment or the backing files count for nothing: the users the
+// whichever backend this one chooses) and this primary's own, last. A
+// runtime directory moved or copied since the primary that described it
+// ran names that primary's files otherwise: they are found by the name of
+// the segment the description gives (if it is one of this prefix and
+// user) and removed, unless a live primary holds their life file or they
+// are not this user's, which leaves them alone with a warning. Locks on
+// the segment or the backing files count for nothing: the users the
 // primary let in hold those, and may lock them, as long as they like.
 //
 // Nothing of the old state is trusted or reused: its segment is marked
@@ -43,10 +49,14 @@ import (
 // old mapping goes.
 func (p *Primary) recoverLeftovers() error {
 	var dirs []string
+	var moved string // the name the dead primary's files have, if another
 	if info, err := instance.ReadInfoIn(p.rundir); err == nil {
 		p.log.Warn("previous primary of this instance died; cleaning up after it",
 			"pid", info.PID, "segment", info.Segment)
 		dirs = append(dirs, info.BackendDir)
+		if old, ok := p.describedName(info); ok && old != p.name {
+			moved = old
+		}
 	} else if !errors.Is(err, os.ErrNotExist) {
 		p.log.Warn("unreadable instance description; cleaning up", "err", err)
 	}
@@ -80,11 +90,21 @@ func (p *Primary) recoverLeftovers() error {
 			}
 			seen = append(seen, fi)
 		}
-		if err := p.removeDeadFiles(dir); err != nil {
+		if err := p.removeDeadFiles(dir, p.name, false); err != nil {
 			return err
 		}
 	}
-	if err := p.removeDeadFiles(p.backend.Dir); err != nil {
+	if moved != "" {
+		// The runtime directory was moved (or copied) since the primary
+		// that described it ran: its files are named for where it was.
+		// They are a dead primary's of this user and prefix unless one
+		// holds their life file (a copy's original, alive), and go as
+		// this instance's would.
+		if err := p.removeDeadFiles(dirs[0], moved, true); err != nil {
+			return err
+		}
+	}
+	if err := p.removeDeadFiles(p.backend.Dir, p.name, false); err != nil {
 		return err
 	}
 	if err := instance.WriteBackendsIn(p.rundir, []string{p.backend.Dir}); err != nil {
@@ -101,18 +121,45 @@ func (p *Primary) recoverLeftovers() error {
 	return nil
 }
 
-// removeDeadFiles takes the instance's life file in backend directory dir
-// and removes the instance's other files there (see recoverLeftovers).
-// In the primary's own backend directory it keeps the life file, held;
-// elsewhere it removes it last.
-func (p *Primary) removeDeadFiles(dir string) error {
-	own := dir == p.backend.Dir
-	if !own && len(instance.Files(dir, p.name)) == 0 {
+// describedName returns the name (see instance.Name) the files of the
+// primary that wrote info have, read from its segment's name, if that is
+// a name of this prefix and user in the backend directory info names.
+func (p *Primary) describedName(info instance.Info) (string, bool) {
+	dir, base := filepath.Split(info.Segment)
+	if info.BackendDir == "" || filepath.Clean(dir) != filepath.Clean(info.BackendDir) {
+		return "", false
+	}
+	name, ok := strings.CutSuffix(strings.TrimPrefix(base, "mpmr."), ".ctl")
+	hash, found := strings.CutPrefix(name, fmt.Sprintf("%s.u%d.", p.cfg.Prefix, os.Geteuid()))
+	if !ok || !found || !strings.HasPrefix(base, "mpmr.") || len(hash) != 12 ||
+		strings.Trim(hash, "0123456789abcdef") != "" {
+		return "", false
+	}
+	return name, true
+}
+
+// removeDeadFiles takes the life file of the instance files called name
+// in backend directory dir and removes their other files there (see
+// recoverLeftovers). In the primary's own backend directory it keeps its
+// life file, held; elsewhere it removes it last. Files of another name
+// (moved: see recoverLeftovers) that a live primary holds, or that are
+// not this user's, are left alone with a warning.
+func (p *Primary) removeDeadFiles(dir, name string, moved bool) error {
+	own := dir == p.backend.Dir && !moved
+	leave := func(err error) error {
+		if !moved {
+			return err
+		}
+		p.log.Warn("left alone the files of a runtime directory this one was moved or copied from",
+			"dir", dir, "name", name, "err", err)
+		return nil
+	}
+	if !own && len(instance.Files(dir, name)) == 0 {
 		return nil // nothing of the instance there (or no directory to look in)
 	}
-	segPath := instance.SegmentPath(dir, p.name)
-	lifePath := instance.LifePath(dir, p.name)
-	life, err := instance.TakeLife(dir, p.name, os.Geteuid(), func(path string) {
+	segPath := instance.SegmentPath(dir, name)
+	lifePath := instance.LifePath(dir, name)
+	life, err := instance.TakeLife(dir, name, os.Geteuid(), func(path string) {
 		p.log.Warn("removed a file at the life file's name that others could have held", "path", path)
 	})
 	switch {
@@ -123,6 +170,8 @@ func (p *Primary) removeDeadFiles(dir string) error {
 		p.log.Warn("the previous primary's backend directory is out of reach; its files there stay",
 			"dir", dir, "err", err)
 		return nil
+	case errors.Is(err, ofd.ErrLocked) && moved:
+		return leave(fmt.Errorf("a live primary holds %s", lifePath))
 	case errors.Is(err, ofd.ErrLocked):
 		who := ""
 		if info, err := shm.Probe(segPath, instance.LayoutTag); err == nil && info.CreatorPID != 0 {
@@ -142,8 +191,8 @@ func (p *Primary) removeDeadFiles(dir string) error {
 			"its runtime directory %s was removed or replaced while it ran: stop it first",
 			ErrPrimaryRunning, who, lifePath, segPath, p.dir)
 	case errors.Is(err, ofd.ErrNotOwned):
-		return fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
-			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+		return leave(fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
 	case err != nil:
 		return err
 	}
@@ -163,13 +212,13 @@ func (p *Primary) removeDeadFiles(dir string) error {
 	// is held: what is left is a dead one's, whoever holds it open or
 	// locked.
 	if err := p.removeDeadSegment(segPath); err != nil {
-		return err
+		return leave(err)
 	}
-	err = hugetlb.RemoveEndedFiles(dir, p.name)
+	err = hugetlb.RemoveEndedFiles(dir, name)
 	switch {
 	case errors.Is(err, hugetlb.ErrNotOwned):
-		return fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
-			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err)
+		return leave(fmt.Errorf("%w: %w: a file this instance did not make is where its memory goes; "+
+			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
 	case err != nil:
 		p.log.Warn("could not remove stale memory files", "dir", dir, "err", err)
 	}
