@@ -2,6 +2,7 @@ package primary_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -396,6 +397,52 @@ func TestAPrimaryInACopiedRuntimeDirectoryLeavesTheOriginalAlone(t *testing.T) {
 	r, err := live.Alloc(b.PageSize)
 	require.NoError(t, err)
 	require.NoError(t, live.Free(r))
+}
+
+// A backend directory given relative to the working directory: the
+// primary's description and its hello name the segment by an absolute
+// path, which a secondary with another working directory opens.
+func TestARelativeBackendDirectoryIsDescribedAbsolute(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	t.Chdir(filepath.Dir(b.Dir))
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		BackendDir: filepath.Base(b.Dir), MemoryPages: 16, Logger: quiet}
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	defer p.Close()
+	assert.Equal(t, b.Dir, p.Backend().Dir)
+	data, err := os.ReadFile(filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.InfoFile))
+	require.NoError(t, err)
+	var info instance.Info
+	require.NoError(t, json.Unmarshal(data, &info))
+	assert.Equal(t, b.Dir, info.BackendDir)
+	assert.Equal(t, instance.SegmentPath(b.Dir, runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)), info.Segment)
+	t.Chdir("/")
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	sec := startSecondary(t, cfg)
+	k := parseKey(t, ask(t, sec, "lookup %d", r.Addr))
+	assert.Equal(t, "ok", ask(t, sec, "validate %d %d", r.Addr, k))
+	assert.Equal(t, "closed", ask(t, sec, "close"))
+}
+
+// A runtime directory given relative to the working directory, which the
+// process then leaves: the primary still closes cleanly, leaving nothing
+// in the runtime or the backend directory.
+func TestARelativeRuntimeDirectoryOutlivesAChangeOfDirectory(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	t.Chdir(filepath.Dir(rundir))
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: filepath.Base(rundir), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	name := runtimeName(cfg.Prefix, os.Geteuid(), rundir)
+	require.NotEmpty(t, instance.Files(b.Dir, name))
+	t.Chdir("/")
+	require.NoError(t, p.Close())
+	assert.Empty(t, instance.Files(b.Dir, name), "nothing is left in the backend directory")
+	assert.NoDirExists(t, filepath.Join(rundir, cfg.Prefix), "nor in the runtime directory")
 }
 
 // Another user's files at the instance's names in the tmpfs directory,

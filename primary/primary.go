@@ -179,6 +179,11 @@ func Start(cfg Config) (*Primary, error) {
 		}
 	}
 	dir, err := instance.Dir(cfg.Prefix, cfg.RuntimeDir)
+	if err == nil {
+		// The primary names files in it to the end: a relative one must
+		// not change meaning when this process changes directory.
+		dir, err = filepath.Abs(dir)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("primary: %w", err)
 	}
@@ -207,6 +212,12 @@ func (p *Primary) start() error {
 	c := &p.cfg
 	p.backend, err = hugetlb.Choose(hugetlb.Want{Kind: c.Backend, PageSize: c.PageSize, Pages: 2, Dir: c.BackendDir})
 	if err != nil {
+		return err
+	}
+	// Secondaries open the files by the paths the primary names: a
+	// directory given relative to this process's working directory must
+	// not be named so.
+	if p.backend.Dir, err = filepath.Abs(p.backend.Dir); err != nil {
 		return err
 	}
 	p.log.Info("backend chosen", "backend", p.backend.Kind, "dir", p.backend.Dir,
@@ -311,10 +322,15 @@ func (p *Primary) start() error {
 	p.serveWG.Add(1)
 	go p.housekeeping(ctx)
 	start, _ := shm.ProcessStart(os.Getpid())
+	// The runtime directory's files by its real path: the directory may
+	// have been given relative to this process's working directory, or
+	// through a link, and the description is read by other processes.
+	real := instance.RealPath(p.dir)
 	if err := instance.WriteInfoIn(p.rundir, instance.Info{
 		Prefix: c.Prefix, PID: os.Getpid(), Start: start, Backend: p.backend.Kind.String(),
 		BackendDir: p.backend.Dir, PageSize: p.backend.PageSize, Segment: p.segOpts.Path,
-		LockFile: p.segOpts.LockPath, Socket: sock, Created: time.Now(),
+		LockFile: filepath.Join(real, instance.SlotsLockFile), Socket: filepath.Join(real, ipc.SocketName),
+		Created: time.Now(),
 	}); err != nil {
 		return err
 	}

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"text/tabwriter"
 	"time"
 
@@ -128,7 +129,9 @@ func askPrimary(e *env, t *target) (*primaryStats, error) {
 	}
 	defer rd.Close()
 	sock := filepath.Join(rd.Path(), ipc.SocketName)
-	if t.Info != nil && t.Info.Socket != "" && filepath.Clean(t.Info.Socket) != sock && filepath.Clean(t.Info.Socket) != filepath.Join(t.Dir, ipc.SocketName) {
+	// As given to the tool, or by its real path, as the primary writes it.
+	if t.Info != nil && t.Info.Socket != "" && !slices.Contains([]string{sock, filepath.Join(t.Dir, ipc.SocketName),
+		filepath.Join(instance.RealPath(t.Dir), ipc.SocketName)}, filepath.Clean(t.Info.Socket)) {
 		return nil, fmt.Errorf("%w: %s names the socket %s, which is not the instance's (%s); not dialled",
 			ipc.ErrPermission, filepath.Join(rd.Path(), instance.InfoFile), t.Info.Socket, sock)
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"path/filepath"
 	"strconv"
 	"testing"
 
@@ -60,6 +61,28 @@ func TestStatsShowsWhatProcessesPublished(t *testing.T) {
 	assert.Regexp(t, `\s`+strconv.Itoa(h.PID())+`\s+secondary\s+5\s+4\s+0\s+0\s+1\s`, out,
 		"slot, pid, role, lookups, top, bottom, global, created")
 	assert.Equal(t, 1, p.Stats().Counters.Secondaries)
+}
+
+// A live primary whose runtime directory was given relative to the
+// working directory, or through a link, and the tool given it either way:
+// the tool dials the primary's socket, which its description names.
+func TestStatsOfAPrimaryWhoseRuntimeDirectoryIsSpelledOtherwise(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	link := filepath.Join(t.TempDir(), "rd")
+	require.NoError(t, os.Symlink(rundir, link))
+	t.Chdir(filepath.Dir(rundir))
+	rel := filepath.Base(rundir)
+	for _, given := range []string{rel, link} {
+		p, cfg := startPrimary(t, b, given)
+		for _, asked := range []string{rundir, rel, link} {
+			var got statsOut
+			toolJSON(t, &got, "-rundir", asked, "stats", cfg.Prefix)
+			require.NotNil(t, got.Primary, "primary given %s, tool %s: %s", given, asked, got.PrimaryError)
+			assert.Equal(t, os.Getpid(), got.Primary.PID)
+		}
+		require.NoError(t, p.Close())
+	}
 }
 
 func TestStatsOfADeadInstance(t *testing.T) {
