@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -125,17 +124,10 @@ func (p *Primary) recoverLeftovers() error {
 // primary that wrote info have, read from its segment's name, if that is
 // a name of this prefix and user in the backend directory info names.
 func (p *Primary) describedName(info instance.Info) (string, bool) {
-	dir, base := filepath.Split(info.Segment)
-	if info.BackendDir == "" || filepath.Clean(dir) != filepath.Clean(info.BackendDir) {
+	if info.BackendDir == "" || filepath.Dir(info.Segment) != filepath.Clean(info.BackendDir) {
 		return "", false
 	}
-	name, ok := strings.CutSuffix(strings.TrimPrefix(base, "mpmr."), ".ctl")
-	hash, found := strings.CutPrefix(name, fmt.Sprintf("%s.u%d.", p.cfg.Prefix, os.Geteuid()))
-	if !ok || !found || !strings.HasPrefix(base, "mpmr.") || len(hash) != 12 ||
-		strings.Trim(hash, "0123456789abcdef") != "" {
-		return "", false
-	}
-	return name, true
+	return instance.SegmentName(info.Segment, p.cfg.Prefix, os.Geteuid())
 }
 
 // removeDeadFiles takes the life file of the instance files called name

@@ -191,10 +191,11 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		why := "which clean left alone (see above)"
 		if !ours {
 			why = fmt.Sprintf("named for another runtime directory than %s, which clean does not touch "+
-				"(was the directory moved since its primary ran? clean it from where it was)", t.Dir)
+				"(was the directory moved or copied since its primary ran? clean it from where it was, "+
+				"or start a primary here, which cleans up after a dead one)", t.Dir)
 		}
-		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: it describes %s, still there, %s",
-			filepath.Join(rd.Path(), instance.InfoFile), t.Info.Segment, why))
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: files of the instance it describes (segment %s) "+
+			"are still there, %s", filepath.Join(rd.Path(), instance.InfoFile), t.Info.Segment, why))
 	}
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.BackendsFile,
 		instance.BackendsFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
@@ -224,14 +225,18 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	return out, nil
 }
 
-// describedLeft reports whether the control segment the instance's
-// description names is in the backend directory the description names,
-// and whether that is the name the instance's runtime directory gives it
-// (see instance.Name). The directory is listed, and nothing under the
-// name looked up: the description is the instance user's word.
+// describedLeft reports whether a file of the instance files the
+// description names (by its segment, a segment name of this prefix and
+// user) is still in the backend directory the description names, and
+// whether those are named as the instance's runtime directory names them
+// (see instance.Name). The directory is listed, and nothing in it looked
+// up: the description is the instance user's word.
 func (t *target) describedLeft() (left, ours bool) {
-	if t.Info == nil || t.Info.Segment == "" || t.Info.BackendDir == "" ||
-		filepath.Dir(t.Info.Segment) != filepath.Clean(t.Info.BackendDir) {
+	if t.Info == nil || t.Info.BackendDir == "" || filepath.Dir(t.Info.Segment) != filepath.Clean(t.Info.BackendDir) {
+		return false, false
+	}
+	name, ok := instance.SegmentName(t.Info.Segment, t.Prefix, t.UID)
+	if !ok {
 		return false, false
 	}
 	bk := t.backend()
@@ -242,10 +247,9 @@ func (t *target) describedLeft() (left, ours bool) {
 	if err != nil {
 		return false, false
 	}
-	base := filepath.Base(t.Info.Segment)
 	for _, e := range ents {
-		if e.Name() == base {
-			return true, base == filepath.Base(instance.SegmentPath(bk.path, t.Name))
+		if strings.HasPrefix(e.Name(), "mpmr."+name+".") {
+			return true, name == t.Name
 		}
 	}
 	return false, false

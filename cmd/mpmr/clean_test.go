@@ -191,6 +191,46 @@ func TestCleanKeepsTheDescriptionOfFilesItLeaves(t *testing.T) {
 	})
 }
 
+// The same with the segment gone and the memory files left (removed by
+// hand, say): the description stays while any file it names is there.
+// One that names no segment of the prefix and user (forged, or another
+// instance's) keeps nothing there: clean removes it.
+func TestCleanKeepsTheDescriptionWhileAnyOfItsFilesIsLeft(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	h, prefix := startDeadable(t, b, rundir)
+	assert.Contains(t, h.ask("alloc 2"), "region")
+	h.kill()
+	name := instanceName(rundir, prefix)
+	seg := instance.SegmentPath(b.Dir, name)
+	require.NoError(t, os.Remove(seg))
+	require.NotEmpty(t, instance.Files(b.Dir, name), "the memory files are left")
+
+	moved := rundir + "-moved"
+	require.NoError(t, os.Rename(rundir, moved))
+	t.Cleanup(func() { os.RemoveAll(moved) })
+	var got cleanOut
+	toolJSON(t, &got, "-rundir", moved, "clean", prefix)
+	info := filepath.Join(moved, prefix, instance.InfoFile)
+	assert.FileExists(t, info)
+	assert.Contains(t, strings.Join(got.Warnings, "\n"), info+" kept")
+
+	// Forged: it names a file that is no segment of the prefix and user.
+	forged := filepath.Join(b.Dir, "mpmr.other.u0.000000000000.ctl")
+	require.NoError(t, os.WriteFile(forged, nil, 0o600))
+	t.Cleanup(func() { os.Remove(forged) })
+	require.NoError(t, instance.WriteInfo(filepath.Join(moved, prefix), instance.Info{Prefix: prefix,
+		BackendDir: b.Dir, Segment: forged}))
+	got = cleanOut{}
+	toolJSON(t, &got, "-rundir", moved, "clean", prefix)
+	assert.NoFileExists(t, info, "a description of nothing of the instance's goes")
+	assert.FileExists(t, forged, "and what it names is not touched")
+
+	require.NoError(t, os.Rename(moved, rundir))
+	_, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
+	assert.Equal(t, 1, status, "the runtime directory went with the forged description: %s", errOut)
+}
+
 func TestCleanMarksTheSegmentDeadForSurvivingSecondaries(t *testing.T) {
 	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
 		rundir := testenv.RunDir(t)

@@ -74,6 +74,20 @@ func Name(prefix string, uid int, dir string) string {
 	return fmt.Sprintf("%s.u%d.%x", prefix, uid, sum[:6])
 }
 
+// SegmentName returns the name (see Name) that the control segment file
+// at path carries, if it is a segment's name of an instance of prefix and
+// uid, of any runtime directory.
+func SegmentName(path, prefix string, uid int) (string, bool) {
+	base := filepath.Base(path)
+	rest, isSeg := strings.CutPrefix(base, "mpmr.")
+	name, isCtl := strings.CutSuffix(rest, ".ctl")
+	hash, ours := strings.CutPrefix(name, fmt.Sprintf("%s.u%d.", prefix, uid))
+	if !isSeg || !isCtl || !ours || len(hash) != 12 || strings.Trim(hash, "0123456789abcdef") != "" {
+		return "", false
+	}
+	return name, true
+}
+
 // RealPath returns dir, absolute, with symbolic links resolved as far as
 // it exists. A relative dir is taken from the working directory first:
 // resolved as it is, it would stay relative, and name the instance
