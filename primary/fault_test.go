@@ -74,6 +74,28 @@ func helperPrimary(args []string) int {
 	return 0
 }
 
+// killedPrimary runs a primary in a helper process and kills it: its
+// files stay behind, as a crash's.
+func killedPrimary(t *testing.T, cfg primary.Config) {
+	t.Helper()
+	h, _, _ := startPrimaryProcess(t, cfg)
+	h.Kill()
+	_ = h.Wait(0)
+}
+
+// startAfterKill starts a primary where one was just killed, whose
+// listening socket may linger an instant after SIGKILL.
+func startAfterKill(cfg primary.Config) (*primary.Primary, error) {
+	for range 100 {
+		p, err := primary.Start(cfg)
+		if !errors.Is(err, ipc.ErrAddressInUse) {
+			return p, err
+		}
+		time.Sleep(10 * time.Millisecond) // the kernel's, not a synchronisation
+	}
+	return primary.Start(cfg)
+}
+
 // startPrimaryProcess runs a primary in a helper process. A test that kills
 // it leaves its files behind, as a crash would; they are removed at the end
 // (by a new primary when the test starts one, else here).
@@ -211,13 +233,7 @@ func TestRestartOverDeadInstance(t *testing.T) {
 
 			// The dead primary's files and hugepages are still there; a
 			// new primary cleans them up and starts.
-			var p *primary.Primary
-			for range 100 { // its listening socket may linger an instant after SIGKILL
-				if p, err = primary.Start(cfg); !errors.Is(err, ipc.ErrAddressInUse) {
-					break
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
+			p, err := startAfterKill(cfg)
 			require.NoError(t, err)
 			defer p.Close()
 			_, err = shm.ProbeFile(old, instance.LayoutTag)
@@ -250,22 +266,13 @@ func TestRestartOnAnotherBackendCleansUpAfterAnUndescribedDeadPrimary(t *testing
 		MemoryPages: 16, Logger: quiet}
 	name := instance.Name(cfg.Prefix, os.Geteuid(), filepath.Join(cfg.RuntimeDir, cfg.Prefix))
 	before := freeHugepages(t)
-	h, _, _ := startPrimaryProcess(t, cfg)
-	h.Kill()
-	_ = h.Wait(0)
+	killedPrimary(t, cfg)
 	require.NoError(t, os.Remove(filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.InfoFile)))
 	require.NotEmpty(t, instance.Files(hb.Dir, name), "the dead primary left its files")
 	require.Less(t, freeHugepages(t), before, "and holds hugepages")
 
 	cfg.Backend = tb.Kind
-	var p *primary.Primary
-	var err error
-	for range 100 { // its listening socket may linger an instant after SIGKILL
-		if p, err = primary.Start(cfg); !errors.Is(err, ipc.ErrAddressInUse) {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	p, err := startAfterKill(cfg)
 	require.NoError(t, err)
 	defer p.Close()
 	assert.Equal(t, tb.Dir, p.Backend().Dir)
@@ -319,18 +326,9 @@ func TestABackendDirectorySpelledOtherwiseIsOneDirectory(t *testing.T) {
 	for _, dir := range []string{b.Dir + "/", link} {
 		// A primary on the directory as the backend names it, killed: its
 		// description and record name it so.
-		h, _, _ := startPrimaryProcess(t, cfg)
-		h.Kill()
-		_ = h.Wait(0)
+		killedPrimary(t, cfg)
 		cfg.BackendDir = dir
-		var p *primary.Primary
-		var err error
-		for range 100 { // its listening socket may linger an instant after SIGKILL
-			if p, err = primary.Start(cfg); !errors.Is(err, ipc.ErrAddressInUse) {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+		p, err := startAfterKill(cfg)
 		require.NoError(t, err, "backend directory %s", dir)
 		require.NoError(t, p.Close())
 		assert.Empty(t, instance.Files(b.Dir, name), "backend directory %s: nothing is left", dir)
@@ -343,35 +341,27 @@ func TestABackendDirectorySpelledOtherwiseIsOneDirectory(t *testing.T) {
 // was; the new primary finds them by the description it left, removes
 // them and returns their hugepages.
 func TestAPrimaryInAMovedRuntimeDirectoryCleansUpAfterTheOneThatRanThere(t *testing.T) {
-	for _, b := range []string{"tmpfs", "hugetlbfs"} {
-		t.Run(b, func(t *testing.T) {
-			bk := testenv.Tmpfs(t)
-			if b == "hugetlbfs" {
-				bk = testenv.Hugetlb(t, 8)
-			}
-			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: bk.Kind,
-				MemoryPages: 16, Logger: quiet}
-			old := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-			before := freeHugepages(t)
-			h, _, _ := startPrimaryProcess(t, cfg)
-			h.Kill()
-			_ = h.Wait(0)
-			require.NotEmpty(t, instance.Files(bk.Dir, old), "the dead primary left its files")
+	testenv.ForEachBackend(t, 8, func(t *testing.T, bk hugetlb.Backend) {
+		cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: bk.Kind,
+			MemoryPages: 16, Logger: quiet}
+		old := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+		before := freeHugepages(t)
+		killedPrimary(t, cfg)
+		require.NotEmpty(t, instance.Files(bk.Dir, old), "the dead primary left its files")
 
-			moved := cfg.RuntimeDir + "-moved"
-			require.NoError(t, os.Rename(cfg.RuntimeDir, moved))
-			t.Cleanup(func() { os.RemoveAll(moved) })
-			cfg.RuntimeDir = moved
-			require.NotEqual(t, old, runtimeName(cfg.Prefix, os.Geteuid(), moved))
-			p, err := primary.Start(cfg)
-			require.NoError(t, err)
-			assert.Empty(t, instance.Files(bk.Dir, old), "the files named for where the directory was are gone")
-			require.NoError(t, p.Close())
-			if b == "hugetlbfs" {
-				assert.Equal(t, before, freeHugepages(t), "and their hugepages came back")
-			}
-		})
-	}
+		moved := cfg.RuntimeDir + "-moved"
+		require.NoError(t, os.Rename(cfg.RuntimeDir, moved))
+		t.Cleanup(func() { os.RemoveAll(moved) })
+		cfg.RuntimeDir = moved
+		require.NotEqual(t, old, runtimeName(cfg.Prefix, os.Geteuid(), moved))
+		p, err := primary.Start(cfg)
+		require.NoError(t, err)
+		assert.Empty(t, instance.Files(bk.Dir, old), "the files named for where the directory was are gone")
+		require.NoError(t, p.Close())
+		if bk.Kind == hugetlb.Hugetlbfs {
+			assert.Equal(t, before, freeHugepages(t), "and their hugepages came back")
+		}
+	})
 }
 
 // The description of a live primary copied into another runtime

@@ -117,6 +117,19 @@ func TestCleanRemovesADeadInstance(t *testing.T) {
 	})
 }
 
+// deadInstance starts a primary in a helper process with its runtime
+// directory in rundir, has it allocate, and kills it: it returns the
+// instance's prefix and the files it left.
+func deadInstance(t *testing.T, b hugetlb.Backend, rundir string) (prefix string, left []string) {
+	t.Helper()
+	h, prefix := startDeadable(t, b, rundir)
+	assert.Contains(t, h.ask("alloc 2"), "region")
+	h.kill()
+	left = files(t, b, rundir, prefix)
+	require.NotEmpty(t, left, "the dead primary left its files")
+	return prefix, left
+}
+
 // The runtime directory given relative to the working directory names
 // the same instance as the absolute path its primary was given: clean
 // finds the dead primary's files and hugepages, instead of removing the
@@ -125,11 +138,7 @@ func TestCleanFindsADeadInstanceByARelativeRuntimeDir(t *testing.T) {
 	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
 		rundir := testenv.RunDir(t)
 		freeBefore := freeHugepages(t, b)
-		h, prefix := startDeadable(t, b, rundir)
-		assert.Contains(t, h.ask("alloc 2"), "region")
-		h.kill()
-		left := files(t, b, rundir, prefix)
-		require.NotEmpty(t, left, "the dead primary left its files")
+		prefix, left := deadInstance(t, b, rundir)
 
 		t.Chdir(filepath.Dir(rundir))
 		rel := filepath.Base(rundir)
@@ -157,21 +166,10 @@ func TestCleanKeepsTheDescriptionOfFilesItLeaves(t *testing.T) {
 	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
 		rundir := testenv.RunDir(t)
 		freeBefore := freeHugepages(t, b)
-		h, prefix := startDeadable(t, b, rundir)
-		assert.Contains(t, h.ask("alloc 2"), "region")
-		h.kill()
-		left := files(t, b, rundir, prefix)
-		require.NotEmpty(t, left, "the dead primary left its files")
+		prefix, left := deadInstance(t, b, rundir)
 
-		moved := rundir + "-moved"
-		require.NoError(t, os.Rename(rundir, moved))
-		t.Cleanup(func() { os.RemoveAll(moved) })
-		var got cleanOut
-		toolJSON(t, &got, "-rundir", moved, "clean", prefix)
-		info := filepath.Join(moved, prefix, instance.InfoFile)
+		moved, info, got := cleanMoved(t, rundir, prefix)
 		assert.NotContains(t, got.Removed, info)
-		assert.FileExists(t, info, "the description of the files left stays")
-		assert.Contains(t, strings.Join(got.Warnings, "\n"), info+" kept")
 		inBackend := func(l []string) []string {
 			return slices.DeleteFunc(slices.Clone(l), func(p string) bool { return filepath.Dir(p) != b.Dir })
 		}
@@ -191,6 +189,22 @@ func TestCleanKeepsTheDescriptionOfFilesItLeaves(t *testing.T) {
 	})
 }
 
+// cleanMoved moves the runtime directory rundir of a dead instance and
+// cleans it there, which keeps the description of the files left: it
+// returns where the directory went, the description's path and what
+// clean reported.
+func cleanMoved(t *testing.T, rundir, prefix string) (moved, info string, got cleanOut) {
+	t.Helper()
+	moved = rundir + "-moved"
+	require.NoError(t, os.Rename(rundir, moved))
+	t.Cleanup(func() { os.RemoveAll(moved) })
+	toolJSON(t, &got, "-rundir", moved, "clean", prefix)
+	info = filepath.Join(moved, prefix, instance.InfoFile)
+	assert.FileExists(t, info, "the description of the files left stays")
+	assert.Contains(t, strings.Join(got.Warnings, "\n"), info+" kept")
+	return moved, info, got
+}
+
 // The same with the segment gone and the memory files left (removed by
 // hand, say): the description stays while any file it names is there.
 // One that names no segment of the prefix and user (forged, or another
@@ -198,22 +212,13 @@ func TestCleanKeepsTheDescriptionOfFilesItLeaves(t *testing.T) {
 func TestCleanKeepsTheDescriptionWhileAnyOfItsFilesIsLeft(t *testing.T) {
 	b := testenv.Tmpfs(t)
 	rundir := testenv.RunDir(t)
-	h, prefix := startDeadable(t, b, rundir)
-	assert.Contains(t, h.ask("alloc 2"), "region")
-	h.kill()
+	prefix, _ := deadInstance(t, b, rundir)
 	name := instanceName(rundir, prefix)
 	seg := instance.SegmentPath(b.Dir, name)
 	require.NoError(t, os.Remove(seg))
 	require.NotEmpty(t, instance.Files(b.Dir, name), "the memory files are left")
 
-	moved := rundir + "-moved"
-	require.NoError(t, os.Rename(rundir, moved))
-	t.Cleanup(func() { os.RemoveAll(moved) })
-	var got cleanOut
-	toolJSON(t, &got, "-rundir", moved, "clean", prefix)
-	info := filepath.Join(moved, prefix, instance.InfoFile)
-	assert.FileExists(t, info)
-	assert.Contains(t, strings.Join(got.Warnings, "\n"), info+" kept")
+	moved, info, got := cleanMoved(t, rundir, prefix)
 
 	// Forged: it names a file that is no segment of the prefix and user.
 	forged := filepath.Join(b.Dir, "mpmr.other.u0.000000000000.ctl")

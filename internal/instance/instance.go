@@ -158,23 +158,7 @@ func WriteInfoIn(d *ipc.RunDir, info Info) error {
 	if err != nil {
 		return err
 	}
-	tmp := InfoFile + ".tmp"
-	f, err := d.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return fmt.Errorf("instance: write %w", err)
-	}
-	_, err = f.Write(append(b, '\n'))
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = d.Rename(tmp, InfoFile)
-	}
-	if err != nil {
-		d.Remove(tmp)
-		return fmt.Errorf("instance: write %s: %w", filepath.Join(d.Path(), InfoFile), err)
-	}
-	return nil
+	return writeIn(d, InfoFile, append(b, '\n'))
 }
 
 // ReadInfoIn reads the description in the runtime directory d, through
@@ -182,22 +166,54 @@ func WriteInfoIn(d *ipc.RunDir, info Info) error {
 // owner or root (else ipc.ErrPermission).
 func ReadInfoIn(d *ipc.RunDir) (Info, error) {
 	var info Info
-	f, err := d.OpenFile(InfoFile, os.O_RDONLY, 0)
+	b, err := readIn(d, InfoFile)
 	if err != nil {
 		return info, err
+	}
+	if err := json.Unmarshal(b, &info); err != nil {
+		return info, fmt.Errorf("instance: %s: %w", filepath.Join(d.Path(), InfoFile), err)
+	}
+	return info, nil
+}
+
+// writeIn writes the file name of the runtime directory d atomically (a
+// temporary file renamed), through its descriptor.
+func writeIn(d *ipc.RunDir, name string, b []byte) error {
+	tmp := name + ".tmp"
+	f, err := d.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("instance: write %w", err)
+	}
+	_, err = f.Write(b)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = d.Rename(tmp, name)
+	}
+	if err != nil {
+		d.Remove(tmp)
+		return fmt.Errorf("instance: write %s: %w", filepath.Join(d.Path(), name), err)
+	}
+	return nil
+}
+
+// readIn reads the file name of the runtime directory d, through its
+// descriptor (see ReadInfoIn), up to maxInfo bytes.
+func readIn(d *ipc.RunDir, name string) ([]byte, error) {
+	f, err := d.OpenFile(name, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, err
 	}
 	defer f.Close()
 	b, err := io.ReadAll(io.LimitReader(f, maxInfo+1))
 	if err == nil && len(b) > maxInfo {
 		err = fmt.Errorf("longer than %d bytes", maxInfo)
 	}
-	if err == nil {
-		err = json.Unmarshal(b, &info)
-	}
 	if err != nil {
-		return info, fmt.Errorf("instance: %s: %w", f.Name(), err)
+		return nil, fmt.Errorf("instance: %s: %w", f.Name(), err)
 	}
-	return info, nil
+	return b, nil
 }
 
 // maxInfo bounds the description file read.
@@ -213,40 +229,16 @@ func WriteBackendsIn(d *ipc.RunDir, dirs []string) error {
 		}
 		b = append(append(b, dir...), '\n')
 	}
-	tmp := BackendsFile + ".tmp"
-	f, err := d.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return fmt.Errorf("instance: write %w", err)
-	}
-	_, err = f.Write(b)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = d.Rename(tmp, BackendsFile)
-	}
-	if err != nil {
-		d.Remove(tmp)
-		return fmt.Errorf("instance: write %s: %w", filepath.Join(d.Path(), BackendsFile), err)
-	}
-	return nil
+	return writeIn(d, BackendsFile, b)
 }
 
 // ReadBackendsIn reads the backend directories recorded in the runtime
 // directory d (see BackendsFile), through its descriptor, as ReadInfoIn
 // reads the description.
 func ReadBackendsIn(d *ipc.RunDir) ([]string, error) {
-	f, err := d.OpenFile(BackendsFile, os.O_RDONLY, 0)
+	b, err := readIn(d, BackendsFile)
 	if err != nil {
 		return nil, err
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxInfo+1))
-	if err == nil && len(b) > maxInfo {
-		err = fmt.Errorf("longer than %d bytes", maxInfo)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("instance: %s: %w", f.Name(), err)
 	}
 	var dirs []string
 	for _, line := range strings.Split(string(b), "\n") {

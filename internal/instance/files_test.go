@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/ipc"
 )
 
 // An instance's runtime directory named relative to the working
@@ -32,4 +33,33 @@ func TestNameIsTheRuntimeDirectorysWhateverItIsCalled(t *testing.T) {
 	assert.Equal(t, instance.Name("app", 1000, gone), instance.Name("app", 1000, "later"))
 	assert.Equal(t, gone, instance.RealPath("later"))
 	assert.NotEqual(t, want, instance.Name("app", 1000, "later"), "two directories, two names")
+}
+
+// The record of backend directories reads back as written, whatever the
+// directories' names hold but a newline, which it refuses; a new record
+// replaces the old whole.
+func TestTheBackendsRecordReadsBackAsWritten(t *testing.T) {
+	rd, err := ipc.OpenRunDir(filepath.Join(t.TempDir(), "rd"), ipc.RunDirOptions{Create: true})
+	require.NoError(t, err)
+	defer rd.Close()
+	_, err = instance.ReadBackendsIn(rd)
+	require.ErrorIs(t, err, os.ErrNotExist)
+
+	dirs := []string{"/dev/hugepages", "/mnt/huge pages", "/dev/shm/"}
+	require.NoError(t, instance.WriteBackendsIn(rd, dirs))
+	got, err := instance.ReadBackendsIn(rd)
+	require.NoError(t, err)
+	assert.Equal(t, dirs, got)
+	require.NoError(t, instance.WriteBackendsIn(rd, dirs[2:]))
+	got, err = instance.ReadBackendsIn(rd)
+	require.NoError(t, err)
+	assert.Equal(t, dirs[2:], got)
+
+	assert.Error(t, instance.WriteBackendsIn(rd, []string{"/a\nb"}))
+	assert.Error(t, instance.WriteBackendsIn(rd, []string{""}))
+	got, err = instance.ReadBackendsIn(rd)
+	require.NoError(t, err)
+	assert.Equal(t, dirs[2:], got, "a refused record changes nothing")
+	_, err = os.Stat(filepath.Join(rd.Path(), instance.BackendsFile+".tmp"))
+	assert.ErrorIs(t, err, os.ErrNotExist, "and leaves no temporary file")
 }
