@@ -312,6 +312,29 @@ func TestTheBackendDirectoryIsRecordedBeforeAnyFileIsMadeThere(t *testing.T) {
 	assert.NoFileExists(t, record)
 }
 
+// A record of backend directories that repeats one (however spelled),
+// as a primary killed again and again between its writes could leave:
+// the next records each directory once.
+func TestTheBackendsRecordNamesEachDirectoryOnce(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	dir := filepath.Join(cfg.RuntimeDir, cfg.Prefix)
+	require.NoError(t, os.Mkdir(dir, 0o700))
+	record := filepath.Join(dir, instance.BackendsFile)
+	require.NoError(t, os.WriteFile(record, []byte(b.Dir+"\n"+b.Dir+"/\n"+b.Dir+"\n"), 0o600))
+	var recorded [][]string
+	defer primary.SetLifeTaken(func(string) {
+		data, err := os.ReadFile(record)
+		require.NoError(t, err)
+		recorded = append(recorded, strings.Fields(string(data)))
+	})()
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	require.NoError(t, p.Close())
+	assert.Equal(t, [][]string{{b.Dir}}, recorded)
+}
+
 // The backend directory given with another spelling than the one it was
 // recorded and described with (a trailing slash, a link to it) is one
 // directory: a primary does not meet its own life file there as a live
@@ -380,13 +403,24 @@ func TestAPrimaryInACopiedRuntimeDirectoryLeavesTheOriginalAlone(t *testing.T) {
 	copied.MemoryBase = 0x200_0000_0000 // the live one's range is taken in this process
 	require.NoError(t, os.Mkdir(filepath.Join(copied.RuntimeDir, copied.Prefix), 0o700))
 	require.NoError(t, os.WriteFile(filepath.Join(copied.RuntimeDir, copied.Prefix, instance.InfoFile), data, 0o600))
-	p, err := primary.Start(copied)
-	require.NoError(t, err)
-	require.NoError(t, p.Close())
-	assert.Equal(t, files, instance.Files(b.Dir, name), "the live primary's files are left alone")
-	r, err := live.Alloc(b.PageSize)
-	require.NoError(t, err)
-	require.NoError(t, live.Free(r))
+	for _, lifeFile := range []bool{true, false} {
+		if !lifeFile {
+			// Removed by hand (or a primary of a build without one): no
+			// life file proves the files a dead primary's.
+			life := instance.LifePath(b.Dir, name)
+			require.NoError(t, os.Remove(life))
+			files = slices.DeleteFunc(files, func(f string) bool { return f == life })
+		}
+		p, err := primary.Start(copied)
+		require.NoError(t, err, "the original with a life file: %v", lifeFile)
+		require.NoError(t, p.Close())
+		assert.Equal(t, files, instance.Files(b.Dir, name), "the live primary's files are left alone (life file: %v)", lifeFile)
+		r, err := live.Alloc(b.PageSize)
+		require.NoError(t, err)
+		require.NoError(t, live.Free(r))
+		require.NoError(t, os.Mkdir(filepath.Join(copied.RuntimeDir, copied.Prefix), 0o700))
+		require.NoError(t, os.WriteFile(filepath.Join(copied.RuntimeDir, copied.Prefix, instance.InfoFile), data, 0o600))
+	}
 }
 
 // A backend directory given relative to the working directory: the

@@ -10,6 +10,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
@@ -34,10 +35,13 @@ import (
 // runtime directory moved or copied since the primary that described it
 // ran names that primary's files otherwise: they are found by the name of
 // the segment the description gives (if it is one of this prefix and
-// user) and removed, unless a live primary holds their life file or they
-// are not this user's, which leaves them alone with a warning. Locks on
-// the segment or the backing files count for nothing: the users the
-// primary let in hold those, and may lock them, as long as they like.
+// user) and removed if their life file, there and held by nobody, proves
+// them a dead primary's; else, or if they are not this user's, they are
+// left alone with a warning. No directory is looked into where a file
+// system that might not answer is mounted (instance.HangingMount): it is
+// left with a warning, or, this primary's own, fails Start. Locks on the
+// segment or the backing files count for nothing: the users the primary
+// let in hold those, and may lock them, as long as they like.
 //
 // Nothing of the old state is trusted or reused: its segment is marked
 // dead (for secondaries of the old instance that still map it; unless it
@@ -69,18 +73,45 @@ func (p *Primary) recoverLeftovers() error {
 		p.log.Warn("unreadable record of the instance's backend directories; cleaning up", "err", err)
 	}
 	// Recorded before this primary makes any file (its life file, below):
-	// those directories, until they are cleaned, and its own.
-	if err := instance.WriteBackendsIn(p.rundir, append(slices.Clone(dirs), p.backend.Dir)); err != nil {
+	// those directories, until they are cleaned, and its own, each once
+	// (a primary killed here again and again must not grow the record).
+	var record []string
+	for _, dir := range append(slices.Clone(dirs), p.backend.Dir) {
+		if dir != "" && !slices.Contains(record, filepath.Clean(dir)) {
+			record = append(record, filepath.Clean(dir))
+		}
+	}
+	if err := instance.WriteBackendsIn(p.rundir, record); err != nil {
 		return err
 	}
 	p.recorded = true
 	// The others first, each once, told from this primary's own by what
 	// they are rather than how they are spelled: there, its own life file,
 	// once taken, would be met as a live primary's.
+	// Nothing is looked up where a file system that might not answer is
+	// mounted (anyone may mount one in a directory of theirs in a tmpfs
+	// directory, at one of the instance's names): its own directory then
+	// fails Start, the others are left.
+	tab, err := mounts.Read()
+	if err != nil {
+		return fmt.Errorf("reading the mount table: %w", err)
+	}
+	if m := instance.HangingMount(tab, p.backend.Dir, p.name); m != nil {
+		return fmt.Errorf("%w: a %s file system, which might not answer, is mounted at %s, where this instance's "+
+			"files go; unmount it, or use another prefix or runtime directory", ErrPermission, m.Type, m.Dir)
+	}
+	hangs := func(dir, name string) bool {
+		m := instance.HangingMount(tab, dir, name)
+		if m != nil {
+			p.log.Warn("left alone a backend directory where a file system that might not answer is mounted",
+				"dir", dir, "mount", m.Dir, "type", m.Type)
+		}
+		return m != nil
+	}
 	own, _ := os.Stat(p.backend.Dir)
 	var seen []os.FileInfo
 	for _, dir := range dirs {
-		if dir == "" {
+		if dir == "" || hangs(dir, p.name) {
 			continue
 		}
 		if fi, err := os.Stat(dir); err == nil {
@@ -93,7 +124,7 @@ func (p *Primary) recoverLeftovers() error {
 			return err
 		}
 	}
-	if moved != "" {
+	if moved != "" && !hangs(dirs[0], moved) {
 		// The runtime directory was moved (or copied) since the primary
 		// that described it ran: its files are named for where it was.
 		// They are a dead primary's of this user and prefix unless one
@@ -151,9 +182,21 @@ func (p *Primary) removeDeadFiles(dir, name string, moved bool) error {
 	}
 	segPath := instance.SegmentPath(dir, name)
 	lifePath := instance.LifePath(dir, name)
-	life, err := instance.TakeLife(dir, name, os.Geteuid(), func(path string) {
+	removed := func(path string) {
 		p.log.Warn("removed a file at the life file's name that others could have held", "path", path)
-	})
+	}
+	var life *ofd.Claim
+	var err error
+	if moved {
+		// Files named for another runtime directory are proven a dead
+		// primary's only by their life file, there and held by nobody:
+		// without one (removed, or never made), they may be a live one's.
+		if life, err = instance.ClaimLife(dir, name, os.Geteuid(), removed); err == nil && life == nil {
+			return leave(errors.New("no life file beside them proves their primary dead"))
+		}
+	} else {
+		life, err = instance.TakeLife(dir, name, os.Geteuid(), removed)
+	}
 	switch {
 	case !own && err != nil && !errors.Is(err, ofd.ErrLocked) && !errors.Is(err, ofd.ErrNotOwned):
 		// The dead primary's backend directory takes no new file (read
@@ -179,8 +222,9 @@ func (p *Primary) removeDeadFiles(dir, name string, moved bool) error {
 					"the name if it is another instance's", ErrPrimaryRunning, lifePath, st.Nlink, p.dir)
 			}
 		}
-		return fmt.Errorf("%w: a live primary%s of this instance holds %s, beside its segment %s; "+
-			"its runtime directory %s was removed or replaced while it ran: stop it first",
+		return fmt.Errorf("%w: a live primary%s of this instance holds %s, beside its segment %s: its runtime "+
+			"directory %s was removed or replaced while it ran (stop it first), or a primary started in a copy "+
+			"of that directory is cleaning up after the one that ran there (try again)",
 			ErrPrimaryRunning, who, lifePath, segPath, p.dir)
 	case errors.Is(err, ofd.ErrNotOwned):
 		return leave(fmt.Errorf("%w: %w: a file this instance did not make is where its life file goes; "+

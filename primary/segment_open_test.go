@@ -322,3 +322,86 @@ func TestASecondaryOpensNoSegmentOffTmpfsAndHugetlbfs(t *testing.T) {
 	assert.Contains(t, res, primary.ErrPermission.Error())
 	assert.Contains(t, res, "neither tmpfs nor hugetlbfs")
 }
+
+// startWithin starts a primary on its own goroutine and reports whether
+// Start returned within a bound far past any start (a thread that waits
+// on a file system that does not answer waits for ever); if it did not,
+// stop lets the file system answer so that the goroutine ends.
+func startWithin(t *testing.T, cfg primary.Config, stop func()) (*primary.Primary, error) {
+	t.Helper()
+	type started struct {
+		p   *primary.Primary
+		err error
+	}
+	done := make(chan started, 1)
+	go func() {
+		p, err := primary.Start(cfg)
+		done <- started{p, err}
+	}()
+	select {
+	case s := <-done:
+		return s.p, s.err
+	case <-time.After(30 * time.Second):
+		stop()
+		s := <-done
+		if s.err == nil {
+			s.p.Close()
+		}
+		require.FailNow(t, "Start waits on a file system that does not answer")
+		return nil, nil
+	}
+}
+
+// A file system that does not answer (FUSE, which any user may mount on
+// a directory of theirs in a tmpfs directory, at a name of the instance's)
+// where a starting primary would look for a dead predecessor's files: in
+// a directory its record names, it is left alone and the primary starts;
+// in its own backend directory, Start fails and says why. Start never
+// waits on it.
+func TestStartDoesNotLookWhereAFileSystemThatMightNotAnswerIsMounted(t *testing.T) {
+	requireRoot(t)
+	tb := testenv.Tmpfs(t)
+	for _, c := range []struct {
+		name     string
+		own      bool   // the mount is in the primary's own backend directory
+		onRecord bool   // the recorded directory is itself the mount
+		suffix   string // else it is at this name of the instance's
+	}{
+		{name: "recorded directory", onRecord: true},
+		{name: "memory file in a recorded directory", suffix: "msl7"},
+		{name: "segment in a recorded directory", suffix: "ctl"},
+		{name: "memory file in its own directory", own: true, suffix: "msl7"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			backend := testenv.Hugetlb(t, 8).Kind
+			if c.own {
+				backend = tb.Kind
+			}
+			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: backend,
+				MemoryPages: 16, Logger: quiet}
+			name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+			recorded := tb.Dir
+			var fuse *testproc.Proc
+			if c.onRecord {
+				recorded, fuse = fusetest.Mount(t, "seg-fuse", b9Env)
+			} else {
+				mnt := filepath.Join(tb.Dir, "mpmr."+name+"."+c.suffix)
+				require.NoError(t, os.Mkdir(mnt, 0o755))
+				t.Cleanup(func() { os.Remove(mnt) })
+				fuse = fusetest.MountAt(t, mnt, "seg-fuse", b9Env)
+			}
+			dir := filepath.Join(cfg.RuntimeDir, cfg.Prefix)
+			require.NoError(t, os.Mkdir(dir, 0o700))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, instance.BackendsFile), []byte(recorded+"\n"), 0o600))
+			fuse.Stop() // from now on nothing on the mount answers
+			p, err := startWithin(t, cfg, fuse.Kill)
+			if c.own {
+				require.ErrorIs(t, err, primary.ErrPermission)
+				assert.Contains(t, err.Error(), "might not answer")
+				return
+			}
+			require.NoError(t, err)
+			require.NoError(t, p.Close())
+		})
+	}
+}

@@ -273,14 +273,7 @@ func (t *target) backendDirs() []string {
 // mountedOnName returns a mount of a file system that might not answer on
 // one of the instance's names in dir, if there is one.
 func (t *target) mountedOnName(tab mounts.Table, dir string) *mounts.Entry {
-	prefix := filepath.Join(dir, "mpmr."+t.Name+".")
-	for _, m := range tab {
-		if mounts.MayHang(m.Type) && (strings.HasPrefix(m.Dir, prefix) || m.Dir == filepath.Clean(dir) ||
-			strings.HasPrefix(dir, m.Dir+"/")) {
-			return &m
-		}
-	}
-	return nil
+	return instance.HangingMount(tab, dir, t.Name)
 }
 
 // mayHang says why the directory dir is not looked into, if it, or a name

@@ -18,6 +18,7 @@ import (
 
 	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
 	"github.com/mpmr/mpmr/verbs"
@@ -72,6 +73,22 @@ func Dir(prefix, override string) (string, error) {
 func Name(prefix string, uid int, dir string) string {
 	sum := sha256.Sum256([]byte(RealPath(dir)))
 	return fmt.Sprintf("%s.u%d.%x", prefix, uid, sum[:6])
+}
+
+// HangingMount returns a mount in tab of a file system that might not
+// answer (mounts.MayHang) on the directory dir, above it, or on one of the
+// names of the instance files called name in it, if there is one: a thread
+// that looks there may wait for ever, past any deadline and past SIGKILL.
+func HangingMount(tab mounts.Table, dir, name string) *mounts.Entry {
+	dir = filepath.Clean(dir)
+	prefix := filepath.Join(dir, "mpmr."+name+".")
+	for _, m := range tab {
+		if mounts.MayHang(m.Type) && (strings.HasPrefix(m.Dir, prefix) || m.Dir == dir ||
+			strings.HasPrefix(dir, m.Dir+"/")) {
+			return &m
+		}
+	}
+	return nil
 }
 
 // SegmentName returns the name (see Name) that the control segment file
