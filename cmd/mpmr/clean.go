@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -49,6 +50,11 @@ may); anything else is left alone, with a warning. The runtime directory
 keeps the instance's description (instance.json), with a warning, while
 the segment it names is still there: left alone, or named for another
 runtime directory (one moved since its primary ran: clean it from there).
+The record of the backend directories (backends) stays too, with a
+warning, while it names a directory clean did not look into: clean looks
+only into the described directory, or without a description into the
+hugetlbfs mounts and the tmpfs directory; a primary of the instance started
+there cleans up in the others.
 
 It reports what it removed and, on hugetlbfs, the free hugepages of the
 instance's page size before and after.`,
@@ -197,9 +203,29 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: files of the instance it describes (segment %s) "+
 			"are still there, %s", filepath.Join(rd.Path(), instance.InfoFile), t.Info.Segment, why))
 	}
+	// The record of where the instance's primaries made files stays while
+	// it names a directory clean did not look into: a primary of the
+	// instance, started here, cleans up there (clean does not look into
+	// directories the instance's user names, but for the described one).
+	keepRecord := false
+	looked := t.backendDirs()
+	if t.Info != nil {
+		looked = []string{filepath.Clean(t.Info.BackendDir)}
+		if bk := t.backend(); bk.err == nil {
+			looked = append(looked, bk.dir)
+		}
+	}
+	for _, dir := range t.Recorded {
+		if !slices.Contains(looked, filepath.Clean(dir)) {
+			keepRecord = true
+			out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: it names %s, where a primary of the instance "+
+				"may have left files and clean does not look; a primary of the instance started here cleans up there",
+				filepath.Join(rd.Path(), instance.BackendsFile), dir))
+		}
+	}
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.BackendsFile,
 		instance.BackendsFile + ".tmp", ipc.SocketName, instance.SlotsLockFile} {
-		if name == instance.InfoFile && keepInfo {
+		if name == instance.InfoFile && keepInfo || name == instance.BackendsFile && keepRecord {
 			continue
 		}
 		removeIn(name)

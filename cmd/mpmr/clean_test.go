@@ -16,6 +16,7 @@ import (
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/primary"
 )
 
 // files lists the instance's files: its runtime directory's and its
@@ -234,6 +235,38 @@ func TestCleanKeepsTheDescriptionWhileAnyOfItsFilesIsLeft(t *testing.T) {
 	require.NoError(t, os.Rename(moved, rundir))
 	_, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
 	assert.Equal(t, 1, status, "the runtime directory went with the forged description: %s", errOut)
+}
+
+// A dead primary that recorded a backend directory clean does not look
+// into (a directory of the user's choosing, given to it as
+// Config.BackendDir) and died before it described itself: clean cleans
+// the shared directories and keeps the record, which a primary started
+// there then follows to clean up in that directory too.
+func TestCleanKeepsTheRecordOfDirectoriesItDoesNotLookInto(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	prefix, _ := deadInstance(t, b, rundir)
+	name := instanceName(rundir, prefix)
+	dir := filepath.Join(rundir, prefix)
+	require.NoError(t, os.Remove(filepath.Join(dir, instance.InfoFile)))
+	elsewhere := t.TempDir()
+	left := filepath.Join(elsewhere, hugetlb.FileName(name, 0))
+	require.NoError(t, os.WriteFile(left, nil, 0o600))
+	record := filepath.Join(dir, instance.BackendsFile)
+	require.NoError(t, os.WriteFile(record, []byte(b.Dir+"\n"+elsewhere+"\n"), 0o600))
+
+	var got cleanOut
+	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+	assert.Empty(t, instance.Files(b.Dir, name), "the shared directory is cleaned")
+	assert.FileExists(t, record, "the record of the other stays")
+	assert.Contains(t, strings.Join(got.Warnings, "\n"), record+" kept: it names "+elsewhere)
+	assert.FileExists(t, left)
+
+	p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: b.Kind, MemoryPages: 16, Logger: quiet})
+	require.NoError(t, err)
+	require.NoError(t, p.Close())
+	assert.NoFileExists(t, left, "the primary cleaned up where the record said")
+	assert.NoDirExists(t, dir)
 }
 
 func TestCleanMarksTheSegmentDeadForSurvivingSecondaries(t *testing.T) {

@@ -33,6 +33,10 @@ type target struct {
 	// writing it (or it is unreadable: InfoErr).
 	Info    *instance.Info
 	InfoErr error
+	// Recorded are the backend directories where the instance's primaries
+	// may have made files (instance.BackendsFile), as the runtime
+	// directory records them.
+	Recorded []string
 	// Live: someone holds byte 0 of the primary lock, which only a living
 	// primary does.
 	Live    bool
@@ -180,6 +184,7 @@ func look(prefix, dir string) *target {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		t.InfoErr = err
 	}
+	t.Recorded, _ = instance.ReadBackendsIn(rd)
 	t.Live, t.LiveErr = primaryHeld(rd)
 	return t
 }
