@@ -469,6 +469,30 @@ func TestARelativeRuntimeDirectoryOutlivesAChangeOfDirectory(t *testing.T) {
 	assert.NoDirExists(t, filepath.Join(rundir, cfg.Prefix), "nor in the runtime directory")
 }
 
+// A live primary whose life file and primary lock were removed by hand:
+// another primary started in its runtime directory takes a new life file,
+// but the segment names its creator, who runs. Start fails, and the live
+// primary's files are left as they were.
+func TestALivePrimaryWithoutItsLifeFileKeepsItsFiles(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	h, _, _ := startPrimaryProcess(t, cfg)
+	require.NoError(t, os.Remove(instance.LifePath(b.Dir, name)))
+	require.NoError(t, os.Remove(filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.PrimaryLockFile)))
+	files := instance.Files(b.Dir, name)
+	require.NotEmpty(t, files)
+
+	p, err := primary.Start(cfg)
+	if err == nil {
+		p.Close()
+	}
+	require.ErrorIs(t, err, primary.ErrPrimaryRunning)
+	assert.Contains(t, err.Error(), fmt.Sprintf("pid %d", h.PID()))
+	assert.Equal(t, files, instance.Files(b.Dir, name), "the live primary's files are left as they were")
+}
+
 // Another user's files at the instance's names in the tmpfs directory,
 // which anyone may write: a primary on hugetlbfs, which has nothing of
 // the instance's there to clean up, leaves them alone and starts.

@@ -90,48 +90,71 @@ func (p *Primary) recoverLeftovers() error {
 	// once taken, would be met as a live primary's.
 	// Nothing is looked up where a file system that might not answer is
 	// mounted (anyone may mount one in a directory of theirs in a tmpfs
-	// directory, at one of the instance's names): its own directory then
-	// fails Start, the others are left.
+	// directory, at one of the instance's names): each directory is
+	// reached one name at a time, links followed, without asking such a
+	// file system (mounts.OpenDir), and none is mounted on the instance's
+	// names where it leads. The primary's own directory then fails Start,
+	// the others are left.
 	tab, err := mounts.Read()
 	if err != nil {
 		return fmt.Errorf("reading the mount table: %w", err)
 	}
-	if m := instance.HangingMount(tab, p.backend.Dir, p.name); m != nil {
-		return fmt.Errorf("%w: a %s file system, which might not answer, is mounted at %s, where this instance's "+
-			"files go; unmount it, or use another prefix or runtime directory", ErrPermission, m.Type, m.Dir)
-	}
-	hangs := func(dir, name string) bool {
-		m := instance.HangingMount(tab, dir, name)
-		if m != nil {
-			p.log.Warn("left alone a backend directory where a file system that might not answer is mounted",
-				"dir", dir, "mount", m.Dir, "type", m.Type)
+	reach := func(dir, name string) (string, error) {
+		f, resolved, _, err := mounts.OpenDir(dir)
+		if err != nil {
+			return "", err
 		}
-		return m != nil
+		f.Close()
+		if m := instance.HangingMount(tab, resolved, name); m != nil {
+			return "", fmt.Errorf("%w: %s is mounted at %s", mounts.ErrMayHang, m.Type, m.Dir)
+		}
+		return resolved, nil
+	}
+	if _, err := reach(p.backend.Dir, p.name); errors.Is(err, mounts.ErrMayHang) {
+		return fmt.Errorf("%w: where this instance's files go, %s: %w; unmount it, or use another prefix or "+
+			"runtime directory", ErrPermission, p.backend.Dir, err)
+	} else if err != nil {
+		return err
+	}
+	reachable := func(dir, name string) (string, bool) {
+		resolved, err := reach(dir, name)
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+		case err != nil:
+			p.log.Warn("left alone a backend directory that cannot be looked into", "dir", dir, "err", err)
+		}
+		return resolved, err == nil
 	}
 	own, _ := os.Stat(p.backend.Dir)
 	var seen []os.FileInfo
 	for _, dir := range dirs {
-		if dir == "" || hangs(dir, p.name) {
+		if dir == "" {
 			continue
 		}
-		if fi, err := os.Stat(dir); err == nil {
+		resolved, ok := reachable(dir, p.name)
+		if !ok {
+			continue
+		}
+		if fi, err := os.Stat(resolved); err == nil {
 			if own != nil && os.SameFile(fi, own) || slices.ContainsFunc(seen, func(s os.FileInfo) bool { return os.SameFile(s, fi) }) {
 				continue
 			}
 			seen = append(seen, fi)
 		}
-		if err := p.removeDeadFiles(dir, p.name, false); err != nil {
+		if err := p.removeDeadFiles(resolved, p.name, false); err != nil {
 			return err
 		}
 	}
-	if moved != "" && !hangs(dirs[0], moved) {
+	if moved != "" {
 		// The runtime directory was moved (or copied) since the primary
 		// that described it ran: its files are named for where it was.
 		// They are a dead primary's of this user and prefix unless one
 		// holds their life file (a copy's original, alive), and go as
 		// this instance's would.
-		if err := p.removeDeadFiles(dirs[0], moved, true); err != nil {
-			return err
+		if resolved, ok := reachable(dirs[0], moved); ok {
+			if err := p.removeDeadFiles(resolved, moved, true); err != nil {
+				return err
+			}
 		}
 	}
 	if err := p.removeDeadFiles(p.backend.Dir, p.name, false); err != nil {
@@ -231,6 +254,19 @@ func (p *Primary) removeDeadFiles(dir, name string, moved bool) error {
 			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
 	case err != nil:
 		return err
+	}
+	// The life file proves its primary dead only if it is the one that
+	// primary held: one removed by hand (with the primary lock) leaves a
+	// live primary without one, and the life file taken here is a new
+	// one. The segment names its creator.
+	if info, err := shm.Probe(segPath, instance.LayoutTag); err == nil && info.CreatorPID != 0 &&
+		info.CreatorPID != os.Getpid() && shm.Running(info.CreatorPID, info.CreatorStart) {
+		if err := life.Remove(); err != nil {
+			p.log.Warn("could not remove the life file taken", "path", lifePath, "err", err)
+		}
+		return leave(fmt.Errorf("%w: the segment %s says its creator, pid %d, runs: a live primary of this "+
+			"instance, whose life file %s was removed by hand; stop it first", ErrPrimaryRunning, segPath,
+			info.CreatorPID, lifePath))
 	}
 	if testHookLifeTaken != nil {
 		testHookLifeTaken(dir)

@@ -356,21 +356,28 @@ func startWithin(t *testing.T, cfg primary.Config, stop func()) (*primary.Primar
 // a directory of theirs in a tmpfs directory, at a name of the instance's)
 // where a starting primary would look for a dead predecessor's files: in
 // a directory its record names, it is left alone and the primary starts;
-// in its own backend directory, Start fails and says why. Start never
-// waits on it.
+// in its own backend directory, Start fails and says why; the same when
+// the directory is named through a link, which the mount table does not
+// show. Start never waits on it.
 func TestStartDoesNotLookWhereAFileSystemThatMightNotAnswerIsMounted(t *testing.T) {
 	requireRoot(t)
 	tb := testenv.Tmpfs(t)
 	for _, c := range []struct {
-		name     string
-		own      bool   // the mount is in the primary's own backend directory
-		onRecord bool   // the recorded directory is itself the mount
-		suffix   string // else it is at this name of the instance's
+		name   string
+		own    bool   // the directory is the primary's own backend directory
+		onDir  bool   // the directory is itself the mount (else the mount is at a name in it)
+		suffix string // the instance's name the mount is at
+		below  bool   // the directory named is one below the mount
+		linked bool   // the directory is named through a link
 	}{
-		{name: "recorded directory", onRecord: true},
+		{name: "recorded directory", onDir: true},
+		{name: "below a recorded directory, through a link", onDir: true, below: true, linked: true},
+		{name: "recorded directory, through a link", onDir: true, linked: true},
 		{name: "memory file in a recorded directory", suffix: "msl7"},
 		{name: "segment in a recorded directory", suffix: "ctl"},
+		{name: "memory file in a recorded directory, through a link", suffix: "msl7", linked: true},
 		{name: "memory file in its own directory", own: true, suffix: "msl7"},
+		{name: "memory file in its own directory, through a link", own: true, suffix: "msl7", linked: true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			backend := testenv.Hugetlb(t, 8).Kind
@@ -380,19 +387,40 @@ func TestStartDoesNotLookWhereAFileSystemThatMightNotAnswerIsMounted(t *testing.
 			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: backend,
 				MemoryPages: 16, Logger: quiet}
 			name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-			recorded := tb.Dir
+			var dir string
 			var fuse *testproc.Proc
-			if c.onRecord {
-				recorded, fuse = fusetest.Mount(t, "seg-fuse", b9Env)
+			if c.onDir {
+				dir, fuse = fusetest.Mount(t, "seg-fuse", b9Env)
 			} else {
-				mnt := filepath.Join(tb.Dir, "mpmr."+name+"."+c.suffix)
+				dir = tb.Dir
+				if c.linked || c.own {
+					// A directory of its own in the tmpfs one, which the
+					// primary may have been given.
+					own := filepath.Join(tb.Dir, "backend-"+cfg.Prefix)
+					require.NoError(t, os.Mkdir(own, 0o755))
+					t.Cleanup(func() { os.RemoveAll(own) })
+					dir = own
+				}
+				mnt := filepath.Join(dir, "mpmr."+name+"."+c.suffix)
 				require.NoError(t, os.Mkdir(mnt, 0o755))
 				t.Cleanup(func() { os.Remove(mnt) })
 				fuse = fusetest.MountAt(t, mnt, "seg-fuse", b9Env)
 			}
-			dir := filepath.Join(cfg.RuntimeDir, cfg.Prefix)
-			require.NoError(t, os.Mkdir(dir, 0o700))
-			require.NoError(t, os.WriteFile(filepath.Join(dir, instance.BackendsFile), []byte(recorded+"\n"), 0o600))
+			if c.linked {
+				link := filepath.Join(t.TempDir(), "link")
+				require.NoError(t, os.Symlink(dir, link))
+				dir = link
+			}
+			if c.below {
+				dir = filepath.Join(dir, "below")
+			}
+			if c.own {
+				cfg.BackendDir = dir
+			} else {
+				rundir := filepath.Join(cfg.RuntimeDir, cfg.Prefix)
+				require.NoError(t, os.Mkdir(rundir, 0o700))
+				require.NoError(t, os.WriteFile(filepath.Join(rundir, instance.BackendsFile), []byte(dir+"\n"), 0o600))
+			}
 			fuse.Stop() // from now on nothing on the mount answers
 			p, err := startWithin(t, cfg, fuse.Kill)
 			if c.own {

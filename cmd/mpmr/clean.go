@@ -200,7 +200,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 				"(was the directory moved or copied since its primary ran? clean it from where it was, "+
 				"or start a primary here, which cleans up after a dead one)", t.Dir)
 		}
-		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: files of the instance it describes (segment %s) "+
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: files of the instance it describes (segment %q) "+
 			"are still there, %s", filepath.Join(rd.Path(), instance.InfoFile), t.Info.Segment, why))
 	}
 	// The record of where the instance's primaries made files stays while
@@ -218,7 +218,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	for _, dir := range t.Recorded {
 		if !slices.Contains(looked, filepath.Clean(dir)) {
 			keepRecord = true
-			out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: it names %s, where a primary of the instance "+
+			out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: it names %q, where a primary of the instance "+
 				"may have left files and clean does not look; a primary of the instance started here cleans up there",
 				filepath.Join(rd.Path(), instance.BackendsFile), dir))
 		}

@@ -259,8 +259,12 @@ func TestCleanKeepsTheRecordOfDirectoriesItDoesNotLookInto(t *testing.T) {
 	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
 	assert.Empty(t, instance.Files(b.Dir, name), "the shared directory is cleaned")
 	assert.FileExists(t, record, "the record of the other stays")
-	assert.Contains(t, strings.Join(got.Warnings, "\n"), record+" kept: it names "+elsewhere)
+	assert.Contains(t, strings.Join(got.Warnings, "\n"), fmt.Sprintf("%s kept: it names %q", record, elsewhere))
 	assert.FileExists(t, left)
+	var listed []lsEntry
+	toolJSON(t, &listed, "-rundir", rundir, "ls")
+	require.Len(t, listed, 1, "the runtime directory with the record left is still an instance's")
+	assert.Equal(t, prefix, listed[0].Prefix)
 
 	p, err := primary.Start(primary.Config{Prefix: prefix, RuntimeDir: rundir, Backend: b.Kind, MemoryPages: 16, Logger: quiet})
 	require.NoError(t, err)

@@ -61,7 +61,7 @@ func (e *env) root() (string, error) {
 // isInstanceDir reports whether dir looks like an instance's runtime
 // directory.
 func isInstanceDir(dir string) bool {
-	for _, name := range []string{instance.InfoFile, instance.PrimaryLockFile, instance.SlotsLockFile, ipc.SocketName} {
+	for _, name := range []string{instance.InfoFile, instance.BackendsFile, instance.PrimaryLockFile, instance.SlotsLockFile, ipc.SocketName} {
 		if _, err := os.Lstat(filepath.Join(dir, name)); err == nil {
 			return true
 		}
