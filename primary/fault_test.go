@@ -21,6 +21,7 @@ import (
 	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/internal/sys/sock"
 	"github.com/mpmr/mpmr/internal/test/testenv"
@@ -72,6 +73,21 @@ func helperPrimary(args []string) int {
 	}
 	p.Close()
 	return 0
+}
+
+// recordedConfig returns the configuration of a primary on backend b
+// whose runtime directory, made here, records content as the backend
+// directories where a primary of the instance may have made files, and
+// the record's path.
+func recordedConfig(t *testing.T, b hugetlb.Backend, content string) (primary.Config, string) {
+	t.Helper()
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	dir := filepath.Join(cfg.RuntimeDir, cfg.Prefix)
+	require.NoError(t, os.Mkdir(dir, 0o700))
+	record := filepath.Join(dir, instance.BackendsFile)
+	require.NoError(t, os.WriteFile(record, []byte(content), 0o600))
+	return cfg, record
 }
 
 // killedPrimary runs a primary in a helper process and kills it: its
@@ -312,17 +328,12 @@ func TestTheBackendDirectoryIsRecordedBeforeAnyFileIsMadeThere(t *testing.T) {
 	assert.NoFileExists(t, record)
 }
 
-// A record of backend directories that repeats one (however spelled),
-// as a primary killed again and again between its writes could leave:
-// the next records each directory once.
+// A record of backend directories that repeats one (with and without a
+// trailing slash), as a primary killed again and again between its writes
+// could leave: the next records each directory once.
 func TestTheBackendsRecordNamesEachDirectoryOnce(t *testing.T) {
 	b := testenv.Tmpfs(t)
-	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
-		MemoryPages: 16, Logger: quiet}
-	dir := filepath.Join(cfg.RuntimeDir, cfg.Prefix)
-	require.NoError(t, os.Mkdir(dir, 0o700))
-	record := filepath.Join(dir, instance.BackendsFile)
-	require.NoError(t, os.WriteFile(record, []byte(b.Dir+"\n"+b.Dir+"/\n"+b.Dir+"\n"), 0o600))
+	cfg, record := recordedConfig(t, b, b.Dir+"\n"+b.Dir+"/\n"+b.Dir+"\n")
 	var recorded [][]string
 	defer primary.SetLifeTaken(func(string) {
 		data, err := os.ReadFile(record)
@@ -493,43 +504,62 @@ func TestALivePrimaryWithoutItsLifeFileKeepsItsFiles(t *testing.T) {
 	assert.Equal(t, files, instance.Files(b.Dir, name), "the live primary's files are left as they were")
 }
 
-// Another user's files at the instance's names in the tmpfs directory,
-// which anyone may write: a primary on hugetlbfs, which has nothing of
-// the instance's there to clean up, leaves them alone and starts.
-func TestAnotherUsersFilesInABackendDirectoryNotInUseAreLeftAlone(t *testing.T) {
+// A start that fails in recovery (here, another user's file at the
+// instance's life file name in a recorded directory) keeps the record of
+// where a dead primary's files may be: the next start, once the way is
+// clear, cleans up in every directory it names.
+func TestAFailedStartKeepsTheRecordOfWhereFilesMayBe(t *testing.T) {
 	requireRoot(t)
-	hb, tb := testenv.Hugetlb(t, 8), testenv.Tmpfs(t)
-	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: hb.Kind,
-		MemoryPages: 16, Logger: quiet}
+	b := testenv.Tmpfs(t)
+	var dirs []string
+	for _, d := range []string{"a", "b"} {
+		dir := filepath.Join(b.Dir, testenv.Name(t)+"-"+d)
+		require.NoError(t, os.Mkdir(dir, 0o755))
+		t.Cleanup(func() { os.RemoveAll(dir) })
+		dirs = append(dirs, dir)
+	}
+	cfg, record := recordedConfig(t, b, dirs[0]+"\n"+dirs[1]+"\n")
 	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-	planted := []string{instance.LifePath(tb.Dir, name), instance.SegmentPath(tb.Dir, name),
-		filepath.Join(tb.Dir, hugetlb.FileName(name, 0))}
-	for _, f := range planted {
-		require.NoError(t, os.WriteFile(f, []byte("not yours"), 0o600))
-		t.Cleanup(func() { os.Remove(f); os.Remove(f + ".aside") })
-		require.NoError(t, os.Chown(f, squatterUID, squatterUID))
+	squatted := instance.LifePath(dirs[0], name)
+	require.NoError(t, os.WriteFile(squatted, nil, 0o600))
+	require.NoError(t, os.Chown(squatted, squatterUID, squatterUID))
+	dead := filepath.Join(dirs[1], hugetlb.FileName(name, 0))
+	require.NoError(t, os.WriteFile(dead, nil, 0o600))
+
+	_, err := primary.Start(cfg)
+	require.ErrorIs(t, err, primary.ErrPermission)
+	data, err := os.ReadFile(record)
+	require.NoError(t, err, "the record stays")
+	assert.Subset(t, strings.Fields(string(data)), dirs)
+	assert.FileExists(t, dead)
+
+	require.NoError(t, os.Remove(squatted))
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	assert.NoFileExists(t, dead, "the next start cleans up where the record said")
+	require.NoError(t, p.Close())
+	assert.NoFileExists(t, record)
+}
+
+// A recorded directory the primary does not look into (here, one on a
+// file system no primary makes its files on) stays in the record once the
+// primary has started, beside its own: what may be left there is not
+// forgotten.
+func TestTheRecordKeepsTheDirectoriesNotLookedInto(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	other := t.TempDir()
+	tab, err := mounts.Read()
+	require.NoError(t, err)
+	if fs := tab.At(other).Type; fs == "tmpfs" || fs == "hugetlbfs" {
+		t.Skipf("the temporary directory %s is on %s, a file system primaries make their files on", other, fs)
 	}
-	for _, only := range [][]string{planted[:1], planted[1:2], planted[2:]} {
-		for _, f := range planted {
-			if !slices.Contains(only, f) {
-				require.NoError(t, os.Rename(f, f+".aside"))
-			}
-		}
-		p, err := primary.Start(cfg)
-		require.NoError(t, err, "with %v planted", only)
-		assert.Equal(t, hb.Dir, p.Backend().Dir)
-		require.NoError(t, p.Close())
-		for _, f := range only {
-			got, err := os.ReadFile(f)
-			require.NoError(t, err, "%s is left", f)
-			assert.Equal(t, "not yours", string(got), "%s is left alone", f)
-		}
-		for _, f := range planted {
-			if !slices.Contains(only, f) {
-				require.NoError(t, os.Rename(f+".aside", f))
-			}
-		}
-	}
+	cfg, record := recordedConfig(t, b, other+"\n")
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	data, err := os.ReadFile(record)
+	require.NoError(t, err)
+	assert.ElementsMatch(t, []string{b.Dir, other}, strings.Fields(string(data)))
+	require.NoError(t, p.Close())
 }
 
 func TestSecondaryKilledMidRequest(t *testing.T) {

@@ -48,7 +48,7 @@ type Primary struct {
 	// described: this primary wrote the instance's description (teardown
 	// removes only its own; the socket's listener removes its socket).
 	described bool
-	recorded  bool       // it wrote instance.BackendsFile (teardown removes it)
+	recorded  bool       // it wrote instance.BackendsFile (teardown removes it once started)
 	life      *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
 	backend   hugetlb.Backend
 	segOpts   shm.Options
@@ -652,9 +652,11 @@ func (p *Primary) teardown() error {
 				add(err)
 			}
 		}
-		// After the backend files: a primary that dies in between leaves
-		// the next one the record of where they are.
-		if p.recorded {
+		// After the backend files, and only those of a primary that
+		// started and removed them all: one that dies in between, or a
+		// failed start (which may not have cleaned what the record
+		// names), leaves the next one the record of where they are.
+		if p.recorded && p.described && len(errs) == 0 {
 			if err := p.rundir.Remove(instance.BackendsFile); err != nil && !errors.Is(err, os.ErrNotExist) {
 				add(err)
 			}

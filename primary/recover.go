@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 
 	"github.com/mpmr/mpmr/hugetlb"
@@ -37,11 +38,17 @@ import (
 // the segment the description gives (if it is one of this prefix and
 // user) and removed if their life file, there and held by nobody, proves
 // them a dead primary's; else, or if they are not this user's, they are
-// left alone with a warning. No directory is looked into where a file
-// system that might not answer is mounted (instance.HangingMount): it is
-// left with a warning, or, this primary's own, fails Start. Locks on the
-// segment or the backing files count for nothing: the users the primary
-// let in hold those, and may lock them, as long as they like.
+// left alone with a warning. Each directory is reached one name at a
+// time, links followed, without asking a file system that might not
+// answer (mounts.OpenDir), and none is looked into where one is mounted
+// on the instance's names (instance.MountOnNames), nor one that is not on
+// tmpfs or hugetlbfs: it is left with a warning, and stays in the record,
+// or, this primary's own, fails Start. A description whose primary, of
+// this name, still runs (its life file and primary lock removed by hand)
+// fails Start with ErrPrimaryRunning. A failed start leaves the record as
+// it was written. Locks on the segment or the backing files count for
+// nothing: the users the primary let in hold those, and may lock them, as
+// long as they like.
 //
 // Nothing of the old state is trusted or reused: its segment is marked
 // dead (for secondaries of the old instance that still map it; unless it
@@ -54,10 +61,21 @@ func (p *Primary) recoverLeftovers() error {
 	var dirs []string
 	var moved string // the name the dead primary's files have, if another
 	if info, err := instance.ReadInfoIn(p.rundir); err == nil {
+		old, named := p.describedName(info)
+		// The primary that described this instance, under this name, still
+		// runs (its life file and primary lock removed by hand): nothing
+		// of it may go. The description is the instance user's own word,
+		// unlike the segment's header, which the users it lets in may
+		// write.
+		if named && old == p.name && info.PID != os.Getpid() && shm.Running(info.PID, info.Start) {
+			return fmt.Errorf("%w: the primary that described this instance in %s, pid %d, runs (its life file "+
+				"and primary lock were removed?); stop it first", ErrPrimaryRunning,
+				filepath.Join(p.dir, instance.InfoFile), info.PID)
+		}
 		p.log.Warn("previous primary of this instance died; cleaning up after it",
 			"pid", info.PID, "segment", info.Segment)
 		dirs = append(dirs, info.BackendDir)
-		if old, ok := p.describedName(info); ok && old != p.name {
+		if named && old != p.name {
 			moved = old
 		}
 	} else if !errors.Is(err, os.ErrNotExist) {
@@ -75,12 +93,7 @@ func (p *Primary) recoverLeftovers() error {
 	// Recorded before this primary makes any file (its life file, below):
 	// those directories, until they are cleaned, and its own, each once
 	// (a primary killed here again and again must not grow the record).
-	var record []string
-	for _, dir := range append(slices.Clone(dirs), p.backend.Dir) {
-		if dir != "" && !slices.Contains(record, filepath.Clean(dir)) {
-			record = append(record, filepath.Clean(dir))
-		}
-	}
+	record := recordOf(append(slices.Clone(dirs), p.backend.Dir))
 	if err := instance.WriteBackendsIn(p.rundir, record); err != nil {
 		return err
 	}
@@ -100,12 +113,15 @@ func (p *Primary) recoverLeftovers() error {
 		return fmt.Errorf("reading the mount table: %w", err)
 	}
 	reach := func(dir, name string) (string, error) {
-		f, resolved, _, err := mounts.OpenDir(dir)
+		f, resolved, m, err := mounts.OpenDir(dir)
 		if err != nil {
 			return "", err
 		}
 		f.Close()
-		if m := instance.HangingMount(tab, resolved, name); m != nil {
+		if dir != p.backend.Dir && m.Type != "tmpfs" && m.Type != "hugetlbfs" {
+			return "", fmt.Errorf("%s is on %s (%s), where no primary makes its files", resolved, m.Dir, m.Type)
+		}
+		if m := instance.MountOnNames(tab, resolved, name); m != nil {
 			return "", fmt.Errorf("%w: %s is mounted at %s", mounts.ErrMayHang, m.Type, m.Dir)
 		}
 		return resolved, nil
@@ -116,23 +132,31 @@ func (p *Primary) recoverLeftovers() error {
 	} else if err != nil {
 		return err
 	}
-	reachable := func(dir, name string) (string, bool) {
+	reachable := func(dir, name string) (resolved string, ok, gone bool) {
 		resolved, err := reach(dir, name)
 		switch {
 		case errors.Is(err, os.ErrNotExist):
+			return "", false, true
 		case err != nil:
 			p.log.Warn("left alone a backend directory that cannot be looked into", "dir", dir, "err", err)
 		}
-		return resolved, err == nil
+		return resolved, err == nil, false
 	}
 	own, _ := os.Stat(p.backend.Dir)
 	var seen []os.FileInfo
+	// Directories that may still hold files of the instance stay in the
+	// record: those that cannot be looked into, and those where files
+	// were left alone.
+	kept := []string{p.backend.Dir}
 	for _, dir := range dirs {
 		if dir == "" {
 			continue
 		}
-		resolved, ok := reachable(dir, p.name)
+		resolved, ok, gone := reachable(dir, p.name)
 		if !ok {
+			if !gone {
+				kept = append(kept, dir)
+			}
 			continue
 		}
 		if fi, err := os.Stat(resolved); err == nil {
@@ -144,6 +168,9 @@ func (p *Primary) recoverLeftovers() error {
 		if err := p.removeDeadFiles(resolved, p.name, false); err != nil {
 			return err
 		}
+		if len(instance.Files(resolved, p.name)) > 0 {
+			kept = append(kept, dir)
+		}
 	}
 	if moved != "" {
 		// The runtime directory was moved (or copied) since the primary
@@ -151,16 +178,20 @@ func (p *Primary) recoverLeftovers() error {
 		// They are a dead primary's of this user and prefix unless one
 		// holds their life file (a copy's original, alive), and go as
 		// this instance's would.
-		if resolved, ok := reachable(dirs[0], moved); ok {
+		if resolved, ok, _ := reachable(dirs[0], moved); ok {
 			if err := p.removeDeadFiles(resolved, moved, true); err != nil {
 				return err
+			}
+			if left := instance.Files(resolved, moved); len(left) > 0 {
+				p.log.Warn("files of the runtime directory this one was moved or copied from stay; their only "+
+					"record, the description, goes", "files", left)
 			}
 		}
 	}
 	if err := p.removeDeadFiles(p.backend.Dir, p.name, false); err != nil {
 		return err
 	}
-	if err := instance.WriteBackendsIn(p.rundir, []string{p.backend.Dir}); err != nil {
+	if err := instance.WriteBackendsIn(p.rundir, recordOf(kept)); err != nil {
 		return err
 	}
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.BackendsFile + ".tmp",
@@ -172,6 +203,19 @@ func (p *Primary) recoverLeftovers() error {
 		}
 	}
 	return nil
+}
+
+// recordOf returns dirs as the backends record holds them: each once,
+// cleaned, and none that it cannot hold (a name with a newline, which a
+// description could give).
+func recordOf(dirs []string) []string {
+	var record []string
+	for _, dir := range dirs {
+		if dir != "" && !strings.ContainsRune(dir, '\n') && !slices.Contains(record, filepath.Clean(dir)) {
+			record = append(record, filepath.Clean(dir))
+		}
+	}
+	return record
 }
 
 // describedName returns the name (see instance.Name) the files of the
@@ -254,19 +298,6 @@ func (p *Primary) removeDeadFiles(dir, name string, moved bool) error {
 			"remove it (as root or its owner), or use another prefix or runtime directory", ErrPermission, err))
 	case err != nil:
 		return err
-	}
-	// The life file proves its primary dead only if it is the one that
-	// primary held: one removed by hand (with the primary lock) leaves a
-	// live primary without one, and the life file taken here is a new
-	// one. The segment names its creator.
-	if info, err := shm.Probe(segPath, instance.LayoutTag); err == nil && info.CreatorPID != 0 &&
-		info.CreatorPID != os.Getpid() && shm.Running(info.CreatorPID, info.CreatorStart) {
-		if err := life.Remove(); err != nil {
-			p.log.Warn("could not remove the life file taken", "path", lifePath, "err", err)
-		}
-		return leave(fmt.Errorf("%w: the segment %s says its creator, pid %d, runs: a live primary of this "+
-			"instance, whose life file %s was removed by hand; stop it first", ErrPrimaryRunning, segPath,
-			info.CreatorPID, lifePath))
 	}
 	if testHookLifeTaken != nil {
 		testHookLifeTaken(dir)

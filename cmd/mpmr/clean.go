@@ -48,8 +48,9 @@ before the life file has none: stop it first), whoever else holds the
 segment or a backing file open or locked (the users the primary let in
 may); anything else is left alone, with a warning. The runtime directory
 keeps the instance's description (instance.json), with a warning, while
-the segment it names is still there: left alone, or named for another
-runtime directory (one moved since its primary ran: clean it from there).
+files of the instance it describes (by its segment's name) are still
+there, the instance user's: left alone, or named for another runtime
+directory (one moved since its primary ran: clean it from there).
 The record of the backend directories (backends) stays too, with a
 warning, while it names a directory clean did not look into: clean looks
 only into the described directory, or without a description into the
@@ -189,8 +190,8 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		t.cleanBackend(e, rd, dir, out)
 	}
 	// The description is the only record of where the instance's files
-	// are: it stays while the segment it names is still there, left
-	// alone above or named for another runtime directory than this one.
+	// are: it stays while files of the instance it describes are still
+	// there, left alone above or named for another runtime directory.
 	keepInfo := false
 	if left, ours := t.describedLeft(); left {
 		keepInfo = true
@@ -214,6 +215,11 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		if bk := t.backend(); bk.err == nil {
 			looked = append(looked, bk.dir)
 		}
+	}
+	if t.RecordErr != nil {
+		keepRecord = true
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: it cannot be read: %v",
+			filepath.Join(rd.Path(), instance.BackendsFile), t.RecordErr))
 	}
 	for _, dir := range t.Recorded {
 		if !slices.Contains(looked, filepath.Clean(dir)) {
@@ -274,8 +280,15 @@ func (t *target) describedLeft() (left, ours bool) {
 		return false, false
 	}
 	for _, e := range ents {
-		if strings.HasPrefix(e.Name(), "mpmr."+name+".") {
-			return true, name == t.Name
+		if !e.Type().IsRegular() || !slices.Contains(instance.Files(bk.path, name), filepath.Join(bk.path, e.Name())) {
+			continue
+		}
+		// A file of the instance's user only: anyone may make one at the
+		// name in a tmpfs directory.
+		if fi, err := e.Info(); err == nil {
+			if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) == t.UID {
+				return true, name == t.Name
+			}
 		}
 	}
 	return false, false

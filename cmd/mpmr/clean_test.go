@@ -222,7 +222,7 @@ func TestCleanKeepsTheDescriptionWhileAnyOfItsFilesIsLeft(t *testing.T) {
 	moved, info, got := cleanMoved(t, rundir, prefix)
 
 	// Forged: it names a file that is no segment of the prefix and user.
-	forged := filepath.Join(b.Dir, "mpmr.other.u0.000000000000.ctl")
+	forged := filepath.Join(b.Dir, "mpmr."+testenv.Name(t)+".u0.000000000000.ctl")
 	require.NoError(t, os.WriteFile(forged, nil, 0o600))
 	t.Cleanup(func() { os.Remove(forged) })
 	require.NoError(t, instance.WriteInfo(filepath.Join(moved, prefix), instance.Info{Prefix: prefix,
@@ -249,7 +249,11 @@ func TestCleanKeepsTheRecordOfDirectoriesItDoesNotLookInto(t *testing.T) {
 	name := instanceName(rundir, prefix)
 	dir := filepath.Join(rundir, prefix)
 	require.NoError(t, os.Remove(filepath.Join(dir, instance.InfoFile)))
-	elsewhere := t.TempDir()
+	// A directory of its own in the tmpfs one, which clean does not look
+	// into.
+	elsewhere := filepath.Join(b.Dir, testenv.Name(t))
+	require.NoError(t, os.Mkdir(elsewhere, 0o700))
+	t.Cleanup(func() { os.RemoveAll(elsewhere) })
 	left := filepath.Join(elsewhere, hugetlb.FileName(name, 0))
 	require.NoError(t, os.WriteFile(left, nil, 0o600))
 	record := filepath.Join(dir, instance.BackendsFile)

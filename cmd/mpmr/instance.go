@@ -36,7 +36,8 @@ type target struct {
 	// Recorded are the backend directories where the instance's primaries
 	// may have made files (instance.BackendsFile), as the runtime
 	// directory records them.
-	Recorded []string
+	Recorded  []string
+	RecordErr error // why the record could not be read, if it is there
 	// Live: someone holds byte 0 of the primary lock, which only a living
 	// primary does.
 	Live    bool
@@ -184,7 +185,10 @@ func look(prefix, dir string) *target {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		t.InfoErr = err
 	}
-	t.Recorded, _ = instance.ReadBackendsIn(rd)
+	if t.Recorded, err = instance.ReadBackendsIn(rd); errors.Is(err, os.ErrNotExist) {
+		err = nil
+	}
+	t.RecordErr = err
 	t.Live, t.LiveErr = primaryHeld(rd)
 	return t
 }

@@ -81,10 +81,20 @@ func Name(prefix string, uid int, dir string) string {
 // that looks there may wait for ever, past any deadline and past SIGKILL.
 func HangingMount(tab mounts.Table, dir, name string) *mounts.Entry {
 	dir = filepath.Clean(dir)
+	for _, m := range tab {
+		if mounts.MayHang(m.Type) && (m.Dir == dir || strings.HasPrefix(dir, m.Dir+"/")) {
+			return &m
+		}
+	}
+	return MountOnNames(tab, dir, name)
+}
+
+// MountOnNames is HangingMount for the instance's names in dir only, for
+// a directory reached without asking such a file system (mounts.OpenDir).
+func MountOnNames(tab mounts.Table, dir, name string) *mounts.Entry {
 	prefix := filepath.Join(dir, "mpmr."+name+".")
 	for _, m := range tab {
-		if mounts.MayHang(m.Type) && (strings.HasPrefix(m.Dir, prefix) || m.Dir == dir ||
-			strings.HasPrefix(dir, m.Dir+"/")) {
+		if mounts.MayHang(m.Type) && strings.HasPrefix(m.Dir, prefix) {
 			return &m
 		}
 	}
