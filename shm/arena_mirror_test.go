@@ -19,15 +19,23 @@ func init() {
 	testproc.Register("mirror-walker", helperMirrorWalker)
 }
 
-// arenaFreeWord is the header offset of ArenaFree (layout_unsafe.go).
-const arenaFreeWord = 80
+// arenaFreeWord and arenaBlocksWord are the header offsets of ArenaFree
+// and ArenaBlocks (layout_unsafe.go).
+const (
+	arenaFreeWord   = 80
+	arenaBlocksWord = 96
+)
 
 // helperMirrorWalker maps the segment read-only, as the mpmr tool
 // does, and walks the segment's mirror of the arena free list as fast as
 // it can until its input closes: the list is documented as sorted by
-// offset, so every link must lead further on. It also calls ArenaStats
-// (the tool's own walk) now and then. It prints "done WALKS BAD
-// MAXBLOCKS FIRST-BAD".
+// offset, so every link must lead further on. A walk during which the
+// owner finished an allocation or a free (the count of allocated blocks,
+// which each change publishes last, moved) may have followed a link into
+// a block allocated and written meanwhile, and proves nothing: a link
+// backwards counts only in a walk that saw no change end. It also calls
+// ArenaStats (the tool's own walk) now and then. It prints "done WALKS
+// BAD MAXBLOCKS FIRST-BAD".
 func helperMirrorWalker(args []string) int {
 	ro, _, err := shm.OpenReadOnly(opts(args[0]))
 	if err != nil {
@@ -46,12 +54,15 @@ func helperMirrorWalker(args []string) int {
 	for !stop.Load() {
 		walks++
 		prev := uint64(0)
+		blocks := atomic.LoadUint64(&words[arenaBlocksWord/8])
 		cur := atomic.LoadUint64(&words[arenaFreeWord/8])
 		for n := 0; cur != 0 && n < 64; n++ {
 			if cur <= prev || cur%16 != 0 || cur+24 > size {
-				bad++
-				if first == "-" {
-					first = fmt.Sprintf("link_0x%x->0x%x", prev, cur)
+				if atomic.LoadUint64(&words[arenaBlocksWord/8]) == blocks {
+					bad++
+					if first == "-" {
+						first = fmt.Sprintf("link_0x%x->0x%x", prev, cur)
+					}
 				}
 				break
 			}
