@@ -541,6 +541,21 @@ func TestAFailedStartKeepsTheRecordOfWhereFilesMayBe(t *testing.T) {
 	assert.NoFileExists(t, record)
 }
 
+// A start that fails after recovery, with nothing left anywhere but in
+// its own directory, which its teardown empties (here, its memory's
+// address range is another primary's in this process): it leaves
+// nothing, its record of backend directories included.
+func TestAStartFailedAfterRecoveryLeavesNothing(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	startPrimary(t, b)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 64, Logger: quiet}
+	_, err := primary.Start(cfg)
+	require.ErrorIs(t, err, hugetlb.ErrAddressInUse)
+	assert.Empty(t, instance.Files(b.Dir, runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)))
+	assert.NoDirExists(t, filepath.Join(cfg.RuntimeDir, cfg.Prefix), "the runtime directory, record and all")
+}
+
 // A recorded directory the primary does not look into (here, one on a
 // file system no primary makes its files on) stays in the record once the
 // primary has started, beside its own: what may be left there is not

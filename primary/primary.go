@@ -49,6 +49,7 @@ type Primary struct {
 	// removes only its own; the socket's listener removes its socket).
 	described bool
 	recorded  bool       // it wrote instance.BackendsFile (teardown removes it once started)
+	ownOnly   bool       // recovery finished, recording only its own directory, which teardown empties
 	life      *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
 	backend   hugetlb.Backend
 	segOpts   shm.Options
@@ -652,11 +653,12 @@ func (p *Primary) teardown() error {
 				add(err)
 			}
 		}
-		// After the backend files, and only those of a primary that
-		// started and removed them all: one that dies in between, or a
-		// failed start (which may not have cleaned what the record
-		// names), leaves the next one the record of where they are.
-		if p.recorded && p.described && len(errs) == 0 {
+		// After the backend files, and only once they are all removed
+		// and the record names nothing else (recovery finished and left
+		// nothing elsewhere): a primary that dies in between, or a start
+		// that failed before recovery was done, leaves the next one the
+		// record of where files may be.
+		if p.recorded && (p.described || p.ownOnly) && len(errs) == 0 {
 			if err := p.rundir.Remove(instance.BackendsFile); err != nil && !errors.Is(err, os.ErrNotExist) {
 				add(err)
 			}

@@ -98,16 +98,13 @@ func (p *Primary) recoverLeftovers() error {
 		return err
 	}
 	p.recorded = true
-	// The others first, each once, told from this primary's own by what
-	// they are rather than how they are spelled: there, its own life file,
-	// once taken, would be met as a live primary's.
 	// Nothing is looked up where a file system that might not answer is
 	// mounted (anyone may mount one in a directory of theirs in a tmpfs
 	// directory, at one of the instance's names): each directory is
 	// reached one name at a time, links followed, without asking such a
 	// file system (mounts.OpenDir), and none is mounted on the instance's
 	// names where it leads. The primary's own directory then fails Start,
-	// the others are left.
+	// the others are left alone.
 	tab, err := mounts.Read()
 	if err != nil {
 		return fmt.Errorf("reading the mount table: %w", err)
@@ -142,6 +139,9 @@ func (p *Primary) recoverLeftovers() error {
 		}
 		return resolved, err == nil, false
 	}
+	// The others first, each once, told from this primary's own by what
+	// they are rather than how they are spelled: there, its own life file,
+	// once taken, would be met as a live primary's.
 	own, _ := os.Stat(p.backend.Dir)
 	var seen []os.FileInfo
 	// Directories that may still hold files of the instance stay in the
@@ -191,9 +191,11 @@ func (p *Primary) recoverLeftovers() error {
 	if err := p.removeDeadFiles(p.backend.Dir, p.name, false); err != nil {
 		return err
 	}
-	if err := instance.WriteBackendsIn(p.rundir, recordOf(kept)); err != nil {
+	record = recordOf(kept)
+	if err := instance.WriteBackendsIn(p.rundir, record); err != nil {
 		return err
 	}
+	p.ownOnly = len(record) == 1
 	for _, name := range []string{instance.InfoFile, instance.InfoFile + ".tmp", instance.BackendsFile + ".tmp",
 		instance.SlotsLockFile, ipc.SocketName} {
 		if err := p.rundir.Remove(name); err == nil {
