@@ -261,8 +261,9 @@ func clean(e *env, t *target) (*cleanOut, error) {
 // description names (by its segment, a segment name of this prefix and
 // user) is still in the backend directory the description names, and
 // whether those are named as the instance's runtime directory names them
-// (see instance.Name). The directory is listed, and nothing in it looked
-// up: the description is the instance user's word.
+// (see instance.Name). The directory is listed, and only its regular files
+// at those names are looked at (a mount point lists as a directory): the
+// description is the instance user's word.
 func (t *target) describedLeft() (left, ours bool) {
 	if t.Info == nil || t.Info.BackendDir == "" || filepath.Dir(t.Info.Segment) != filepath.Clean(t.Info.BackendDir) {
 		return false, false
@@ -279,8 +280,9 @@ func (t *target) describedLeft() (left, ours bool) {
 	if err != nil {
 		return false, false
 	}
+	files := instance.Files(bk.path, name)
 	for _, e := range ents {
-		if !e.Type().IsRegular() || !slices.Contains(instance.Files(bk.path, name), filepath.Join(bk.path, e.Name())) {
+		if !e.Type().IsRegular() || !slices.Contains(files, filepath.Join(bk.path, e.Name())) {
 			continue
 		}
 		// A file of the instance's user only: anyone may make one at the
