@@ -357,16 +357,18 @@ func TestABackendDirectorySpelledOtherwiseIsOneDirectory(t *testing.T) {
 	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
 		MemoryPages: 16, Logger: quiet}
 	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-	for _, dir := range []string{b.Dir + "/", link} {
-		// A primary on the directory as the backend names it, killed: its
-		// description and record name it so.
-		killedPrimary(t, cfg)
-		cfg.BackendDir = dir
-		p, err := startAfterKill(cfg)
-		require.NoError(t, err, "backend directory %s", dir)
-		require.NoError(t, p.Close())
-		assert.Empty(t, instance.Files(b.Dir, name), "backend directory %s: nothing is left", dir)
-		cfg.BackendDir = ""
+	for _, c := range []struct{ name, dir string }{{"trailing slash", b.Dir + "/"}, {"link", link}} {
+		t.Run(c.name, func(t *testing.T) {
+			// A primary on the directory as the backend names it, killed:
+			// its description and record name it so.
+			killedPrimary(t, cfg)
+			cfg := cfg
+			cfg.BackendDir = c.dir
+			p, err := startAfterKill(cfg)
+			require.NoError(t, err, "backend directory %s", c.dir)
+			require.NoError(t, p.Close())
+			assert.Empty(t, instance.Files(b.Dir, name), "backend directory %s: nothing is left", c.dir)
+		})
 	}
 }
 

@@ -73,15 +73,17 @@ func TestStatsOfAPrimaryWhoseRuntimeDirectoryIsSpelledOtherwise(t *testing.T) {
 	require.NoError(t, os.Symlink(rundir, link))
 	t.Chdir(filepath.Dir(rundir))
 	rel := filepath.Base(rundir)
-	for _, given := range []string{rel, link} {
-		p, cfg := startPrimary(t, b, given)
-		for _, asked := range []string{rundir, rel, link} {
-			var got statsOut
-			toolJSON(t, &got, "-rundir", asked, "stats", cfg.Prefix)
-			require.NotNil(t, got.Primary, "primary given %s, tool %s: %s", given, asked, got.PrimaryError)
-			assert.Equal(t, os.Getpid(), got.Primary.PID)
-		}
-		require.NoError(t, p.Close())
+	for _, c := range []struct{ name, given string }{{"relative", rel}, {"link", link}} {
+		t.Run(c.name, func(t *testing.T) {
+			p, cfg := startPrimary(t, b, c.given)
+			for _, asked := range []string{rundir, rel, link} {
+				var got statsOut
+				toolJSON(t, &got, "-rundir", asked, "stats", cfg.Prefix)
+				require.NotNil(t, got.Primary, "primary given %s, tool %s: %s", c.given, asked, got.PrimaryError)
+				assert.Equal(t, os.Getpid(), got.Primary.PID)
+			}
+			require.NoError(t, p.Close())
+		})
 	}
 }
 
