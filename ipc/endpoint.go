@@ -375,12 +375,62 @@ func (e *endpoint) call(ctx context.Context, kind Kind, req, reply any) error {
 	case err := <-c.ch:
 		return err
 	case <-ctx.Done():
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			if answered, err := e.cameInTime(c); answered {
+				return err
+			}
+		}
 		if e.take(id) != nil {
 			return ctx.Err()
 		}
 		// The reader took the call an instant ago and is decoding into
 		// reply: wait for it, so that reply is not written after return.
 		return <-c.ch
+	}
+}
+
+// catchUpWait bounds how long a call whose deadline has passed waits for
+// the connection's reader to take what the peer sent by then (see
+// cameInTime), and catchUpLook how often it looks.
+const (
+	catchUpWait = 100 * time.Millisecond
+	catchUpLook = time.Millisecond
+)
+
+// cameInTime is for call c, whose deadline has passed: its answer may have
+// come in time and still wait in the socket, unread, because this process
+// did not run when the answer came (stopped, traced, starved of CPU) and
+// the deadline's timer fired before the reader woke. A deadline is the
+// peer's to meet, not this process's: c waits until the reader has taken
+// everything queued, at most catchUpWait, and reports the answer if it
+// came. A peer that answered late, or not at all, leaves nothing
+// queued and costs a look at the socket.
+func (e *endpoint) cameInTime(c *call) (answered bool, err error) {
+	var giveUp <-chan time.Time
+	var look *time.Ticker
+	for !e.conn.c.CaughtUp() {
+		if giveUp == nil {
+			t := time.NewTimer(catchUpWait)
+			defer t.Stop()
+			giveUp = t.C
+			look = time.NewTicker(catchUpLook)
+			defer look.Stop()
+		}
+		select {
+		case err := <-c.ch:
+			return true, err
+		case <-e.done:
+			return false, nil
+		case <-giveUp:
+			return false, nil
+		case <-look.C:
+		}
+	}
+	select {
+	case err := <-c.ch:
+		return true, err
+	default:
+		return false, nil
 	}
 }
 

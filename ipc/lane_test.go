@@ -392,7 +392,13 @@ func rawLane(t *testing.T, s *testServer) (*sock.Conn, *sock.Blocking) {
 // (the caller's to close) once the hello's answer has come.
 func rawHello(t *testing.T, s *testServer) (*sock.Conn, *os.File) {
 	t.Helper()
-	c, err := sock.Dial(ctxBound(t), s.path)
+	return rawHelloAt(t, s.path)
+}
+
+// rawHelloAt is rawHello to the server listening at path.
+func rawHelloAt(t *testing.T, path string) (*sock.Conn, *os.File) {
+	t.Helper()
+	c, err := sock.Dial(ctxBound(t), path)
 	require.NoError(t, err)
 	t.Cleanup(func() { c.Close() })
 	b, err := ipc.AppendFrame(nil, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"})

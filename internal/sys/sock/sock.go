@@ -207,9 +207,14 @@ func Pair() (*Conn, *Conn, error) {
 // from one goroutine at a time, since it reuses a control buffer.
 type Conn struct {
 	c       *net.UnixConn
-	rc      syscall.RawConn // for SpinReadable; nil if unavailable
+	rc      syscall.RawConn // for Recv, SpinReadable and CaughtUp; nil if unavailable
 	oob     []byte          // control-message buffer of Recv
 	closing atomic.Bool     // Close has begun: the end a Recv sees is ours
+	// holding is set as each receive is tried and cleared only when one
+	// finds nothing queued: while it is clear, every message Recv
+	// returned has been dealt with by its caller, which has come back
+	// for the next (see CaughtUp).
+	holding atomic.Bool
 }
 
 func newConn(c *net.UnixConn) *Conn {
@@ -308,6 +313,28 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 	return ready
 }
 
+// CaughtUp reports whether the connection's reader has taken everything
+// the peer had sent by the time of the call: nothing is queued on the
+// socket, and the last Recv found nothing more, so that every message it
+// returned before has been dealt with by its caller. A caller that gives
+// up waiting for a message at a deadline can ask it first: a process that
+// did not run for a while (stopped, traced, starved of CPU) finds its
+// deadlines passed and the messages that came in time still queued.
+func (c *Conn) CaughtUp() bool {
+	if c.rc == nil {
+		return true
+	}
+	queued := true
+	_ = c.rc.Control(func(fd uintptr) {
+		n, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+		queued = err != nil || n > 0
+	})
+	// In this order: a message taken from the queue before it was found
+	// empty has its receive's mark on until the receive after it finds
+	// the queue empty.
+	return !queued && !c.holding.Load()
+}
+
 // Recv receives one message into b and returns its length and the files
 // that came with it, which the caller then owns. A peer that has closed its
 // end (or died) reads as io.EOF, and so does an empty message, which this
@@ -315,7 +342,26 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 // than b fails with ErrTruncated, one with more than MaxFiles descriptors
 // with ErrTooManyFiles; either way its descriptors are closed.
 func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
-	n, oobn, flags, _, err := c.c.ReadMsgUnix(b, c.oob)
+	var n, oobn, flags int
+	var err error
+	if c.rc == nil {
+		n, oobn, flags, _, err = c.c.ReadMsgUnix(b, c.oob)
+	} else if rerr := c.rc.Read(func(fd uintptr) bool {
+		c.holding.Store(true)
+		for {
+			n, oobn, flags, _, err = unix.Recvmsg(int(fd), b, c.oob, unix.MSG_CMSG_CLOEXEC)
+			if err != unix.EINTR {
+				break
+			}
+		}
+		if err == unix.EAGAIN {
+			c.holding.Store(false)
+			return false // wait in the poller
+		}
+		return true
+	}); rerr != nil {
+		n, oobn, err = 0, 0, rerr
+	}
 	n, files, err := received(n, len(b), c.oob[:max(oobn, 0)], flags, err)
 	if c.closing.Load() && (err != nil || n == 0 && len(files) == 0) {
 		Drop(files)

@@ -1,0 +1,112 @@
+package ipc_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/internal/test/testproc"
+	"github.com/mpmr/mpmr/ipc"
+)
+
+func init() { testproc.Register("push-server", helperPushServer) }
+
+// pushHandler is helperPushServer's handler: procHandler's, and it hands
+// over each peer that connects.
+type pushHandler struct {
+	procHandler
+	peers chan *ipc.Peer
+}
+
+func (h pushHandler) Connected(p *ipc.Peer) {
+	testproc.Say("connected")
+	h.peers <- p
+}
+
+// helperPushServer serves args[0], with args[1], when given, the time a
+// connection has to say hello. It says "connected" for each connection
+// it takes. On "push D" it pushes a memory sync to the peer that
+// connected first, with a deadline D away, and says how the push ended:
+// "> pushed ERR".
+func helperPushServer(args []string) int {
+	l, err := ipc.Listen(args[0])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	h := pushHandler{peers: make(chan *ipc.Peer, 16)}
+	cfg := ipc.ServerConfig{Listener: l, Handler: h, Logger: quiet}
+	if len(args) > 1 {
+		cfg.HelloKind = ipc.KindHello
+		cfg.Limits.HelloTimeout, _ = time.ParseDuration(args[1])
+	}
+	s, err := ipc.NewServer(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	go s.Serve(context.Background())
+	testproc.Say("ready")
+	var peer *ipc.Peer
+	testproc.EachCommand(func(c testproc.Line) {
+		if c.Name != "push" || len(c.Args) != 1 {
+			return
+		}
+		if peer == nil {
+			peer = <-h.peers
+		}
+		d, _ := time.ParseDuration(c.Args[0])
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		defer cancel()
+		err := peer.Push(ctx, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, &ipc.SyncAck{})
+		testproc.Say("> pushed %v", err)
+	})
+	s.Close()
+	return 0
+}
+
+// A peer that answers a push in time has met the push's deadline, though
+// the pushing process was stopped (SIGSTOP, a debugger, a slow tool) past
+// it while the answer waited in its socket: the server's own stall is not
+// the peer's doing. (A primary dropped a secondary that had followed its
+// memory change in time so.)
+func TestAnAnswerInTimeCountsThoughTheServerWasStoppedPastItsDeadline(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	for i := range 3 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), ipc.SocketName)
+			srv := testproc.Start(t, "push-server", []string{path})
+			srv.Expect("ready", bound)
+			c, lane := rawHelloAt(t, path)
+			t.Cleanup(func() { lane.Close() }) // kept open: a closed lane ends the connection
+
+			srv.Send("push %v", timeout)
+			buf := make([]byte, ipc.MaxMessage)
+			require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
+			n, _, err := c.Recv(buf)
+			require.NoError(t, err)
+			pushed := time.Now() // the server's deadline is at most timeout from here
+			f, err := ipc.ParseFrame(buf[:n])
+			require.NoError(t, err)
+			require.Equal(t, ipc.KindSync, f.Kind)
+
+			srv.Stop()
+			ack, err := ipc.AppendFrame(nil, f.ID, ipc.KindReply, 0, &ipc.SyncAck{})
+			require.NoError(t, err)
+			require.NoError(t, c.Send(ack, nil)) // queued in the server's socket: answered
+			if answered := time.Since(pushed); answered >= timeout {
+				t.Fatalf("the test took %v to answer: past the deadline it means to meet", answered)
+			}
+			// The server stays stopped past the push's deadline.
+			time.Sleep(time.Until(pushed.Add(3 * timeout)))
+			srv.Continue()
+			assert.Equal(t, "> pushed <nil>", srv.Expect("> pushed", bound))
+		})
+	}
+}
