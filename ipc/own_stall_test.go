@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/mpmr/mpmr/internal/sys/sock"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
@@ -107,6 +108,55 @@ func TestAnAnswerInTimeCountsThoughTheServerWasStoppedPastItsDeadline(t *testing
 			time.Sleep(time.Until(pushed.Add(3 * timeout)))
 			srv.Continue()
 			assert.Equal(t, "> pushed <nil>", srv.Expect("> pushed", bound))
+		})
+	}
+}
+
+// A connection whose hello came in time has said hello in time, though the
+// server was stopped past its time to say it while the hello waited in
+// the socket: a secondary attaching while its primary was stopped.
+func TestAHelloInTimeCountsThoughTheServerWasStoppedPastItsTime(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	for i := range 3 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), ipc.SocketName)
+			srv := testproc.Start(t, "push-server", []string{path, timeout.String()})
+			srv.Expect("ready", bound)
+			c, err := sock.Dial(ctxBound(t), path)
+			require.NoError(t, err)
+			t.Cleanup(func() { c.Close() })
+			srv.Expect("connected", bound)
+			connected := time.Now() // the time to say hello ends at most timeout from here
+
+			srv.Stop()
+			b, err := ipc.AppendFrame(nil, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"})
+			require.NoError(t, err)
+			require.NoError(t, c.Send(b, nil)) // queued in the server's socket: said
+			if said := time.Since(connected); said >= timeout {
+				t.Fatalf("the test took %v to say hello: past the time it means to meet", said)
+			}
+			// The server stays stopped past the time to say hello.
+			time.Sleep(time.Until(connected.Add(3 * timeout)))
+			srv.Continue()
+			buf := make([]byte, ipc.MaxMessage)
+			require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
+			var kinds []ipc.Kind
+			for len(kinds) < 2 {
+				n, files, err := c.Recv(buf)
+				require.NoError(t, err, "after %v", kinds)
+				for _, f := range files {
+					f.Close()
+				}
+				f, err := ipc.ParseFrame(buf[:n])
+				require.NoError(t, err)
+				kinds = append(kinds, f.Kind)
+				if f.Kind == ipc.KindError {
+					var r ipc.ErrorReply
+					require.NoError(t, ipc.Unmarshal(f.Body, &r))
+					t.Fatalf("the server refused the hello: %+v", r)
+				}
+			}
+			assert.Equal(t, []ipc.Kind{ipc.KindChannel, ipc.KindReply}, kinds, "the lane, then the hello's answer")
 		})
 	}
 }

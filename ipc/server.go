@@ -472,6 +472,7 @@ type Peer struct {
 	laneOnce   sync.Once   // opens the call lane, before the first answer once admitted
 	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
 	helloTimer *time.Timer // closes the connection when the hello is overdue
+	helloLook  time.Time   // until when the hello's time may be looked at again (see helloDue); guarded by qmu
 
 	qmu          sync.Mutex
 	active       int       // requests being handled
@@ -635,6 +636,21 @@ func (p *Peer) helloDue() {
 		p.helloLate = true // the hello's handler decides
 		p.qmu.Unlock()
 		return
+	}
+	// A hello that came in time may still wait in the socket, unread, if
+	// this process did not run when it came (stopped, traced, starved of
+	// CPU): look again shortly, until the reader has taken what was
+	// queued, for catchUpWait at most (as a call's answer, cameInTime).
+	if !p.admitted.Load() && !p.conn.c.CaughtUp() {
+		now := time.Now()
+		if p.helloLook.IsZero() {
+			p.helloLook = now.Add(catchUpWait)
+		}
+		if now.Before(p.helloLook) {
+			p.qmu.Unlock()
+			time.AfterFunc(catchUpLook, p.helloDue)
+			return
+		}
 	}
 	// Decided under qmu, where a hello that arrives now is counted: from
 	// here on none starts, so none is accepted on a connection about to
