@@ -92,11 +92,15 @@ func (g *Global) bumpGen(start, end uint64) {
 	next := atomic.LoadUint32(g.devGen) + 1
 	if len(g.ilog) > 0 {
 		e := &g.ilog[next%uint32(len(g.ilog))]
-		atomic.AddUint32(&e.Seq, 1)
+		// Odd while written, even at rest: made odd rather than moved on,
+		// so that a sequence word knocked out of step (a stray write to
+		// the segment) is put right here, as the lock's is.
+		seq := atomic.LoadUint32(&e.Seq) | 1
+		atomic.StoreUint32(&e.Seq, seq)
 		atomic.StoreUint32(&e.Gen, next)
 		atomic.StoreUint64(&e.Start, start)
 		atomic.StoreUint64(&e.End, end)
-		atomic.AddUint32(&e.Seq, 1)
+		atomic.StoreUint32(&e.Seq, seq+1)
 	}
 	atomic.StoreUint32(g.devGen, next)
 }
