@@ -97,16 +97,9 @@ func TestAnAnswerInTimeCountsThoughTheServerWasStoppedPastItsDeadline(t *testing
 			require.NoError(t, err)
 			require.Equal(t, ipc.KindSync, f.Kind)
 
-			srv.Stop()
 			ack, err := ipc.AppendFrame(nil, f.ID, ipc.KindReply, 0, &ipc.SyncAck{})
 			require.NoError(t, err)
-			require.NoError(t, c.Send(ack, nil)) // queued in the server's socket: answered
-			if answered := time.Since(pushed); answered >= timeout {
-				t.Fatalf("the test took %v to answer: past the deadline it means to meet", answered)
-			}
-			// The server stays stopped past the push's deadline.
-			time.Sleep(time.Until(pushed.Add(3 * timeout)))
-			srv.Continue()
+			sendWhileStopped(t, srv, c, ack, pushed.Add(timeout))
 			assert.Equal(t, "> pushed <nil>", srv.Expect("> pushed", bound))
 		})
 	}
@@ -128,16 +121,9 @@ func TestAHelloInTimeCountsThoughTheServerWasStoppedPastItsTime(t *testing.T) {
 			srv.Expect("connected", bound)
 			connected := time.Now() // the time to say hello ends at most timeout from here
 
-			srv.Stop()
 			b, err := ipc.AppendFrame(nil, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"})
 			require.NoError(t, err)
-			require.NoError(t, c.Send(b, nil)) // queued in the server's socket: said
-			if said := time.Since(connected); said >= timeout {
-				t.Fatalf("the test took %v to say hello: past the time it means to meet", said)
-			}
-			// The server stays stopped past the time to say hello.
-			time.Sleep(time.Until(connected.Add(3 * timeout)))
-			srv.Continue()
+			sendWhileStopped(t, srv, c, b, connected.Add(timeout))
 			buf := make([]byte, ipc.MaxMessage)
 			require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
 			var kinds []ipc.Kind
@@ -159,4 +145,20 @@ func TestAHelloInTimeCountsThoughTheServerWasStoppedPastItsTime(t *testing.T) {
 			assert.Equal(t, []ipc.Kind{ipc.KindChannel, ipc.KindReply}, kinds, "the lane, then the hello's answer")
 		})
 	}
+}
+
+// sendWhileStopped stops srv, sends it frame on c (queued in its socket
+// before due, or the test fails: it means to meet due) and resumes srv
+// once due is well past: as long again as due was away.
+func sendWhileStopped(t *testing.T, srv *testproc.Proc, c *sock.Conn, frame []byte, due time.Time) {
+	t.Helper()
+	srv.Stop()
+	stopped := time.Now()
+	require.NoError(t, c.Send(frame, nil))
+	if now := time.Now(); !now.Before(due) {
+		t.Fatalf("the test sent its frame %v after its deadline: it means to meet it", now.Sub(due))
+	}
+	// The server stays stopped past the deadline.
+	time.Sleep(time.Until(due.Add(due.Sub(stopped))))
+	srv.Continue()
 }
