@@ -94,7 +94,8 @@ func (g *Global) bumpGen(start, end uint64) {
 		e := &g.ilog[next%uint32(len(g.ilog))]
 		// Odd while written, even at rest: made odd rather than moved on,
 		// so that a sequence word knocked out of step (a stray write to
-		// the segment) is put right here, as the lock's is.
+		// the segment, a writer killed mid-entry) is put right here, as
+		// the lock's is.
 		seq := atomic.LoadUint32(&e.Seq) | 1
 		atomic.StoreUint32(&e.Seq, seq)
 		atomic.StoreUint32(&e.Gen, next)

@@ -177,6 +177,7 @@ func TestALogEntryKnockedOutOfStepIsPutRightByItsNextWrite(t *testing.T) {
 	for p.g.DevGen()-from < 4 { // through every entry, the one knocked out of step too
 		invalidate()
 	}
+	require.Equal(t, from+4, p.g.DevGen(), "no further than the log remembers")
 	_, err = l.Lookup(keep.Addr)
 	require.NoError(t, err)
 	st := l.Stats()

@@ -397,14 +397,17 @@ const (
 	catchUpLook = time.Millisecond
 )
 
-// cameInTime is for call c, whose deadline has passed: its answer may have
-// come in time and still wait in the socket, unread, because this process
-// did not run when the answer came (stopped, traced, starved of CPU) and
-// the deadline's timer fired before the reader woke. A deadline is the
-// peer's to meet, not this process's: c waits until the reader has taken
-// everything queued, at most catchUpWait, and reports the answer if it
-// came. A peer that answered late, or not at all, leaves nothing
-// queued and costs a look at the socket.
+// cameInTime is for call c, whose deadline has passed: its answer may
+// wait in the socket, unread, because this process did not run when it
+// came (stopped, traced, starved of CPU) and the deadline's timer fired
+// before the reader woke. The peer is not to be blamed for this process's
+// stall: c waits until the reader has taken everything queued, at most
+// catchUpWait, and reports the answer if the reader found it. What counts
+// is that the answer was there when this process came to judge, not the
+// time it was sent: one sent while this process was stopped, after the
+// deadline, counts too, since nothing was judged before it came. A peer
+// that has not answered by then leaves nothing queued and costs a look at
+// the socket; one that keeps the reader busy gains catchUpWait at most.
 func (e *endpoint) cameInTime(c *call) (answered bool, err error) {
 	var giveUp <-chan time.Time
 	var look *time.Ticker

@@ -58,7 +58,9 @@ type Limits struct {
 	// HelloTimeout is how long a connection may stay open without being
 	// admitted; then it is closed, with ErrLimit as the reason. It
 	// applies only when ServerConfig.HelloKind is set. A hello still in
-	// its handler when the time is up is waited for.
+	// its handler when the time is up is waited for, and one still
+	// queued in the socket is read first (for 100 ms at most: a server
+	// that did not run meanwhile finds its time up and the hello there).
 	HelloTimeout time.Duration
 	// MaxConns bounds the connections open at once, admitted or not.
 	// One over it is closed at once, told why.

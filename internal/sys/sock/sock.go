@@ -213,13 +213,38 @@ type Conn struct {
 	// holding is set as each receive is tried and cleared only when one
 	// finds nothing queued: while it is clear, every message Recv
 	// returned has been dealt with by its caller, which has come back
-	// for the next (see CaughtUp).
+	// for the next (see CaughtUp). It means nothing once Close began.
 	holding atomic.Bool
+	// The receive tried from the poller (tryRecv, bound once so that a
+	// receive allocates nothing): its buffer, and what recvmsg returned.
+	recvFn           func(fd uintptr) bool
+	rb               []byte
+	rn, roobn, rflag int
+	rerr             error
 }
 
 func newConn(c *net.UnixConn) *Conn {
 	rc, _ := c.SyscallConn()
-	return &Conn{c: c, rc: rc, oob: make([]byte, oobSize)}
+	conn := &Conn{c: c, rc: rc, oob: make([]byte, oobSize)}
+	conn.recvFn = conn.tryRecv
+	return conn
+}
+
+// tryRecv is one receive into c.rb, for the poller: false when nothing is
+// queued (then the poller waits for the socket to be readable).
+func (c *Conn) tryRecv(fd uintptr) bool {
+	c.holding.Store(true)
+	for {
+		c.rn, c.roobn, c.rflag, c.rerr = recvmsg(int(fd), c.rb, c.oob, unix.MSG_CMSG_CLOEXEC)
+		if c.rerr != unix.EINTR {
+			break
+		}
+	}
+	if c.rerr == unix.EAGAIN {
+		c.holding.Store(false)
+		return false
+	}
+	return true
 }
 
 // rights is the control message that passes files' descriptors (none for
@@ -319,9 +344,11 @@ func (c *Conn) SpinReadable(d time.Duration) bool {
 // returned before has been dealt with by its caller. A caller that gives
 // up waiting for a message at a deadline can ask it first: a process that
 // did not run for a while (stopped, traced, starved of CPU) finds its
-// deadlines passed and the messages that came in time still queued.
+// deadlines passed and the messages that came meanwhile still queued. A
+// closed connection has nothing more to read: it is caught up. Safe to
+// call from any goroutine, while a Recv runs.
 func (c *Conn) CaughtUp() bool {
-	if c.rc == nil {
+	if c.rc == nil || c.closing.Load() {
 		return true
 	}
 	queued := true
@@ -346,21 +373,14 @@ func (c *Conn) Recv(b []byte) (int, []*os.File, error) {
 	var err error
 	if c.rc == nil {
 		n, oobn, flags, _, err = c.c.ReadMsgUnix(b, c.oob)
-	} else if rerr := c.rc.Read(func(fd uintptr) bool {
-		c.holding.Store(true)
-		for {
-			n, oobn, flags, _, err = unix.Recvmsg(int(fd), b, c.oob, unix.MSG_CMSG_CLOEXEC)
-			if err != unix.EINTR {
-				break
-			}
+	} else {
+		c.rb = b
+		if rerr := c.rc.Read(c.recvFn); rerr != nil {
+			n, oobn, flags, err = 0, 0, 0, rerr
+		} else {
+			n, oobn, flags, err = c.rn, c.roobn, c.rflag, c.rerr
 		}
-		if err == unix.EAGAIN {
-			c.holding.Store(false)
-			return false // wait in the poller
-		}
-		return true
-	}); rerr != nil {
-		n, oobn, err = 0, 0, rerr
+		c.rb = nil
 	}
 	n, files, err := received(n, len(b), c.oob[:max(oobn, 0)], flags, err)
 	if c.closing.Load() && (err != nil || n == 0 && len(files) == 0) {

@@ -266,3 +266,34 @@ func TestSpinReadable(t *testing.T) {
 		t.Fatal("the end of the connection was not seen")
 	}
 }
+
+// A receive on a connection allocates nothing of its own: the receive
+// the poller tries is bound once, and recvmsg asks for no address.
+func TestConnRecvAllocatesNothingAndCaughtUpSaysWhenAllWasTaken(t *testing.T) {
+	a, b, err := Pair()
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Close(); b.Close() })
+	out, in := []byte("sync unmap 0 1"), make([]byte, 64)
+	for range 101 { // AllocsPerRun's warm-up and its runs
+		require.NoError(t, a.Send(out, nil))
+	}
+	allocs := testing.AllocsPerRun(100, func() {
+		n, files, err := b.Recv(in)
+		if err != nil || n != len(out) || files != nil {
+			t.Fatalf("received %d bytes, %d files: %v", n, len(files), err)
+		}
+	})
+	assert.Zero(t, allocs)
+
+	require.NoError(t, a.Send(out, nil))
+	assert.False(t, b.CaughtUp(), "a message is queued")
+	_, _, err = b.Recv(in)
+	require.NoError(t, err)
+	assert.False(t, b.CaughtUp(), "the message taken may not have been dealt with yet")
+	require.NoError(t, b.SetReadDeadline(time.Now().Add(time.Millisecond)))
+	_, _, err = b.Recv(in)
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	assert.True(t, b.CaughtUp(), "a receive found nothing more")
+	require.NoError(t, b.Close())
+	assert.True(t, b.CaughtUp(), "closed: nothing more to read")
+}
