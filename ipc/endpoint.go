@@ -347,6 +347,19 @@ func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) er
 // call sends a request or push and waits for its answer, decoded into
 // reply (which may be nil, or a *WithFiles).
 func (e *endpoint) call(ctx context.Context, kind Kind, req, reply any) error {
+	return e.callWithin(ctx, 0, kind, req, reply)
+}
+
+// callWithin is call, with within, when not zero, bounding the send and,
+// counted from when the frame went, the wait for the answer: a stall of
+// this process before the frame went does not eat into the peer's time.
+func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Kind, req, reply any) error {
+	sendCtx := ctx
+	if within > 0 {
+		var cancel context.CancelFunc
+		sendCtx, cancel = context.WithTimeout(ctx, within)
+		defer cancel()
+	}
 	c := &call{reply: reply, ch: make(chan error, 1)}
 	e.mu.Lock()
 	if e.err != nil {
@@ -365,11 +378,16 @@ func (e *endpoint) call(ctx context.Context, kind Kind, req, reply any) error {
 	e.pending[id] = c
 	e.mu.Unlock()
 
-	if err := e.write(ctx, id, kind, req); err != nil {
+	if err := e.write(sendCtx, id, kind, req); err != nil {
 		if e.take(id) != nil {
 			return err
 		}
 		return <-c.ch // the connection failed meanwhile and answered the call
+	}
+	if within > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, within)
+		defer cancel()
 	}
 	select {
 	case err := <-c.ch:

@@ -558,10 +558,18 @@ func (p *Peer) String() string {
 // failed. Pushes to one peer are handled there one at a time, in the order
 // they were sent.
 func (p *Peer) Push(ctx context.Context, kind Kind, body, reply any) error {
+	return p.PushWithin(ctx, 0, kind, body, reply)
+}
+
+// PushWithin is Push with the peer given d (zero: no limit) to answer,
+// counted from when the push went out, rather than from the call: a
+// stall of this process before it went (stopped, traced, starved of CPU)
+// does not eat into the peer's time. Sending it waits d at most too.
+func (p *Peer) PushWithin(ctx context.Context, d time.Duration, kind Kind, body, reply any) error {
 	if !kind.IsPush() {
 		return fmt.Errorf("%w: %s is not a push", ErrUnknownKind, kind)
 	}
-	return p.call(ctx, kind, body, reply)
+	return p.callWithin(ctx, d, kind, body, reply)
 }
 
 // ended counts and logs a connection that ends over a limit, before its

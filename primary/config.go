@@ -56,9 +56,11 @@ type Config struct {
 	FullFlush bool
 
 	// SyncTimeout bounds how long Alloc and Free wait for a secondary to
-	// map or unmap; one that does not answer in time is dropped. Default
-	// 2 s. An answer waiting in the socket when the time is up counts (a
-	// primary that did not run meanwhile looks for 100 ms more at most).
+	// map or unmap, counted from when the sync went out to it; one that
+	// does not answer in time is dropped. Default 2 s. Sending waits
+	// SyncTimeout at most too (a secondary that takes no message). An
+	// answer waiting in the socket when the time is up counts (a primary
+	// that did not run meanwhile looks for 100 ms more at most).
 	// Whether a dropped secondary is fenced is judged within 200 ms more
 	// at most: a process whose connection ended has 100 ms to end,
 	// and one that has let its slot go is described by the kernel within

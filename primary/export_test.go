@@ -46,6 +46,14 @@ func SetBeforeCollect(f func()) (restore func()) {
 	return func() { beforeCollect = old }
 }
 
+// SetSyncPushing has f run in each secondary's memory sync as it is about
+// to push, until restore is called. Set it before the primary starts.
+func SetSyncPushing(f func()) (restore func()) {
+	old := syncPushing
+	syncPushing = f
+	return func() { syncPushing = old }
+}
+
 // SetMempoolSlice sets how long a mempool registration works on while
 // others wait for the primary's turn, until restore is called. Set it
 // before the primary starts.

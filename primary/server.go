@@ -946,9 +946,12 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ctx, cancel := context.WithTimeout(context.Background(), p.cfg.SyncTimeout)
-			defer cancel()
-			err := s.peer.Push(ctx, ipc.KindSync, msg, &ipc.SyncAck{})
+			if syncPushing != nil {
+				syncPushing()
+			}
+			// SyncTimeout counts from when the push went out: a primary
+			// stopped before that has not given the secondary its time.
+			err := s.peer.PushWithin(context.Background(), p.cfg.SyncTimeout, ipc.KindSync, msg, &ipc.SyncAck{})
 			if err == nil {
 				p.syncs.Add(1)
 				return
@@ -984,6 +987,10 @@ func (p *Primary) syncSecondaries(ev hugetlb.Event) {
 	}
 	wg.Wait()
 }
+
+// syncPushing, when set (by tests, before the primary starts), runs in
+// each secondary's sync as it is about to push.
+var syncPushing func()
 
 // aliveAtDrop reports whether s, which failed a sync with err, is to be
 // fenced. It is judged as the end of a connection is (mayReachAfterEnd),
