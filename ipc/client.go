@@ -516,6 +516,11 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 	// to wake it.
 	unwoken := ctx.Done() == nil
 	delivered := false
+	// late is set once the deadline has passed: what is queued on the lane
+	// is read first, without waiting, since an answer may have come in
+	// time while this process did not run (stopped, traced, starved of
+	// CPU); the call gives up when nothing more is.
+	late := false
 	for {
 		if delivered {
 			// The callers it answered wait on this thread's P, which the
@@ -529,13 +534,16 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		}
 		var n int
 		var files []*os.File
-		if unwoken {
+		switch {
+		case late:
+			n, files, err = l.TryRecv(c.laneBuf)
+		case unwoken:
 			n, files, err = l.RecvBy(c.laneBuf, deadline)
-		} else {
+		default:
 			n, files, err = l.Recv(c.laneBuf, deadline)
 		}
 		if err != nil {
-			if !errors.Is(err, sock.ErrWoken) && !errors.Is(err, os.ErrDeadlineExceeded) {
+			if !errors.Is(err, sock.ErrWoken) && !errors.Is(err, os.ErrDeadlineExceeded) && !errors.Is(err, sock.ErrNoMessage) {
 				c.laneEnded(err)
 				return nil, false
 			}
@@ -545,6 +553,10 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			}
 			if cerr == nil {
 				continue // a wake-up meant for an earlier reader
+			}
+			if errors.Is(cerr, context.DeadlineExceeded) && !late {
+				late = true
+				continue
 			}
 			if c.take(cl.id) == nil {
 				return nil, false

@@ -169,3 +169,109 @@ func sendWhileStopped(t *testing.T, srv *testproc.Proc, c *sock.Conn, frame []by
 	time.Sleep(time.Until(due.Add(due.Sub(stopped))))
 	srv.Continue()
 }
+
+func init() { testproc.Register("lane-caller", helperLaneCaller) }
+
+// helperLaneCaller connects to args[0] and says hello. On "call D" it
+// asks for an MR on the call lane, with CallTimeout D, and on "callctx D"
+// with a context of deadline D away; either way it says how the call
+// ended: "> called ERR".
+func helperLaneCaller(args []string) int {
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	c, err := ipc.DialClient(ctx, args[0], ipc.ClientConfig{Logger: quiet})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	defer c.Close()
+	if err := c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{}); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	testproc.Say("ready")
+	testproc.EachCommand(func(l testproc.Line) {
+		if len(l.Args) != 1 {
+			return
+		}
+		d, err := time.ParseDuration(l.Args[0])
+		if err != nil {
+			testproc.Say("> called %v", err)
+			return
+		}
+		req, reply := &ipc.CreateMR{Addr: 0x1234_5000}, &ipc.CreateMRReply{}
+		switch l.Name {
+		case "call":
+			err = c.CallTimeout(d, ipc.KindCreateMR, req, reply)
+		case "callctx":
+			ctx, cancel := context.WithTimeout(context.Background(), d)
+			defer cancel()
+			err = c.Call(ctx, ipc.KindCreateMR, req, reply)
+		default:
+			return
+		}
+		testproc.Say("> called %v", err)
+	})
+	return 0
+}
+
+// A call whose answer came on the call lane in time is answered, though
+// the calling process was stopped past the call's deadline with the
+// answer waiting in its socket: a secondary stopped while its miss waited
+// for the primary.
+func TestALaneAnswerInTimeCountsThoughTheCallerWasStoppedPastItsDeadline(t *testing.T) {
+	const timeout = time.Second // room for a busy machine to stop the caller and answer in time
+	for _, how := range []string{"call", "callctx"} {
+		t.Run(how, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), ipc.SocketName)
+			l, err := sock.Listen(path, false)
+			require.NoError(t, err)
+			defer l.Close()
+			accepted := make(chan *sock.Conn, 1)
+			go func() {
+				if c, err := l.Accept(); err == nil {
+					accepted <- c
+				}
+			}()
+			caller := testproc.Start(t, "lane-caller", []string{path})
+			srv := waitFor(t, accepted, "the connection")
+			t.Cleanup(func() { srv.Close() })
+
+			// The hello, answered as a server does: the call lane, then
+			// the reply.
+			buf := make([]byte, ipc.MaxMessage)
+			hello := readFrame(t, srv, buf)
+			require.Equal(t, ipc.KindHello, hello.Kind)
+			lane, theirs, err := sock.BlockingPair()
+			require.NoError(t, err)
+			t.Cleanup(func() { lane.Close() })
+			b, err := ipc.AppendFrame(nil, 0, ipc.KindChannel, 1, &ipc.Channel{})
+			require.NoError(t, err)
+			require.NoError(t, srv.Send(b, []*os.File{theirs}))
+			theirs.Close()
+			b, err = ipc.AppendFrame(nil, hello.ID, ipc.KindReply, 0, &ipc.HelloReply{})
+			require.NoError(t, err)
+			require.NoError(t, srv.Send(b, nil))
+			caller.Expect("ready", bound)
+
+			before := time.Now() // the call's deadline is after timeout from here
+			caller.Send("%s %v", how, timeout)
+			n, _, err := lane.RecvBy(buf, time.Now().Add(bound))
+			require.NoError(t, err)
+			req, err := ipc.ParseFrame(buf[:n])
+			require.NoError(t, err)
+			require.Equal(t, ipc.KindCreateMR, req.Kind)
+			caller.Stop()
+			b, err = ipc.AppendFrame(nil, req.ID, ipc.KindReply, 0, &ipc.CreateMRReply{Start: 0x1234_5000, End: 0x1234_6000, LKey: 7})
+			require.NoError(t, err)
+			require.NoError(t, lane.Send(b, nil, time.Time{}))
+			if now := time.Now(); !now.Before(before.Add(timeout)) {
+				t.Fatalf("the test answered %v after the deadline: it means to meet it", now.Sub(before.Add(timeout)))
+			}
+			// The caller stays stopped past the deadline.
+			time.Sleep(time.Until(before.Add(2 * timeout)))
+			caller.Continue()
+			assert.Equal(t, "> called <nil>", caller.Expect("> called", bound))
+		})
+	}
+}

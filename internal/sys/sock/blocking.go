@@ -19,6 +19,9 @@ var ErrWoken = errors.New("sock: woken")
 // ErrWouldBlock means TrySend found no room in the peer's queue.
 var ErrWouldBlock = errors.New("sock: no room in the peer's queue")
 
+// ErrNoMessage means TryRecv found no message queued.
+var ErrNoMessage = errors.New("sock: no message queued")
+
 // ErrNotSeqpacket means NewBlocking was given a file that is not a unix
 // SOCK_SEQPACKET socket.
 var ErrNotSeqpacket = errors.New("sock: not a unix SOCK_SEQPACKET socket")
@@ -287,6 +290,26 @@ func (c *Blocking) Recv(b []byte, deadline time.Time) (int, []*os.File, error) {
 // milliseconds after deadline.
 func (c *Blocking) RecvBy(b []byte, deadline time.Time) (int, []*os.File, error) {
 	return c.recvBlocking(b, deadline)
+}
+
+// TryRecv receives one message as Recv does if one is queued, and fails
+// with ErrNoMessage at once if none is.
+func (c *Blocking) TryRecv(b []byte) (int, []*os.File, error) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for {
+		if c.closed.Load() {
+			return 0, nil, errBlockingClosed
+		}
+		n, oobn, rflags, err := c.recvOne(b, unix.MSG_DONTWAIT)
+		switch {
+		case err == unix.EINTR || err == errNoticed:
+			continue // a notice: its message may be queued behind it
+		case err == unix.EAGAIN:
+			return 0, nil, ErrNoMessage
+		}
+		return c.received(n, len(b), oobn, rflags, err)
+	}
 }
 
 func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os.File, error) {

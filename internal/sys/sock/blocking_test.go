@@ -403,3 +403,18 @@ func TestNewBlockingClearsAReceiveTimeout(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, got.Nano(), "the maker's timeout is gone")
 }
+
+// TryRecv takes a message that is queued and waits for none.
+func TestBlockingTryRecv(t *testing.T) {
+	a, b := blockingPair(t)
+	buf := make([]byte, 8)
+	_, _, err := b.TryRecv(buf)
+	require.ErrorIs(t, err, ErrNoMessage)
+	require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
+	n, files, err := b.TryRecv(buf)
+	require.NoError(t, err)
+	assert.Equal(t, "one", string(buf[:n]))
+	assert.Empty(t, files)
+	_, _, err = b.TryRecv(buf)
+	require.ErrorIs(t, err, ErrNoMessage)
+}
