@@ -271,6 +271,11 @@ const (
 	laneCheckEvery   = 5 * time.Millisecond
 	laneStarvedAfter = 2 * time.Millisecond
 	laneStarvedShare = 4
+	// laneCheckLate is how much later than laneCheckEvery a look may come
+	// and still judge: one later still measured a stall of the server's
+	// own too (stopped, traced, starved of CPU), when the lane's thread
+	// could not run either, whoever held its CPU.
+	laneCheckLate = 4 * laneCheckEvery
 )
 
 // laneIdleAfter is how long a bound lane's peer may ask nothing before
@@ -303,6 +308,7 @@ type laneWatch struct {
 	mu sync.Mutex
 
 	// The checker's own, from its last look at the request it saw.
+	looked   time.Time     // when it last looked at the lane at all
 	seen     uint64        // busy
 	ran      time.Duration // the thread's CPU time then
 	at       time.Time     // when
@@ -412,6 +418,8 @@ func (w *laneWatch) release(tid int) {
 // run only once it runs again: the sign of a thread kept from running is
 // a CPU clock that does not move.)
 func (w *laneWatch) look(p *Peer) {
+	last := w.looked
+	w.looked = time.Now()
 	busy := w.busy.Load()
 	if busy%2 == 0 {
 		w.seen = busy
@@ -446,8 +454,9 @@ func (w *laneWatch) look(p *Peer) {
 		w.seen = 0
 		return
 	}
-	if busy != w.seen {
-		// A request not seen before: from now.
+	if busy != w.seen || now.Sub(last) > laneCheckEvery+laneCheckLate {
+		// A request not seen before, or a look that comes late (the
+		// server itself did not run): from now.
 		w.seen, w.ran, w.at, w.runnable = busy, ran, now, r
 		return
 	}

@@ -275,3 +275,74 @@ func TestALaneAnswerInTimeCountsThoughTheCallerWasStoppedPastItsDeadline(t *test
 		})
 	}
 }
+
+func init() { testproc.Register("follow-server", helperFollowServer) }
+
+// addrBusy is the MR helperFollowServer's handler works on for 300 ms.
+const addrBusy = 0xb000
+
+// helperFollowServer serves args[0] with lanes that follow the CPU a
+// create names (followHandler). A create of addrBusy works 300 ms (by the
+// clock) before its answer, and says "busy" 20 ms into it. On "stats" it
+// says "> starved N".
+func helperFollowServer(args []string) int {
+	l, err := ipc.Listen(args[0])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	h := followHandler()
+	follow := h.handle
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		var m ipc.CreateMR
+		if kind == ipc.KindCreateMR && body.Decode(&m) == nil && m.Addr == addrBusy {
+			start := time.Now()
+			for said := false; time.Since(start) < 300*time.Millisecond; {
+				if !said && time.Since(start) > 20*time.Millisecond {
+					testproc.Say("busy")
+					said = true
+				}
+			}
+		}
+		return follow(ctx, p, kind, body)
+	}
+	s, err := ipc.NewServer(ipc.ServerConfig{Listener: l, Handler: quietHandler{h}, Logger: quiet,
+		HelloKind: ipc.KindHello, Inline: []ipc.Kind{ipc.KindCreateMR}})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	go s.Serve(context.Background())
+	testproc.Say("ready")
+	testproc.EachCommand(func(testproc.Line) {
+		testproc.Say("> starved %d", s.Stats().StarvedLanes)
+	})
+	s.Close()
+	return 0
+}
+
+// A server stopped while a lane bound to its peer's CPU works on a request
+// does not let the lane go on resuming as though the peer had kept the
+// CPU from it (which would count against the peer's process and user):
+// the thread did not run because the whole server was stopped.
+func TestAServerStoppedMidRequestLetsNoLaneGoAsStarved(t *testing.T) {
+	cpu := lastCPU(t)
+	path := filepath.Join(t.TempDir(), ipc.SocketName)
+	srv := testproc.Start(t, "follow-server", []string{path})
+	srv.Expect("ready", bound)
+	c := dial(t, path, ipc.ClientConfig{})
+	require.NoError(t, c.Call(ctxBound(t), ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{}))
+	createOn(t, c, 0x1000, uint32(cpu)+1) // names the CPU
+	createOn(t, c, 0x1000, uint32(cpu)+1) // answered there
+	done := make(chan error, 1)
+	go func() {
+		done <- c.Call(ctxBound(t), ipc.KindCreateMR, &ipc.CreateMR{Addr: addrBusy, CPU: uint32(cpu) + 1}, &ipc.CreateMRReply{})
+	}()
+	srv.Expect("busy", bound) // the server's checker, looking every 5 ms, has seen the request
+	srv.Stop()
+	time.Sleep(200 * time.Millisecond) // stopped mid-request for longer than a starved lane is given
+	srv.Continue()
+	require.NoError(t, waitFor(t, done, "the busy create"))
+	srv.Send("stats")
+	assert.Equal(t, "> starved 0", srv.Expect("> starved", bound))
+}
