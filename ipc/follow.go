@@ -414,9 +414,10 @@ func (w *laneWatch) release(tid int) {
 // look is the checker's look at p's lane: it lets the lane's thread go
 // if, between two looks at least laneStarvedAfter apart at the request it
 // answers, it was runnable at both and ran for less than
-// 1/laneStarvedShare of the time. (The kernel counts a thread's wait to
-// run only once it runs again: the sign of a thread kept from running is
-// a CPU clock that does not move.)
+// 1/laneStarvedShare of the time, and no look between them came late
+// (laneCheckLate). (The kernel counts a thread's wait to run only once it
+// runs again: the sign of a thread kept from running is a CPU clock that
+// does not move.)
 func (w *laneWatch) look(p *Peer) {
 	last := w.looked
 	w.looked = time.Now()
