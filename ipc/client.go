@@ -131,10 +131,11 @@ func DialClient(ctx context.Context, path string, cfg ClientConfig) (*Client, er
 // ends. The server's error comes back as a *RemoteError that matches its
 // registered sentinel. When the connection ends, every pending and later
 // Call fails at once with an error matching ErrPeerGone (ErrClosed after
-// Close). An answer that arrives after ctx ended is dropped (on the
-// connection, before the call lane, one already queued when ctx's
-// deadline passes is read first: see endpoint.cameInTime); the server is
-// told the call was given up (see the package doc).
+// Close). An answer that arrives after ctx ended is dropped (one already
+// queued when ctx's deadline passes is read first, by a call that reads
+// for itself: a process that did not run meanwhile, stopped or traced,
+// finds its deadlines passed and the answers there); the server is told
+// the call was given up (see the package doc).
 func (c *Client) Call(ctx context.Context, kind Kind, req, reply any) error {
 	if !kind.IsRequest() {
 		return fmt.Errorf("%w: %s is not a request", ErrUnknownKind, kind)
