@@ -241,43 +241,95 @@ func TestSummaryLine(t *testing.T) {
 	assert.False(t, ok)
 }
 
+// oneSecondaryJob is the main job with one secondary, on tmpfs, started
+// with args and read until the secondary's first progress line, whose pid
+// it returns with the job, its output so far and its output to come.
+type oneSecondaryJob struct {
+	cmd    *exec.Cmd
+	lines  *bufio.Scanner
+	out    strings.Builder
+	stderr bytes.Buffer
+	pid    int // the secondary's
+}
+
+func startOneSecondaryJob(t *testing.T, args ...string) *oneSecondaryJob {
+	t.Helper()
+	prim, sec := programs(t)
+	j := &oneSecondaryJob{}
+	j.cmd = exec.CommandContext(t.Context(), prim, append([]string{"-prefix", testenv.Prefix(t), "-rundir", runDir(t),
+		"-backend", "tmpfs", "-secondaries", "1", "-buffers", "1024", "-secondary-bin", sec}, args...)...)
+	stdout, err := j.cmd.StdoutPipe()
+	require.NoError(t, err)
+	j.cmd.Stderr = &j.stderr
+	require.NoError(t, j.cmd.Start())
+	progress := regexp.MustCompile(`^\[secondary 0\] secondary pid (\d+): `)
+	j.lines = bufio.NewScanner(stdout)
+	for j.pid == 0 && j.lines.Scan() {
+		j.out.WriteString(j.lines.Text() + "\n")
+		if m := progress.FindStringSubmatch(j.lines.Text()); m != nil {
+			j.pid, _ = strconv.Atoi(m[1])
+		}
+	}
+	require.NotZero(t, j.pid, "a progress line from the secondary:\n%s", j.out.String())
+	return j
+}
+
+// wait reads the rest of the job's output and waits for it to end: it
+// returns everything it said and how it ended.
+func (j *oneSecondaryJob) wait() (string, error) {
+	for j.lines.Scan() {
+		j.out.WriteString(j.lines.Text() + "\n")
+	}
+	err := j.cmd.Wait()
+	return j.out.String() + j.stderr.String(), err
+}
+
 // A secondary that is alive but never ends (stopped here) does not keep
 // the main job waiting: past its duration and the grace, the primary
 // stops it as an interrupted one (SIGTERM, then SIGKILL, which ends a
 // stopped process too), says so and fails.
 func TestMainJobStopsASecondaryThatDoesNotEnd(t *testing.T) {
-	prim, sec := programs(t)
-	cmd := exec.CommandContext(t.Context(), prim, "-prefix", testenv.Prefix(t), "-rundir", runDir(t),
-		"-backend", "tmpfs", "-secondaries", "1", "-duration", "3s", "-grace", "1s", "-buffers", "1024",
-		"-secondary-bin", sec)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	require.NoError(t, cmd.Start())
-	progress := regexp.MustCompile(`^\[secondary 0\] secondary pid (\d+): `)
-	sc := bufio.NewScanner(stdout)
-	pid := 0
-	var out strings.Builder
-	for pid == 0 && sc.Scan() {
-		out.WriteString(sc.Text() + "\n")
-		if m := progress.FindStringSubmatch(sc.Text()); m != nil {
-			pid, _ = strconv.Atoi(m[1])
-		}
-	}
-	require.NotZero(t, pid, "a progress line from the secondary:\n%s", out.String())
+	j := startOneSecondaryJob(t, "-duration", "3s", "-grace", "1s")
 	// A handle on the process itself (a pidfd), not its number: once the
 	// primary has reaped it, the number may be another process's.
-	proc, err := os.FindProcess(pid)
+	proc, err := os.FindProcess(j.pid)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = proc.Kill() }) // if the primary did not
 	require.NoError(t, proc.Signal(syscall.SIGSTOP))
-	for sc.Scan() {
-		out.WriteString(sc.Text() + "\n")
-	}
-	err = cmd.Wait()
-	text := out.String() + stderr.String()
+	text, err := j.wait()
 	require.Error(t, err, "the main job fails:\n%s", text)
 	assert.NoError(t, t.Context().Err(), "the main job ended by itself")
 	assert.Contains(t, text, "still running 1s after its 3s of work: stopped", "and says why")
+}
+
+// The main job's primary stopped (a debugger, SIGSTOP) while its
+// secondary works, past the secondary's duration and grace: the secondary
+// finishes, says its summary and exits meanwhile, and the primary, once
+// resumed, reports it as it ended, not as one it had to stop.
+func TestMainJobDoesNotBlameASecondaryForItsOwnStop(t *testing.T) {
+	j := startOneSecondaryJob(t, "-duration", "2s", "-grace", "2s", "-churn=false")
+	t.Cleanup(func() { _ = j.cmd.Process.Signal(syscall.SIGCONT) })
+	stopped := time.Now()
+	require.NoError(t, j.cmd.Process.Signal(syscall.SIGSTOP))
+	// The secondary ends by itself: a zombie, its parent being stopped.
+	for procState(t, j.pid) != "Z" {
+		require.Less(t, time.Since(stopped), time.Minute, "the secondary ends while the primary is stopped")
+		time.Sleep(10 * time.Millisecond) // polling the kernel's answer
+	}
+	time.Sleep(time.Until(stopped.Add(4 * time.Second))) // the primary stays stopped past the secondary's duration and grace
+	require.NoError(t, j.cmd.Process.Signal(syscall.SIGCONT))
+	text, err := j.wait()
+	assert.NoError(t, err, "the main job:\n%s", text)
+	assert.NotContains(t, text, "still running", "a secondary that finished is not said to have been stopped")
+}
+
+// procState is the state letter in /proc/pid/stat.
+func procState(t *testing.T, pid int) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	require.NoError(t, err)
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	require.Less(t, i+2, len(s), "/proc/%d/stat: %s", pid, s)
+	return s[i+2 : i+3]
 }

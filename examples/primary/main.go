@@ -15,6 +15,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -27,6 +28,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/examples/internal/job"
 	"github.com/mpmr/mpmr/hugetlb"
@@ -223,12 +226,25 @@ func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) 
 			cmd := exec.CommandContext(sctx, bin, sc.Args()...)
 			// Interrupted, a secondary is asked to stop (it detaches
 			// cleanly), and killed only if it does not (SIGKILL ends a
-			// stopped process too).
-			cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+			// stopped process too). One that has ended already is left
+			// to be reported as it ended: this process may find its time
+			// up only because it did not run itself (stopped, traced).
+			var stopped atomic.Bool
+			cmd.Cancel = func() error {
+				if exited(cmd.Process.Pid) {
+					return os.ErrProcessDone
+				}
+				stopped.Store(true)
+				return cmd.Process.Signal(syscall.SIGTERM)
+			}
 			cmd.WaitDelay = 5 * time.Second
-			sums[i], errs[i] = runSecondary(sctx, cmd, i)
-			if ctx.Err() == nil && errors.Is(sctx.Err(), context.DeadlineExceeded) {
-				errs[i] = fmt.Errorf("still running %v after its %v of work: stopped (%w)", c.grace, c.Duration, errs[i])
+			sums[i], errs[i] = runSecondary(cmd, i)
+			if stopped.Load() {
+				err := cmp.Or(errs[i], sctx.Err())
+				if ctx.Err() == nil {
+					err = fmt.Errorf("still running %v after its %v of work: stopped (%w)", c.grace, c.Duration, err)
+				}
+				errs[i] = err
 			}
 		}()
 	}
@@ -245,7 +261,16 @@ func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) 
 	return got, failed
 }
 
-func runSecondary(ctx context.Context, cmd *exec.Cmd, n int) (job.Summary, error) {
+// exited reports whether the child pid has ended, without reaping it.
+func exited(pid int) bool {
+	var info unix.Siginfo
+	err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil)
+	return err == nil && info.Signo == int32(unix.SIGCHLD)
+}
+
+// runSecondary runs cmd, the secondary numbered n, passing its lines on,
+// and returns its summary.
+func runSecondary(cmd *exec.Cmd, n int) (job.Summary, error) {
 	var sum job.Summary
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -273,7 +298,7 @@ func runSecondary(ctx context.Context, cmd *exec.Cmd, n int) (job.Summary, error
 	if !got {
 		return sum, errors.New("ended without a summary")
 	}
-	return sum, ctx.Err()
+	return sum, nil
 }
 
 // secondaryProgram finds the secondary example: the -secondary-bin flag,
