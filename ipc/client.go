@@ -440,7 +440,7 @@ func (c *Client) laneCallOn(ctx context.Context, deadline time.Time, l *sock.Blo
 		l.Wake() // it hands the reading over
 	}
 	if !lead {
-		if err, done := c.await(ctx, deadline, cl); done {
+		if err, done := c.await(ctx, deadline, l, cl); done {
 			return err
 		}
 	}
@@ -448,8 +448,11 @@ func (c *Client) laneCallOn(ctx context.Context, deadline time.Time, l *sock.Blo
 }
 
 // await waits, as a follower, for cl's answer, the end of ctx or the
-// deadline, or for the reading to be handed over to it (done=false).
-func (c *Client) await(ctx context.Context, deadline time.Time, cl *call) (err error, done bool) {
+// deadline, or for the reading to be handed over to it (done=false). At
+// the deadline, while anything is queued on the lane l, it waits for the
+// reader to take it, catchUpWait at most: the answer may have come in
+// time while this process did not run (stopped, traced, starved of CPU).
+func (c *Client) await(ctx context.Context, deadline time.Time, l *sock.Blocking, cl *call) (err error, done bool) {
 	var expired <-chan time.Time
 	if !deadline.IsZero() {
 		if d, ok := ctx.Deadline(); !ok || deadline.Before(d) {
@@ -470,6 +473,30 @@ func (c *Client) await(ctx context.Context, deadline time.Time, cl *call) (err e
 		err = ctx.Err()
 	case <-expired:
 		err = context.DeadlineExceeded
+	}
+	if errors.Is(err, context.DeadlineExceeded) && l.Queued() {
+		giveUp := time.NewTimer(catchUpWait)
+		defer giveUp.Stop()
+		look := time.NewTicker(catchUpLook)
+		defer look.Stop()
+	wait:
+		for {
+			select {
+			case err := <-cl.ch:
+				c.mu.Lock()
+				c.resignLane(cl)
+				c.mu.Unlock()
+				return err, true
+			case <-cl.lead:
+				return nil, false // the reader reads for it now, late: what is queued first
+			case <-giveUp.C:
+				break wait
+			case <-look.C:
+				if !l.Queued() {
+					break wait
+				}
+			}
+		}
 	}
 	c.mu.Lock()
 	if c.pending[cl.id] == cl {

@@ -173,9 +173,9 @@ func sendWhileStopped(t *testing.T, srv *testproc.Proc, c *sock.Conn, frame []by
 func init() { testproc.Register("lane-caller", helperLaneCaller) }
 
 // helperLaneCaller connects to args[0] and says hello. On "call D" it
-// asks for an MR on the call lane, with CallTimeout D, and on "callctx D"
-// with a context of deadline D away; either way it says how the call
-// ended: "> called ERR".
+// asks for an MR on the call lane, with CallTimeout D; on "callctx D"
+// with a context of deadline D away; on "call2 D" twice at once, with
+// CallTimeout D. It says how each call ended: "> called ERR".
 func helperLaneCaller(args []string) int {
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
@@ -207,6 +207,14 @@ func helperLaneCaller(args []string) int {
 			ctx, cancel := context.WithTimeout(context.Background(), d)
 			defer cancel()
 			err = c.Call(ctx, ipc.KindCreateMR, req, reply)
+		case "call2":
+			// One reads the lane, the other waits behind it.
+			other := make(chan error)
+			go func() {
+				other <- c.CallTimeout(d, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1234_6000}, &ipc.CreateMRReply{})
+			}()
+			err = c.CallTimeout(d, ipc.KindCreateMR, req, reply)
+			testproc.Say("> called %v", <-other)
 		default:
 			return
 		}
@@ -221,8 +229,12 @@ func helperLaneCaller(args []string) int {
 // for the primary.
 func TestALaneAnswerInTimeCountsThoughTheCallerWasStoppedPastItsDeadline(t *testing.T) {
 	const timeout = time.Second // room for a busy machine to stop the caller and answer in time
-	for _, how := range []string{"call", "callctx"} {
+	for _, how := range []string{"call", "callctx", "call2"} {
 		t.Run(how, func(t *testing.T) {
+			calls := 1
+			if how == "call2" {
+				calls = 2
+			}
 			path := filepath.Join(t.TempDir(), ipc.SocketName)
 			l, err := sock.Listen(path, false)
 			require.NoError(t, err)
@@ -254,24 +266,32 @@ func TestALaneAnswerInTimeCountsThoughTheCallerWasStoppedPastItsDeadline(t *test
 			require.NoError(t, srv.Send(b, nil))
 			caller.Expect("ready", bound)
 
-			before := time.Now() // the call's deadline is after timeout from here
+			before := time.Now() // the calls' deadline is after timeout from here
 			caller.Send("%s %v", how, timeout)
-			n, _, err := lane.RecvBy(buf, time.Now().Add(bound))
-			require.NoError(t, err)
-			req, err := ipc.ParseFrame(buf[:n])
-			require.NoError(t, err)
-			require.Equal(t, ipc.KindCreateMR, req.Kind)
+			var ids []uint64
+			for range calls {
+				n, _, err := lane.RecvBy(buf, time.Now().Add(bound))
+				require.NoError(t, err)
+				req, err := ipc.ParseFrame(buf[:n])
+				require.NoError(t, err)
+				require.Equal(t, ipc.KindCreateMR, req.Kind)
+				ids = append(ids, req.ID)
+			}
 			caller.Stop()
-			b, err = ipc.AppendFrame(nil, req.ID, ipc.KindReply, 0, &ipc.CreateMRReply{Start: 0x1234_5000, End: 0x1234_6000, LKey: 7})
-			require.NoError(t, err)
-			require.NoError(t, lane.Send(b, nil, time.Time{}))
+			for _, id := range ids {
+				b, err = ipc.AppendFrame(nil, id, ipc.KindReply, 0, &ipc.CreateMRReply{Start: 0x1234_5000, End: 0x1234_6000, LKey: 7})
+				require.NoError(t, err)
+				require.NoError(t, lane.Send(b, nil, time.Time{}))
+			}
 			if now := time.Now(); !now.Before(before.Add(timeout)) {
 				t.Fatalf("the test answered %v after the deadline: it means to meet it", now.Sub(before.Add(timeout)))
 			}
 			// The caller stays stopped past the deadline.
 			time.Sleep(time.Until(before.Add(2 * timeout)))
 			caller.Continue()
-			assert.Equal(t, "> called <nil>", caller.Expect("> called", bound))
+			for range calls {
+				assert.Equal(t, "> called <nil>", caller.Expect("> called", bound))
+			}
 		})
 	}
 }

@@ -292,6 +292,18 @@ func (c *Blocking) RecvBy(b []byte, deadline time.Time) (int, []*os.File, error)
 	return c.recvBlocking(b, deadline)
 }
 
+// Queued reports whether anything is queued on c to be received (or c
+// cannot say, or is closed).
+func (c *Blocking) Queued() bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	if c.closed.Load() {
+		return true
+	}
+	n, err := unix.IoctlGetInt(c.fd, unix.SIOCINQ)
+	return err != nil || n > 0
+}
+
 // TryRecv receives one message as Recv does if one is queued, and fails
 // with ErrNoMessage at once if none is.
 func (c *Blocking) TryRecv(b []byte) (int, []*os.File, error) {

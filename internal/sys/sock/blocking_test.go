@@ -418,3 +418,17 @@ func TestBlockingTryRecv(t *testing.T) {
 	_, _, err = b.TryRecv(buf)
 	require.ErrorIs(t, err, ErrNoMessage)
 }
+
+// Queued says whether a message waits, and a closed connection cannot
+// say otherwise.
+func TestBlockingQueued(t *testing.T) {
+	a, b := blockingPair(t)
+	assert.False(t, b.Queued())
+	require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
+	assert.True(t, b.Queued())
+	_, _, err := b.TryRecv(make([]byte, 8))
+	require.NoError(t, err)
+	assert.False(t, b.Queued())
+	require.NoError(t, b.Close())
+	assert.True(t, b.Queued())
+}
