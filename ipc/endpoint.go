@@ -323,6 +323,15 @@ func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) er
 	} else {
 		err = e.conn.send(b, files, deadline)
 	}
+	if errors.Is(err, os.ErrDeadlineExceeded) && !errors.Is(ctx.Err(), context.Canceled) {
+		// The wait for room ran out, not the caller's patience: if this
+		// process did not run meanwhile (stopped, traced, starved of CPU),
+		// the peer may have made room; it is not to be judged by this
+		// process's stall. One more try, without waiting.
+		if e.conn.c.TrySend(b, files) == nil {
+			err = nil
+		}
+	}
 	<-e.wsem
 
 	if errors.Is(err, os.ErrDeadlineExceeded) {

@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -365,4 +368,137 @@ func TestAServerStoppedMidRequestLetsNoLaneGoAsStarved(t *testing.T) {
 	require.NoError(t, waitFor(t, done, "the busy create"))
 	srv.Send("stats")
 	assert.Equal(t, "> starved 0", srv.Expect("> starved", bound))
+}
+
+func init() { testproc.Register("flood-server", helperFloodServer) }
+
+// helperFloodServer serves args[0] with WriteTimeout args[1], answering
+// creates inline on the call lane. On "flood N" it makes N pushes at once
+// to the peer that connected first, each waiting for an answer for as
+// long as the test may take. It says "blocked" once a frame to the peer
+// waits for room: in the connection's poller ("connection"), or in the
+// lane's send ("lane"), as args[2] says.
+func helperFloodServer(args []string) int {
+	l, err := ipc.Listen(args[0])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	wt, err := time.ParseDuration(args[1])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	h := pushHandler{peers: make(chan *ipc.Peer, 16)}
+	s, err := ipc.NewServer(ipc.ServerConfig{Listener: l, Handler: h, Logger: quiet, WriteTimeout: wt,
+		Inline: []ipc.Kind{ipc.KindCreateMR}})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 3
+	}
+	go s.Serve(context.Background())
+	where := []string{"internal/poll.(*pollDesc).waitWrite"}
+	if args[2] == "lane" {
+		where = []string{"sock.(*Blocking).sendOne", "sock.(*Blocking).wait"}
+	}
+	go sayWhenAGoroutineWaitsIn(where)
+	testproc.Say("ready")
+	testproc.EachCommand(func(c testproc.Line) {
+		if c.Name != "flood" {
+			return
+		}
+		peer := <-h.peers
+		for range c.Num(0) {
+			go func() {
+				ctx, cancel := context.WithTimeout(context.Background(), bound)
+				defer cancel()
+				_ = peer.Push(ctx, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, &ipc.SyncAck{})
+			}()
+		}
+	})
+	s.Close()
+	return 0
+}
+
+// sayWhenAGoroutineWaitsIn says "blocked" once the stack of a goroutine of
+// this process holds every function named in where.
+func sayWhenAGoroutineWaitsIn(where []string) {
+	buf := make([]byte, 1<<22)
+	for {
+		n := runtime.Stack(buf, true)
+		for _, g := range strings.Split(string(buf[:n]), "\n\n") {
+			if !slices.ContainsFunc(where, func(fn string) bool { return !strings.Contains(g, fn) }) {
+				testproc.Say("blocked")
+				return
+			}
+		}
+		time.Sleep(time.Millisecond) // polling the runtime's answer
+	}
+}
+
+// A peer that made room while the server was stopped, its frame waiting
+// for room past WriteTimeout, has read: the server, resumed, sends the
+// frame and goes on, rather than drop the peer as one that does not read.
+// On the connection (pushes) and on the call lane (answers).
+func TestAPeerThatReadWhileTheServerWasStoppedIsNoSlowReader(t *testing.T) {
+	const wt = 300 * time.Millisecond
+	for i := range 6 {
+		where := []string{"connection", "lane"}[i%2]
+		t.Run(fmt.Sprintf("%s, attempt %d", where, i/2+1), func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), ipc.SocketName)
+			srv := testproc.Start(t, "flood-server", []string{path, wt.String(), where})
+			srv.Expect("ready", bound)
+			c, f := rawHelloAt(t, path)
+			lane, err := sock.NewBlocking(f, false)
+			require.NoError(t, err)
+			t.Cleanup(func() { lane.Close() })
+			buf := make([]byte, ipc.MaxMessage)
+			// next takes the next frame the server sent, where it floods,
+			// waiting for it as long as wait says.
+			next := func(wait time.Duration) (ipc.Frame, error) {
+				var n int
+				var err error
+				if where == "connection" {
+					require.NoError(t, c.SetReadDeadline(time.Now().Add(wait)))
+					n, _, err = c.Recv(buf)
+				} else {
+					n, _, err = lane.RecvBy(buf, time.Now().Add(wait))
+				}
+				if err != nil {
+					return ipc.Frame{}, err
+				}
+				return ipc.ParseFrame(buf[:n])
+			}
+			if where == "connection" {
+				srv.Send("flood 4000")
+			} else {
+				// Requests until the server's lane stops taking them: its
+				// reader, which answers them, waits for room for an answer.
+				req, err := ipc.AppendFrame(nil, 1, ipc.KindCreateMR, 0, &ipc.CreateMR{Addr: 0x1000})
+				require.NoError(t, err)
+				for lane.TrySend(req, nil) == nil {
+				}
+			}
+			srv.Expect("blocked", bound)
+			srv.Stop()
+			stopped := time.Now()
+			drained := 0
+			for { // the server is stopped: nothing more comes
+				if _, err := next(time.Millisecond); err != nil {
+					require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+					break
+				}
+				drained++
+			}
+			require.NotZero(t, drained)
+			time.Sleep(time.Until(stopped.Add(3 * wt))) // the server stays stopped past WriteTimeout
+			srv.Continue()
+			// The frame that waited for room comes: the peer was not
+			// dropped (it would read the end, or the reason on the
+			// connection).
+			got, err := next(bound)
+			require.NoError(t, err, "after %d frames drained", drained)
+			require.NotEqual(t, ipc.KindError, got.Kind, "the server dropped the peer: %s", got.Body)
+		})
+	}
 }

@@ -290,6 +290,37 @@ func (c *Conn) Send(b []byte, files []*os.File) error {
 	return nil
 }
 
+// TrySend sends b as Send does if the peer's queue has room for it now,
+// whatever the write deadline, and fails with ErrWouldBlock otherwise
+// (nothing was sent). Call it from the goroutine that sends, or with
+// sends held off: it takes none of Send's locks.
+func (c *Conn) TrySend(b []byte, files []*os.File) error {
+	if c.rc == nil {
+		return ErrWouldBlock
+	}
+	oob, err := rights(files)
+	if err != nil {
+		return err
+	}
+	cerr := c.rc.Control(func(fd uintptr) {
+		_, err = unix.SendmsgN(int(fd), b, oob, nil, unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+	})
+	runtime.KeepAlive(files) // the raw descriptors are in use until here
+	switch {
+	case cerr != nil:
+		return fmt.Errorf("sock: send: %w", cerr)
+	case err == unix.EAGAIN:
+		return ErrWouldBlock
+	case errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET):
+		return ErrPeerClosed
+	case errors.Is(err, unix.EPERM) && len(oob) > 0:
+		return ErrRightsRefused
+	case err != nil:
+		return fmt.Errorf("sock: send: %w", err)
+	}
+	return nil
+}
+
 // rawFD returns f's descriptor without what f.Fd() also does: switching it
 // to blocking mode, which would change the caller's file behind its back.
 func rawFD(f *os.File) (int, error) {

@@ -297,3 +297,28 @@ func TestConnRecvAllocatesNothingAndCaughtUpSaysWhenAllWasTaken(t *testing.T) {
 	require.NoError(t, b.Close())
 	assert.True(t, b.CaughtUp(), "closed: nothing more to read")
 }
+
+// TrySend sends when the peer's queue has room, whatever the write
+// deadline, and says so at once when it has none.
+func TestConnTrySend(t *testing.T) {
+	a, b, err := Pair()
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Close(); b.Close() })
+	require.NoError(t, a.SetWriteDeadline(time.Unix(1, 0))) // long past
+	msg := []byte("sync unmap 0 1")
+	sent := 0
+	for {
+		err := a.TrySend(msg, nil)
+		if errors.Is(err, ErrWouldBlock) {
+			break
+		}
+		require.NoError(t, err)
+		sent++
+	}
+	require.NotZero(t, sent)
+	_, _, err = b.Recv(make([]byte, 64))
+	require.NoError(t, err)
+	assert.NoError(t, a.TrySend(msg, nil), "room for one again")
+	require.NoError(t, b.Close())
+	assert.ErrorIs(t, a.TrySend(msg, nil), ErrPeerClosed)
+}
