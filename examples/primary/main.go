@@ -234,8 +234,11 @@ func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) 
 				if exited(cmd.Process.Pid) {
 					return os.ErrProcessDone
 				}
-				stopped.Store(true)
-				return cmd.Process.Signal(syscall.SIGTERM)
+				err := cmd.Process.Signal(syscall.SIGTERM) // os.ErrProcessDone once Wait has reaped it
+				if err == nil {
+					stopped.Store(true)
+				}
+				return err
 			}
 			cmd.WaitDelay = 5 * time.Second
 			sums[i], errs[i] = runSecondary(cmd, i)
@@ -261,7 +264,9 @@ func launch(ctx context.Context, bin string, c config) ([]job.Summary, []error) 
 	return got, failed
 }
 
-// exited reports whether the child pid has ended, without reaping it.
+// exited reports whether the child pid has ended, without reaping it
+// (WNOWAIT): its exit status stays for cmd.Wait, and a signal sent to it
+// now would reach an ended process, and succeed.
 func exited(pid int) bool {
 	var info unix.Siginfo
 	err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil)
