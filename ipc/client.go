@@ -79,6 +79,10 @@ type Client struct {
 
 	reader  sync.WaitGroup // the connection's reader, and the lane's drainer while it runs
 	laneBuf []byte         // the lane's receive buffer, used by the leader (see endpoint)
+	// laneHolding is set while the lane's reader holds an answer it has
+	// received and not yet handed to its caller: a call that waits finds
+	// its answer neither queued nor come (see await).
+	laneHolding atomic.Bool
 
 	// The lane's answers still owed to calls that gave up after their
 	// request went, and the drainer: the reader of the lane while no
@@ -131,11 +135,12 @@ func DialClient(ctx context.Context, path string, cfg ClientConfig) (*Client, er
 // ends. The server's error comes back as a *RemoteError that matches its
 // registered sentinel. When the connection ends, every pending and later
 // Call fails at once with an error matching ErrPeerGone (ErrClosed after
-// Close). An answer that arrives after ctx ended is dropped (one already
-// queued when ctx's deadline passes is read first, by a call that reads
-// for itself: a process that did not run meanwhile, stopped or traced,
-// finds its deadlines passed and the answers there); the server is told
-// the call was given up (see the package doc).
+// Close). An answer that arrives after ctx ended is dropped; one already
+// queued when ctx's deadline passes is taken (a process that did not run
+// meanwhile, stopped or traced, finds its deadline passed and the answer
+// there): the call reads, or waits for the reader to take, what is
+// queued, up to 100 ms more (catchUpWait). The server is told the call
+// was given up (see the package doc).
 func (c *Client) Call(ctx context.Context, kind Kind, req, reply any) error {
 	if !kind.IsRequest() {
 		return fmt.Errorf("%w: %s is not a request", ErrUnknownKind, kind)
@@ -151,7 +156,9 @@ func (c *Client) Call(ctx context.Context, kind Kind, req, reply any) error {
 // path that needs no cancellation: it spares making a context with a
 // timer and registering for its end, about a microsecond and nine
 // allocations a call on this project's machine, a twentieth of a round
-// trip. Past the timeout it fails with context.DeadlineExceeded.
+// trip. Past the timeout it fails with context.DeadlineExceeded, once it
+// has found its answer not among those already queued (up to catchUpWait
+// more: see Call).
 func (c *Client) CallTimeout(timeout time.Duration, kind Kind, req, reply any) error {
 	if !kind.IsRequest() {
 		return fmt.Errorf("%w: %s is not a request", ErrUnknownKind, kind)
@@ -474,28 +481,18 @@ func (c *Client) await(ctx context.Context, deadline time.Time, l *sock.Blocking
 	case <-expired:
 		err = context.DeadlineExceeded
 	}
-	if errors.Is(err, context.DeadlineExceeded) && l.Queued() {
-		giveUp := time.NewTimer(catchUpWait)
-		defer giveUp.Stop()
-		look := time.NewTicker(catchUpLook)
-		defer look.Stop()
-	wait:
-		for {
-			select {
-			case err := <-cl.ch:
-				c.mu.Lock()
-				c.resignLane(cl)
-				c.mu.Unlock()
-				return err, true
-			case <-cl.lead:
-				return nil, false // the reader reads for it now, late: what is queued first
-			case <-giveUp.C:
-				break wait
-			case <-look.C:
-				if !l.Queued() {
-					break wait
-				}
-			}
+	if errors.Is(err, context.DeadlineExceeded) {
+		// The reader has taken what is queued once nothing is, and it
+		// holds no answer it received (laneHolding).
+		caughtUp := func() bool { return !l.Queued() && !c.laneHolding.Load() }
+		switch got, aerr := catchUp(caughtUp, cl.ch, cl.lead, nil); got {
+		case answerCame:
+			c.mu.Lock()
+			c.resignLane(cl)
+			c.mu.Unlock()
+			return aerr, true
+		case leadCame:
+			return nil, false // it reads for itself now, late: what is queued first
 		}
 	}
 	c.mu.Lock()
@@ -549,6 +546,7 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 	// time while this process did not run (stopped, traced, starved of
 	// CPU); the call gives up when nothing more is.
 	late := false
+	var lateUntil time.Time // catchUpWait after the deadline: however much comes, it gives up then
 	for {
 		if delivered {
 			// The callers it answered wait on this thread's P, which the
@@ -557,12 +555,14 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			runtime.Gosched()
 			delivered = false
 		}
-		if c.spin > 0 {
+		if c.spin > 0 && !late {
 			l.SpinReadable(c.spin)
 		}
 		var n int
 		var files []*os.File
 		switch {
+		case late && !time.Now().Before(lateUntil):
+			err = sock.ErrNoMessage
 		case late:
 			n, files, err = l.TryRecv(c.laneBuf)
 		case unwoken:
@@ -583,7 +583,7 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 				continue // a wake-up meant for an earlier reader
 			}
 			if errors.Is(cerr, context.DeadlineExceeded) && !late {
-				late = true
+				late, lateUntil = true, time.Now().Add(catchUpWait)
 				continue
 			}
 			if c.take(cl.id) == nil {
@@ -595,17 +595,21 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			c.giveUp(cl.id)
 			return cerr, true
 		}
+		c.laneHolding.Store(true)
 		f, err := laneAnswer(c.laneBuf[:n], files)
 		if err != nil {
 			dropFiles(files)
 			c.fail(err)
+			c.laneHolding.Store(false)
 			return nil, false
 		}
 		if f.ID != cl.id {
 			c.deliverLane(f, files) // another caller's, or one nobody waits for
+			c.laneHolding.Store(false)
 			delivered = true
 			continue
 		}
+		c.laneHolding.Store(false)
 		if c.take(cl.id) == nil {
 			dropFiles(files)
 			return nil, false
@@ -714,13 +718,16 @@ func (c *Client) drain(l *sock.Blocking, d *call) {
 			c.laneEnded(err)
 			return
 		}
+		c.laneHolding.Store(true)
 		f, err := laneAnswer(c.laneBuf[:n], files)
 		if err != nil {
 			dropFiles(files)
 			c.fail(err)
+			c.laneHolding.Store(false)
 			return
 		}
 		c.deliverLane(f, files)
+		c.laneHolding.Store(false)
 	}
 }
 

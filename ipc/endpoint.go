@@ -280,6 +280,12 @@ func (f *frame) release() {
 // frame could go (a datagram goes whole or not at all). Any other failure
 // ends the connection.
 func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) error {
+	return e.writeBounded(ctx, id, kind, body, false)
+}
+
+// writeBounded is write, with bounded saying whether ctx's deadline is the
+// send's own bound (see callWithin) rather than the caller's patience.
+func (e *endpoint) writeBounded(ctx context.Context, id uint64, kind Kind, body any, bounded bool) error {
 	f, err := encodeFrame(id, kind, body)
 	defer f.release()
 	if err != nil {
@@ -323,12 +329,12 @@ func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) er
 	} else {
 		err = e.conn.send(b, files, deadline)
 	}
-	if errors.Is(err, os.ErrDeadlineExceeded) && !errors.Is(ctx.Err(), context.Canceled) {
+	if errors.Is(err, os.ErrDeadlineExceeded) && (!byCtx || bounded) && !errors.Is(ctx.Err(), context.Canceled) {
 		// The wait for room ran out, not the caller's patience: if this
 		// process did not run meanwhile (stopped, traced, starved of CPU),
 		// the peer may have made room; it is not to be judged by this
 		// process's stall. One more try, without waiting.
-		if e.conn.c.TrySend(b, files) == nil {
+		if e.conn.trySend(b, files) == nil {
 			err = nil
 		}
 	}
@@ -387,7 +393,7 @@ func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Ki
 	e.pending[id] = c
 	e.mu.Unlock()
 
-	if err := e.write(sendCtx, id, kind, req); err != nil {
+	if err := e.writeBounded(sendCtx, id, kind, req, within > 0); err != nil {
 		if e.take(id) != nil {
 			return err
 		}
@@ -436,31 +442,54 @@ const (
 // that has not answered by then leaves nothing queued and costs a look at
 // the socket; one that keeps the reader busy gains catchUpWait at most.
 func (e *endpoint) cameInTime(c *call) (answered bool, err error) {
-	var giveUp <-chan time.Time
-	var look *time.Ticker
-	for !e.conn.c.CaughtUp() {
-		if giveUp == nil {
-			t := time.NewTimer(catchUpWait)
-			defer t.Stop()
-			giveUp = t.C
-			look = time.NewTicker(catchUpLook)
-			defer look.Stop()
-		}
-		select {
-		case err := <-c.ch:
-			return true, err
-		case <-e.done:
-			return false, nil
-		case <-giveUp:
-			return false, nil
-		case <-look.C:
-		}
+	if got, err := catchUp(e.conn.caughtUp, c.ch, nil, e.done); got == answerCame {
+		return true, err
 	}
 	select {
 	case err := <-c.ch:
 		return true, err
 	default:
 		return false, nil
+	}
+}
+
+// caughtUpWith is how catchUp's wait ended.
+type caughtUpWith int
+
+const (
+	nothingCame caughtUpWith = iota // the reader took what was queued, or the time ran out, or the connection ended
+	answerCame                      // the answer came
+	leadCame                        // the reading was handed over
+)
+
+// catchUp waits, for a call whose deadline has passed, while caughtUp says
+// the reader has not yet taken what is queued, looking every catchUpLook
+// and for catchUpWait at most, for the call's answer (and its error), the
+// reading handed over to it on lead (nil: not a follower), or the end of
+// the connection (done).
+func catchUp(caughtUp func() bool, answer <-chan error, lead, done <-chan struct{}) (caughtUpWith, error) {
+	if caughtUp() {
+		return nothingCame, nil
+	}
+	giveUp := time.NewTimer(catchUpWait)
+	defer giveUp.Stop()
+	look := time.NewTicker(catchUpLook)
+	defer look.Stop()
+	for {
+		select {
+		case err := <-answer:
+			return answerCame, err
+		case <-lead:
+			return leadCame, nil
+		case <-done:
+			return nothingCame, nil
+		case <-giveUp.C:
+			return nothingCame, nil
+		case <-look.C:
+			if caughtUp() {
+				return nothingCame, nil
+			}
+		}
 	}
 }
 

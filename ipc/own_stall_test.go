@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -238,40 +239,16 @@ func TestALaneAnswerInTimeCountsThoughTheCallerWasStoppedPastItsDeadline(t *test
 			if how == "call2" {
 				calls = 2
 			}
-			path := filepath.Join(t.TempDir(), ipc.SocketName)
-			l, err := sock.Listen(path, false)
-			require.NoError(t, err)
-			defer l.Close()
-			accepted := make(chan *sock.Conn, 1)
-			go func() {
-				if c, err := l.Accept(); err == nil {
-					accepted <- c
-				}
-			}()
-			caller := testproc.Start(t, "lane-caller", []string{path})
-			srv := waitFor(t, accepted, "the connection")
-			t.Cleanup(func() { srv.Close() })
-
-			// The hello, answered as a server does: the call lane, then
-			// the reply.
-			buf := make([]byte, ipc.MaxMessage)
-			hello := readFrame(t, srv, buf)
-			require.Equal(t, ipc.KindHello, hello.Kind)
-			lane, theirs, err := sock.BlockingPair()
-			require.NoError(t, err)
-			t.Cleanup(func() { lane.Close() })
-			b, err := ipc.AppendFrame(nil, 0, ipc.KindChannel, 1, &ipc.Channel{})
-			require.NoError(t, err)
-			require.NoError(t, srv.Send(b, []*os.File{theirs}))
-			theirs.Close()
-			b, err = ipc.AppendFrame(nil, hello.ID, ipc.KindReply, 0, &ipc.HelloReply{})
-			require.NoError(t, err)
-			require.NoError(t, srv.Send(b, nil))
+			var caller *testproc.Proc
+			lane := laneServer(t, func(path string) { caller = testproc.Start(t, "lane-caller", []string{path}) })
 			caller.Expect("ready", bound)
+			buf := make([]byte, ipc.MaxMessage)
+			var b []byte
 
 			before := time.Now() // the calls' deadline is after timeout from here
 			caller.Send("%s %v", how, timeout)
 			var ids []uint64
+			var err error
 			for range calls {
 				n, _, err := lane.RecvBy(buf, time.Now().Add(bound))
 				require.NoError(t, err)
@@ -471,15 +448,28 @@ func TestAPeerThatReadWhileTheServerWasStoppedIsNoSlowReader(t *testing.T) {
 			}
 			if where == "connection" {
 				srv.Send("flood 4000")
+				srv.Expect("blocked", bound)
 			} else {
-				// Requests until the server's lane stops taking them: its
-				// reader, which answers them, waits for room for an answer.
+				// Requests until the server's lane reader, which answers
+				// them, waits for room for an answer.
 				req, err := ipc.AppendFrame(nil, 1, ipc.KindCreateMR, 0, &ipc.CreateMR{Addr: 0x1000})
 				require.NoError(t, err)
-				for lane.TrySend(req, nil) == nil {
-				}
+				stop, stopped := make(chan struct{}), make(chan struct{})
+				go func() {
+					defer close(stopped)
+					for {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						_ = lane.Send(req, nil, time.Now().Add(10*time.Millisecond))
+					}
+				}()
+				srv.Expect("blocked", bound)
+				close(stop)
+				<-stopped
 			}
-			srv.Expect("blocked", bound)
 			srv.Stop()
 			stopped := time.Now()
 			drained := 0
@@ -500,5 +490,114 @@ func TestAPeerThatReadWhileTheServerWasStoppedIsNoSlowReader(t *testing.T) {
 			require.NoError(t, err, "after %d frames drained", drained)
 			require.NotEqual(t, ipc.KindError, got.Kind, "the server dropped the peer: %s", got.Body)
 		})
+	}
+}
+
+// laneServer plays a server, at a socket of its own, for the client that
+// start connects there (start must not wait for the hello's answer): it
+// answers the client's hello as a server does, the call lane first, and
+// returns its end of the lane.
+func laneServer(t *testing.T, start func(path string)) *sock.Blocking {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), ipc.SocketName)
+	l, err := sock.Listen(path, false)
+	require.NoError(t, err)
+	defer l.Close()
+	accepted := make(chan *sock.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	start(path)
+	srv := waitFor(t, accepted, "the connection")
+	t.Cleanup(func() { srv.Close() })
+	hello := readFrame(t, srv, make([]byte, ipc.MaxMessage))
+	require.Equal(t, ipc.KindHello, hello.Kind)
+	lane, theirs, err := sock.BlockingPair()
+	require.NoError(t, err)
+	t.Cleanup(func() { lane.Close() })
+	b, err := ipc.AppendFrame(nil, 0, ipc.KindChannel, 1, &ipc.Channel{})
+	require.NoError(t, err)
+	require.NoError(t, srv.Send(b, []*os.File{theirs}))
+	theirs.Close()
+	b, err = ipc.AppendFrame(nil, hello.ID, ipc.KindReply, 0, &ipc.HelloReply{})
+	require.NoError(t, err)
+	require.NoError(t, srv.Send(b, nil))
+	return lane
+}
+
+// A call on the lane past its deadline reads what is queued for a while
+// (catchUpWait), not for as long as answers keep coming: a server that
+// floods the lane with answers nobody waits for does not hold it.
+func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
+	clients := make(chan *ipc.Client, 1)
+	lane := laneServer(t, func(path string) {
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), bound)
+			defer cancel()
+			c, err := ipc.DialClient(ctx, path, ipc.ClientConfig{Logger: quiet})
+			if err == nil {
+				err = c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
+			}
+			if err != nil {
+				t.Error(err)
+				close(clients)
+				return
+			}
+			clients <- c
+		}()
+	})
+	c := waitFor(t, clients, "the client")
+	require.NotNil(t, c)
+	t.Cleanup(func() { c.Close() })
+
+	stop := make(chan struct{})
+	var flood sync.WaitGroup
+	defer flood.Wait()
+	defer close(stop)
+	stray, err := ipc.AppendFrame(nil, 1<<40, ipc.KindReply, 0, &ipc.CreateMRReply{})
+	require.NoError(t, err)
+	for range 4 {
+		flood.Add(1)
+		go func() {
+			defer flood.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				_ = lane.TrySend(stray, nil)
+			}
+		}()
+	}
+	flood.Add(1)
+	go func() { // the client's requests, taken so that its sends find room
+		defer flood.Done()
+		buf := make([]byte, ipc.MaxMessage)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_, files, _ := lane.RecvBy(buf, time.Now().Add(10*time.Millisecond))
+			sock.Drop(files)
+		}
+	}()
+	calls := make(chan error)
+	go func() {
+		for range 10 {
+			calls <- c.CallTimeout(20*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+		}
+	}()
+	for i := range 10 {
+		select {
+		case err := <-calls:
+			require.ErrorIs(t, err, context.DeadlineExceeded, "call %d", i)
+		case <-time.After(bound):
+			t.Fatalf("call %d, with a 20 ms deadline, still reads the flooded lane after %v", i, bound)
+		}
 	}
 }

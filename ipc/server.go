@@ -649,7 +649,7 @@ func (p *Peer) helloDue() {
 	// this process did not run when it came (stopped, traced, starved of
 	// CPU): look again shortly, until the reader has taken what was
 	// queued, for catchUpWait at most (as a call's answer, cameInTime).
-	if !p.admitted.Load() && p.Err() == nil && !p.conn.c.CaughtUp() {
+	if !p.admitted.Load() && p.Err() == nil && !p.conn.caughtUp() {
 		now := time.Now()
 		if p.helloLook.IsZero() {
 			p.helloLook = now.Add(catchUpWait)

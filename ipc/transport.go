@@ -247,6 +247,16 @@ func (c *Conn) send(b []byte, files []*os.File, deadline time.Time) error {
 	return connErr(c.c.Send(b, files))
 }
 
+// trySend writes one frame if the peer's queue has room for it now,
+// whatever the write deadline (sock.Conn.TrySend).
+func (c *Conn) trySend(b []byte, files []*os.File) error {
+	return connErr(c.c.TrySend(b, files))
+}
+
+// caughtUp reports whether the connection's reader has taken everything
+// queued (sock.Conn.CaughtUp).
+func (c *Conn) caughtUp() bool { return c.c.CaughtUp() }
+
 // interruptSend makes a blocked send fail with os.ErrDeadlineExceeded.
 func (c *Conn) interruptSend() { _ = c.c.SetWriteDeadline(time.Unix(1, 0)) }
 

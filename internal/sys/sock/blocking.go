@@ -305,7 +305,7 @@ func (c *Blocking) Queued() bool {
 }
 
 // TryRecv receives one message as Recv does if one is queued, and fails
-// with ErrNoMessage at once if none is.
+// with ErrNoMessage at once if none is. Like Recv, one goroutine at a time.
 func (c *Blocking) TryRecv(b []byte) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
