@@ -58,7 +58,8 @@ type Config struct {
 	// SyncTimeout bounds how long Alloc and Free wait for a secondary to
 	// map or unmap, counted from when the sync went out to it; one that
 	// does not answer in time is dropped. Default 2 s. Sending waits
-	// SyncTimeout at most too (a secondary that takes no message). An
+	// SyncTimeout at most too, so a secondary that takes no message at
+	// all (its queue full) holds a change up to twice SyncTimeout. An
 	// answer waiting in the socket when the time is up counts (a primary
 	// that did not run meanwhile looks for 100 ms more at most).
 	// Whether a dropped secondary is fenced is judged within 200 ms more

@@ -479,7 +479,7 @@ func (p *Primary) Segment() *shm.Segment { return p.seg }
 
 // Alloc allocates size bytes of data memory, in whole pages. It returns
 // once every attached secondary has mapped them (or was dropped for not
-// answering within Config.SyncTimeout).
+// answering within Config.SyncTimeout: see there how long that can be).
 func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 	p.opMu.RLock()
 	defer p.opMu.RUnlock()
@@ -495,7 +495,8 @@ func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 // queued for deregistration, every queue in every process will flush before
 // its next lookup, no lookup that starts now returns a key for the region,
 // and every secondary has unmapped the pages — or, if one did not answer
-// within Config.SyncTimeout, it was dropped and fenced, and the pages wait
+// within Config.SyncTimeout (see there how long that can be), it was
+// dropped and fenced, and the pages wait
 // in quarantine (mapped nowhere here, never handed to Alloc, not returned
 // to the kernel) until it is gone. If the registrations cannot be
 // invalidated (the global lock cannot be had within its timeout), Free

@@ -997,7 +997,8 @@ var syncPushing func()
 // in time of its own, whatever the sync's deadline: one whose connection
 // ended gets deathGrace to end, and a process that has let its slot go is
 // described by the kernel within dropAsk. A free waits for the judgement:
-// up to deathGrace + dropAsk past SyncTimeout, and judgementWait before
+// up to deathGrace + dropAsk past its sync's failure (see
+// Config.SyncTimeout for when that is), and judgementWait before
 // that for s if a hello of its process is judging it (awaitJudgement). A
 // secondary that detached meanwhile is not looked at.
 func (p *Primary) aliveAtDrop(s *secondary, err error) bool {
