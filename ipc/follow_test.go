@@ -398,16 +398,12 @@ func helperStarver(args []string) int {
 	cpu, _ := strconv.Atoi(args[1])
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
-	c, err := ipc.DialClient(ctx, args[0], ipc.ClientConfig{Logger: quiet})
+	c, err := dialHello(ctx, args[0])
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}
 	defer c.Close()
-	if err := c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, nil); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 3
-	}
 	for _, addr := range []uint64{0x1000, addrStarve} {
 		if err := c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: addr, CPU: uint32(cpu) + 1}, nil); err != nil {
 			fmt.Fprintln(os.Stderr, err)

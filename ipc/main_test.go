@@ -24,6 +24,20 @@ func TestMain(m *testing.M) { testproc.Main(m) }
 // bound is the most any single wait in these tests may take.
 const bound = 10 * time.Second
 
+// dialHello connects to the server at path and says hello, as a
+// secondary does.
+func dialHello(ctx context.Context, path string) (*ipc.Client, error) {
+	c, err := ipc.DialClient(ctx, path, ipc.ClientConfig{Logger: quiet})
+	if err != nil {
+		return nil, err
+	}
+	if err := c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{}); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
 // errNotMapped stands for a runtime's sentinel error travelling back.
 var errNotMapped = errors.New("test: address not in any memory")
 

@@ -183,16 +183,12 @@ func init() { testproc.Register("lane-caller", helperLaneCaller) }
 func helperLaneCaller(args []string) int {
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
-	c, err := ipc.DialClient(ctx, args[0], ipc.ClientConfig{Logger: quiet})
+	c, err := dialHello(ctx, args[0])
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}
 	defer c.Close()
-	if err := c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{}); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 3
-	}
 	testproc.Say("ready")
 	testproc.EachCommand(func(l testproc.Line) {
 		if len(l.Args) != 1 {
@@ -536,10 +532,7 @@ func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
 		go func() {
 			ctx, cancel := context.WithTimeout(context.Background(), bound)
 			defer cancel()
-			c, err := ipc.DialClient(ctx, path, ipc.ClientConfig{Logger: quiet})
-			if err == nil {
-				err = c.Call(ctx, ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
-			}
+			c, err := dialHello(ctx, path)
 			if err != nil {
 				t.Error(err)
 				close(clients)
