@@ -485,6 +485,7 @@ func (c *Client) await(ctx context.Context, deadline time.Time, l *sock.Blocking
 		// The reader has taken what is queued once nothing is, and it
 		// holds no answer it received (laneHolding).
 		caughtUp := func() bool { return !l.Queued() && !c.laneHolding.Load() }
+		cl.lateSince = time.Now()
 		switch got, aerr := catchUp(caughtUp, cl.ch, cl.lead, nil); got {
 		case answerCame:
 			c.mu.Lock()
@@ -584,6 +585,9 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			}
 			if errors.Is(cerr, context.DeadlineExceeded) && !late {
 				late, lateUntil = true, time.Now().Add(catchUpWait)
+				if !cl.lateSince.IsZero() {
+					lateUntil = cl.lateSince.Add(catchUpWait) // it waited for the reader before (await)
+				}
 				continue
 			}
 			if c.take(cl.id) == nil {

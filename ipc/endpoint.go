@@ -115,6 +115,10 @@ type call struct {
 	lead       chan struct{}
 	prev, next *call
 	following  bool
+	// lateSince is when it began, past its deadline, to wait for the
+	// reader to take what is queued: handed the reading then, it reads
+	// what is queued until catchUpWait from then, not from anew.
+	lateSince time.Time
 }
 
 // endpoint is what both ends of a connection share: writing frames,
@@ -393,7 +397,10 @@ func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Ki
 	e.pending[id] = c
 	e.mu.Unlock()
 
-	if err := e.writeBounded(sendCtx, id, kind, req, within > 0); err != nil {
+	// The send's deadline is its own bound unless the caller's comes first.
+	d, hasDeadline := ctx.Deadline()
+	bounded := within > 0 && (!hasDeadline || !d.Before(time.Now().Add(within)))
+	if err := e.writeBounded(sendCtx, id, kind, req, bounded); err != nil {
 		if e.take(id) != nil {
 			return err
 		}
