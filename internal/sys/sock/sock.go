@@ -278,16 +278,21 @@ func (c *Conn) Send(b []byte, files []*os.File) error {
 	}
 	_, _, err = c.c.WriteMsgUnix(b, oob, nil)
 	runtime.KeepAlive(files) // the raw descriptors are in use until here
-	if err != nil {
-		if errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET) {
-			return ErrPeerClosed
-		}
-		if errors.Is(err, unix.EPERM) && len(oob) > 0 {
-			return ErrRightsRefused
-		}
-		return fmt.Errorf("sock: send: %w", err)
+	return sendError(err, len(oob) > 0)
+}
+
+// sendError is what a send that failed with err says: the peer's end, or
+// descriptors refused (a message that carried some, rights), or err.
+func sendError(err error, rights bool) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET):
+		return ErrPeerClosed
+	case errors.Is(err, unix.EPERM) && rights:
+		return ErrRightsRefused
 	}
-	return nil
+	return fmt.Errorf("sock: send: %w", err)
 }
 
 // TrySend sends b as Send does if the peer's queue has room for it now,
@@ -311,14 +316,8 @@ func (c *Conn) TrySend(b []byte, files []*os.File) error {
 		return fmt.Errorf("sock: send: %w", cerr)
 	case err == unix.EAGAIN:
 		return ErrWouldBlock
-	case errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET):
-		return ErrPeerClosed
-	case errors.Is(err, unix.EPERM) && len(oob) > 0:
-		return ErrRightsRefused
-	case err != nil:
-		return fmt.Errorf("sock: send: %w", err)
 	}
-	return nil
+	return sendError(err, len(oob) > 0)
 }
 
 // rawFD returns f's descriptor without what f.Fd() also does: switching it
