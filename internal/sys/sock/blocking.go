@@ -239,6 +239,7 @@ func (c *Blocking) takeOwed() bool {
 // for room until deadline unless try is set. Call it with mu read-held.
 func (c *Blocking) sendOne(b, oob []byte, deadline time.Time, try bool) error {
 	const flags = unix.MSG_DONTWAIT | unix.MSG_NOSIGNAL
+	last := false // the wait ran out: one more try, and no wait
 	for {
 		if c.closed.Load() {
 			return errBlockingClosed
@@ -255,8 +256,15 @@ func (c *Blocking) sendOne(b, oob []byte, deadline time.Time, try bool) error {
 		case err == unix.EINTR:
 		case err == unix.EAGAIN && try:
 			return ErrWouldBlock
+		case err == unix.EAGAIN && last:
+			return os.ErrDeadlineExceeded
 		case err == unix.EAGAIN:
-			if err := c.wait(unix.POLLOUT, deadline, false); err != nil {
+			// A sender that did not run while its wait ran out (stopped,
+			// traced, starved of CPU) tries once more: the peer may have
+			// made room meanwhile.
+			if err := c.wait(unix.POLLOUT, deadline, false); errors.Is(err, os.ErrDeadlineExceeded) {
+				last = true
+			} else if err != nil {
 				return err
 			}
 		case err == unix.EPIPE || err == unix.ECONNRESET:
