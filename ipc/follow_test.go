@@ -650,6 +650,10 @@ func TestBoundLanesLeaveAPAndShareNoCPU(t *testing.T) {
 	}()
 	assert.Equal(t, -1, laneCPUOf(t, clients[1], last), "a second lane does not follow its caller to a CPU a lane has")
 	assert.Equal(t, -1, laneCPUOf(t, clients[2], first), "with GOMAXPROCS 2, a second lane bound would leave no P")
+	// The third asks no more: a lane binds after its answer has gone, so
+	// the last request it made while refused could otherwise take the
+	// first lane's CPU slot as it is given back, before the second asks.
+	require.Equal(t, -1, laneCPUOf(t, clients[2], -1))
 
 	require.Equal(t, -1, laneCPUOf(t, clients[0], -1), "the first lane let go of its CPU")
 	assert.Equal(t, last, laneCPUOf(t, clients[1], last), "the second lane follows once the CPU is free (lanes let go starved: %d)", s.Stats().StarvedLanes)
