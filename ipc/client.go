@@ -79,11 +79,6 @@ type Client struct {
 
 	reader  sync.WaitGroup // the connection's reader, and the lane's drainer while it runs
 	laneBuf []byte         // the lane's receive buffer, used by the leader (see endpoint)
-	// laneHolding is set while the lane's reader holds an answer it has
-	// received and not yet handed to its caller: a call that waits finds
-	// its answer neither queued nor come (see await).
-	laneHolding atomic.Bool
-
 	// The lane's answers still owed to calls that gave up after their
 	// request went, and the drainer: the reader of the lane while no
 	// caller is, until those answers are in (see drain). Under mu.
@@ -482,11 +477,8 @@ func (c *Client) await(ctx context.Context, deadline time.Time, l *sock.Blocking
 		err = context.DeadlineExceeded
 	}
 	if errors.Is(err, context.DeadlineExceeded) {
-		// The reader has taken what is queued once nothing is, and it
-		// holds no answer it received (laneHolding).
-		caughtUp := func() bool { return !l.Queued() && !c.laneHolding.Load() }
 		cl.lateSince = time.Now()
-		switch got, aerr := catchUp(caughtUp, cl.ch, cl.lead, nil); got {
+		switch got, aerr := catchUp(l.CaughtUp, cl.ch, cl.lead, nil); got {
 		case answerCame:
 			c.mu.Lock()
 			c.resignLane(cl)
@@ -566,7 +558,10 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			err = sock.ErrNoMessage
 		case late:
 			n, files, err = l.TryRecv(c.laneBuf)
-		case unwoken:
+		case unwoken && c.following.Load() == 0:
+			// A plain blocking receive counts as holding an answer while
+			// it waits (see sock.Blocking.CaughtUp): with a call waiting
+			// for the reading, the wait comes first.
 			n, files, err = l.RecvBy(c.laneBuf, deadline)
 		default:
 			n, files, err = l.Recv(c.laneBuf, deadline)
@@ -599,21 +594,23 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			c.giveUp(cl.id)
 			return cerr, true
 		}
-		c.laneHolding.Store(true)
+		if hook := laneReceived.Load(); hook != nil {
+			(*hook)(c)
+		}
 		f, err := laneAnswer(c.laneBuf[:n], files)
 		if err != nil {
 			dropFiles(files)
 			c.fail(err)
-			c.laneHolding.Store(false)
+			l.Dealt()
 			return nil, false
 		}
 		if f.ID != cl.id {
 			c.deliverLane(f, files) // another caller's, or one nobody waits for
-			c.laneHolding.Store(false)
+			l.Dealt()
 			delivered = true
 			continue
 		}
-		c.laneHolding.Store(false)
+		l.Dealt()
 		if c.take(cl.id) == nil {
 			dropFiles(files)
 			return nil, false
@@ -621,6 +618,12 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		return decodeAnswer(f, files, cl.reply), true
 	}
 }
+
+// laneReceived, when set (by tests), runs in a call reading the lane
+// as each message has been received, before anything is done with it:
+// where the reader's thread may stop between the kernel's receive and
+// its return (a process stopped, traced or starved of CPU).
+var laneReceived atomic.Pointer[func(*Client)]
 
 // giveUp tells the server that the lane call of id was given up, so that
 // its handler's context ends (see KindCancel). The notice goes only if it
@@ -722,16 +725,15 @@ func (c *Client) drain(l *sock.Blocking, d *call) {
 			c.laneEnded(err)
 			return
 		}
-		c.laneHolding.Store(true)
 		f, err := laneAnswer(c.laneBuf[:n], files)
 		if err != nil {
 			dropFiles(files)
 			c.fail(err)
-			c.laneHolding.Store(false)
+			l.Dealt()
 			return
 		}
 		c.deliverLane(f, files)
-		c.laneHolding.Store(false)
+		l.Dealt()
 	}
 }
 
@@ -757,6 +759,7 @@ func (c *endpoint) follow(cl *call) {
 		cl.lead = make(chan struct{}, 1)
 	}
 	cl.following = true
+	c.following.Add(1)
 	cl.prev, cl.next = c.lastF, nil
 	if c.lastF != nil {
 		c.lastF.next = cl
@@ -783,6 +786,7 @@ func (c *endpoint) unfollow(cl *call) {
 		c.lastF = cl.prev
 	}
 	cl.prev, cl.next, cl.following = nil, nil, false
+	c.following.Add(-1)
 }
 
 // resign hands the reading over to the first caller waiting, if cl has

@@ -75,7 +75,11 @@
 //     reading to the next (leader and followers). A caller's cancellation
 //     reaches the reader through an eventfd it polls beside the socket
 //     (a call that cannot be cancelled skips the poll and waits in the
-//     receive alone, its deadline kept by the socket's receive timeout).
+//     receive alone, its deadline kept by the socket's receive timeout,
+//     unless others wait for the reading: a caller whose deadline passes
+//     first waits, 100 ms at most, until the reader has handed over what
+//     it took off the socket, and a receive alone may have taken an
+//     answer the moment it blocks).
 //   - the server reads each peer's lane on a goroutine blocked in a receive,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.
@@ -95,7 +99,8 @@
 //
 // A round trip on the lane makes one sendto and one recvfrom per side,
 // plus one ppoll on the client (the eventfd) when the call can be
-// cancelled, and no other system call or wake-up: the C floor's shape
+// cancelled or others wait behind its reader, and no other system call
+// or wake-up: the C floor's shape
 // and calls. (A frame with descriptors goes after a one-byte notice, and
 // is received with recvmsg; see sock.Blocking for descriptors that come
 // without a notice.) The price is a thread per

@@ -160,6 +160,7 @@ type endpoint struct {
 	// for their answers there, in order.
 	leader        *call
 	firstF, lastF *call
+	following     atomic.Int32  // how many calls are in firstF to lastF; read without mu
 	err           error         // why the connection ended; nil while it is open
 	done          chan struct{} // closed when err is set
 }

@@ -64,3 +64,10 @@ func LanesWaiting(s *Server) int {
 	defer s.lanesMu.Unlock()
 	return len(s.waiting)
 }
+
+// SetLaneReceivedHook has each call reading a lane call f with its client
+// as each message has been received; the returned function unsets it.
+func SetLaneReceivedHook(f func(*Client)) (restore func()) {
+	laneReceived.Store(&f)
+	return func() { laneReceived.Store(nil) }
+}

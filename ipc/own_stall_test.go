@@ -418,17 +418,23 @@ func helperFloodServer(args []string) int {
 // sayWhenAGoroutineWaitsIn says "blocked" once the stack of a goroutine of
 // this process holds every function named in where.
 func sayWhenAGoroutineWaitsIn(where []string) {
-	buf := make([]byte, 1<<22)
-	for {
-		n := runtime.Stack(buf, true)
-		for _, g := range strings.Split(string(buf[:n]), "\n\n") {
-			if !slices.ContainsFunc(where, func(fn string) bool { return !strings.Contains(g, fn) }) {
-				testproc.Say("blocked")
-				return
-			}
-		}
+	for !aGoroutineWaitsIn(where) {
 		time.Sleep(time.Millisecond) // polling the runtime's answer
 	}
+	testproc.Say("blocked")
+}
+
+// aGoroutineWaitsIn reports whether the stack of a goroutine of this
+// process holds every function named in where.
+func aGoroutineWaitsIn(where []string) bool {
+	buf := make([]byte, 1<<22)
+	n := runtime.Stack(buf, true)
+	for _, g := range strings.Split(string(buf[:n]), "\n\n") {
+		if !slices.ContainsFunc(where, func(fn string) bool { return !strings.Contains(g, fn) }) {
+			return true
+		}
+	}
+	return false
 }
 
 // A peer that made room while the server was stopped, its frame waiting
@@ -614,5 +620,100 @@ func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
 		case <-time.After(bound):
 			t.Fatalf("call %d, with a 20 ms deadline, still reads the flooded lane after %v", i, bound)
 		}
+	}
+}
+
+// A call waiting behind the lane's reader is answered though its deadline
+// passed while the reader held its answer, taken off the socket in time
+// but not handed over yet: the reader's thread did not run between the
+// kernel's receive and its return (its process stopped, traced, starved
+// of CPU). The reader waits for its own answer with a plain blocking
+// receive (a call that cannot be cancelled: "unwoken") or with a wait
+// that a wake-up ends ("wakeable").
+func TestALaneAnswerTakenInTimeCountsThoughItsReaderStalledBeforeHandingItOver(t *testing.T) {
+	const timeout = 300 * time.Millisecond // the waiting call's
+	for _, how := range []string{"unwoken", "wakeable"} {
+		t.Run(how, func(t *testing.T) {
+			clients := make(chan *ipc.Client, 1)
+			lane := laneServer(t, func(path string) {
+				go func() {
+					ctx, cancel := context.WithTimeout(context.Background(), bound)
+					defer cancel()
+					c, err := dialHello(ctx, path)
+					if err != nil {
+						t.Error(err)
+						close(clients)
+						return
+					}
+					clients <- c
+				}()
+			})
+			c := waitFor(t, clients, "the client")
+			require.NotNil(t, c)
+			t.Cleanup(func() { c.Close() })
+
+			// The reader stalls on its first message, until the waiting
+			// call is past its deadline: given up, or waiting for what
+			// the reader holds.
+			waiter, waiterDone := make(chan error, 1), make(chan struct{})
+			var once sync.Once
+			defer ipc.SetLaneReceivedHook(func(got *ipc.Client) {
+				if got != c {
+					return
+				}
+				once.Do(func() {
+					for !aGoroutineWaitsIn([]string{"ipc.catchUp(", "ipc.(*Client).await("}) {
+						select {
+						case <-waiterDone:
+							return
+						default:
+						}
+						time.Sleep(time.Millisecond) // polling the runtime's answer
+					}
+				})
+			})()
+
+			reader := make(chan error, 1)
+			go func() {
+				if how == "unwoken" {
+					reader <- c.CallTimeout(bound, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+					return
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), bound)
+				defer cancel()
+				reader <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+			}()
+			buf := make([]byte, ipc.MaxMessage)
+			request := func() ipc.Frame {
+				n, _, err := lane.RecvBy(buf, time.Now().Add(bound))
+				require.NoError(t, err)
+				req, err := ipc.ParseFrame(buf[:n])
+				require.NoError(t, err)
+				return req
+			}
+			first := request()
+			// The first call reads the lane before the second comes.
+			for !aGoroutineWaitsIn([]string{"ipc.(*Client).readLane(", "sock.(*Blocking)."}) {
+				time.Sleep(time.Millisecond) // polling the runtime's answer
+			}
+			before := time.Now() // the second call's deadline is after timeout from here
+			go func() {
+				defer close(waiterDone)
+				waiter <- c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x2000}, &ipc.CreateMRReply{})
+			}()
+			second := request()
+			answer := func(id uint64) {
+				b, err := ipc.AppendFrame(nil, id, ipc.KindReply, 0, &ipc.CreateMRReply{Start: 0x1000, End: 0x3000, LKey: 7})
+				require.NoError(t, err)
+				require.NoError(t, lane.Send(b, nil, time.Time{}))
+			}
+			answer(second.ID) // the reader takes it, and stalls
+			if now := time.Now(); !now.Before(before.Add(timeout)) {
+				t.Fatalf("the test answered %v after the deadline: it means to meet it", now.Sub(before.Add(timeout)))
+			}
+			assert.NoError(t, waitFor(t, waiter, "the waiting call"), "the waiting call, answered in time")
+			answer(first.ID)
+			assert.NoError(t, waitFor(t, reader, "the reading call"))
+		})
 	}
 }

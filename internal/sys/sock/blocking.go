@@ -82,6 +82,11 @@ type Blocking struct {
 	// owed counts the notices sent whose messages could not follow them
 	// (see send).
 	owed atomic.Int64
+	// holding is set from the moment a receive may take a message off
+	// the socket's queue until the receiver has dealt with it (Dealt, or
+	// its next receive) or the receive returned none: while it is clear,
+	// every message received has been dealt with (see CaughtUp).
+	holding atomic.Bool
 }
 
 // BlockingPair returns a connected pair of SOCK_SEQPACKET sockets: the
@@ -300,6 +305,32 @@ func (c *Blocking) RecvBy(b []byte, deadline time.Time) (int, []*os.File, error)
 	return c.recvBlocking(b, deadline)
 }
 
+// CaughtUp reports whether c's receiver has dealt with everything the
+// peer had sent by the time of the call: nothing is queued on the socket,
+// and every message a receive returned has been dealt with (Dealt, or
+// the receiver's next receive). A goroutine that waits for the receiver
+// to hand it a message, and finds its deadline passed, asks it first: a
+// process that did not run for a while (stopped, traced, starved of CPU)
+// finds its deadlines passed and the messages that came meanwhile
+// queued, or taken by a receiver that has not run since. A plain
+// blocking receive (RecvBy; Recv without a deadline on a connection that
+// is not wakeable) counts as holding a message for as long as it waits,
+// since the kernel takes the message inside the call: a waiter that must
+// not wait on it has the receiver use Recv. A closed connection is caught
+// up. Safe to call from any goroutine, while a receive runs.
+func (c *Blocking) CaughtUp() bool {
+	// In this order: a message taken off the queue before it was found
+	// empty was marked before it was taken.
+	if c.Queued() {
+		return c.closed.Load()
+	}
+	return !c.holding.Load()
+}
+
+// Dealt says that the receiver has dealt with the message its last
+// receive returned (see CaughtUp).
+func (c *Blocking) Dealt() { c.holding.Store(false) }
+
 // Queued reports whether anything is queued on c to be received (or c
 // cannot say, or is closed).
 func (c *Blocking) Queued() bool {
@@ -317,16 +348,17 @@ func (c *Blocking) Queued() bool {
 func (c *Blocking) TryRecv(b []byte) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
+	c.holding.Store(true)
 	for {
 		if c.closed.Load() {
-			return 0, nil, errBlockingClosed
+			return c.none(errBlockingClosed)
 		}
 		n, oobn, rflags, err := c.recvOne(b, unix.MSG_DONTWAIT)
 		switch {
 		case err == unix.EINTR || err == errNoticed:
 			continue // a notice: its message may be queued behind it
 		case err == unix.EAGAIN:
-			return 0, nil, ErrNoMessage
+			return c.none(ErrNoMessage)
 		}
 		return c.received(n, len(b), oobn, rflags, err)
 	}
@@ -338,6 +370,7 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 	}
 	c.mu.RLock()
 	defer c.mu.RUnlock()
+	c.holding.Store(false) // the receiver came back: it dealt with the last
 	if c.closed.Load() {
 		return 0, nil, errBlockingClosed
 	}
@@ -345,6 +378,7 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 		return 0, nil, err
 	}
 	for {
+		c.holding.Store(true) // before the message leaves the queue
 		n, oobn, rflags, err := c.recvOne(b, unix.MSG_DONTWAIT)
 		switch {
 		case err == unix.EINTR:
@@ -353,6 +387,7 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 			// Readiness that went away, or a notice (whose message may
 			// come later: a flood of them must not hold the deadline or
 			// Wake off); wait again.
+			c.holding.Store(false)
 			if err := c.wait(unix.POLLIN, deadline, true); err != nil {
 				return 0, nil, err
 			}
@@ -367,12 +402,13 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
+	c.holding.Store(true) // the kernel takes the message inside the call
 	for {
 		if c.closed.Load() {
-			return 0, nil, errBlockingClosed
+			return c.none(errBlockingClosed)
 		}
 		if err := c.setTimeout(deadline); err != nil {
-			return 0, nil, err
+			return c.none(err)
 		}
 		n, oobn, rflags, err := c.recvOne(b, 0)
 		if err == unix.EINTR || err == unix.EAGAIN || err == errNoticed {
@@ -380,6 +416,12 @@ func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, 
 		}
 		return c.received(n, len(b), oobn, rflags, err)
 	}
+}
+
+// none ends a receive that returns no message with err.
+func (c *Blocking) none(err error) (int, []*os.File, error) {
+	c.holding.Store(false)
+	return 0, nil, err
 }
 
 // errNoticed is recvOne's report of a notice taken in: no message for the
@@ -473,7 +515,10 @@ func (c *Blocking) received(n, size, oobn, rflags int, err error) (int, []*os.Fi
 	n, files, err := received(n, size, c.oob[:max(oobn, 0)], rflags, err)
 	if c.closed.Load() && (err != nil || n == 0 && len(files) == 0) {
 		Drop(files)
-		return 0, nil, errBlockingClosed // Close shut the socket down: not the peer's end
+		return c.none(errBlockingClosed) // Close shut the socket down: not the peer's end
+	}
+	if err != nil {
+		c.holding.Store(false)
 	}
 	return n, files, err
 }

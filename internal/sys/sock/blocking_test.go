@@ -4,6 +4,8 @@ import (
 	"errors"
 	"io"
 	"os"
+	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -431,4 +433,66 @@ func TestBlockingQueued(t *testing.T) {
 	assert.False(t, b.Queued())
 	require.NoError(t, b.Close())
 	assert.True(t, b.Queued())
+}
+
+// CaughtUp says whether everything the peer sent has been dealt with:
+// nothing queued, and every message received declared dealt with (Dealt,
+// or the next receive). A receive that waits before it takes a message
+// holds none while it waits; a plain blocking receive (RecvBy), in which
+// the kernel takes the message, counts as holding one from its start.
+func TestBlockingCaughtUpSaysWhenAllWasDealtWith(t *testing.T) {
+	a, b := blockingPair(t)
+	buf := make([]byte, 8)
+	assert.True(t, b.CaughtUp(), "nothing sent")
+	require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
+	assert.False(t, b.CaughtUp(), "a message is queued")
+	_, _, err := b.Recv(buf, time.Now().Add(time.Second))
+	require.NoError(t, err)
+	assert.False(t, b.CaughtUp(), "the message received is not dealt with yet")
+	b.Dealt()
+	assert.True(t, b.CaughtUp(), "dealt with")
+
+	require.NoError(t, a.Send([]byte("two"), nil, time.Time{}))
+	_, _, err = b.TryRecv(buf)
+	require.NoError(t, err)
+	assert.False(t, b.CaughtUp(), "taken, not dealt with")
+	_, _, err = b.Recv(buf, time.Now().Add(time.Millisecond))
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	assert.True(t, b.CaughtUp(), "the next receive came back with nothing")
+
+	// A receive that waits first holds nothing while it waits.
+	waiting := recvAsync(b, time.Now().Add(10*time.Second))
+	for !goroutineWaitsIn("sock.(*Blocking).wait(") {
+		time.Sleep(time.Millisecond) // polling the runtime's answer
+	}
+	assert.True(t, b.CaughtUp(), "a receive waiting for a message")
+	require.NoError(t, a.Send([]byte("three"), nil, time.Time{}))
+	require.NoError(t, waitErr(t, waiting, "the waiting receive"))
+	assert.False(t, b.CaughtUp(), "received, not dealt with")
+	b.Dealt()
+
+	// A plain blocking receive may have taken a message the moment it
+	// waits in the kernel.
+	plain := make(chan error, 1)
+	go func() {
+		_, _, err := b.RecvBy(make([]byte, 8), time.Time{})
+		plain <- err
+	}()
+	for b.CaughtUp() {
+		time.Sleep(time.Millisecond) // polling for its start
+	}
+	require.NoError(t, a.Send([]byte("four"), nil, time.Time{}))
+	require.NoError(t, waitErr(t, plain, "the plain receive"))
+	assert.False(t, b.CaughtUp(), "received, not dealt with")
+	_, _, err = b.TryRecv(buf)
+	require.ErrorIs(t, err, ErrNoMessage)
+	assert.True(t, b.CaughtUp(), "a receive found nothing more")
+	require.NoError(t, b.Close())
+	assert.True(t, b.CaughtUp(), "closed: nothing more to read")
+}
+
+// goroutineWaitsIn reports whether a goroutine's stack holds fn.
+func goroutineWaitsIn(fn string) bool {
+	buf := make([]byte, 1<<20)
+	return strings.Contains(string(buf[:runtime.Stack(buf, true)]), fn)
 }
