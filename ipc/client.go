@@ -559,9 +559,11 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		case late:
 			n, files, err = l.TryRecv(c.laneBuf)
 		case unwoken && c.following.Load() == 0:
-			// A plain blocking receive counts as holding an answer while
-			// it waits (see sock.Blocking.CaughtUp): with a call waiting
-			// for the reading, the wait comes first.
+			// A plain blocking receive marks what it takes only as it
+			// returns (see sock.Blocking.CaughtUp): with a call waiting
+			// behind the reader, which looks at the mark when its
+			// deadline passes, the reader waits first and marks what it
+			// takes before it leaves the socket's queue.
 			n, files, err = l.RecvBy(c.laneBuf, deadline)
 		default:
 			n, files, err = l.Recv(c.laneBuf, deadline)

@@ -426,15 +426,30 @@ func sayWhenAGoroutineWaitsIn(where []string) {
 
 // aGoroutineWaitsIn reports whether the stack of a goroutine of this
 // process holds every function named in where.
-func aGoroutineWaitsIn(where []string) bool {
+func aGoroutineWaitsIn(where []string) bool { return goroutinesIn(where) > 0 }
+
+// goroutinesIn counts the goroutines of this process whose stacks hold
+// every function named in where.
+func goroutinesIn(where []string) int {
 	buf := make([]byte, 1<<22)
 	n := runtime.Stack(buf, true)
+	count := 0
 	for _, g := range strings.Split(string(buf[:n]), "\n\n") {
 		if !slices.ContainsFunc(where, func(fn string) bool { return !strings.Contains(g, fn) }) {
-			return true
+			count++
 		}
 	}
-	return false
+	return count
+}
+
+// waitUntilGoroutinesIn waits for n goroutines whose stacks hold every
+// function named in where.
+func waitUntilGoroutinesIn(t *testing.T, n int, where []string) {
+	t.Helper()
+	for end := time.Now().Add(bound); goroutinesIn(where) < n; {
+		require.True(t, time.Now().Before(end), "no %d goroutines in %v within %v", n, where, bound)
+		time.Sleep(time.Millisecond) // polling the runtime's answer
+	}
 }
 
 // A peer that made room while the server was stopped, its frame waiting
@@ -551,10 +566,10 @@ func laneServer(t *testing.T, start func(path string)) *sock.Blocking {
 	return lane
 }
 
-// A call on the lane past its deadline reads what is queued for a while
-// (catchUpWait), not for as long as answers keep coming: a server that
-// floods the lane with answers nobody waits for does not hold it.
-func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
+// rawLaneClient returns a client of this process connected to laneServer,
+// and the server's end of its lane.
+func rawLaneClient(t *testing.T) (*ipc.Client, *sock.Blocking) {
+	t.Helper()
 	clients := make(chan *ipc.Client, 1)
 	lane := laneServer(t, func(path string) {
 		go func() {
@@ -572,6 +587,14 @@ func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
 	c := waitFor(t, clients, "the client")
 	require.NotNil(t, c)
 	t.Cleanup(func() { c.Close() })
+	return c, lane
+}
+
+// A call on the lane past its deadline reads what is queued for a while
+// (catchUpWait), not for as long as answers keep coming: a server that
+// floods the lane with answers nobody waits for does not hold it.
+func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
+	c, lane := rawLaneClient(t)
 
 	stop := make(chan struct{})
 	var flood sync.WaitGroup
@@ -623,96 +646,153 @@ func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
 	}
 }
 
+// laneCalls plays calls on c, a client of laneServer, whose
+// lane's server end is lane: a first call that reads the lane (one that
+// cannot be cancelled, "unwoken", waits in a plain blocking receive; else
+// in a wait that a wake-up ends), then calls waiting behind it, each made
+// once those before wait. Each call's error comes on its channel; its
+// request is returned.
+type laneCalls struct {
+	t    *testing.T
+	c    *ipc.Client
+	lane *sock.Blocking
+	buf  []byte
+	// waiting counts the calls made that wait behind the first.
+	waiting int
+}
+
+// first makes the call that reads the lane, as how says.
+func (lc *laneCalls) first(how string) (ipc.Frame, <-chan error) {
+	done := make(chan error, 1)
+	go func() {
+		if how == "unwoken" {
+			done <- lc.c.CallTimeout(bound, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), bound)
+		defer cancel()
+		done <- lc.c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+	}()
+	req := lc.request()
+	waitUntilGoroutinesIn(lc.t, 1, []string{"ipc.(*Client).readLane(", "sock.(*Blocking)."})
+	return req, done
+}
+
+// behind makes a call with timeout that waits behind the reader; done is
+// closed once it has returned.
+func (lc *laneCalls) behind(timeout time.Duration) (req ipc.Frame, err <-chan error, done <-chan struct{}) {
+	errs, returned := make(chan error, 1), make(chan struct{})
+	go func() {
+		defer close(returned)
+		errs <- lc.c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x2000}, &ipc.CreateMRReply{})
+	}()
+	req = lc.request()
+	lc.waiting++
+	waitUntilGoroutinesIn(lc.t, lc.waiting, []string{"ipc.(*Client).await("})
+	return req, errs, returned
+}
+
+// request takes the next request off the lane.
+func (lc *laneCalls) request() ipc.Frame {
+	n, _, err := lc.lane.RecvBy(lc.buf, time.Now().Add(bound))
+	require.NoError(lc.t, err)
+	req, err := ipc.ParseFrame(lc.buf[:n])
+	require.NoError(lc.t, err)
+	return req
+}
+
+// answer answers the request of id.
+func (lc *laneCalls) answer(id uint64) {
+	b, err := ipc.AppendFrame(nil, id, ipc.KindReply, 0, &ipc.CreateMRReply{Start: 0x1000, End: 0x3000, LKey: 7})
+	require.NoError(lc.t, err)
+	require.NoError(lc.t, lc.lane.Send(b, nil, time.Time{}))
+}
+
 // A call waiting behind the lane's reader is answered though its deadline
 // passed while the reader held its answer, taken off the socket in time
 // but not handed over yet: the reader's thread did not run between the
 // kernel's receive and its return (its process stopped, traced, starved
 // of CPU). The reader waits for its own answer with a plain blocking
-// receive (a call that cannot be cancelled: "unwoken") or with a wait
-// that a wake-up ends ("wakeable").
+// receive (a call that cannot be cancelled: "unwoken") as long as no
+// call waits behind it, or with a wait that a wake-up ends ("wakeable").
 func TestALaneAnswerTakenInTimeCountsThoughItsReaderStalledBeforeHandingItOver(t *testing.T) {
 	const timeout = 300 * time.Millisecond // the waiting call's
 	for _, how := range []string{"unwoken", "wakeable"} {
 		t.Run(how, func(t *testing.T) {
-			clients := make(chan *ipc.Client, 1)
-			lane := laneServer(t, func(path string) {
-				go func() {
-					ctx, cancel := context.WithTimeout(context.Background(), bound)
-					defer cancel()
-					c, err := dialHello(ctx, path)
-					if err != nil {
-						t.Error(err)
-						close(clients)
-						return
-					}
-					clients <- c
-				}()
-			})
-			c := waitFor(t, clients, "the client")
-			require.NotNil(t, c)
-			t.Cleanup(func() { c.Close() })
-
-			// The reader stalls on its first message, until the waiting
-			// call is past its deadline: given up, or waiting for what
-			// the reader holds.
-			waiter, waiterDone := make(chan error, 1), make(chan struct{})
-			var once sync.Once
+			c, lane := rawLaneClient(t)
+			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
+			var waiterDone <-chan struct{}
+			// The reader stalls on its second message, until the call
+			// waiting for it is past its deadline: given up, or waiting
+			// for what the reader holds.
+			received := 0
 			defer ipc.SetLaneReceivedHook(func(got *ipc.Client) {
 				if got != c {
 					return
 				}
-				once.Do(func() {
-					for !aGoroutineWaitsIn([]string{"ipc.catchUp(", "ipc.(*Client).await("}) {
-						select {
-						case <-waiterDone:
-							return
-						default:
-						}
-						time.Sleep(time.Millisecond) // polling the runtime's answer
-					}
-				})
-			})()
-
-			reader := make(chan error, 1)
-			go func() {
-				if how == "unwoken" {
-					reader <- c.CallTimeout(bound, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+				if received++; received != 2 {
 					return
 				}
-				ctx, cancel := context.WithTimeout(context.Background(), bound)
-				defer cancel()
-				reader <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
-			}()
-			buf := make([]byte, ipc.MaxMessage)
-			request := func() ipc.Frame {
-				n, _, err := lane.RecvBy(buf, time.Now().Add(bound))
-				require.NoError(t, err)
-				req, err := ipc.ParseFrame(buf[:n])
-				require.NoError(t, err)
-				return req
-			}
-			first := request()
-			// The first call reads the lane before the second comes.
-			for !aGoroutineWaitsIn([]string{"ipc.(*Client).readLane(", "sock.(*Blocking)."}) {
-				time.Sleep(time.Millisecond) // polling the runtime's answer
-			}
-			before := time.Now() // the second call's deadline is after timeout from here
-			go func() {
-				defer close(waiterDone)
-				waiter <- c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x2000}, &ipc.CreateMRReply{})
-			}()
-			second := request()
-			answer := func(id uint64) {
-				b, err := ipc.AppendFrame(nil, id, ipc.KindReply, 0, &ipc.CreateMRReply{Start: 0x1000, End: 0x3000, LKey: 7})
-				require.NoError(t, err)
-				require.NoError(t, lane.Send(b, nil, time.Time{}))
-			}
-			answer(second.ID) // the reader takes it, and stalls
+				for !aGoroutineWaitsIn([]string{"ipc.catchUp(", "ipc.(*Client).await("}) {
+					select {
+					case <-waiterDone:
+						return
+					default:
+					}
+					time.Sleep(time.Millisecond) // polling the runtime's answer
+				}
+			})()
+
+			first, reader := lc.first(how)
+			// One call behind it is answered first, while the reader waits
+			// as it began to, alone; the other, then, after the reader
+			// began again to wait for one with a call waiting behind it.
+			other, otherErr, _ := lc.behind(bound)
+			before := time.Now() // the waiting call's deadline is after timeout from here
+			second, waiter, returned := lc.behind(timeout)
+			waiterDone = returned
+			lc.answer(other.ID)
+			require.NoError(t, waitFor(t, otherErr, "the call answered first"))
+			// With a call behind it, the reader waits in a receive that
+			// marks what it takes before it leaves the socket's queue (a
+			// plain one could not: see sock.Blocking.CaughtUp).
+			waitUntilGoroutinesIn(t, 1, []string{"ipc.(*Client).readLane(", "sock.(*Blocking).wait("})
+			lc.answer(second.ID) // the reader takes it, and stalls
 			if now := time.Now(); !now.Before(before.Add(timeout)) {
 				t.Fatalf("the test answered %v after the deadline: it means to meet it", now.Sub(before.Add(timeout)))
 			}
 			assert.NoError(t, waitFor(t, waiter, "the waiting call"), "the waiting call, answered in time")
-			answer(first.ID)
+			lc.answer(first.ID)
+			assert.NoError(t, waitFor(t, reader, "the reading call"))
+		})
+	}
+}
+
+// A call waiting behind the lane's reader whose deadline passes while the
+// reader waits, with nothing taken off the socket, fails then: it does
+// not wait on, nor take an answer sent after its deadline.
+func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T) {
+	const timeout = 50 * time.Millisecond // the waiting call's
+	for _, how := range []string{"unwoken", "wakeable"} {
+		t.Run(how, func(t *testing.T) {
+			c, lane := rawLaneClient(t)
+			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
+			first, reader := lc.first(how)
+			second, waiter, returned := lc.behind(timeout)
+			// Its answer goes once the call is past its deadline: once it
+			// has returned, or waits for the reader to catch up.
+			for !aGoroutineWaitsIn([]string{"ipc.catchUp(", "ipc.(*Client).await("}) {
+				select {
+				case <-returned:
+				default:
+					time.Sleep(time.Millisecond) // polling the runtime's answer
+					continue
+				}
+				break
+			}
+			lc.answer(second.ID)
+			assert.ErrorIs(t, waitFor(t, waiter, "the waiting call"), context.DeadlineExceeded)
+			lc.answer(first.ID)
 			assert.NoError(t, waitFor(t, reader, "the reading call"))
 		})
 	}

@@ -312,12 +312,16 @@ func (c *Blocking) RecvBy(b []byte, deadline time.Time) (int, []*os.File, error)
 // to hand it a message, and finds its deadline passed, asks it first: a
 // process that did not run for a while (stopped, traced, starved of CPU)
 // finds its deadlines passed and the messages that came meanwhile
-// queued, or taken by a receiver that has not run since. A plain
-// blocking receive (RecvBy; Recv without a deadline on a connection that
-// is not wakeable) counts as holding a message for as long as it waits,
-// since the kernel takes the message inside the call: a waiter that must
-// not wait on it has the receiver use Recv. A closed connection is caught
-// up. Safe to call from any goroutine, while a receive runs.
+// queued, or taken by a receiver that has not run since. Recv and
+// TryRecv mark a message before it leaves the queue. A plain blocking
+// receive (RecvBy; Recv without a deadline on a connection that is not
+// wakeable) cannot: the kernel takes the message inside the call, which
+// is marked as it returns, so a receiver stopped between the two holds a
+// message that CaughtUp does not see (marking it from the call's start
+// would have every waiter wait on a receive that took nothing). A
+// receiver whose waiters must see every message taken uses Recv. A
+// closed connection is caught up. Safe to call from any goroutine, while
+// a receive runs.
 func (c *Blocking) CaughtUp() bool {
 	// In this order: a message taken off the queue before it was found
 	// empty was marked before it was taken.
@@ -402,18 +406,21 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	c.holding.Store(true) // the kernel takes the message inside the call
+	c.holding.Store(false) // the receiver came back: it dealt with the last
 	for {
 		if c.closed.Load() {
-			return c.none(errBlockingClosed)
+			return 0, nil, errBlockingClosed
 		}
 		if err := c.setTimeout(deadline); err != nil {
-			return c.none(err)
+			return 0, nil, err
 		}
 		n, oobn, rflags, err := c.recvOne(b, 0)
 		if err == unix.EINTR || err == unix.EAGAIN || err == errNoticed {
 			continue // a signal, the receive timeout, or a notice: look at the deadline again
 		}
+		// Marked only now: the kernel took it inside the call (see
+		// CaughtUp).
+		c.holding.Store(true)
 		return c.received(n, len(b), oobn, rflags, err)
 	}
 }
@@ -423,6 +430,12 @@ func (c *Blocking) none(err error) (int, []*os.File, error) {
 	c.holding.Store(false)
 	return 0, nil, err
 }
+
+// afterRecv, when set (by this package's tests), runs in recvOne after
+// each receive system call: where the receiver's thread may stop with
+// the message taken off the queue (its process stopped, traced, starved
+// of CPU).
+var afterRecv func()
 
 // errNoticed is recvOne's report of a notice taken in: no message for the
 // caller, who receives again.
@@ -458,6 +471,9 @@ func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error)
 		}
 	} else {
 		n, err = recvfrom(c.fd, p, flags|unix.MSG_TRUNC)
+	}
+	if afterRecv != nil {
+		afterRecv()
 	}
 	if err != nil {
 		return 0, 0, 0, err

@@ -437,9 +437,7 @@ func TestBlockingQueued(t *testing.T) {
 
 // CaughtUp says whether everything the peer sent has been dealt with:
 // nothing queued, and every message received declared dealt with (Dealt,
-// or the next receive). A receive that waits before it takes a message
-// holds none while it waits; a plain blocking receive (RecvBy), in which
-// the kernel takes the message, counts as holding one from its start.
+// or the next receive). A receive holds none while it waits.
 func TestBlockingCaughtUpSaysWhenAllWasDealtWith(t *testing.T) {
 	a, b := blockingPair(t)
 	buf := make([]byte, 8)
@@ -471,16 +469,16 @@ func TestBlockingCaughtUpSaysWhenAllWasDealtWith(t *testing.T) {
 	assert.False(t, b.CaughtUp(), "received, not dealt with")
 	b.Dealt()
 
-	// A plain blocking receive may have taken a message the moment it
-	// waits in the kernel.
+	// A plain blocking receive marks what it took as it returns.
 	plain := make(chan error, 1)
 	go func() {
 		_, _, err := b.RecvBy(make([]byte, 8), time.Time{})
 		plain <- err
 	}()
-	for b.CaughtUp() {
-		time.Sleep(time.Millisecond) // polling for its start
+	for !goroutineWaitsIn("sock.(*Blocking).recvBlocking(") {
+		time.Sleep(time.Millisecond) // polling the runtime's answer
 	}
+	assert.True(t, b.CaughtUp(), "a plain receive waiting for a message")
 	require.NoError(t, a.Send([]byte("four"), nil, time.Time{}))
 	require.NoError(t, waitErr(t, plain, "the plain receive"))
 	assert.False(t, b.CaughtUp(), "received, not dealt with")
@@ -495,4 +493,31 @@ func TestBlockingCaughtUpSaysWhenAllWasDealtWith(t *testing.T) {
 func goroutineWaitsIn(fn string) bool {
 	buf := make([]byte, 1<<20)
 	return strings.Contains(string(buf[:runtime.Stack(buf, true)]), fn)
+}
+
+// A message taken off the queue by Recv or TryRecv is held, for
+// CaughtUp, from before it left the queue: the receiver's thread may
+// stop right after the system call. (A plain blocking receive, RecvBy,
+// cannot mark it before the kernel takes it inside the call: see
+// CaughtUp.)
+func TestBlockingMarksAMessageBeforeItLeavesTheQueue(t *testing.T) {
+	for _, how := range []string{"Recv", "TryRecv"} {
+		t.Run(how, func(t *testing.T) {
+			a, b := blockingPair(t)
+			var seen []bool // CaughtUp, asked as each receive's system call returned
+			afterRecv = func() { seen = append(seen, b.CaughtUp()) }
+			defer func() { afterRecv = nil }()
+			require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
+			buf := make([]byte, 8)
+			var err error
+			if how == "Recv" {
+				_, _, err = b.Recv(buf, time.Now().Add(time.Second))
+			} else {
+				_, _, err = b.TryRecv(buf)
+			}
+			require.NoError(t, err)
+			assert.Equal(t, []bool{false}, seen, "caught up with the message taken, not yet returned")
+			assert.False(t, b.CaughtUp(), "returned, not dealt with")
+		})
+	}
 }
