@@ -678,18 +678,18 @@ func (lc *laneCalls) first(how string) (ipc.Frame, <-chan error) {
 	return req, done
 }
 
-// behind makes a call with timeout that waits behind the reader; done is
-// closed once it has returned.
-func (lc *laneCalls) behind(timeout time.Duration) (req ipc.Frame, err <-chan error, done <-chan struct{}) {
-	errs, returned := make(chan error, 1), make(chan struct{})
+// behind makes a call with timeout that waits behind the reader, and
+// closes done once it has returned.
+func (lc *laneCalls) behind(timeout time.Duration, done chan struct{}) (req ipc.Frame, err <-chan error) {
+	errs := make(chan error, 1)
 	go func() {
-		defer close(returned)
+		defer close(done)
 		errs <- lc.c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x2000}, &ipc.CreateMRReply{})
 	}()
 	req = lc.request()
 	lc.waiting++
 	waitUntilGoroutinesIn(lc.t, lc.waiting, []string{"ipc.(*Client).await("})
-	return req, errs, returned
+	return req, errs
 }
 
 // request takes the next request off the lane.
@@ -721,7 +721,7 @@ func TestALaneAnswerTakenInTimeCountsThoughItsReaderStalledBeforeHandingItOver(t
 		t.Run(how, func(t *testing.T) {
 			c, lane := rawLaneClient(t)
 			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
-			var waiterDone <-chan struct{}
+			waiterDone := make(chan struct{})
 			// The reader stalls on its second message, until the call
 			// waiting for it is past its deadline: given up, or waiting
 			// for what the reader holds.
@@ -747,10 +747,9 @@ func TestALaneAnswerTakenInTimeCountsThoughItsReaderStalledBeforeHandingItOver(t
 			// One call behind it is answered first, while the reader waits
 			// as it began to, alone; the other, then, after the reader
 			// began again to wait for one with a call waiting behind it.
-			other, otherErr, _ := lc.behind(bound)
+			other, otherErr := lc.behind(bound, make(chan struct{}))
 			before := time.Now() // the waiting call's deadline is after timeout from here
-			second, waiter, returned := lc.behind(timeout)
-			waiterDone = returned
+			second, waiter := lc.behind(timeout, waiterDone)
 			lc.answer(other.ID)
 			require.NoError(t, waitFor(t, otherErr, "the call answered first"))
 			// With a call behind it, the reader waits in a receive that
@@ -778,7 +777,8 @@ func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T
 			c, lane := rawLaneClient(t)
 			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
 			first, reader := lc.first(how)
-			second, waiter, returned := lc.behind(timeout)
+			returned := make(chan struct{})
+			second, waiter := lc.behind(timeout, returned)
 			// Its answer goes once the call is past its deadline: once it
 			// has returned, or waits for the reader to catch up.
 			for !aGoroutineWaitsIn([]string{"ipc.catchUp(", "ipc.(*Client).await("}) {
