@@ -133,9 +133,9 @@ func DialClient(ctx context.Context, path string, cfg ClientConfig) (*Client, er
 // Close). An answer that arrives after ctx ended is dropped; one already
 // queued when ctx's deadline passes is taken (a process that did not run
 // meanwhile, stopped or traced, finds its deadline passed and the answer
-// there): the call reads, or waits for the reader to take, what is
-// queued, up to 100 ms more (catchUpWait). The server is told the call
-// was given up (see the package doc).
+// there): the call reads, or waits for the reader to take and hand
+// over, what is queued, up to 100 ms more (catchUpWait). The server is
+// told the call was given up (see the package doc).
 func (c *Client) Call(ctx context.Context, kind Kind, req, reply any) error {
 	if !kind.IsRequest() {
 		return fmt.Errorf("%w: %s is not a request", ErrUnknownKind, kind)
@@ -451,9 +451,10 @@ func (c *Client) laneCallOn(ctx context.Context, deadline time.Time, l *sock.Blo
 
 // await waits, as a follower, for cl's answer, the end of ctx or the
 // deadline, or for the reading to be handed over to it (done=false). At
-// the deadline, while anything is queued on the lane l, it waits for the
-// reader to take it, catchUpWait at most: the answer may have come in
-// time while this process did not run (stopped, traced, starved of CPU).
+// the deadline, while anything is queued on the lane l or the reader
+// holds what it took (sock.Blocking.CaughtUp), it waits for the reader
+// to deal with it, catchUpWait at most: the answer may have come in time
+// while this process did not run (stopped, traced, starved of CPU).
 func (c *Client) await(ctx context.Context, deadline time.Time, l *sock.Blocking, cl *call) (err error, done bool) {
 	var expired <-chan time.Time
 	if !deadline.IsZero() {
@@ -561,9 +562,12 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		case unwoken && c.following.Load() == 0:
 			// A plain blocking receive marks what it takes only as it
 			// returns (see sock.Blocking.CaughtUp): with a call waiting
-			// behind the reader, which looks at the mark when its
-			// deadline passes, the reader waits first and marks what it
-			// takes before it leaves the socket's queue.
+			// behind the reader when it begins to receive, which looks
+			// at the mark when its deadline passes, the reader waits
+			// first and marks what it takes before it leaves the
+			// socket's queue. (A call that begins to wait while the
+			// plain receive is under way is not covered: see the
+			// package doc.)
 			n, files, err = l.RecvBy(c.laneBuf, deadline)
 		default:
 			n, files, err = l.Recv(c.laneBuf, deadline)
@@ -623,8 +627,9 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 
 // laneReceived, when set (by tests), runs in a call reading the lane
 // as each message has been received, before anything is done with it:
-// where the reader's thread may stop between the kernel's receive and
-// its return (a process stopped, traced or starved of CPU).
+// a reader stopped there (its process stopped, traced or starved of CPU)
+// holds a message that calls waiting behind it must see (the receive
+// marked it: see sock.Blocking.CaughtUp).
 var laneReceived atomic.Pointer[func(*Client)]
 
 // giveUp tells the server that the lane call of id was given up, so that

@@ -76,10 +76,13 @@
 //     reaches the reader through an eventfd it polls beside the socket
 //     (a call that cannot be cancelled skips the poll and waits in the
 //     receive alone, its deadline kept by the socket's receive timeout,
-//     unless others wait behind it: a caller whose deadline passes first
-//     waits, 100 ms at most, until the reader has handed over what it
-//     took off the socket, which the reader marks before it leaves the
-//     socket's queue only when it polled first).
+//     unless others wait behind it as it begins to receive: a caller
+//     whose deadline passes first waits, 100 ms at most, until the reader
+//     has handed over what it took off the socket, which the reader marks
+//     before it leaves the socket's queue only when it polled first; a
+//     call that began to wait while a receive alone was under way may
+//     give up on an answer that receive took in time, if the reader's
+//     thread does not run between the kernel's receive and its return).
 //   - the server reads each peer's lane on a goroutine blocked in a receive,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.

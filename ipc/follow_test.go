@@ -653,7 +653,7 @@ func TestBoundLanesLeaveAPAndShareNoCPU(t *testing.T) {
 	// The third asks no more: a lane binds after its answer has gone, so
 	// the last request it made while refused could otherwise take the
 	// first lane's CPU slot as it is given back, before the second asks.
-	require.Equal(t, -1, laneCPUOf(t, clients[2], -1))
+	require.Equal(t, -1, laneCPUOf(t, clients[2], -1), "the third lane asks for no CPU")
 
 	require.Equal(t, -1, laneCPUOf(t, clients[0], -1), "the first lane let go of its CPU")
 	assert.Equal(t, last, laneCPUOf(t, clients[1], last), "the second lane follows once the CPU is free (lanes let go starved: %d)", s.Stats().StarvedLanes)

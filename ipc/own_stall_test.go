@@ -7,9 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"runtime"
-	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -18,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/mpmr/mpmr/internal/sys/sock"
+	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/ipc"
 )
@@ -418,35 +416,17 @@ func helperFloodServer(args []string) int {
 // sayWhenAGoroutineWaitsIn says "blocked" once the stack of a goroutine of
 // this process holds every function named in where.
 func sayWhenAGoroutineWaitsIn(where []string) {
-	for !aGoroutineWaitsIn(where) {
+	for testenv.GoroutinesIn(where...) == 0 {
 		time.Sleep(time.Millisecond) // polling the runtime's answer
 	}
 	testproc.Say("blocked")
 }
 
-// aGoroutineWaitsIn reports whether the stack of a goroutine of this
-// process holds every function named in where.
-func aGoroutineWaitsIn(where []string) bool { return goroutinesIn(where) > 0 }
-
-// goroutinesIn counts the goroutines of this process whose stacks hold
-// every function named in where.
-func goroutinesIn(where []string) int {
-	buf := make([]byte, 1<<22)
-	n := runtime.Stack(buf, true)
-	count := 0
-	for _, g := range strings.Split(string(buf[:n]), "\n\n") {
-		if !slices.ContainsFunc(where, func(fn string) bool { return !strings.Contains(g, fn) }) {
-			count++
-		}
-	}
-	return count
-}
-
 // waitUntilGoroutinesIn waits for n goroutines whose stacks hold every
 // function named in where.
-func waitUntilGoroutinesIn(t *testing.T, n int, where []string) {
+func waitUntilGoroutinesIn(t *testing.T, n int, where ...string) {
 	t.Helper()
-	for end := time.Now().Add(bound); goroutinesIn(where) < n; {
+	for end := time.Now().Add(bound); testenv.GoroutinesIn(where...) < n; {
 		require.True(t, time.Now().Before(end), "no %d goroutines in %v within %v", n, where, bound)
 		time.Sleep(time.Millisecond) // polling the runtime's answer
 	}
@@ -674,7 +654,7 @@ func (lc *laneCalls) first(how string) (ipc.Frame, <-chan error) {
 		done <- lc.c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
 	}()
 	req := lc.request()
-	waitUntilGoroutinesIn(lc.t, 1, []string{"ipc.(*Client).readLane(", "sock.(*Blocking)."})
+	waitUntilGoroutinesIn(lc.t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
 	return req, done
 }
 
@@ -688,7 +668,7 @@ func (lc *laneCalls) behind(timeout time.Duration, done chan struct{}) (req ipc.
 	}()
 	req = lc.request()
 	lc.waiting++
-	waitUntilGoroutinesIn(lc.t, lc.waiting, []string{"ipc.(*Client).await("})
+	waitUntilGoroutinesIn(lc.t, lc.waiting, "ipc.(*Client).await(")
 	return req, errs
 }
 
@@ -716,7 +696,7 @@ func (lc *laneCalls) answer(id uint64) {
 // receive (a call that cannot be cancelled: "unwoken") as long as no
 // call waits behind it, or with a wait that a wake-up ends ("wakeable").
 func TestALaneAnswerTakenInTimeCountsThoughItsReaderStalledBeforeHandingItOver(t *testing.T) {
-	const timeout = 300 * time.Millisecond // the waiting call's
+	const timeout = time.Second // the waiting call's: room for a busy machine to answer in time
 	for _, how := range []string{"unwoken", "wakeable"} {
 		t.Run(how, func(t *testing.T) {
 			c, lane := rawLaneClient(t)
@@ -733,7 +713,7 @@ func TestALaneAnswerTakenInTimeCountsThoughItsReaderStalledBeforeHandingItOver(t
 				if received++; received != 2 {
 					return
 				}
-				for !aGoroutineWaitsIn([]string{"ipc.catchUp(", "ipc.(*Client).await("}) {
+				for testenv.GoroutinesIn("ipc.catchUp(", "ipc.(*Client).await(") == 0 {
 					select {
 					case <-waiterDone:
 						return
@@ -755,7 +735,7 @@ func TestALaneAnswerTakenInTimeCountsThoughItsReaderStalledBeforeHandingItOver(t
 			// With a call behind it, the reader waits in a receive that
 			// marks what it takes before it leaves the socket's queue (a
 			// plain one could not: see sock.Blocking.CaughtUp).
-			waitUntilGoroutinesIn(t, 1, []string{"ipc.(*Client).readLane(", "sock.(*Blocking).wait("})
+			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).wait(")
 			lc.answer(second.ID) // the reader takes it, and stalls
 			if now := time.Now(); !now.Before(before.Add(timeout)) {
 				t.Fatalf("the test answered %v after the deadline: it means to meet it", now.Sub(before.Add(timeout)))
@@ -780,8 +760,9 @@ func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T
 			returned := make(chan struct{})
 			second, waiter := lc.behind(timeout, returned)
 			// Its answer goes once the call is past its deadline: once it
-			// has returned, or waits for the reader to catch up.
-			for !aGoroutineWaitsIn([]string{"ipc.catchUp(", "ipc.(*Client).await("}) {
+			// has returned, or waits (in a select) for the reader to catch
+			// up, which it must not.
+			for testenv.GoroutinesIn("[select", "ipc.catchUp(", "ipc.(*Client).await(") == 0 {
 				select {
 				case <-returned:
 				default:

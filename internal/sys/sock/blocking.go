@@ -83,9 +83,10 @@ type Blocking struct {
 	// (see send).
 	owed atomic.Int64
 	// holding is set from the moment a receive may take a message off
-	// the socket's queue until the receiver has dealt with it (Dealt, or
-	// its next receive) or the receive returned none: while it is clear,
-	// every message received has been dealt with (see CaughtUp).
+	// the socket's queue (a plain blocking receive: from its return)
+	// until the receiver has dealt with it (Dealt, or its next receive)
+	// or the receive returned none: while it is clear, every message
+	// received has been dealt with (see CaughtUp).
 	holding atomic.Bool
 }
 
@@ -374,7 +375,7 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 	}
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	c.holding.Store(false) // the receiver came back: it dealt with the last
+	c.cameBack()
 	if c.closed.Load() {
 		return 0, nil, errBlockingClosed
 	}
@@ -406,7 +407,7 @@ func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os
 func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
-	c.holding.Store(false) // the receiver came back: it dealt with the last
+	c.cameBack()
 	for {
 		if c.closed.Load() {
 			return 0, nil, errBlockingClosed
@@ -425,6 +426,15 @@ func (c *Blocking) recvBlocking(b []byte, deadline time.Time) (int, []*os.File, 
 	}
 }
 
+// cameBack clears the mark of the message the last receive returned: the
+// receiver, receiving again, has dealt with it. (Most often Dealt did:
+// then it costs no store.)
+func (c *Blocking) cameBack() {
+	if c.holding.Load() {
+		c.holding.Store(false)
+	}
+}
+
 // none ends a receive that returns no message with err.
 func (c *Blocking) none(err error) (int, []*os.File, error) {
 	c.holding.Store(false)
@@ -435,7 +445,7 @@ func (c *Blocking) none(err error) (int, []*os.File, error) {
 // each receive system call: where the receiver's thread may stop with
 // the message taken off the queue (its process stopped, traced, starved
 // of CPU).
-var afterRecv func()
+var afterRecv atomic.Pointer[func()]
 
 // errNoticed is recvOne's report of a notice taken in: no message for the
 // caller, who receives again.
@@ -472,8 +482,8 @@ func (c *Blocking) recvOne(b []byte, flags int) (n, oobn, rflags int, err error)
 	} else {
 		n, err = recvfrom(c.fd, p, flags|unix.MSG_TRUNC)
 	}
-	if afterRecv != nil {
-		afterRecv()
+	if hook := afterRecv.Load(); hook != nil {
+		(*hook)()
 	}
 	if err != nil {
 		return 0, 0, 0, err

@@ -4,14 +4,14 @@ import (
 	"errors"
 	"io"
 	"os"
-	"runtime"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 // blockingPair returns both ends of a fresh pair as Blocking connections,
@@ -460,9 +460,7 @@ func TestBlockingCaughtUpSaysWhenAllWasDealtWith(t *testing.T) {
 
 	// A receive that waits first holds nothing while it waits.
 	waiting := recvAsync(b, time.Now().Add(10*time.Second))
-	for !goroutineWaitsIn("sock.(*Blocking).wait(") {
-		time.Sleep(time.Millisecond) // polling the runtime's answer
-	}
+	waitUntilGoroutinesIn(t, "sock.(*Blocking).wait(")
 	assert.True(t, b.CaughtUp(), "a receive waiting for a message")
 	require.NoError(t, a.Send([]byte("three"), nil, time.Time{}))
 	require.NoError(t, waitErr(t, waiting, "the waiting receive"))
@@ -475,9 +473,7 @@ func TestBlockingCaughtUpSaysWhenAllWasDealtWith(t *testing.T) {
 		_, _, err := b.RecvBy(make([]byte, 8), time.Time{})
 		plain <- err
 	}()
-	for !goroutineWaitsIn("sock.(*Blocking).recvBlocking(") {
-		time.Sleep(time.Millisecond) // polling the runtime's answer
-	}
+	waitUntilGoroutinesIn(t, "sock.(*Blocking).recvBlocking(")
 	assert.True(t, b.CaughtUp(), "a plain receive waiting for a message")
 	require.NoError(t, a.Send([]byte("four"), nil, time.Time{}))
 	require.NoError(t, waitErr(t, plain, "the plain receive"))
@@ -489,13 +485,17 @@ func TestBlockingCaughtUpSaysWhenAllWasDealtWith(t *testing.T) {
 	assert.True(t, b.CaughtUp(), "closed: nothing more to read")
 }
 
-// goroutineWaitsIn reports whether a goroutine's stack holds fn.
-func goroutineWaitsIn(fn string) bool {
-	buf := make([]byte, 1<<20)
-	return strings.Contains(string(buf[:runtime.Stack(buf, true)]), fn)
+// waitUntilGoroutinesIn waits for a goroutine whose stack holds every one
+// of frames.
+func waitUntilGoroutinesIn(t *testing.T, frames ...string) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); testenv.GoroutinesIn(frames...) == 0; {
+		require.True(t, time.Now().Before(end), "no goroutine in %v", frames)
+		time.Sleep(time.Millisecond) // polling the runtime's answer
+	}
 }
 
-// A message taken off the queue by Recv or TryRecv is held, for
+// A message taken off the queue by Recv or TryRecv is marked held, for
 // CaughtUp, from before it left the queue: the receiver's thread may
 // stop right after the system call. (A plain blocking receive, RecvBy,
 // cannot mark it before the kernel takes it inside the call: see
@@ -504,9 +504,10 @@ func TestBlockingMarksAMessageBeforeItLeavesTheQueue(t *testing.T) {
 	for _, how := range []string{"Recv", "TryRecv"} {
 		t.Run(how, func(t *testing.T) {
 			a, b := blockingPair(t)
-			var seen []bool // CaughtUp, asked as each receive's system call returned
-			afterRecv = func() { seen = append(seen, b.CaughtUp()) }
-			defer func() { afterRecv = nil }()
+			var seen []bool // the mark, as each receive's system call returned
+			hook := func() { seen = append(seen, b.holding.Load()) }
+			afterRecv.Store(&hook)
+			defer afterRecv.Store(nil)
 			require.NoError(t, a.Send([]byte("one"), nil, time.Time{}))
 			buf := make([]byte, 8)
 			var err error
@@ -516,7 +517,7 @@ func TestBlockingMarksAMessageBeforeItLeavesTheQueue(t *testing.T) {
 				_, _, err = b.TryRecv(buf)
 			}
 			require.NoError(t, err)
-			assert.Equal(t, []bool{false}, seen, "caught up with the message taken, not yet returned")
+			assert.Equal(t, []bool{true}, seen, "the message taken, not yet returned, is not marked")
 			assert.False(t, b.CaughtUp(), "returned, not dealt with")
 		})
 	}
