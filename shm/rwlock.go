@@ -466,7 +466,9 @@ func (l *RWLock) lock(b *bound) error {
 	return err
 }
 
-// takeTurn takes this process's turn to write, waiting as b allows.
+// takeTurn takes this process's turn to write, waiting as b allows: a
+// wait that ran out (not one cancelled) takes the turn if it is free by
+// then.
 func (l *RWLock) takeTurn(b *bound) error {
 	select {
 	case l.turn <- struct{}{}:
@@ -475,24 +477,44 @@ func (l *RWLock) takeTurn(b *bound) error {
 	}
 	l.queued.Add(1)
 	defer l.queued.Add(-1)
+	var ranOut error
 	if b.ctx != nil {
 		select {
 		case l.turn <- struct{}{}:
 			return nil
 		case <-b.ctx.Done():
-			return b.ctx.Err()
+			if ranOut = b.ctx.Err(); ranOut != context.DeadlineExceeded {
+				return ranOut // cancelled: it takes nothing more
+			}
+		}
+	} else {
+		at, _ := b.deadline()
+		t := time.NewTimer(time.Until(at))
+		defer t.Stop()
+		select {
+		case l.turn <- struct{}{}:
+			return nil
+		case <-t.C:
+			ranOut = context.DeadlineExceeded
 		}
 	}
-	at, _ := b.deadline()
-	t := time.NewTimer(time.Until(at))
-	defer t.Stop()
+	if hook := turnRanOut.Load(); hook != nil {
+		(*hook)()
+	}
+	// The writer ahead may have given the turn back while this one did
+	// not run (its process stopped, traced, starved of CPU): a turn free
+	// when it judges counts.
 	select {
 	case l.turn <- struct{}{}:
 		return nil
-	case <-t.C:
-		return context.DeadlineExceeded
+	default:
+		return ranOut
 	}
 }
+
+// turnRanOut, when set (by tests), runs in takeTurn as a writer's wait
+// for its turn runs out, before it judges: where its process may stop.
+var turnRanOut atomic.Pointer[func()]
 
 // forged reports whether owner word w, read while this process holds its
 // turn, was written by another process: it names this process, whose

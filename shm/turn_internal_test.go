@@ -1,0 +1,52 @@
+package shm
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A writer whose wait for its process's turn ran out takes the turn if it
+// is free when it comes to judge: the writer ahead may have given it back
+// while this one did not run (its process stopped, traced, starved of
+// CPU), which its deadline should not count against it. Whether the wait
+// was bounded by a time (LockWithin) or by a context's deadline (Lock).
+func TestAWriterWhoseTurnCameWhileItDidNotRunTakesIt(t *testing.T) {
+	newDir := closeOrderDir(t)
+	for _, how := range []string{"within", "context"} {
+		t.Run(how, func(t *testing.T) {
+			owner, _ := ownerAndOther(t, newDir())
+			off, err := owner.NewRWLock()
+			require.NoError(t, err)
+			first, err := owner.RWLock(off)
+			require.NoError(t, err)
+			second, err := owner.RWLock(off)
+			require.NoError(t, err)
+
+			require.NoError(t, first.LockWithin(time.Second))
+			var ranOut atomic.Bool
+			// As the second's wait runs out, and before it judges, the
+			// first lets go.
+			hook := func() {
+				ranOut.Store(true)
+				first.Unlock()
+			}
+			turnRanOut.Store(&hook)
+			t.Cleanup(func() { turnRanOut.Store(nil) })
+			const wait = 10 * time.Millisecond
+			if how == "within" {
+				err = second.LockWithin(wait)
+			} else {
+				ctx, cancel := context.WithTimeout(context.Background(), wait)
+				defer cancel()
+				err = second.Lock(ctx)
+			}
+			require.NoError(t, err, "the turn was free when the writer judged")
+			require.True(t, ranOut.Load(), "the wait ran out")
+			second.Unlock()
+		})
+	}
+}
