@@ -372,16 +372,17 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 	return reach || !known && m.seg.Alive(h.Slot)
 }
 
-// ForgetHolders ends those of fences (of one process, as Holders gave
-// them) that the kernel's answer reach and known (ReachesWithin's, asked
-// whole, after fences were read) shows let go (a record that a fence
-// changed since it was read stays; see shm.Segment.Forget). The primary calls it when a fenced process attaches
-// again: the new attachment maps the data memory only after the hello, at
-// the addresses the old one used, so what the process reaches before then
-// is the old attachments'; an answer given in part must not be passed in
-// (once the new attachment maps the memory, no answer could tell the two
-// apart), nor fences read after the kernel was asked (one made while it
-// read may be of an attachment that maps what the reading had passed).
+// ForgetHolders ends those of fences (of one process, as Holders gave them)
+// that the kernel's answer reach and known (ReachesWithin's, asked whole,
+// after fences were read) shows let go (a record that a fence changed since
+// it was read stays; see shm.Segment.Forget). The primary calls it when a
+// fenced process attaches again: the new attachment maps the data memory
+// only after the hello, at the addresses the old one used, so what the
+// process reaches before then is the old attachments'; an answer given in
+// part must not be passed in (once the new attachment maps the memory, no
+// answer could tell the two apart), nor fences read after the kernel was
+// asked (one made while it read may be of an attachment that maps what the
+// reading had passed).
 // Where the kernel will not say (another user's process, or one that made
 // itself undumpable), a fence ends only once nobody holds the old claim's
 // slot: a secondary lets its slot go after it has unmapped its memory. A

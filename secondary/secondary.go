@@ -69,12 +69,13 @@ type Config struct {
 	// AttachTimeout bounds Attach. Default 5 s.
 	AttachTimeout time.Duration
 	// RequestTimeout bounds each request to the primary (an MR creation).
-	// Default 2 s; 100 ms more at most to take an answer already queued
-	// when it runs out (this process did not run meanwhile, say). A request may also wait for as long as the primary
-	// says, in its hello, that a change of its memory can hold requests up
-	// while another secondary is stalled (the global lock's fence time,
-	// twice): another process's stall makes a request wait, not fail. A
-	// dead primary fails requests at once regardless.
+	// Default 2 s; 100 ms more at most to take an answer already queued when
+	// it runs out (this process did not run meanwhile, say). A request may
+	// also wait for as long as the primary says, in its hello, that a change
+	// of its memory can hold requests up while another secondary is stalled
+	// (the global lock's fence time, twice): another process's stall makes a
+	// request wait, not fail. A dead primary fails requests at once
+	// regardless.
 	RequestTimeout time.Duration
 	// Spin is how long a request polls for the primary's answer before
 	// it blocks: an answer that comes within it needs no wake-up, at the

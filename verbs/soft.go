@@ -81,9 +81,10 @@ type SoftStats struct {
 // mlock, page by page counted, so deregistering one of two overlapping MRs
 // leaves the shared pages pinned. Pinning is best effort: hugetlbfs pages
 // are resident anyway (mlock skips them; they count as pinned, and ranges
-// declared with Resident are not mlocked at all), and when mlock fails because RLIMIT_MEMLOCK is too low and the process lacks
-// CAP_IPC_LOCK, the MR is registered unpinned, the first such failure is
-// logged as a warning and SoftStats.UnpinnedMRs counts them.
+// declared with Resident are not mlocked at all), and when mlock fails
+// because RLIMIT_MEMLOCK is too low and the process lacks CAP_IPC_LOCK, the
+// MR is registered unpinned, the first such failure is logged as a warning
+// and SoftStats.UnpinnedMRs counts them.
 //
 // All methods are safe for concurrent use. The segment must stay open
 // while the Soft is in use: Close the Soft first.
