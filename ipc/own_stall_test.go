@@ -762,10 +762,11 @@ func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T
 			// Its answer goes once the call is past its deadline: once it
 			// has returned, or waits (in a select) for the reader to catch
 			// up, which it must not.
-			for testenv.GoroutinesIn("[select", "ipc.catchUp(", "ipc.(*Client).await(") == 0 {
+			for end := time.Now().Add(bound); testenv.GoroutinesIn("[select", "ipc.catchUp(", "ipc.(*Client).await(") == 0; {
 				select {
 				case <-returned:
 				default:
+					require.True(t, time.Now().Before(end), "the waiting call neither returned nor waited within %v", bound)
 					time.Sleep(time.Millisecond) // polling the runtime's answer
 					continue
 				}

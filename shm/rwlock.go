@@ -439,7 +439,10 @@ func (l *RWLock) sleep(b *bound, word *uint32, val uint32, counted bool, until t
 
 // Lock takes the write lock, waiting up to ctx's end. It returns nil, or
 // ErrOwnerDied with the lock held (see the type's documentation), or an
-// error without the lock: ErrNotRecoverable or ctx's error.
+// error without the lock: ErrNotRecoverable or ctx's error. A lock found
+// free as a wait runs out is taken: Lock may return nil after ctx's
+// deadline (its process may not have run meanwhile), not after a
+// cancellation.
 func (l *RWLock) Lock(ctx context.Context) error {
 	return l.lock(&bound{ctx: ctx})
 }
@@ -483,7 +486,7 @@ func (l *RWLock) takeTurn(b *bound) error {
 		case l.turn <- struct{}{}:
 			return nil
 		case <-b.ctx.Done():
-			if ranOut = b.ctx.Err(); ranOut != context.DeadlineExceeded {
+			if ranOut = b.ctx.Err(); !errors.Is(ranOut, context.DeadlineExceeded) {
 				return ranOut // cancelled: it takes nothing more
 			}
 		}

@@ -12,7 +12,7 @@ import (
 // A writer whose wait for its process's turn ran out takes the turn if it
 // is free when it comes to judge: the writer ahead may have given it back
 // while this one did not run (its process stopped, traced, starved of
-// CPU), which its deadline should not count against it. Whether the wait
+// CPU), which its deadline should not count against it, whether the wait
 // was bounded by a time (LockWithin) or by a context's deadline (Lock).
 func TestAWriterWhoseTurnCameWhileItDidNotRunTakesIt(t *testing.T) {
 	newDir := closeOrderDir(t)
@@ -49,4 +49,38 @@ func TestAWriterWhoseTurnCameWhileItDidNotRunTakesIt(t *testing.T) {
 			second.Unlock()
 		})
 	}
+}
+
+// A writer that takes its turn late, once its wait ran out, and finds the
+// lock held by another process's writer fails with its deadline and gives
+// the turn back: the lock is free to take once that writer lets go.
+func TestAWriterTakingItsTurnLateGivesItBackWhenTheLockIsHeld(t *testing.T) {
+	owner, other := ownerAndOther(t, closeOrderDir(t)())
+	off, err := owner.NewRWLock()
+	require.NoError(t, err)
+	first, err := owner.RWLock(off)
+	require.NoError(t, err)
+	second, err := owner.RWLock(off)
+	require.NoError(t, err)
+	theirs, err := other.RWLock(off)
+	require.NoError(t, err)
+
+	require.NoError(t, first.LockWithin(time.Second))
+	// As the second's wait runs out, the first lets go and the other
+	// process's writer takes the lock.
+	var taken error
+	hook := func() {
+		first.Unlock()
+		taken = theirs.LockWithin(time.Second)
+	}
+	turnRanOut.Store(&hook)
+	t.Cleanup(func() { turnRanOut.Store(nil) })
+	require.ErrorIs(t, second.LockWithin(10*time.Millisecond), context.DeadlineExceeded)
+	require.NoError(t, taken)
+	turnRanOut.Store(nil)
+	theirs.Unlock()
+	ok, err := first.TryLock()
+	require.NoError(t, err)
+	require.True(t, ok, "the turn and the lock are free again")
+	first.Unlock()
 }
