@@ -18,15 +18,7 @@ func TestAWriterWhoseTurnCameWhileItDidNotRunTakesIt(t *testing.T) {
 	newDir := closeOrderDir(t)
 	for _, how := range []string{"within", "context"} {
 		t.Run(how, func(t *testing.T) {
-			owner, _ := ownerAndOther(t, newDir())
-			off, err := owner.NewRWLock()
-			require.NoError(t, err)
-			first, err := owner.RWLock(off)
-			require.NoError(t, err)
-			second, err := owner.RWLock(off)
-			require.NoError(t, err)
-
-			require.NoError(t, first.LockWithin(time.Second))
+			first, second, _ := twoWritersAndAnother(t, newDir())
 			var ranOut atomic.Bool
 			// As the second's wait runs out, and before it judges, the
 			// first lets go.
@@ -37,6 +29,7 @@ func TestAWriterWhoseTurnCameWhileItDidNotRunTakesIt(t *testing.T) {
 			turnRanOut.Store(&hook)
 			t.Cleanup(func() { turnRanOut.Store(nil) })
 			const wait = 10 * time.Millisecond
+			var err error
 			if how == "within" {
 				err = second.LockWithin(wait)
 			} else {
@@ -55,17 +48,7 @@ func TestAWriterWhoseTurnCameWhileItDidNotRunTakesIt(t *testing.T) {
 // lock held by another process's writer fails with its deadline and gives
 // the turn back: the lock is free to take once that writer lets go.
 func TestAWriterTakingItsTurnLateGivesItBackWhenTheLockIsHeld(t *testing.T) {
-	owner, other := ownerAndOther(t, closeOrderDir(t)())
-	off, err := owner.NewRWLock()
-	require.NoError(t, err)
-	first, err := owner.RWLock(off)
-	require.NoError(t, err)
-	second, err := owner.RWLock(off)
-	require.NoError(t, err)
-	theirs, err := other.RWLock(off)
-	require.NoError(t, err)
-
-	require.NoError(t, first.LockWithin(time.Second))
+	first, second, theirs := twoWritersAndAnother(t, closeOrderDir(t)())
 	// As the second's wait runs out, the first lets go and the other
 	// process's writer takes the lock.
 	var taken error
@@ -83,4 +66,21 @@ func TestAWriterTakingItsTurnLateGivesItBackWhenTheLockIsHeld(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ok, "the turn and the lock are free again")
 	first.Unlock()
+}
+
+// twoWritersAndAnother makes a lock in a segment at path and returns two
+// handles of this process on it, the first holding it, and one of another
+// Segment attached to it, as another process's.
+func twoWritersAndAnother(t *testing.T, path string) (first, second, theirs *RWLock) {
+	owner, other := ownerAndOther(t, path)
+	off, err := owner.NewRWLock()
+	require.NoError(t, err)
+	first, err = owner.RWLock(off)
+	require.NoError(t, err)
+	second, err = owner.RWLock(off)
+	require.NoError(t, err)
+	theirs, err = other.RWLock(off)
+	require.NoError(t, err)
+	require.NoError(t, first.LockWithin(time.Second))
+	return first, second, theirs
 }
