@@ -522,3 +522,33 @@ func TestBlockingMarksAMessageBeforeItLeavesTheQueue(t *testing.T) {
 		})
 	}
 }
+
+// A receive that fails returns no message to deal with: a message too
+// long for the buffer, or the peer's end, leaves nothing held, whichever
+// receive met it.
+func TestBlockingHoldsNothingAfterAFailedReceive(t *testing.T) {
+	for _, how := range []string{"Recv", "RecvBy", "TryRecv"} {
+		t.Run(how, func(t *testing.T) {
+			a, b := blockingPair(t)
+			recv := func() error {
+				buf := make([]byte, 2)
+				var err error
+				switch how {
+				case "Recv":
+					_, _, err = b.Recv(buf, time.Now().Add(time.Second))
+				case "RecvBy":
+					_, _, err = b.RecvBy(buf, time.Now().Add(time.Second))
+				default:
+					_, _, err = b.TryRecv(buf)
+				}
+				return err
+			}
+			require.NoError(t, a.Send([]byte("too long"), nil, time.Time{}))
+			require.ErrorIs(t, recv(), ErrTruncated)
+			assert.True(t, b.CaughtUp(), "after a message too long")
+			require.NoError(t, a.Close())
+			require.ErrorIs(t, recv(), io.EOF)
+			assert.True(t, b.CaughtUp(), "after the peer's end")
+		})
+	}
+}
