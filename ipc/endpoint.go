@@ -301,7 +301,14 @@ func (e *endpoint) writeBounded(ctx context.Context, id uint64, kind Kind, body 
 	select {
 	case e.wsem <- struct{}{}:
 	case <-ctx.Done():
-		return ctx.Err()
+		// A bound of the send's own that ran out before the send could
+		// wait for anything: this process did not run (stopped, traced,
+		// starved of CPU), and the write turn may have been free all
+		// along. The peer has not been waited on: take the turn if it
+		// is free now, and send.
+		if !bounded || !errors.Is(ctx.Err(), context.DeadlineExceeded) || !e.tryTurn() {
+			return ctx.Err()
+		}
 	case <-e.done:
 		return e.Err()
 	}
@@ -401,6 +408,9 @@ func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Ki
 	// The send's deadline is its own bound unless the caller's comes first.
 	d, hasDeadline := ctx.Deadline()
 	bounded := within > 0 && (!hasDeadline || !d.Before(time.Now().Add(within)))
+	if h := pushSending.Load(); h != nil && within > 0 {
+		(*h)(sendCtx)
+	}
 	if err := e.writeBounded(sendCtx, id, kind, req, bounded); err != nil {
 		if e.take(id) != nil {
 			return err
@@ -429,6 +439,21 @@ func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Ki
 		return <-c.ch
 	}
 }
+
+// tryTurn takes the write turn if nobody holds it.
+func (e *endpoint) tryTurn() bool {
+	select {
+	case e.wsem <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
+// pushSending, when set (by this package's tests), runs in PushWithin with
+// the context that bounds the send, as the push is about to be sent:
+// where the pushing process may stop before its push went out.
+var pushSending atomic.Pointer[func(context.Context)]
 
 // catchUpWait bounds how long a call whose deadline has passed waits for
 // the connection's reader to take what the peer sent by then (see

@@ -1,6 +1,9 @@
 package ipc
 
-import "time"
+import (
+	"context"
+	"time"
+)
 
 // HasLane reports whether c has its call lane.
 func HasLane(c *Client) bool { return c.lane.Load() != nil }
@@ -70,4 +73,12 @@ func LanesWaiting(s *Server) int {
 func SetLaneReceivedHook(f func(*Client)) (restore func()) {
 	laneReceived.Store(&f)
 	return func() { laneReceived.Store(nil) }
+}
+
+// SetPushSendingHook has each PushWithin call f with the context that
+// bounds its send, as the push is about to be sent; the returned function
+// unsets it.
+func SetPushSendingHook(f func(context.Context)) (restore func()) {
+	pushSending.Store(&f)
+	return func() { pushSending.Store(nil) }
 }

@@ -779,3 +779,26 @@ func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T
 		})
 	}
 }
+
+// A push whose send's bound ran out while the pushing process did not run
+// (stopped, traced, starved of CPU) before the push went out is sent all
+// the same, and the peer gets its time to answer: the bound is for
+// waiting on the peer, who has not been waited on. (A primary stopped at
+// that point dropped a secondary that had done nothing wrong, in one
+// round of about fifty on a loaded machine.) The hook holds the push
+// until its bound has passed; a write turn that is free then is taken.
+func TestAPushWhoseSendBoundRanOutBeforeItWentIsSent(t *testing.T) {
+	s := startServer(t, newHandler())
+	push := ipc.PushHandlerFunc(func(ctx context.Context, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+		var m ipc.Sync
+		return &ipc.SyncAck{}, body.Decode(&m)
+	})
+	dial(t, s.path, ipc.ClientConfig{PushHandler: push})
+	p := waitFor(t, s.h.connected, "Connected")
+	defer ipc.SetPushSendingHook(func(ctx context.Context) { <-ctx.Done() })()
+	for i := range 10 {
+		err := p.PushWithin(context.Background(), 100*time.Millisecond, ipc.KindSync,
+			&ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, &ipc.SyncAck{})
+		require.NoError(t, err, "push %d", i+1)
+	}
+}

@@ -22,7 +22,10 @@ func init() { testproc.Register("stalling-primary", helperStallingPrimary) }
 // helperStallingPrimary runs a primary (prefix args[0], runtime directory
 // args[1], SyncTimeout args[2]) on tmpfs that, once armed, stops itself
 // (SIGSTOP) in its next memory sync, as it is about to push it: a primary
-// stopped by a debugger, say, at the worst moment. Commands:
+// stopped by a debugger, say, at the worst moment. The stop is the
+// process's: it lands when a thread of it takes the signal, as the push is
+// about to go or, on a loaded machine, a little later, while the push is
+// being sent. Commands:
 //
 //	alloc PAGES   -> "> region ADDR LEN"
 //	arm           -> "> armed"
