@@ -82,3 +82,10 @@ func SetPushSendingHook(f func(context.Context)) (restore func()) {
 	pushSending.Store(&f)
 	return func() { pushSending.Store(nil) }
 }
+
+// SetLaneLookingHook has the watch of bound lanes call f before each of
+// its looks; the returned function unsets it.
+func SetLaneLookingHook(f func()) (restore func()) {
+	laneLooking.Store(&f)
+	return func() { laneLooking.Store(nil) }
+}

@@ -72,12 +72,15 @@ import (
 //     read (no /proc) is let go too, rather than left unwatched.
 //
 // The watch is a goroutine, and looks late when the Go scheduler runs it
-// late (tens of milliseconds on a loaded machine). A garbage collection
-// that starts while a lane thread is kept from running waits for that
-// thread's P, with every other goroutine stopped, the watch's included:
-// a peer that can keep its CPU from others (a real-time thread) can so
-// stop the whole process, twice per peer process and eight times per
-// user at most, for as long as it keeps the CPU.
+// late (tens of milliseconds on a loaded machine): a look that comes more
+// than 25 ms after the last judges only a thread the kernel counted
+// waiting to run for half the time at least (its schedstat), not one the
+// server's own stop held. A garbage collection that starts while a lane
+// thread is kept from running waits for that thread's P, with every
+// other goroutine stopped, the watch's included: a peer that can keep
+// its CPU from others (a real-time thread) can so stop the whole process,
+// twice per peer process and eight times per user at most, for as long
+// as it keeps the CPU.
 // Follow only the CPUs of peers trusted to name them and to keep them
 // free meanwhile.
 func (p *Peer) Follow(cpu int) {
@@ -272,9 +275,11 @@ const (
 	laneStarvedAfter = 2 * time.Millisecond
 	laneStarvedShare = 4
 	// laneCheckLate is how much later than laneCheckEvery a look may come
-	// and still judge: one later still measured a stall of the server's
-	// own too (stopped, traced, starved of CPU), when the lane's thread
-	// could not run either, whoever held its CPU.
+	// and still judge by the thread's CPU clock alone: one later still may
+	// have measured a stall of the server's own too (stopped, traced),
+	// when the lane's thread could not run either, whoever held its CPU.
+	// A later look judges only if the kernel counted the thread waiting
+	// to run for half the time at least, which such a stall is not.
 	laneCheckLate = 4 * laneCheckEvery
 )
 
@@ -313,6 +318,8 @@ type laneWatch struct {
 	ran      time.Duration // the thread's CPU time then
 	at       time.Time     // when
 	runnable bool          // whether it was runnable
+	waited   time.Duration // its wait to run, as the kernel had counted it
+	counted  bool          // whether the kernel said (threadWaited)
 	// And since when its peer has asked nothing: since quietSince, busy
 	// was quietAt and the lane's binding quietBinds.
 	quietAt, quietBinds uint64
@@ -414,10 +421,12 @@ func (w *laneWatch) release(tid int) {
 // look is the checker's look at p's lane: it lets the lane's thread go
 // if, between two looks at least laneStarvedAfter apart at the request it
 // answers, it was runnable at both and ran for less than
-// 1/laneStarvedShare of the time, and no look between them came late
-// (laneCheckLate). (The kernel counts a thread's wait to run only once it
-// runs again: the sign of a thread kept from running is a CPU clock that
-// does not move.)
+// 1/laneStarvedShare of the time, and either no look between them came
+// late (laneCheckLate) or the kernel counted the thread waiting to run
+// for at least half the time. (The kernel counts a thread's wait to run
+// only once it runs again: the sign of a thread kept from running at all
+// is a CPU clock that does not move. A thread held by a stop of the
+// server's own was not waiting to run: its wait does not grow.)
 func (w *laneWatch) look(p *Peer) {
 	last := w.looked
 	w.looked = time.Now()
@@ -455,18 +464,29 @@ func (w *laneWatch) look(p *Peer) {
 		w.seen = 0
 		return
 	}
-	if busy != w.seen || now.Sub(last) > laneCheckEvery+laneCheckLate {
-		// A request not seen before, or a look that comes late (the
-		// server itself did not run): from now.
-		w.seen, w.ran, w.at, w.runnable = busy, ran, now, r
+	waited, counted := threadWaited(tid)
+	from := func() { // measure from now
+		w.seen, w.ran, w.at, w.runnable, w.waited, w.counted = busy, ran, now, r, waited, counted
+	}
+	if busy != w.seen {
+		from() // a request not seen before
 		return
 	}
 	over := now.Sub(w.at)
+	if now.Sub(last) > laneCheckEvery+laneCheckLate && (!counted || !w.counted || waited-w.waited < over/2) {
+		// A look that comes late: the server itself may not have run
+		// (stopped, traced, starved of CPU), nor the lane's thread,
+		// whoever had its CPU. Measured again from now, unless the
+		// kernel counted the thread waiting to run for half the time at
+		// least: a stall of the server's own held it without a wait.
+		from()
+		return
+	}
 	if over < laneStarvedAfter {
 		return
 	}
 	if !r || !w.runnable || ran-w.ran >= over/laneStarvedShare {
-		w.ran, w.at, w.runnable = ran, now, r
+		from()
 		return
 	}
 	w.letGo.Store(true)
@@ -708,6 +728,26 @@ var threadRunnable = func(tid int) (bool, error) {
 	return b[i+2] == 'R', nil
 }
 
+// threadWaited returns how long thread tid of this process has waited to
+// run, as the kernel counts it (the run_delay of its schedstat), and
+// whether the kernel said: a kernel that does not count it leaves the
+// lateness of the watch's looks unexplained.
+func threadWaited(tid int) (time.Duration, bool) {
+	b, err := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/schedstat")
+	if err != nil {
+		return 0, false
+	}
+	f := bytes.Fields(b)
+	if len(f) < 2 {
+		return 0, false
+	}
+	ns, err := strconv.ParseInt(string(f[1]), 10, 64)
+	if err != nil || ns < 0 {
+		return 0, false
+	}
+	return time.Duration(ns), true
+}
+
 // takeLane has p's lane take cpu, unless another lane has it or as many
 // lanes as GOMAXPROCS-1 have one: a lane thread that its CPU's load keeps
 // from running holds its P meanwhile, and one P must be left for the rest
@@ -829,6 +869,9 @@ func (s *Server) checkLanes() {
 			closing = nil
 		case <-t.C:
 		}
+		if h := laneLooking.Load(); h != nil {
+			(*h)()
+		}
 		lanes := s.boundLanes()
 		if len(lanes) == 0 {
 			// Under the lock, so that a lane bound meanwhile finds the
@@ -878,6 +921,10 @@ func (s *Server) checkLanes() {
 		s.laneChecks.Add(1)
 	}
 }
+
+// laneLooking, when set (by this package's tests), runs in the watch
+// before each of its looks.
+var laneLooking atomic.Pointer[func()]
 
 // awayFrom keeps the calling goroutine's thread off a set of CPUs, where
 // it may still run elsewhere.

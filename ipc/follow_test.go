@@ -287,6 +287,24 @@ func TestAStarvedBoundLaneIsLetGo(t *testing.T) {
 	assert.Zero(t, threadsBoundTo(t, cpu))
 }
 
+// A lane thread kept from its CPU is let go though the watch looks late
+// every time (a loaded machine runs it late): the kernel counted the
+// thread waiting to run for most of the time between two looks, which no
+// stop of the server's own (stopped, traced) does. The hook has each look
+// come 30 ms after the last, later than a look may come and still judge
+// by the thread's CPU clock alone.
+func TestAStarvedLaneIsLetGoThoughTheWatchLooksLate(t *testing.T) {
+	cpu := lastCPU(t)
+	defer ipc.SetLaneLookingHook(func() { time.Sleep(30 * time.Millisecond) })() // the watch's lateness
+	s := startServer(t, starveHandler(nil, nil), withHello, withInline)
+	c := laneClient(t, s, true, ipc.ClientConfig{})
+	createOn(t, c, 0x1000, uint32(cpu)+1)
+	createOn(t, c, 0x1000, uint32(cpu)+1)
+	require.Equal(t, 1, threadsBoundTo(t, cpu), "the lane's thread follows its caller")
+	starveOnce(t, c, cpu)
+	assert.Equal(t, uint64(1), s.Stats().StarvedLanes)
+}
+
 // createOn asks for the MR at addr over c, naming CPU hint (0: none), and
 // returns the key the handler answered.
 func createOn(t *testing.T, c *ipc.Client, addr uint64, hint uint32) uint32 {
