@@ -516,6 +516,9 @@ func TestALaneBusyWhenItsProcessIsMarkedStaysBoundUntilItUnbinds(t *testing.T) {
 	}()
 	waitFor(t, started, "a's request")
 	for i := range 2 {
+		// The lane let go before has answered, and gives its CPU back as
+		// its thread next runs: only a's lane is bound then.
+		waitUntil(t, func() bool { return ipc.BoundLanes(s.Server) == 1 }, "a's lane the only one bound")
 		c := laneClient(t, s, true, ipc.ClientConfig{})
 		require.Equal(t, last, laneCPUOf(t, c, last), "connection %d's lane follows its caller", i+1)
 		starveOnce(t, c, last)
