@@ -3,6 +3,7 @@ package primary_test
 import (
 	"bufio"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"strings"
@@ -51,6 +52,36 @@ func startSecondary(t testing.TB, cfg primary.Config) *testproc.Proc {
 	return h
 }
 
+// startSecondaryOnCommand runs a secondary helper process that attaches
+// to cfg's instance only when told (attachNow): its start, which takes a
+// while on a loaded machine, is then out of whatever the test times.
+func startSecondaryOnCommand(t testing.TB, cfg primary.Config) *testproc.Proc {
+	t.Helper()
+	h := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir, "on-command"})
+	h.Expect("started", 0)
+	return h
+}
+
+// attachNow has a helper of startSecondaryOnCommand attach; it says
+// "ready" (or "attach-failed") once it is done.
+func attachNow(h *testproc.Proc) { h.Send("attach") }
+
+// readLine reads one line from r a byte at a time, so that nothing after
+// it is taken from r.
+func readLine(r io.Reader) (string, error) {
+	var line []byte
+	b := make([]byte, 1)
+	for {
+		if _, err := r.Read(b); err != nil {
+			return string(line), err
+		}
+		if b[0] == '\n' {
+			return string(line), nil
+		}
+		line = append(line, b[0])
+	}
+}
+
 // ask sends a command to a secondary helper and returns its answer line.
 func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 	t.Helper()
@@ -58,7 +89,9 @@ func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 	return strings.TrimPrefix(h.Expect("> ", 0), "> ")
 }
 
-// helperSecondary attaches and then runs commands, one per line:
+// helperSecondary attaches (with args[2] "on-command", only once a line
+// "attach" comes: it says "started" first) and then runs commands, one
+// per line:
 //
 //	lookup ADDR          -> "key K" or "err TEXT"
 //	create ADDR          -> the same, asking the primary directly
@@ -85,6 +118,13 @@ func ask(t testing.TB, h *testproc.Proc, format string, args ...any) string {
 //	                        calls, no runtime): "child PID"
 //	close                -> "closed"
 func helperSecondary(args []string) int {
+	if len(args) > 2 && args[2] == "on-command" {
+		testproc.Say("started")
+		if line, err := readLine(os.Stdin); err != nil || line != "attach" {
+			fmt.Fprintf(os.Stderr, "want a line \"attach\", got %q (%v)\n", line, err)
+			return 3
+		}
+	}
 	s, err := secondary.Attach(secondary.Config{Prefix: args[0], RuntimeDir: args[1], Logger: quiet})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

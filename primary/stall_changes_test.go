@@ -46,13 +46,13 @@ func freeHeldByAStoppedSecondary(t *testing.T, p *primary.Primary, s *testproc.P
 	return freed
 }
 
-// helloWaitingForTheFree starts a secondary and returns once its hello
-// waits in the primary for the memory changes under way.
-func helloWaitingForTheFree(t *testing.T, cfg primary.Config) *testproc.Proc {
+// helloWaitingForTheFree has tp, started by startSecondaryOnCommand,
+// attach, and returns once its hello waits in the primary for the memory
+// changes under way.
+func helloWaitingForTheFree(t *testing.T, tp *testproc.Proc) {
 	t.Helper()
-	tp := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
+	attachNow(tp)
 	waitUntil(t, "the hello waiting", func() bool { return testenv.GoroutinesIn("(*handler).hello", "HoldChanges") == 1 })
-	return tp
 }
 
 // overlaps reports whether two regions share memory.
@@ -198,9 +198,10 @@ func TestHelloDuringAStalledFree(t *testing.T) {
 	keep, err := p.Alloc(ps)
 	require.NoError(t, err)
 	s := startSecondary(t, cfg)
+	tp := startSecondaryOnCommand(t, cfg)
 	require.Contains(t, ask(t, s, "lookup %d", r1.Addr), "key")
 	freed := freeHeldByAStoppedSecondary(t, p, s, r1)
-	tp := helloWaitingForTheFree(t, cfg)
+	helloWaitingForTheFree(t, tp)
 	select {
 	case err := <-freed:
 		t.Fatalf("free ended early: %v", err)
@@ -239,9 +240,10 @@ func TestCloseDuringAStalledFreeWithHelloAndAllocQueued(t *testing.T) {
 	require.NoError(t, err)
 	s := startSecondary(t, cfg)
 	b := startSecondary(t, cfg)
+	tp := startSecondaryOnCommand(t, cfg)
 	require.Contains(t, ask(t, s, "lookup %d", r1.Addr), "key")
 	freed := freeHeldByAStoppedSecondary(t, p, s, r1)
-	tp := helloWaitingForTheFree(t, cfg)
+	helloWaitingForTheFree(t, tp)
 	allocd := make(chan error, 1)
 	go func() { _, err := p.Alloc(ps); allocd <- err }()
 	waitUntil(t, "the alloc waiting", func() bool { return testenv.GoroutinesIn("(*Memory).Alloc", "RLock") == 1 })
