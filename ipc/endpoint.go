@@ -301,13 +301,17 @@ func (e *endpoint) writeBounded(ctx context.Context, id uint64, kind Kind, body 
 	select {
 	case e.wsem <- struct{}{}:
 	case <-ctx.Done():
-		// A bound of the send's own that ran out before the send could
-		// wait for anything: this process did not run (stopped, traced,
-		// starved of CPU), and the write turn may have been free all
-		// along. The peer has not been waited on: take the turn if it
-		// is free now, and send.
-		if !bounded || !errors.Is(ctx.Err(), context.DeadlineExceeded) || !e.tryTurn() {
+		// A bound of the send's own that ran out while the send waited
+		// for its turn, or before it could wait at all: this process
+		// may not have run (stopped, traced, starved of CPU), and the
+		// turn may have been free all along, or be about to be, as the
+		// other sends that resumed with this one take theirs. The peer
+		// has not been waited on: wait catchUpWait more for the turn.
+		if !bounded || !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			return ctx.Err()
+		}
+		if err := e.lateTurn(); err != nil {
+			return err
 		}
 	case <-e.done:
 		return e.Err()
@@ -440,13 +444,24 @@ func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Ki
 	}
 }
 
-// tryTurn takes the write turn if nobody holds it.
-func (e *endpoint) tryTurn() bool {
+// lateTurn takes the write turn for a send whose bound has run out,
+// waiting catchUpWait at most: nil once it has it, else
+// context.DeadlineExceeded, or the connection's error if it ended.
+func (e *endpoint) lateTurn() error {
 	select {
 	case e.wsem <- struct{}{}:
-		return true
+		return nil
 	default:
-		return false
+	}
+	t := time.NewTimer(catchUpWait)
+	defer t.Stop()
+	select {
+	case e.wsem <- struct{}{}:
+		return nil
+	case <-e.done:
+		return e.Err()
+	case <-t.C:
+		return context.DeadlineExceeded
 	}
 }
 

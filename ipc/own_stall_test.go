@@ -780,14 +780,17 @@ func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T
 	}
 }
 
-// A push whose send's bound ran out while the pushing process did not run
-// (stopped, traced, starved of CPU) before the push went out is sent all
-// the same, and the peer gets its time to answer: the bound is for
-// waiting on the peer, who has not been waited on. (A primary stopped at
-// that point dropped a secondary that had done nothing wrong, in one
-// round of about fifty on a loaded machine.) The hook holds the push
-// until its bound has passed; a write turn that is free then is taken.
-func TestAPushWhoseSendBoundRanOutBeforeItWentIsSent(t *testing.T) {
+// Pushes whose sends' bound ran out while the pushing process did not run
+// (stopped, traced, starved of CPU) before they went are sent all the
+// same, and the peer gets its time to answer: the bound is for waiting
+// on the peer, who has not been waited on. (A primary stopped at that
+// point dropped a secondary that had done nothing wrong, in one round of
+// about fifty on a loaded machine; its syncs push to one secondary
+// several at once.) The hook holds each round's pushes until their bound
+// has passed and lets them go together, as a process that resumes: one
+// takes the write turn, and the others wait for it a while.
+func TestPushesWhoseSendBoundRanOutBeforeTheyWentAreSent(t *testing.T) {
+	const pushes = 4
 	s := startServer(t, newHandler())
 	push := ipc.PushHandlerFunc(func(ctx context.Context, kind ipc.Kind, body *ipc.Decoder) (any, error) {
 		var m ipc.Sync
@@ -795,10 +798,23 @@ func TestAPushWhoseSendBoundRanOutBeforeItWentIsSent(t *testing.T) {
 	})
 	dial(t, s.path, ipc.ClientConfig{PushHandler: push})
 	p := waitFor(t, s.h.connected, "Connected")
-	defer ipc.SetPushSendingHook(func(ctx context.Context) { <-ctx.Done() })()
-	for i := range 10 {
-		err := p.PushWithin(context.Background(), 100*time.Millisecond, ipc.KindSync,
-			&ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, &ipc.SyncAck{})
-		require.NoError(t, err, "push %d", i+1)
+	var held sync.WaitGroup // the round's pushes past their bound
+	defer ipc.SetPushSendingHook(func(ctx context.Context) {
+		<-ctx.Done()
+		held.Done()
+		held.Wait() // the process resumes: all at once
+	})()
+	for round := range 30 {
+		held.Add(pushes)
+		errs := make(chan error, pushes)
+		for range pushes {
+			go func() {
+				errs <- p.PushWithin(context.Background(), 100*time.Millisecond, ipc.KindSync,
+					&ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, &ipc.SyncAck{})
+			}()
+		}
+		for range pushes {
+			require.NoError(t, waitFor(t, errs, "a push"), "round %d", round+1)
+		}
 	}
 }
