@@ -107,13 +107,7 @@ func BenchmarkCallParallel(b *testing.B) {
 
 // A sync push and its acknowledgement.
 func BenchmarkPush(b *testing.B) {
-	s := startServer(b, newHandler())
-	push := ipc.PushHandlerFunc(func(ctx context.Context, kind ipc.Kind, body *ipc.Decoder) (any, error) {
-		var m ipc.Sync
-		return &ipc.SyncAck{}, body.Decode(&m)
-	})
-	dial(b, s.path, ipc.ClientConfig{PushHandler: push})
-	p := waitFor(b, s.h.connected, "Connected")
+	p := syncAckingPeer(b)
 	ctx := context.Background()
 	msg := &ipc.Sync{Op: ipc.SyncMap, List: 1, First: 100, Count: 8}
 	var ack ipc.SyncAck

@@ -211,6 +211,19 @@ func dial(t testing.TB, path string, cfg ipc.ClientConfig) *ipc.Client {
 	return c
 }
 
+// syncAckingPeer starts a server and dials it with a client that
+// acknowledges memory syncs, and returns the server's peer for it.
+func syncAckingPeer(t testing.TB) *ipc.Peer {
+	t.Helper()
+	s := startServer(t, newHandler())
+	push := ipc.PushHandlerFunc(func(ctx context.Context, kind ipc.Kind, body *ipc.Decoder) (any, error) {
+		var m ipc.Sync
+		return &ipc.SyncAck{}, body.Decode(&m)
+	})
+	dial(t, s.path, ipc.ClientConfig{PushHandler: push})
+	return waitFor(t, s.h.connected, "Connected")
+}
+
 func ctxBound(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	t.Cleanup(cancel)

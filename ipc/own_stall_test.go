@@ -791,13 +791,7 @@ func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T
 // takes the write turn, and the others wait for it a while.
 func TestPushesWhoseSendBoundRanOutBeforeTheyWentAreSent(t *testing.T) {
 	const pushes = 4
-	s := startServer(t, newHandler())
-	push := ipc.PushHandlerFunc(func(ctx context.Context, kind ipc.Kind, body *ipc.Decoder) (any, error) {
-		var m ipc.Sync
-		return &ipc.SyncAck{}, body.Decode(&m)
-	})
-	dial(t, s.path, ipc.ClientConfig{PushHandler: push})
-	p := waitFor(t, s.h.connected, "Connected")
+	p := syncAckingPeer(t)
 	var held sync.WaitGroup // the round's pushes past their bound
 	defer ipc.SetPushSendingHook(func(ctx context.Context) {
 		<-ctx.Done()
