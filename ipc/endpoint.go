@@ -285,12 +285,13 @@ func (f *frame) release() {
 // frame could go (a datagram goes whole or not at all). Any other failure
 // ends the connection.
 func (e *endpoint) write(ctx context.Context, id uint64, kind Kind, body any) error {
-	return e.writeBounded(ctx, id, kind, body, false)
+	return e.writeBounded(ctx, ctx, id, kind, body, false)
 }
 
 // writeBounded is write, with bounded saying whether ctx's deadline is the
-// send's own bound (see callWithin) rather than the caller's patience.
-func (e *endpoint) writeBounded(ctx context.Context, id uint64, kind Kind, body any, bounded bool) error {
+// send's own bound (see callWithin) rather than the caller's patience,
+// caller's context (ctx's parent, or ctx itself).
+func (e *endpoint) writeBounded(ctx, caller context.Context, id uint64, kind Kind, body any, bounded bool) error {
 	f, err := encodeFrame(id, kind, body)
 	defer f.release()
 	if err != nil {
@@ -305,12 +306,12 @@ func (e *endpoint) writeBounded(ctx context.Context, id uint64, kind Kind, body 
 		// for its turn, or before it could wait at all: this process
 		// may not have run (stopped, traced, starved of CPU), and the
 		// turn may have been free all along, or be about to be, as the
-		// other sends that resumed with this one take theirs. The peer
-		// has not been waited on: wait catchUpWait more for the turn.
+		// other sends that resumed with this one take theirs. Wait
+		// catchUpWait more for the turn, within the caller's patience.
 		if !bounded || !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			return ctx.Err()
 		}
-		if err := e.lateTurn(); err != nil {
+		if err := e.lateTurn(caller); err != nil {
 			return err
 		}
 	case <-e.done:
@@ -415,7 +416,7 @@ func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Ki
 	if h := pushSending.Load(); h != nil && within > 0 {
 		(*h)(sendCtx)
 	}
-	if err := e.writeBounded(sendCtx, id, kind, req, bounded); err != nil {
+	if err := e.writeBounded(sendCtx, ctx, id, kind, req, bounded); err != nil {
 		if e.take(id) != nil {
 			return err
 		}
@@ -445,19 +446,33 @@ func (e *endpoint) callWithin(ctx context.Context, within time.Duration, kind Ki
 }
 
 // lateTurn takes the write turn for a send whose bound has run out,
-// waiting catchUpWait at most: nil once it has it, else
-// context.DeadlineExceeded, or the connection's error if it ended.
-func (e *endpoint) lateTurn() error {
+// waiting catchUpWait at most, and no longer than caller's context lasts:
+// nil once it has it, else context.DeadlineExceeded, the caller's error,
+// or the connection's if it ended.
+func (e *endpoint) lateTurn(caller context.Context) error {
+	if err := caller.Err(); err != nil {
+		return err
+	}
 	select {
 	case e.wsem <- struct{}{}:
 		return nil
 	default:
 	}
-	t := time.NewTimer(catchUpWait)
+	wait := catchUpWait
+	if d, ok := caller.Deadline(); ok {
+		wait = min(wait, time.Until(d))
+	}
+	t := time.NewTimer(wait)
 	defer t.Stop()
 	select {
 	case e.wsem <- struct{}{}:
+		if err := caller.Err(); err != nil {
+			<-e.wsem
+			return err
+		}
 		return nil
+	case <-caller.Done():
+		return caller.Err()
 	case <-e.done:
 		return e.Err()
 	case <-t.C:
@@ -472,7 +487,9 @@ var pushSending atomic.Pointer[func(context.Context)]
 
 // catchUpWait bounds how long a call whose deadline has passed waits for
 // the connection's reader to take what the peer sent by then (see
-// cameInTime), and catchUpLook how often it looks.
+// cameInTime), and catchUpLook how often it looks; it also bounds how
+// long a push whose send's bound ran out waits for its turn to write
+// (see lateTurn).
 const (
 	catchUpWait = 100 * time.Millisecond
 	catchUpLook = time.Millisecond

@@ -75,9 +75,9 @@ func SetLaneReceivedHook(f func(*Client)) (restore func()) {
 	return func() { laneReceived.Store(nil) }
 }
 
-// SetPushSendingHook has each PushWithin call f with the context that
-// bounds its send, as the push is about to be sent; the returned function
-// unsets it.
+// SetPushSendingHook has each PushWithin with a bound (d > 0) call f with
+// the context that bounds its send, as the push is about to be sent; the
+// returned function unsets it.
 func SetPushSendingHook(f func(context.Context)) (restore func()) {
 	pushSending.Store(&f)
 	return func() { pushSending.Store(nil) }
@@ -88,4 +88,13 @@ func SetPushSendingHook(f func(context.Context)) (restore func()) {
 func SetLaneLookingHook(f func()) (restore func()) {
 	laneLooking.Store(&f)
 	return func() { laneLooking.Store(nil) }
+}
+
+// BoundLaneCPUs returns the CPUs of the lanes s has bound, oldest first.
+func BoundLaneCPUs(s *Server) []int {
+	var cpus []int
+	for _, l := range s.boundLanes() {
+		cpus = append(cpus, l.cpu)
+	}
+	return cpus
 }

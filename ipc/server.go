@@ -564,9 +564,10 @@ func (p *Peer) Push(ctx context.Context, kind Kind, body, reply any) error {
 // PushWithin is Push with the peer given d (zero: no limit) to answer,
 // counted from when the push went out, rather than from the call: a
 // stall of this process before it went (stopped, traced, starved of CPU)
-// does not eat into the peer's time. Sending it waits d at most too, and
-// 100 ms more for the connection's turn to write if d ran out first (the
-// other sends that resumed with it take theirs meanwhile).
+// does not eat into the peer's time. Sending it waits d at most too, and,
+// when d runs out while other sends hold the connection's turn to write
+// (all of them resuming together after this process's stop, say), 100 ms
+// more for that turn, within ctx's deadline and until ctx is cancelled.
 func (p *Peer) PushWithin(ctx context.Context, d time.Duration, kind Kind, body, reply any) error {
 	if !kind.IsPush() {
 		return fmt.Errorf("%w: %s is not a push", ErrUnknownKind, kind)

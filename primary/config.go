@@ -58,14 +58,15 @@ type Config struct {
 	// SyncTimeout bounds how long Alloc and Free wait for a secondary to map
 	// or unmap, counted from when the sync went out to it; one that does not
 	// answer in time is dropped. Default 2 s. Sending waits SyncTimeout at
-	// most too (and 100 ms more for the connection's turn to write, should
-	// the time run out first), so a secondary that takes no message at all
-	// (its queue full) holds a change up to twice SyncTimeout and 100 ms. An
-	// answer waiting in the socket when the time is up counts (a primary
-	// that did not run meanwhile looks for 100 ms more at most). Whether a
-	// dropped secondary is fenced is judged within 200 ms more at most: a
-	// process whose connection ended has 100 ms to end, and one that has let
-	// its slot go is described by the kernel within 100 ms.
+	// most too (and 100 ms more for the connection's turn to write when
+	// other sends hold it as the time runs out), so a secondary that takes
+	// no message at all (its queue full) holds a change up to twice
+	// SyncTimeout, and 100 ms. An answer waiting in the socket when the time
+	// is up counts (a primary that did not run meanwhile looks for 100 ms
+	// more at most). Whether a dropped secondary is fenced is judged within
+	// 200 ms more at most: a process whose connection ended has 100 ms to
+	// end, and one that has let its slot go is described by the kernel
+	// within 100 ms.
 	SyncTimeout time.Duration
 	// Spin is how long the primary polls each secondary's call lane for
 	// its next request before it blocks: requests that follow within it
