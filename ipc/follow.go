@@ -473,12 +473,15 @@ func (w *laneWatch) look(p *Peer) {
 		return
 	}
 	over := now.Sub(w.at)
-	if now.Sub(last) > laneCheckEvery+laneCheckLate && (!counted || !w.counted || waited-w.waited < over/2) {
+	if now.Sub(last) > laneCheckEvery+laneCheckLate && (!counted || !w.counted || waited-w.waited < over/2 ||
+		(ran-w.ran)*(laneStarvedShare-1) >= waited-w.waited) {
 		// A look that comes late: the server itself may not have run
-		// (stopped, traced, starved of CPU), nor the lane's thread,
-		// whoever had its CPU. Measured again from now, unless the
-		// kernel counted the thread waiting to run for half the time at
-		// least: a stall of the server's own held it without a wait.
+		// (stopped, traced), nor the lane's thread, whoever had its
+		// CPU. Measured again from now, unless the kernel counted the
+		// thread waiting to run for half the time at least, and its
+		// run was less than 1/laneStarvedShare of the time the kernel
+		// accounted for (run and wait): a stall of the server's own
+		// held it without a wait, and is not counted against it.
 		from()
 		return
 	}
