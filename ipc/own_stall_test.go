@@ -783,12 +783,12 @@ func TestACallWaitingBehindAReaderThatTookNothingFailsAtItsDeadline(t *testing.T
 // Pushes whose sends' bound ran out while the pushing process did not run
 // (stopped, traced, starved of CPU) before they went are sent all the
 // same, and the peer gets its time to answer: the bound is for waiting
-// on the peer, who has not been waited on. (A primary stopped at that
-// point dropped a secondary that had done nothing wrong, in one round of
-// about fifty on a loaded machine; its syncs push to one secondary
-// several at once.) The hook holds each round's pushes until their bound
-// has passed and lets them go together, as a process that resumes: one
-// takes the write turn, and the others wait for it a while.
+// on the peer, who has not been waited on. (Else a primary stopped at
+// that point would drop a secondary that had done nothing wrong; its
+// syncs push to one secondary several at once.) The hook holds each
+// round's pushes until their bound has passed and lets them go together,
+// as a process that resumes: one takes the write turn, and the others
+// wait for it a while.
 func TestPushesWhoseSendBoundRanOutBeforeTheyWentAreSent(t *testing.T) {
 	const pushes = 4
 	p := syncAckingPeer(t)

@@ -89,8 +89,10 @@ func helperCreateLoop(args []string) int {
 // p50 and p99 of every create, it reports the p50 of the first create of
 // each round of 8 (first-p50-µs), which follows a quiet, the p99 of the
 // other 7 (then-p99-µs), and the median time the primary's handler took
-// (served-p50-µs: the round trip less the channel, both processes'
-// wake-ups and the scheduler's delays). Target,
+// (served-p50-µs, over every request the primary served, as its stats
+// keep it: the top of a bucket 1/8 of an octave wide; roughly what the
+// round trip spends outside the channel, the wake-ups and the
+// scheduler's delays). Target,
 // without polling: "new" p50 <= 0.7x and p99 <= 1x DPDK's
 // rte_mp_request_sync echo measured in the same run
 // (../shared/anchors/run dpdk-mp).
