@@ -812,3 +812,35 @@ func TestPushesWhoseSendBoundRanOutBeforeTheyWentAreSent(t *testing.T) {
 		}
 	}
 }
+
+// A push whose send's bound ran out and that waits for the connection's
+// turn to write, held by a send the peer keeps waiting (its queue full),
+// ends with its caller's context: cancelled, it fails with the
+// cancellation at once, not after its wait for the turn, nor sent.
+func TestALatePushWaitingForTheWriteTurnEndsWithItsCaller(t *testing.T) {
+	s := startServer(t, newHandler(), withHello)
+	rawLane(t, s) // a peer that reads nothing
+	p := waitFor(t, s.h.connected, "Connected")
+	// Fill its queue until a send waits for room, holding the turn; each
+	// batch of pushes past the hook (sent and waiting for their answers,
+	// waiting for the turn, or holding it) before the next.
+	waiting := func() int { return testenv.GoroutinesIn("writeBounded", "waitWrite") }
+	for pushes := 0; waiting() == 0; {
+		require.Less(t, pushes, 10_000, "pushes and the peer's queue still not full")
+		pushes += 64
+		for range 64 {
+			go func() {
+				_ = p.PushWithin(context.Background(), time.Minute, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
+			}()
+		}
+		waitUntil(t, func() bool { return testenv.GoroutinesIn("callWithin", "[select")+waiting() == pushes },
+			"the pushes past the hook")
+	}
+	caller, cancel := context.WithCancel(context.Background())
+	defer ipc.SetPushSendingHook(func(ctx context.Context) {
+		<-ctx.Done() // the bound ran out before the push went
+		cancel()
+	})()
+	err := p.PushWithin(caller, 20*time.Millisecond, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
+	assert.ErrorIs(t, err, context.Canceled)
+}
