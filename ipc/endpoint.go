@@ -350,9 +350,10 @@ func (e *endpoint) writeBounded(ctx, caller context.Context, id uint64, kind Kin
 		// The wait for room ran out, not the caller's patience: if this
 		// process did not run meanwhile (stopped, traced, starved of CPU),
 		// the peer may have made room; it is not to be judged by this
-		// process's stall. One more try, without waiting.
-		if e.conn.trySend(b, files) == nil {
-			err = nil
+		// process's stall. One more try, without waiting; it fails as
+		// a send in time would, unless only for want of room.
+		if terr := e.conn.trySend(b, files); !errors.Is(terr, sock.ErrWouldBlock) {
+			err = terr
 		}
 	}
 	<-e.wsem

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/mpmr/mpmr/internal/sys/sock"
 	"github.com/mpmr/mpmr/internal/test/testenv"
@@ -843,4 +845,57 @@ func TestALatePushWaitingForTheWriteTurnEndsWithItsCaller(t *testing.T) {
 	})()
 	err := p.PushWithin(caller, 20*time.Millisecond, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
 	assert.ErrorIs(t, err, context.Canceled)
+}
+
+// A push whose send's bound ran out before it went, to a peer that no
+// longer reads (it shut its receiving side down: sending to it fails),
+// fails as the same push in time does, with the peer gone and the
+// connection ended, not with a deadline: the peer was not waited on, and
+// a primary judges a secondary whose connection failed by whether it is
+// dying, not as one that did not answer.
+func TestALatePushToAPeerThatStoppedReadingFailsWithThePeerGone(t *testing.T) {
+	s := startServer(t, newHandler(), withHello)
+	c := rawHelloNet(t, s.path)
+	p := waitFor(t, s.h.connected, "Connected")
+	require.NoError(t, c.CloseRead())
+	defer ipc.SetPushSendingHook(func(ctx context.Context) { <-ctx.Done() })()
+	err := p.PushWithin(context.Background(), 20*time.Millisecond, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
+	assert.ErrorIs(t, err, ipc.ErrPeerGone)
+	assert.ErrorIs(t, p.Err(), ipc.ErrPeerGone, "the connection ended")
+}
+
+// rawHelloNet is rawHelloAt on a plain net.UnixConn (whose sides can be
+// shut down one at a time); the lane the server hands over is kept open,
+// and both are closed with the test.
+func rawHelloNet(t *testing.T, path string) *net.UnixConn {
+	t.Helper()
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	b, err := ipc.AppendFrame(nil, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"})
+	require.NoError(t, err)
+	_, err = c.Write(b)
+	require.NoError(t, err)
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
+	buf, oob := make([]byte, ipc.MaxMessage), make([]byte, unix.CmsgSpace(4))
+	for _, want := range []ipc.Kind{ipc.KindChannel, ipc.KindReply} { // the lane, then the hello's answer
+		n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+		require.NoError(t, err)
+		if oobn > 0 {
+			msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+			require.NoError(t, err)
+			for _, m := range msgs {
+				fds, err := unix.ParseUnixRights(&m)
+				require.NoError(t, err)
+				for _, fd := range fds {
+					lane := os.NewFile(uintptr(fd), "lane")
+					t.Cleanup(func() { lane.Close() })
+				}
+			}
+		}
+		f, err := ipc.ParseFrame(buf[:n])
+		require.NoError(t, err)
+		require.Equal(t, want, f.Kind)
+	}
+	return c
 }
