@@ -98,3 +98,7 @@ func BoundLaneCPUs(s *Server) []int {
 	}
 	return cpus
 }
+
+// CatchUpWait is how long a call or push past its bound waits for what
+// could still be on time.
+const CatchUpWait = catchUpWait

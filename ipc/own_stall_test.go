@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -823,21 +824,7 @@ func TestALatePushWaitingForTheWriteTurnEndsWithItsCaller(t *testing.T) {
 	s := startServer(t, newHandler(), withHello)
 	rawLane(t, s) // a peer that reads nothing
 	p := waitFor(t, s.h.connected, "Connected")
-	// Fill its queue until a send waits for room, holding the turn; each
-	// batch of pushes past the hook (sent and waiting for their answers,
-	// waiting for the turn, or holding it) before the next.
-	waiting := func() int { return testenv.GoroutinesIn("writeBounded", "waitWrite") }
-	for pushes := 0; waiting() == 0; {
-		require.Less(t, pushes, 10_000, "pushes and the peer's queue still not full")
-		pushes += 64
-		for range 64 {
-			go func() {
-				_ = p.PushWithin(context.Background(), time.Minute, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
-			}()
-		}
-		waitUntil(t, func() bool { return testenv.GoroutinesIn("callWithin", "[select")+waiting() == pushes },
-			"the pushes past the hook")
-	}
+	fillPeerQueue(t, p)
 	caller, cancel := context.WithCancel(context.Background())
 	defer ipc.SetPushSendingHook(func(ctx context.Context) {
 		<-ctx.Done() // the bound ran out before the push went
@@ -845,6 +832,60 @@ func TestALatePushWaitingForTheWriteTurnEndsWithItsCaller(t *testing.T) {
 	})()
 	err := p.PushWithin(caller, 20*time.Millisecond, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
 	assert.ErrorIs(t, err, context.Canceled)
+}
+
+// A late push whose write turn stays held (another send waits for room in
+// a peer's full queue) gives up after catchUpWait with its deadline, and
+// takes nothing with it: the connection stays, and the sends behind the
+// turn go once the peer reads again.
+func TestALatePushWhoseWriteTurnStaysHeldGivesUp(t *testing.T) {
+	s := startServer(t, newHandler(), withHello)
+	c, _ := rawLane(t, s)
+	p := waitFor(t, s.h.connected, "Connected")
+	pushes := fillPeerQueue(t, p)
+	var late atomic.Int64 // when the late push's bound had run out
+	defer ipc.SetPushSendingHook(func(ctx context.Context) {
+		<-ctx.Done()
+		late.Store(time.Now().UnixNano())
+	})()
+	err := p.PushWithin(context.Background(), 20*time.Millisecond, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
+	gaveUp := time.Now()
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.GreaterOrEqual(t, gaveUp.Sub(time.Unix(0, late.Load())), ipc.CatchUpWait, "it gave up before waiting for the turn")
+	require.NoError(t, p.Err(), "the connection ended")
+
+	// The peer reads: every push held behind the turn goes.
+	buf := make([]byte, ipc.MaxMessage)
+	for range pushes {
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
+		_, _, err := c.Recv(buf)
+		require.NoError(t, err, "a push behind the turn never came")
+	}
+	require.NoError(t, p.Err())
+}
+
+// fillPeerQueue pushes to p, whose peer reads nothing, until a send waits
+// for room in the peer's queue and so holds the connection's write turn;
+// it returns how many pushes it made (each bound by a minute, all but the
+// ones the queue took waiting). The pushes end with the test's connection.
+func fillPeerQueue(t *testing.T, p *ipc.Peer) int {
+	t.Helper()
+	waiting := func() int { return testenv.GoroutinesIn("writeBounded", "waitWrite") }
+	pushes := 0
+	for waiting() == 0 {
+		require.Less(t, pushes, 10_000, "pushes and the peer's queue still not full")
+		pushes += 64
+		for range 64 {
+			go func() {
+				_ = p.PushWithin(context.Background(), time.Minute, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
+			}()
+		}
+		// Each batch past the hook (sent and waiting for its answer,
+		// waiting for the turn, or holding it) before the next.
+		waitUntil(t, func() bool { return testenv.GoroutinesIn("callWithin", "[select")+waiting() == pushes },
+			"the pushes past the hook")
+	}
+	return pushes
 }
 
 // A push whose send's bound ran out before it went, to a peer that no
