@@ -178,11 +178,11 @@ const (
 )
 
 // starveHandler is followHandler with addresses of its own. A request for
-// addrStarve keeps its thread busy, if it is bound to one CPU, until it
-// may run on others, for at most bound/2, and answers LKey 1 if it may
-// (or could from the start), 0 if not; one for addrWait says it started on
-// started and blocks until release is closed; one for addrStarveHold does
-// the one and then the other.
+// addrStarve, naming the CPU its lane's thread is bound to, keeps the
+// thread busy until it may run elsewhere, for at most bound/2, and
+// answers LKey 1 if it may (or could from the start), 0 if not; one for
+// addrWait says it started on started and blocks until release is
+// closed; one for addrStarveHold does the one and then the other.
 func starveHandler(started chan<- struct{}, release <-chan struct{}) *handler {
 	h := followHandler()
 	follow := h.handle
@@ -192,13 +192,20 @@ func starveHandler(started chan<- struct{}, release <-chan struct{}) *handler {
 		if err != nil || r == nil {
 			return reply, err, ok
 		}
+		var m ipc.CreateMR
+		if err := body.Decode(&m); err != nil {
+			return nil, err, true
+		}
 		if r.Start == addrStarve || r.Start == addrStarveHold {
-			var was unix.CPUSet
-			_ = unix.SchedGetaffinity(0, &was)
+			// Bound to the CPU it names (by the requests before), or not
+			// bound at all. Not the thread's CPUs as the handler starts:
+			// the watch may have let it go already, before it ran.
+			var named unix.CPUSet
+			named.Set(int(m.CPU) - 1)
 			r.LKey = 0
 			for end := time.Now().Add(bound / 2); time.Now().Before(end); {
 				var set unix.CPUSet
-				if unix.SchedGetaffinity(0, &set) == nil && (set.Count() > 1 || set != was) {
+				if unix.SchedGetaffinity(0, &set) == nil && set != named {
 					r.LKey = 1
 					break
 				}
