@@ -179,10 +179,10 @@ const (
 
 // starveHandler is followHandler with addresses of its own. A request for
 // addrStarve, naming the CPU its lane's thread is bound to, keeps the
-// thread busy until it may run elsewhere, for at most bound/2, and
-// answers LKey 1 if it may (or could from the start), 0 if not; one for
-// addrWait says it started on started and blocks until release is
-// closed; one for addrStarveHold does the one and then the other.
+// thread busy until it may no longer run there (the lane was let go), for
+// at most bound/2, and answers LKey 1 if so, 0 if not; one for addrWait
+// says it started on started and blocks until release is closed; one for
+// addrStarveHold does the one and then the other.
 func starveHandler(started chan<- struct{}, release <-chan struct{}) *handler {
 	h := followHandler()
 	follow := h.handle
@@ -197,15 +197,13 @@ func starveHandler(started chan<- struct{}, release <-chan struct{}) *handler {
 			return nil, err, true
 		}
 		if r.Start == addrStarve || r.Start == addrStarveHold {
-			// Bound to the CPU it names (by the requests before), or not
-			// bound at all. Not the thread's CPUs as the handler starts:
-			// the watch may have let it go already, before it ran.
-			var named unix.CPUSet
-			named.Set(int(m.CPU) - 1)
+			// Bound to the CPU it names, by the requests before. Not the
+			// thread's CPUs as the handler starts: the watch may have let
+			// it go already, before it ran.
 			r.LKey = 0
-			for end := time.Now().Add(bound / 2); time.Now().Before(end); {
+			for end := time.Now().Add(bound / 2); m.CPU > 0 && time.Now().Before(end); {
 				var set unix.CPUSet
-				if unix.SchedGetaffinity(0, &set) == nil && set != named {
+				if unix.SchedGetaffinity(0, &set) == nil && !set.IsSet(int(m.CPU)-1) {
 					r.LKey = 1
 					break
 				}
@@ -905,4 +903,5 @@ func TestAStarvedLaneIsLetGoWhileTheServerCloses(t *testing.T) {
 	<-running
 	require.NoError(t, s.Close())
 	assert.Equal(t, uint32(1), <-result, "a lane thread kept from its CPU while the server closed was not let go in %v", bound/2)
+	assert.Equal(t, uint64(1), s.Stats().StarvedLanes)
 }

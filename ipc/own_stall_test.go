@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -843,24 +842,29 @@ func TestALatePushWhoseWriteTurnStaysHeldGivesUp(t *testing.T) {
 	c, _ := rawLane(t, s)
 	p := waitFor(t, s.h.connected, "Connected")
 	pushes := fillPeerQueue(t, p)
-	var late atomic.Int64 // when the late push's bound had run out
+	var late time.Time // when the late push's bound had run out (the hook runs on this goroutine)
 	defer ipc.SetPushSendingHook(func(ctx context.Context) {
 		<-ctx.Done()
-		late.Store(time.Now().UnixNano())
+		late = time.Now()
 	})()
 	err := p.PushWithin(context.Background(), 20*time.Millisecond, ipc.KindSync, &ipc.Sync{Op: ipc.SyncUnmap, Count: 1}, nil)
 	gaveUp := time.Now()
 	assert.ErrorIs(t, err, context.DeadlineExceeded)
-	assert.GreaterOrEqual(t, gaveUp.Sub(time.Unix(0, late.Load())), ipc.CatchUpWait, "it gave up before waiting for the turn")
+	assert.GreaterOrEqual(t, gaveUp.Sub(late), ipc.CatchUpWait, "it gave up before waiting for the turn")
 	require.NoError(t, p.Err(), "the connection ended")
 
-	// The peer reads: every push held behind the turn goes.
+	// The peer reads: every push held behind the turn goes, and the late
+	// one does not.
 	buf := make([]byte, ipc.MaxMessage)
 	for range pushes {
 		require.NoError(t, c.SetReadDeadline(time.Now().Add(bound)))
 		_, _, err := c.Recv(buf)
 		require.NoError(t, err, "a push behind the turn never came")
 	}
+	waitUntil(t, func() bool { return testenv.GoroutinesIn("writeBounded") == 0 }, "every push sent")
+	require.NoError(t, c.SetReadDeadline(time.Now()))
+	_, _, err = c.Recv(buf)
+	assert.ErrorIs(t, err, os.ErrDeadlineExceeded, "the late push went after all")
 	require.NoError(t, p.Err())
 }
 
