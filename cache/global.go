@@ -307,7 +307,8 @@ func (g *Global) lockCtx() (context.Context, context.CancelFunc) {
 // overflowed (then the MR list is scanned). It fails, rather than waiting
 // or reading a half-written table, if the primary died while writing, and
 // with ErrClosed once Detach was called. A secondary the primary fenced
-// gets ErrFenced: it stopped following memory changes, so an address may
+// gets ErrFenced, also when the fence came while its lookup ran (it may
+// have stopped there): it stopped following memory changes, so an address may
 // map, in it, pages the primary freed since and holds in quarantine for
 // it, while the table names the pages handed out there afterwards.
 func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
@@ -317,6 +318,21 @@ func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
 	if g.fence.Fenced() {
 		return Entry{}, false, ErrFenced
 	}
+	if hook := lookupEntered.Load(); hook != nil {
+		(*hook)()
+	}
+	e, found, err := g.lookup(addr)
+	// Once more after the read: a process stopped inside the lookup may
+	// resume fenced, and what it read then belongs to changes it no
+	// longer follows.
+	if g.fence.Fenced() {
+		return Entry{}, false, ErrFenced
+	}
+	return e, found, err
+}
+
+// lookup is Lookup's read of the table, or of the MR list.
+func (g *Global) lookup(addr uint64) (Entry, bool, error) {
 	for range 4 {
 		stamp, ok := g.lock.Optimistic()
 		if !ok {
@@ -336,6 +352,10 @@ func (g *Global) Lookup(addr uint64) (Entry, bool, error) {
 	}
 	return g.lookupLocked(addr)
 }
+
+// lookupEntered, when set (by tests), runs in Lookup once its checks on
+// entry passed: where its process may stop.
+var lookupEntered atomic.Pointer[func()]
 
 func (g *Global) lookupLocked(addr uint64) (Entry, bool, error) {
 	var e Entry
