@@ -569,6 +569,13 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			// plain receive is under way is not covered: see the
 			// package doc.)
 			n, files, err = l.RecvBy(c.laneBuf, deadline)
+		case c.following.Load() > 0:
+			// Other calls wait: their answers may be queued already, and
+			// taking one needs no wait.
+			n, files, err = l.TryRecv(c.laneBuf)
+			if errors.Is(err, sock.ErrNoMessage) {
+				n, files, err = l.Recv(c.laneBuf, deadline)
+			}
 		default:
 			n, files, err = l.Recv(c.laneBuf, deadline)
 		}

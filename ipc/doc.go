@@ -83,6 +83,8 @@
 //     call that began to wait while a receive alone was under way may
 //     give up on an answer that receive took in time, if the reader's
 //     thread does not run between the kernel's receive and its return).
+//     With others waiting, the reader first takes what is queued without
+//     waiting, and polls only when nothing is.
 //   - the server reads each peer's lane on a goroutine blocked in a receive,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.
@@ -102,7 +104,8 @@
 //
 // A round trip on the lane makes one sendto and one recvfrom per side,
 // plus one ppoll on the client (the eventfd) when the call can be
-// cancelled or others wait behind its reader, and no other system call
+// cancelled or others wait behind its reader (then a receive that finds
+// nothing queued comes first), and no other system call
 // or wake-up: the C floor's shape
 // and calls. (A frame with descriptors goes after a one-byte notice, and
 // is received with recvmsg; see sock.Blocking for descriptors that come
