@@ -569,9 +569,11 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			// plain receive is under way is not covered: see the
 			// package doc.)
 			n, files, err = l.RecvBy(c.laneBuf, deadline)
-		case c.following.Load() > 0:
+		case c.following.Load() > 0 && ctx.Err() == nil && (deadline.IsZero() || time.Now().Before(deadline)):
 			// Other calls wait: their answers may be queued already, and
-			// taking one needs no wait.
+			// taking one needs no wait. Only while this call is in time:
+			// the receive that waits is the one that sees its deadline
+			// pass or its context end, however much is queued.
 			n, files, err = l.TryRecv(c.laneBuf)
 			if errors.Is(err, sock.ErrNoMessage) {
 				n, files, err = l.Recv(c.laneBuf, deadline)

@@ -84,7 +84,8 @@
 //     give up on an answer that receive took in time, if the reader's
 //     thread does not run between the kernel's receive and its return).
 //     With others waiting, the reader first takes what is queued without
-//     waiting, and polls only when nothing is.
+//     waiting, and polls only when nothing is (or its call's deadline
+//     passed or its context ended: the poll is what sees those).
 //   - the server reads each peer's lane on a goroutine blocked in a receive,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -625,6 +626,60 @@ func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
 		case <-time.After(bound):
 			t.Fatalf("call %d, with a 20 ms deadline, still reads the flooded lane after %v", i, bound)
 		}
+	}
+}
+
+// A reader with calls waiting behind it takes what is queued before it
+// waits; past its deadline, or with its context ended, it still gives up
+// in time, though an answer nobody waits for is queued each time it
+// takes one.
+func TestALaneReaderWithCallsBehindItGivesUpThoughAnswersKeepComing(t *testing.T) {
+	for _, how := range []string{"deadline", "cancelled"} {
+		t.Run(how, func(t *testing.T) {
+			c, lane := rawLaneClient(t)
+			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			first := make(chan error, 1)
+			go func() {
+				if how == "deadline" {
+					first <- c.CallTimeout(20*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+					return
+				}
+				first <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+			}()
+			lc.request()
+			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
+			behindDone := make(chan struct{})
+			lc.behind(time.Hour, behindDone)
+
+			stray, err := ipc.AppendFrame(nil, 1<<40, ipc.KindReply, 0, &ipc.CreateMRReply{})
+			require.NoError(t, err)
+			var flooding atomic.Bool
+			flooding.Store(true)
+			defer ipc.SetLaneReceivedHook(func(got *ipc.Client) {
+				if got == c && flooding.Load() {
+					assert.NoError(t, lane.TrySend(stray, nil)) // the next, before this one is dealt with
+				}
+			})()
+			defer func() {
+				flooding.Store(false)
+				c.Close() // ends the call behind, which reads the lane by then
+				<-behindDone
+			}()
+			require.NoError(t, lane.Send(stray, nil, time.Time{}))
+			want := context.DeadlineExceeded
+			if how == "cancelled" {
+				cancel()
+				want = context.Canceled
+			}
+			select {
+			case err := <-first:
+				require.ErrorIs(t, err, want)
+			case <-time.After(bound):
+				t.Fatalf("the reader, its call %s, still reads the lane after %v", how, bound)
+			}
+		})
 	}
 }
 
