@@ -350,24 +350,36 @@ func (c *Blocking) Queued() bool {
 
 // TryRecv receives one message as Recv does if one is queued, and fails
 // with ErrNoMessage at once if none is. Like Recv, one goroutine at a time.
+// It takes at most maxTryNotices notices (see Send) in one call, and says
+// ErrNoMessage past them: a peer that keeps sending notices with no
+// message behind them must not keep a receive that does not wait from
+// returning.
 func (c *Blocking) TryRecv(b []byte) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	c.holding.Store(true)
-	for {
+	for notices := 0; ; {
 		if c.closed.Load() {
 			return c.none(errBlockingClosed)
 		}
 		n, oobn, rflags, err := c.recvOne(b, unix.MSG_DONTWAIT)
 		switch {
-		case err == unix.EINTR || err == errNoticed:
-			continue // a notice: its message may be queued behind it
+		case err == errNoticed:
+			if notices++; notices > maxTryNotices {
+				return c.none(ErrNoMessage)
+			}
+			continue // its message may be queued behind it
+		case err == unix.EINTR:
+			continue
 		case err == unix.EAGAIN:
 			return c.none(ErrNoMessage)
 		}
 		return c.received(n, len(b), oobn, rflags, err)
 	}
 }
+
+// maxTryNotices is how many notices TryRecv takes in one call.
+const maxTryNotices = 8
 
 func (c *Blocking) recv(b []byte, deadline time.Time, wakeable bool) (int, []*os.File, error) {
 	if deadline.IsZero() && !(wakeable && c.wake >= 0) {

@@ -210,3 +210,36 @@ func TestBlockingFailedSendLeavesItsNoticeToTheNext(t *testing.T) {
 	assert.Zero(t, b.expect, "no notice left pending")
 	assert.Zero(t, a.owed.Load(), "no notice left owed")
 }
+
+// TryRecv does not wait, and a peer that keeps sending notices with no
+// message behind them does not make it: it takes a few and says no
+// message is queued. Here a notice is queued again each time one is
+// taken, so that the queue never runs dry.
+func TestBlockingTryRecvIsNotHeldByAFloodOfNotices(t *testing.T) {
+	a, b := blockingPair(t)
+	taken := 0
+	hook := func() {
+		if taken++; taken < 10_000 {
+			assert.NoError(t, unix.Sendto(a.fd, []byte{filesNotice}, 0, nil))
+		}
+	}
+	afterRecv.Store(&hook)
+	defer afterRecv.Store(nil)
+	require.NoError(t, unix.Sendto(a.fd, []byte{filesNotice}, 0, nil))
+	_, _, err := b.TryRecv(make([]byte, 8))
+	require.ErrorIs(t, err, ErrNoMessage)
+	assert.Less(t, taken, 100, "receives before it gave up")
+	assert.True(t, b.Queued(), "the flood goes on; it said so with notices still queued")
+
+	// Stray notices ahead of a message are still passed over.
+	afterRecv.Store(nil)
+	a2, b2 := blockingPair(t)
+	for range 3 {
+		require.NoError(t, unix.Sendto(a2.fd, []byte{filesNotice}, 0, nil))
+	}
+	require.NoError(t, a2.Send([]byte("one"), nil, time.Time{}))
+	buf := make([]byte, 8)
+	n, _, err := b2.TryRecv(buf)
+	require.NoError(t, err)
+	assert.Equal(t, "one", string(buf[:n]))
+}
