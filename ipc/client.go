@@ -538,7 +538,8 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 	// late is set once the deadline has passed: what is queued on the lane
 	// is read first, without waiting, since an answer may have come in
 	// time while this process did not run (stopped, traced, starved of
-	// CPU); the call gives up when nothing more is.
+	// CPU); the call gives up when nothing more is (notices of messages
+	// not come count as nothing), or at lateUntil.
 	late := false
 	var lateUntil time.Time // catchUpWait after the deadline: however much comes, it gives up then
 	for {
@@ -559,6 +560,9 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			err = sock.ErrNoMessage
 		case late:
 			n, files, err = l.TryRecv(c.laneBuf)
+			if errors.Is(err, sock.ErrNoMessage) && l.Queued() {
+				continue // notices ahead of what is queued: a receive takes only so many
+			}
 		case unwoken && c.following.Load() == 0:
 			// A plain blocking receive marks what it takes only as it
 			// returns (see sock.Blocking.CaughtUp): with a call waiting

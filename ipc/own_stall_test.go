@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -232,20 +233,20 @@ func helperLaneCaller(args []string) int {
 // for the primary.
 func TestALaneAnswerInTimeCountsThoughTheCallerWasStoppedPastItsDeadline(t *testing.T) {
 	const timeout = time.Second // room for a busy machine to stop the caller and answer in time
-	for _, how := range []string{"call", "callctx", "call2"} {
+	for _, how := range []string{"call", "callctx", "call2", "call behind notices"} {
 		t.Run(how, func(t *testing.T) {
 			calls := 1
 			if how == "call2" {
 				calls = 2
 			}
 			var caller *testproc.Proc
-			lane := laneServer(t, func(path string) { caller = testproc.Start(t, "lane-caller", []string{path}) })
+			lane, raw := laneServerRaw(t, func(path string) { caller = testproc.Start(t, "lane-caller", []string{path}) })
 			caller.Expect("ready", bound)
 			buf := make([]byte, ipc.MaxMessage)
 			var b []byte
 
 			before := time.Now() // the calls' deadline is after timeout from here
-			caller.Send("%s %v", how, timeout)
+			caller.Send("%s %v", strings.Fields(how)[0], timeout)
 			var ids []uint64
 			var err error
 			for range calls {
@@ -257,6 +258,15 @@ func TestALaneAnswerInTimeCountsThoughTheCallerWasStoppedPastItsDeadline(t *test
 				ids = append(ids, req.ID)
 			}
 			caller.Stop()
+			if how == "call behind notices" {
+				// Notices of messages with descriptors that never came
+				// (a sender that failed after its notice, or one that
+				// means harm), more than one receive that does not
+				// wait takes.
+				for range 20 {
+					require.NoError(t, unix.Sendto(raw, []byte{filesNotice}, 0, nil))
+				}
+			}
 			for _, id := range ids {
 				b, err = ipc.AppendFrame(nil, id, ipc.KindReply, 0, &ipc.CreateMRReply{Start: 0x1234_5000, End: 0x1234_6000, LKey: 7})
 				require.NoError(t, err)
@@ -521,6 +531,15 @@ func TestAPeerThatReadWhileTheServerWasStoppedIsNoSlowReader(t *testing.T) {
 // returns its end of the lane.
 func laneServer(t *testing.T, start func(path string)) *sock.Blocking {
 	t.Helper()
+	lane, _ := laneServerRaw(t, start)
+	return lane
+}
+
+// laneServerRaw is laneServer, and also returns a descriptor of the
+// lane's server end on which the test may write what a Blocking would
+// not (a notice with no message behind it).
+func laneServerRaw(t *testing.T, start func(path string)) (*sock.Blocking, int) {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), ipc.SocketName)
 	l, err := sock.Listen(path, false)
 	require.NoError(t, err)
@@ -536,7 +555,13 @@ func laneServer(t *testing.T, start func(path string)) *sock.Blocking {
 	t.Cleanup(func() { srv.Close() })
 	hello := readFrame(t, srv, make([]byte, ipc.MaxMessage))
 	require.Equal(t, ipc.KindHello, hello.Kind)
-	lane, theirs, err := sock.BlockingPair()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	theirs := os.NewFile(uintptr(fds[1]), "lane")
+	raw, err := unix.Dup(fds[0])
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Close(raw) })
+	lane, err := sock.NewBlocking(os.NewFile(uintptr(fds[0]), "lane"), false)
 	require.NoError(t, err)
 	t.Cleanup(func() { lane.Close() })
 	b, err := ipc.AppendFrame(nil, 0, ipc.KindChannel, 1, &ipc.Channel{})
@@ -546,8 +571,12 @@ func laneServer(t *testing.T, start func(path string)) *sock.Blocking {
 	b, err = ipc.AppendFrame(nil, hello.ID, ipc.KindReply, 0, &ipc.HelloReply{})
 	require.NoError(t, err)
 	require.NoError(t, srv.Send(b, nil))
-	return lane
+	return lane, raw
 }
+
+// filesNotice is the byte a Blocking connection sends ahead of a message
+// with descriptors (the sock package's, as it goes on the wire).
+const filesNotice = 0xc1
 
 // rawLaneClient returns a client of this process connected to laneServer,
 // and the server's end of its lane.
@@ -634,6 +663,7 @@ func TestALateLaneCallGivesUpThoughAnswersKeepComing(t *testing.T) {
 // in time, though an answer nobody waits for is queued each time it
 // takes one.
 func TestALaneReaderWithCallsBehindItGivesUpThoughAnswersKeepComing(t *testing.T) {
+	const timeout = time.Second // the reader's: room for a busy machine to start the flood in time
 	for _, how := range []string{"deadline", "cancelled"} {
 		t.Run(how, func(t *testing.T) {
 			c, lane := rawLaneClient(t)
@@ -641,9 +671,10 @@ func TestALaneReaderWithCallsBehindItGivesUpThoughAnswersKeepComing(t *testing.T
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			first := make(chan error, 1)
+			begun := time.Now() // the deadline is after timeout from here
 			go func() {
 				if how == "deadline" {
-					first <- c.CallTimeout(20*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+					first <- c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
 					return
 				}
 				first <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
@@ -653,14 +684,23 @@ func TestALaneReaderWithCallsBehindItGivesUpThoughAnswersKeepComing(t *testing.T
 			behindDone := make(chan struct{})
 			lc.behind(time.Hour, behindDone)
 
+			// Each stray the reader takes queues the next, from the hook
+			// that runs as it is received; the cancellation comes from
+			// there too, once the reader is seen going round.
+			const inLoop = 20
 			stray, err := ipc.AppendFrame(nil, 1<<40, ipc.KindReply, 0, &ipc.CreateMRReply{})
 			require.NoError(t, err)
+			var taken atomic.Int64
 			var flooding atomic.Bool
 			flooding.Store(true)
 			defer ipc.SetLaneReceivedHook(func(got *ipc.Client) {
-				if got == c && flooding.Load() {
-					assert.NoError(t, lane.TrySend(stray, nil)) // the next, before this one is dealt with
+				if got != c || !flooding.Load() {
+					return
 				}
+				if taken.Add(1) == inLoop && how == "cancelled" {
+					cancel()
+				}
+				assert.NoError(t, lane.TrySend(stray, nil)) // the next, before this one is dealt with
 			})()
 			defer func() {
 				flooding.Store(false)
@@ -670,14 +710,17 @@ func TestALaneReaderWithCallsBehindItGivesUpThoughAnswersKeepComing(t *testing.T
 			require.NoError(t, lane.Send(stray, nil, time.Time{}))
 			want := context.DeadlineExceeded
 			if how == "cancelled" {
-				cancel()
 				want = context.Canceled
 			}
 			select {
 			case err := <-first:
 				require.ErrorIs(t, err, want)
-			case <-time.After(bound):
-				t.Fatalf("the reader, its call %s, still reads the lane after %v", how, bound)
+			case <-time.After(timeout + bound):
+				t.Fatalf("the reader, its call %s, still reads the lane after %v", how, timeout+bound)
+			}
+			require.GreaterOrEqual(t, taken.Load(), int64(inLoop), "the reader took the strays before it gave up")
+			if how == "deadline" && time.Since(begun) < timeout {
+				t.Fatalf("gave up %v before its deadline", timeout-time.Since(begun))
 			}
 		})
 	}
