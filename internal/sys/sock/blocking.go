@@ -19,7 +19,9 @@ var ErrWoken = errors.New("sock: woken")
 // ErrWouldBlock means TrySend found no room in the peer's queue.
 var ErrWouldBlock = errors.New("sock: no room in the peer's queue")
 
-// ErrNoMessage means TryRecv found no message queued.
+// ErrNoMessage means TryRecv found no message queued, or only notices
+// ahead of one, more than it takes in one call (see TryRecv; Queued then
+// says something is).
 var ErrNoMessage = errors.New("sock: no message queued")
 
 // ErrNotSeqpacket means NewBlocking was given a file that is not a unix
@@ -351,9 +353,10 @@ func (c *Blocking) Queued() bool {
 // TryRecv receives one message as Recv does if one is queued, and fails
 // with ErrNoMessage at once if none is. Like Recv, one goroutine at a time.
 // It takes at most maxTryNotices notices (see Send) in one call, and says
-// ErrNoMessage past them: a peer that keeps sending notices with no
-// message behind them must not keep a receive that does not wait from
-// returning.
+// ErrNoMessage at the last of them, whatever is queued behind: a peer
+// that keeps sending notices with no message behind them must not keep a
+// receive that does not wait from returning. A caller that looks for a
+// message behind many notices calls again while Queued says something is.
 func (c *Blocking) TryRecv(b []byte) (int, []*os.File, error) {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
@@ -365,7 +368,7 @@ func (c *Blocking) TryRecv(b []byte) (int, []*os.File, error) {
 		n, oobn, rflags, err := c.recvOne(b, unix.MSG_DONTWAIT)
 		switch {
 		case err == errNoticed:
-			if notices++; notices > maxTryNotices {
+			if notices++; notices == maxTryNotices {
 				return c.none(ErrNoMessage)
 			}
 			continue // its message may be queued behind it
