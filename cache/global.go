@@ -307,8 +307,9 @@ func (g *Global) lockCtx() (context.Context, context.CancelFunc) {
 // overflowed (then the MR list is scanned). It fails, rather than waiting
 // or reading a half-written table, if the primary died while writing, and
 // with ErrClosed once Detach was called. A secondary the primary fenced
-// gets ErrFenced, also when the fence came while its lookup ran (it may
-// have stopped there): it stopped following memory changes, so an address may
+// gets ErrFenced, also when the fence came while its lookup ran, up to
+// its read of the table (it may have stopped there; a fence after that is
+// one after the lookup): it stopped following memory changes, so an address may
 // map, in it, pages the primary freed since and holds in quarantine for
 // it, while the table names the pages handed out there afterwards.
 func (g *Global) Lookup(addr uint64) (Entry, bool, error) {

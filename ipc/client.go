@@ -567,9 +567,10 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			// A plain blocking receive marks what it takes only as it
 			// returns (see sock.Blocking.CaughtUp): with a call waiting
 			// behind the reader when it begins to receive, which looks
-			// at the mark when its deadline passes, the reader waits
-			// first and marks what it takes before it leaves the
-			// socket's queue. (A call that begins to wait while the
+			// at the mark when its deadline passes, the reader takes
+			// what it can without waiting, or waits first, and marks
+			// what it takes before it leaves the socket's queue either
+			// way (the cases below). (A call that begins to wait while the
 			// plain receive is under way is not covered: see the
 			// package doc.)
 			n, files, err = l.RecvBy(c.laneBuf, deadline)

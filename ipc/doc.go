@@ -79,13 +79,14 @@
 //     unless others wait behind it as it begins to receive: a caller
 //     whose deadline passes first waits, 100 ms at most, until the reader
 //     has handed over what it took off the socket, which the reader marks
-//     before it leaves the socket's queue only when it polled first; a
-//     call that began to wait while a receive alone was under way may
-//     give up on an answer that receive took in time, if the reader's
-//     thread does not run between the kernel's receive and its return).
-//     With others waiting, the reader first takes what is queued without
-//     waiting, and polls only when nothing is (or its call's deadline
-//     passed or its context ended: the poll is what sees those).
+//     before it leaves the socket's queue unless it waits in the receive
+//     alone; a call that began to wait while a receive alone was under
+//     way may give up on an answer that receive took in time, if the
+//     reader's thread does not run between the kernel's receive and its
+//     return). With others waiting, the reader first takes what is
+//     queued without waiting, and polls when that finds no message (or
+//     once its call's deadline passed or its context ended: the poll is
+//     what sees those).
 //   - the server reads each peer's lane on a goroutine blocked in a receive,
 //     which answers the inline kinds itself, from the thread the request
 //     woke. Other kinds go to goroutines as before.

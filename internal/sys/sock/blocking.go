@@ -19,9 +19,9 @@ var ErrWoken = errors.New("sock: woken")
 // ErrWouldBlock means TrySend found no room in the peer's queue.
 var ErrWouldBlock = errors.New("sock: no room in the peer's queue")
 
-// ErrNoMessage means TryRecv found no message queued, or only notices
-// ahead of one, more than it takes in one call (see TryRecv; Queued then
-// says something is).
+// ErrNoMessage means TryRecv found no message queued, or took as many
+// notices as it takes in one call (see TryRecv; Queued then says whether
+// anything is left).
 var ErrNoMessage = errors.New("sock: no message queued")
 
 // ErrNotSeqpacket means NewBlocking was given a file that is not a unix
