@@ -588,8 +588,20 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 		}
 		if err != nil {
 			if !errors.Is(err, sock.ErrWoken) && !errors.Is(err, os.ErrDeadlineExceeded) && !errors.Is(err, sock.ErrNoMessage) {
-				c.laneEnded(err)
-				return nil, false
+				var until time.Time
+				if !deadline.IsZero() {
+					until = deadline.Add(catchUpWait)
+				}
+				if c.laneEnded(err, ctx.Done(), until) || c.take(cl.id) == nil {
+					return nil, false
+				}
+				// Its own bound came first: it gives up as at its
+				// deadline, with no answer owed (the lane is gone).
+				cerr := ctx.Err()
+				if cerr == nil {
+					cerr = context.DeadlineExceeded
+				}
+				return cerr, true
 			}
 			cerr := ctx.Err()
 			if cerr == nil && !deadline.IsZero() && !time.Now().Before(deadline) {
@@ -666,17 +678,48 @@ func (c *Client) giveUp(id uint64) {
 // reason there (ErrLimit, say), and closes both at once.
 const laneGrace = time.Second
 
-// laneEnded ends the connection after the lane failed with err.
-func (c *Client) laneEnded(err error) {
-	if errors.Is(err, io.EOF) || errors.Is(err, sock.ErrPeerClosed) {
-		t := time.NewTimer(laneGrace)
+// laneEnded ends the connection after the lane failed with err; a lane
+// the server closed first gives the connection laneGrace to end and say
+// why. The call reading the lane, if any, waits no longer than its own
+// bound (done: its context's; until: the end of its time, zero for
+// none): laneEnded then reports false and the grace goes on without it,
+// so that a server that closes the lane alone holds no call past its
+// time.
+func (c *Client) laneEnded(err error, done <-chan struct{}, until time.Time) (ended bool) {
+	if !errors.Is(err, io.EOF) && !errors.Is(err, sock.ErrPeerClosed) {
+		c.fail(connErr(err))
+		return true
+	}
+	grace := time.NewTimer(laneGrace)
+	var bound <-chan time.Time
+	if !until.IsZero() {
+		b := time.NewTimer(time.Until(until))
+		defer b.Stop()
+		bound = b.C
+	}
+	ended = true
+	select {
+	case <-c.done:
+	case <-grace.C:
+	case <-done:
+		ended = false
+	case <-bound:
+		ended = false
+	}
+	if ended {
+		grace.Stop()
+		c.fail(connErr(err))
+		return true
+	}
+	go func() {
+		defer grace.Stop()
 		select {
 		case <-c.done:
-		case <-t.C:
+		case <-grace.C:
 		}
-		t.Stop()
-	}
-	c.fail(connErr(err))
+		c.fail(connErr(err))
+	}()
+	return false
 }
 
 // laneAnswer parses a frame read on the lane, which must be the answer
@@ -743,7 +786,7 @@ func (c *Client) drain(l *sock.Blocking, d *call) {
 			continue
 		}
 		if err != nil {
-			c.laneEnded(err)
+			c.laneEnded(err, nil, time.Time{})
 			return
 		}
 		f, err := laneAnswer(c.laneBuf[:n], files)

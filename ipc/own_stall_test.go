@@ -1044,3 +1044,50 @@ func rawHelloNet(t *testing.T, path string) *net.UnixConn {
 	}
 	return c
 }
+
+// A server that closes its end of the lane and keeps the connection
+// (careless, or meaning harm) does not hold the call reading the lane
+// past its deadline and catchUpWait, nor past its context's end, for the
+// while the client gives the connection to say why the lane ended; the
+// connection still ends after that while.
+func TestALaneEndedWhileTheConnectionStaysHoldsNoCallPastItsBound(t *testing.T) {
+	const timeout = 50 * time.Millisecond
+	for _, how := range []string{"deadline", "cancelled"} {
+		t.Run(how, func(t *testing.T) {
+			c, lane := rawLaneClient(t)
+			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() {
+				if how == "deadline" {
+					done <- c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+					return
+				}
+				done <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+			}()
+			lc.request()
+			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
+			require.NoError(t, lane.Close()) // the connection stays
+			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).laneEnded")
+			began := time.Now()
+			want := context.DeadlineExceeded
+			if how == "cancelled" {
+				cancel()
+				want = context.Canceled
+			}
+			select {
+			case err := <-done:
+				require.ErrorIs(t, err, want)
+			case <-c.Done():
+				t.Fatalf("the call still waited when the connection ended, %v after its %s", time.Since(began), how)
+			}
+			select {
+			case <-c.Done():
+				require.ErrorIs(t, c.Err(), ipc.ErrPeerGone, "the connection ends as the lane did")
+			case <-time.After(bound):
+				t.Fatalf("the connection stays up %v after its lane ended", bound)
+			}
+		})
+	}
+}
