@@ -55,7 +55,8 @@ type ClientConfig struct {
 	// Spin is how long a caller waiting for its answer polls for it
 	// before it blocks (see sock.Blocking.SpinReadable): an answer that
 	// comes within it reaches its caller without a wake-up, at the price
-	// of a CPU busy meanwhile. 0 never polls.
+	// of a CPU busy meanwhile. 0 never polls. A call polls no longer than
+	// its deadline, nor once its context has ended.
 	Spin time.Duration
 }
 
@@ -130,12 +131,14 @@ func DialClient(ctx context.Context, path string, cfg ClientConfig) (*Client, er
 // ends. The server's error comes back as a *RemoteError that matches its
 // registered sentinel. When the connection ends, every pending and later
 // Call fails at once with an error matching ErrPeerGone (ErrClosed after
-// Close). An answer that arrives after ctx ended is dropped; one already
-// queued when ctx's deadline passes is taken (a process that did not run
+// Close). An answer that arrives after ctx ended is dropped, unless it
+// comes while the call still reads what was queued when its deadline
+// passed: one already queued then is taken (a process that did not run
 // meanwhile, stopped or traced, finds its deadline passed and the answer
 // there): the call reads, or waits for the reader to take and hand
-// over, what is queued, up to 100 ms more (catchUpWait). The server is
-// told the call was given up (see the package doc).
+// over, what is queued, until nothing is or up to 100 ms more
+// (catchUpWait), and takes what it finds meanwhile. The server is told
+// the call was given up (see the package doc).
 func (c *Client) Call(ctx context.Context, kind Kind, req, reply any) error {
 	if !kind.IsRequest() {
 		return fmt.Errorf("%w: %s is not a request", ErrUnknownKind, kind)
@@ -550,8 +553,14 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			runtime.Gosched()
 			delivered = false
 		}
-		if c.spin > 0 && !late {
-			l.SpinReadable(c.spin)
+		if spin := c.spin; spin > 0 && !late && ctx.Err() == nil {
+			// Not past the deadline; a cancellation ends it (its Wake).
+			if !deadline.IsZero() {
+				spin = min(spin, time.Until(deadline))
+			}
+			if spin > 0 {
+				l.SpinReadable(spin)
+			}
 		}
 		var n int
 		var files []*os.File

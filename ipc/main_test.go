@@ -27,7 +27,12 @@ const bound = 10 * time.Second
 // dialHello connects to the server at path and says hello, as a
 // secondary does.
 func dialHello(ctx context.Context, path string) (*ipc.Client, error) {
-	c, err := ipc.DialClient(ctx, path, ipc.ClientConfig{Logger: quiet})
+	return dialHelloWith(ctx, path, ipc.ClientConfig{Logger: quiet})
+}
+
+// dialHelloWith is dialHello with the client's configuration.
+func dialHelloWith(ctx context.Context, path string, cfg ipc.ClientConfig) (*ipc.Client, error) {
+	c, err := ipc.DialClient(ctx, path, cfg)
 	if err != nil {
 		return nil, err
 	}

@@ -582,12 +582,18 @@ const filesNotice = 0xc1
 // and the server's end of its lane.
 func rawLaneClient(t *testing.T) (*ipc.Client, *sock.Blocking) {
 	t.Helper()
+	return rawLaneClientWith(t, ipc.ClientConfig{Logger: quiet})
+}
+
+// rawLaneClientWith is rawLaneClient with the client's configuration.
+func rawLaneClientWith(t *testing.T, cfg ipc.ClientConfig) (*ipc.Client, *sock.Blocking) {
+	t.Helper()
 	clients := make(chan *ipc.Client, 1)
 	lane := laneServer(t, func(path string) {
 		go func() {
 			ctx, cancel := context.WithTimeout(context.Background(), bound)
 			defer cancel()
-			c, err := dialHello(ctx, path)
+			c, err := dialHelloWith(ctx, path, cfg)
 			if err != nil {
 				t.Error(err)
 				close(clients)
@@ -1087,6 +1093,41 @@ func TestALaneEndedWhileTheConnectionStaysHoldsNoCallPastItsBound(t *testing.T) 
 				require.ErrorIs(t, c.Err(), ipc.ErrPeerGone, "the connection ends as the lane did")
 			case <-time.After(bound):
 				t.Fatalf("the connection stays up %v after its lane ended", bound)
+			}
+		})
+	}
+}
+
+// A client that polls for its answers (ClientConfig.Spin) polls no
+// longer than a call's deadline, and stops when its context ends.
+func TestASpinningCallEndsAtItsDeadlineOrCancellation(t *testing.T) {
+	const spin = bound // far longer than either call may take
+	for _, how := range []string{"deadline", "cancelled"} {
+		t.Run(how, func(t *testing.T) {
+			c, lane := rawLaneClientWith(t, ipc.ClientConfig{Logger: quiet, Spin: spin})
+			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() {
+				if how == "deadline" {
+					done <- c.CallTimeout(20*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+					return
+				}
+				done <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+			}()
+			lc.request()
+			want := context.DeadlineExceeded
+			if how == "cancelled" {
+				waitUntilGoroutinesIn(t, 1, "sock.(*Blocking).SpinReadable")
+				cancel()
+				want = context.Canceled
+			}
+			select {
+			case err := <-done:
+				require.ErrorIs(t, err, want)
+			case <-time.After(spin / 2):
+				t.Fatalf("the call, its %s come, still polls after %v", how, spin/2)
 			}
 		})
 	}

@@ -617,16 +617,21 @@ func (c *Blocking) Wake() {
 // SpinReadable waits up to d for a message (or the end of the connection)
 // without blocking in the kernel: it polls, yielding to other goroutines
 // and threads between polls, and reports whether Recv would now return at
-// once (see Conn.SpinReadable).
+// once (see Conn.SpinReadable). On a wakeable connection a Wake ends it
+// too, and is left for the Recv that follows.
 func (c *Blocking) SpinReadable(d time.Duration) bool {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	deadline := time.Now().Add(d)
-	fds := [1]unix.PollFd{{Fd: int32(c.fd), Events: unix.POLLIN}}
+	fds := [2]unix.PollFd{{Fd: int32(c.fd), Events: unix.POLLIN}, {Fd: int32(c.wake), Events: unix.POLLIN}}
+	n := 1
+	if c.wake >= 0 {
+		n = 2
+	}
 	var zero unix.Timespec
 	for !c.closed.Load() {
-		n, err := unix.Ppoll(fds[:], &zero, nil)
-		if err == nil && n > 0 {
+		ready, err := unix.Ppoll(fds[:n], &zero, nil)
+		if err == nil && ready > 0 {
 			return true
 		}
 		if time.Now().After(deadline) {
