@@ -554,12 +554,19 @@ func (c *Client) readLane(ctx context.Context, deadline time.Time, l *sock.Block
 			delivered = false
 		}
 		if spin := c.spin; spin > 0 && !late && ctx.Err() == nil {
-			// Not past the deadline; a cancellation ends it (its Wake).
+			// Not past the deadline; a cancellation ends it (its Wake,
+			// which only a call that can be cancelled looks at: a Wake
+			// left over would end every later spin of a call that
+			// cannot, whose receive never clears it).
 			if !deadline.IsZero() {
 				spin = min(spin, time.Until(deadline))
 			}
-			if spin > 0 {
+			switch {
+			case spin <= 0:
+			case unwoken:
 				l.SpinReadable(spin)
+			default:
+				l.SpinWakeable(spin)
 			}
 		}
 		var n int

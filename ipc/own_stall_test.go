@@ -1057,7 +1057,7 @@ func rawHelloNet(t *testing.T, path string) *net.UnixConn {
 // while the client gives the connection to say why the lane ended; the
 // connection still ends after that while.
 func TestALaneEndedWhileTheConnectionStaysHoldsNoCallPastItsBound(t *testing.T) {
-	const timeout = 50 * time.Millisecond
+	const timeout = 300 * time.Millisecond // well under the grace, and room to close the lane before it
 	for _, how := range []string{"deadline", "cancelled"} {
 		t.Run(how, func(t *testing.T) {
 			c, lane := rawLaneClient(t)
@@ -1075,7 +1075,8 @@ func TestALaneEndedWhileTheConnectionStaysHoldsNoCallPastItsBound(t *testing.T) 
 			lc.request()
 			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
 			require.NoError(t, lane.Close()) // the connection stays
-			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).laneEnded")
+			// The call's own reader, not a drainer after it gave up.
+			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).laneEnded", "ipc.(*Client).readLane(")
 			began := time.Now()
 			want := context.DeadlineExceeded
 			if how == "cancelled" {
@@ -1119,7 +1120,7 @@ func TestASpinningCallEndsAtItsDeadlineOrCancellation(t *testing.T) {
 			lc.request()
 			want := context.DeadlineExceeded
 			if how == "cancelled" {
-				waitUntilGoroutinesIn(t, 1, "sock.(*Blocking).SpinReadable")
+				waitUntilGoroutinesIn(t, 1, "sock.(*Blocking).spin(")
 				cancel()
 				want = context.Canceled
 			}

@@ -617,15 +617,21 @@ func (c *Blocking) Wake() {
 // SpinReadable waits up to d for a message (or the end of the connection)
 // without blocking in the kernel: it polls, yielding to other goroutines
 // and threads between polls, and reports whether Recv would now return at
-// once (see Conn.SpinReadable). On a wakeable connection a Wake ends it
-// too, and is left for the Recv that follows.
-func (c *Blocking) SpinReadable(d time.Duration) bool {
+// once (see Conn.SpinReadable).
+func (c *Blocking) SpinReadable(d time.Duration) bool { return c.spin(d, false) }
+
+// SpinWakeable is SpinReadable that a Wake (on a wakeable connection) ends
+// too, leaving it for the Recv that follows: for a receiver whose next
+// receive is one that a Wake ends.
+func (c *Blocking) SpinWakeable(d time.Duration) bool { return c.spin(d, true) }
+
+func (c *Blocking) spin(d time.Duration, wake bool) bool {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	deadline := time.Now().Add(d)
 	fds := [2]unix.PollFd{{Fd: int32(c.fd), Events: unix.POLLIN}, {Fd: int32(c.wake), Events: unix.POLLIN}}
 	n := 1
-	if c.wake >= 0 {
+	if wake && c.wake >= 0 {
 		n = 2
 	}
 	var zero unix.Timespec

@@ -272,6 +272,24 @@ func TestBlockingSpinReadable(t *testing.T) {
 	assert.Equal(t, "x", string(buf[:n]), "spinning consumed nothing")
 }
 
+// A Wake ends SpinWakeable and is left for the receive after it; it does
+// not end SpinReadable, whose receiver may never clear it.
+func TestBlockingSpinWakeable(t *testing.T) {
+	_, b := blockingPair(t) // b is wakeable
+	b.Wake()
+	done := make(chan bool)
+	go func() { done <- b.SpinWakeable(10 * time.Second) }()
+	select {
+	case readable := <-done:
+		assert.True(t, readable, "woken: Recv returns at once")
+	case <-time.After(5 * time.Second):
+		t.Fatal("a pending Wake did not end SpinWakeable")
+	}
+	assert.False(t, b.SpinReadable(10*time.Millisecond), "a pending Wake does not end it")
+	_, _, err := b.Recv(make([]byte, 8), time.Now().Add(10*time.Second))
+	assert.ErrorIs(t, err, ErrWoken, "the Wake was left for the receive")
+}
+
 // TrySend sends while there is room and otherwise fails at once with
 // ErrWouldBlock, having sent nothing.
 func TestBlockingTrySend(t *testing.T) {
