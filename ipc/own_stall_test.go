@@ -676,16 +676,8 @@ func TestALaneReaderWithCallsBehindItGivesUpThoughAnswersKeepComing(t *testing.T
 			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			first := make(chan error, 1)
 			begun := time.Now() // the deadline is after timeout from here
-			go func() {
-				if how == "deadline" {
-					first <- c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
-					return
-				}
-				first <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
-			}()
-			lc.request()
+			first := lc.bounded(how, timeout, ctx)
 			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
 			behindDone := make(chan struct{})
 			lc.behind(time.Hour, behindDone)
@@ -764,6 +756,22 @@ func (lc *laneCalls) first(how string) (ipc.Frame, <-chan error) {
 	req := lc.request()
 	waitUntilGoroutinesIn(lc.t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
 	return req, done
+}
+
+// bounded makes a call that reads the lane, bounded by timeout (how is
+// "deadline") or by ctx, and returns its error's channel once its
+// request has come.
+func (lc *laneCalls) bounded(how string, timeout time.Duration, ctx context.Context) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		if how == "deadline" {
+			done <- lc.c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+			return
+		}
+		done <- lc.c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
+	}()
+	lc.request()
+	return done
 }
 
 // behind makes a call with timeout that waits behind the reader, and
@@ -1064,15 +1072,7 @@ func TestALaneEndedWhileTheConnectionStaysHoldsNoCallPastItsBound(t *testing.T) 
 			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			done := make(chan error, 1)
-			go func() {
-				if how == "deadline" {
-					done <- c.CallTimeout(timeout, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
-					return
-				}
-				done <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
-			}()
-			lc.request()
+			done := lc.bounded(how, timeout, ctx)
 			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
 			require.NoError(t, lane.Close()) // the connection stays
 			// The call's own reader, not a drainer after it gave up.
@@ -1109,15 +1109,7 @@ func TestASpinningCallEndsAtItsDeadlineOrCancellation(t *testing.T) {
 			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			done := make(chan error, 1)
-			go func() {
-				if how == "deadline" {
-					done <- c.CallTimeout(20*time.Millisecond, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
-					return
-				}
-				done <- c.Call(ctx, ipc.KindCreateMR, &ipc.CreateMR{Addr: 0x1000}, &ipc.CreateMRReply{})
-			}()
-			lc.request()
+			done := lc.bounded(how, 20*time.Millisecond, ctx)
 			want := context.DeadlineExceeded
 			if how == "cancelled" {
 				waitUntilGoroutinesIn(t, 1, "sock.(*Blocking).spin(")
