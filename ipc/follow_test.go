@@ -789,12 +789,13 @@ func quietPair(t *testing.T, idle time.Duration) (s *testServer, cpu int, a *ipc
 // refusedUnlessGivenBack checks that b's lane, asking for cpu, which a
 // quiet lane holds, is refused it, unless the watch (which looks every
 // 5 ms) looked between b's requests and the quiet lane gave the CPU back
-// at once: then b follows its peer there, and the caller's check that
-// the give-back was counted must pass.
-func refusedUnlessGivenBack(t *testing.T, b *ipc.Client, cpu int) {
+// at once: then b follows its peer there, and the give-back was counted
+// already (the watch counts it under the lock a lane takes to bind).
+func refusedUnlessGivenBack(t *testing.T, s *testServer, b *ipc.Client, cpu int) {
 	t.Helper()
 	if got := laneCPUOf(t, b, cpu); got != -1 {
 		require.Equal(t, cpu, got, "a CPU another lane has")
+		require.NotZero(t, s.Stats().IdleLanes, "a CPU another lane has, and did not give back")
 	}
 }
 
@@ -808,7 +809,7 @@ func TestAnIdleLaneGivesItsCPUToALaneWaitingForOne(t *testing.T) {
 	waitLooks(t, s, uint64(3*idle/(5*time.Millisecond)))
 	require.Equal(t, cpu, boundTo(t, tid), "a quiet lane nobody waits for keeps its CPU")
 
-	refusedUnlessGivenBack(t, b, cpu)
+	refusedUnlessGivenBack(t, s, b, cpu)
 	waitUntil(t, func() bool { return s.Stats().IdleLanes != 0 }, "the quiet lane kept its CPU from a lane waiting for it")
 	assert.Equal(t, -1, boundTo(t, tid), "the quiet lane's thread may run anywhere again")
 	assert.Equal(t, cpu, laneCPUOf(t, b, cpu), "the waiting lane follows its peer once the CPU is free")
@@ -878,7 +879,7 @@ func TestAQuietLaneKeepsItsCPUUnlessThatHelpsALaneWaiting(t *testing.T) {
 func TestALaneThatStoppedAskingIsNotWaitedForAgain(t *testing.T) {
 	const idle = 20 * time.Millisecond
 	s, cpu, a, _, b := quietPair(t, idle)
-	refusedUnlessGivenBack(t, b, cpu)
+	refusedUnlessGivenBack(t, s, b, cpu)
 	waitUntil(t, func() bool { return s.Stats().IdleLanes != 0 }, "the quiet lane kept its CPU from a lane waiting for it")
 	// b asks nothing more: a takes its CPU back.
 	require.Equal(t, cpu, laneCPUOf(t, a, cpu), "the CPU was free again")
