@@ -672,10 +672,8 @@ func TestALaneReaderWithCallsBehindItGivesUpThoughAnswersKeepComing(t *testing.T
 	const timeout = time.Second // the reader's: room for a busy machine to start the flood in time
 	for _, how := range []string{"deadline", "cancelled"} {
 		t.Run(how, func(t *testing.T) {
-			c, lane := rawLaneClient(t)
-			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
+			lc, ctx, cancel := newLaneCalls(t, ipc.ClientConfig{Logger: quiet})
+			c, lane := lc.c, lc.lane
 			begun := time.Now() // the deadline is after timeout from here
 			first := lc.bounded(how, timeout, ctx)
 			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
@@ -756,6 +754,17 @@ func (lc *laneCalls) first(how string) (ipc.Frame, <-chan error) {
 	req := lc.request()
 	waitUntilGoroutinesIn(lc.t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
 	return req, done
+}
+
+// newLaneCalls returns laneCalls on a client of laneServer made with cfg,
+// and a context for its calls that the test may cancel (it is cancelled
+// when the test ends).
+func newLaneCalls(t *testing.T, cfg ipc.ClientConfig) (*laneCalls, context.Context, context.CancelFunc) {
+	t.Helper()
+	c, lane := rawLaneClientWith(t, cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	return &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}, ctx, cancel
 }
 
 // bounded makes a call that reads the lane, bounded by timeout (how is
@@ -1068,10 +1077,8 @@ func TestALaneEndedWhileTheConnectionStaysHoldsNoCallPastItsBound(t *testing.T) 
 	const timeout = 300 * time.Millisecond // well under the grace, and room to close the lane before it
 	for _, how := range []string{"deadline", "cancelled"} {
 		t.Run(how, func(t *testing.T) {
-			c, lane := rawLaneClient(t)
-			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
+			lc, ctx, cancel := newLaneCalls(t, ipc.ClientConfig{Logger: quiet})
+			c, lane := lc.c, lc.lane
 			done := lc.bounded(how, timeout, ctx)
 			waitUntilGoroutinesIn(t, 1, "ipc.(*Client).readLane(", "sock.(*Blocking).")
 			require.NoError(t, lane.Close()) // the connection stays
@@ -1105,10 +1112,7 @@ func TestASpinningCallEndsAtItsDeadlineOrCancellation(t *testing.T) {
 	const spin = bound // far longer than either call may take
 	for _, how := range []string{"deadline", "cancelled"} {
 		t.Run(how, func(t *testing.T) {
-			c, lane := rawLaneClientWith(t, ipc.ClientConfig{Logger: quiet, Spin: spin})
-			lc := &laneCalls{t: t, c: c, lane: lane, buf: make([]byte, ipc.MaxMessage)}
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
+			lc, ctx, cancel := newLaneCalls(t, ipc.ClientConfig{Logger: quiet, Spin: spin})
 			done := lc.bounded(how, 20*time.Millisecond, ctx)
 			want := context.DeadlineExceeded
 			if how == "cancelled" {
