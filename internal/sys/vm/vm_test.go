@@ -4,12 +4,15 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 func TestReserveAtTakenAddressFails(t *testing.T) {
@@ -124,4 +127,38 @@ func TestMappedFilesAreNotInheritedByAFork(t *testing.T) {
 	assert.NotContains(t, vmFlags(t, base+2*PageSize), "dc", "the reservation")
 	require.NoError(t, Release(base, PageSize))
 	assert.NotContains(t, vmFlags(t, base), "dc", "released")
+}
+
+// threadFaults returns the page faults the calling thread has taken.
+func threadFaults(t *testing.T) int64 {
+	var ru unix.Rusage
+	require.NoError(t, unix.Getrusage(unix.RUSAGE_THREAD, &ru))
+	return ru.Minflt + ru.Majflt
+}
+
+func TestWritesToAPrefaultedSliceDoNotFault(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector's shadow memory faults in as the test writes")
+	}
+	runtime.LockOSThread() // the fault counts read are this thread's
+	defer runtime.UnlockOSThread()
+	const size = 16 << 20
+	fresh := func() []byte {
+		debug.FreeOSMemory() // what an earlier run left is given back: the pages are new to this process
+		return make([]byte, size)
+	}
+	write := func(s []byte) int64 {
+		before := threadFaults(t)
+		for i := 0; i < len(s); i += int(PageSize) {
+			s[i] = 1
+		}
+		return threadFaults(t) - before
+	}
+	require.Positive(t, write(fresh()), "writes to fresh pages fault: the count sees them")
+	s := fresh()
+	Prefault(s)
+	// Of its 4,094 whole pages none should fault; the thread may take one
+	// or two faults of its own meanwhile (a signal's handler on a fresh
+	// page of its stack, say).
+	assert.LessOrEqual(t, write(s[PageSize:uintptr(len(s))-PageSize]), int64(2), "page faults writing to a prefaulted slice's whole pages")
 }

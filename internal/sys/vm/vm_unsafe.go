@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -185,6 +186,26 @@ func CheckReadable(addr, length uintptr) error {
 	default:
 		return fmt.Errorf("vm: check [0x%x, 0x%x): %w", addr, addr+length, e)
 	}
+}
+
+// Prefault has the kernel back the whole pages of s's array (to its
+// capacity) now, writable (MADV_POPULATE_WRITE), so that no later write
+// to them faults: for tables a latency-bound path writes into in turn,
+// where a first write to each page would otherwise fault. On a virtual
+// machine such a fault, on a page its host has not backed yet either,
+// costs tens of microseconds. The pages the array shares with other
+// allocations at its ends are left as they are, and so is everything on
+// a kernel before 5.14 (which cannot) or when memory is short now: the
+// pages then fault at their first write, as without this.
+func Prefault[T any](s []T) {
+	var elem T
+	start := uintptr(unsafe.Pointer(unsafe.SliceData(s)))
+	end := start + uintptr(cap(s))*unsafe.Sizeof(elem)
+	lo, hi := (start+PageSize-1)&^(PageSize-1), end&^(PageSize-1)
+	if lo < hi {
+		_, _, _ = unix.Syscall(unix.SYS_MADVISE, lo, hi-lo, unix.MADV_POPULATE_WRITE)
+	}
+	runtime.KeepAlive(s)
 }
 
 // Lock pins [addr, addr+length) in memory (mlock). The kernel treats
