@@ -188,6 +188,14 @@ func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
 	for i := range own.freeHoles {
 		own.freeHoles[i] = uint32(nh - 1 - i)
 	}
+	// Registrations write the records of their slots, which they take in
+	// turn around the ring: backed now, so that a registration does not
+	// fault on its slot's page (once every 73 slots until the ring has
+	// gone round). What grows with the MRs alive at once (holes, taken
+	// from a stack, and the pin set's ordered list) faults only when that
+	// count reaches a new height, and is left to grow.
+	vm.Prefault(own.slots)
+	vm.Prefault(own.pinned.bySlot)
 	d := &Soft{hdr: h, table: shm.Slice[mrSlot](seg, off+headerBytes, n), holes: shm.Slice[hole](seg, holesOff, nh),
 		log: log, own: own}
 	log.Debug("soft device created", "segment", seg.Path(), "max_mrs", n, "offset", off)
