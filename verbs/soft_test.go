@@ -482,16 +482,18 @@ func TestRegistrationsTakeNoPageFaults(t *testing.T) {
 	mr, err := pd.RegMR(buf.addr, buf.size, 0)
 	require.NoError(t, err)
 	require.NoError(t, pd.DeregMR(mr))
-	var n int64
+	faulted := 0     // registrations that took a page fault
 	for range 4000 { // each in a slot not used before: the ring's head moves on
 		before := faults()
 		mr, err := pd.RegMR(buf.addr, buf.size, 0)
-		n += faults() - before
+		if faults() != before {
+			faulted++
+		}
 		require.NoError(t, err)
 		require.NoError(t, pd.DeregMR(mr))
 	}
-	// The owner's records of 4,000 slots span more than 50 pages; the
-	// thread may take a fault or two of its own meanwhile (a signal's
-	// handler on a fresh page of its stack, say).
-	assert.LessOrEqual(t, n, int64(2), "page faults in 4,000 registrations, each in a fresh slot")
+	// The owner's records of 4,000 slots span 55 pages (63 registrations
+	// faulted when they were not backed); the thread may take a fault of
+	// its own meanwhile in one or two of them.
+	assert.LessOrEqual(t, faulted, 3, "registrations that faulted, of 4,000, each in a fresh slot")
 }

@@ -189,14 +189,16 @@ func CheckReadable(addr, length uintptr) error {
 }
 
 // Prefault has the kernel back the whole pages of s's array (to its
-// capacity) now, writable (MADV_POPULATE_WRITE), so that no later write
-// to them faults: for tables a latency-bound path writes into in turn,
-// where a first write to each page would otherwise fault. On a virtual
-// machine such a fault, on a page its host has not backed yet either,
-// costs tens of microseconds. The pages the array shares with other
-// allocations at its ends are left as they are, and so is everything on
-// a kernel before 5.14 (which cannot) or when memory is short now: the
-// pages then fault at their first write, as without this.
+// capacity) now, writable (MADV_POPULATE_WRITE), committing the memory
+// as writes to it would: for tables a latency-bound path writes into in
+// turn, where the first write to each page would otherwise fault. On a
+// virtual machine such a fault, on a page its host has not backed yet
+// either, costs tens of microseconds. Pages the kernel reclaims or moves
+// later fault again. The pages the array shares with other allocations
+// at its ends are left as they are, and so is everything on a kernel
+// before 5.14 (which cannot, EINVAL), and whatever a populate that ran
+// short of memory (ENOMEM) did not reach: those fault at their first
+// write, as without this.
 func Prefault[T any](s []T) {
 	var elem T
 	start := uintptr(unsafe.Pointer(unsafe.SliceData(s)))
