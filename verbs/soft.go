@@ -190,8 +190,9 @@ func CreateSoft(seg *shm.Segment, o SoftOptions) (*Soft, error) {
 	}
 	// Registrations write the records of their slots, which they take in
 	// turn around the ring: backed now, so that a registration does not
-	// fault on its slot's page (once every 73 slots, and every 256 pinned
-	// ones on the pin set's, until the ring has gone round). What grows with the MRs alive at once (holes, taken
+	// fault on its slot's page (once every 73 slots until the ring has
+	// gone round, and once every 256 on the pin set's for memory pinned
+	// with mlock). What grows with the MRs alive at once (holes, taken
 	// from a stack, and the pin set's ordered list) faults only when that
 	// count reaches a new height, and is left to grow.
 	vm.Prefault(own.slots)

@@ -2,4 +2,5 @@
 
 package vm
 
+// raceEnabled: see race_on_test.go.
 const raceEnabled = false

@@ -147,6 +147,9 @@ func TestWritesToAPrefaultedSliceDoNotFault(t *testing.T) {
 		require.NoError(t, err)
 		t.Cleanup(func() { Unmap(addr, size) })
 		require.NoError(t, Vacate(addr, size))
+		// Small pages, where transparent hugepages are always on: one
+		// fault a page.
+		require.NoError(t, unix.Madvise(Bytes(addr, size), unix.MADV_NOHUGEPAGE))
 		return Bytes(addr, size)
 	}
 	write := func(s []byte) int64 {

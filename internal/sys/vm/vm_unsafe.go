@@ -5,7 +5,8 @@
 // range the way a device driver's page walk would.
 //
 // Addresses are uintptr because the ranges live outside the Go heap and must
-// stay at the same virtual address in every process that maps them.
+// stay at the same virtual address in every process that maps them. Only
+// Prefault works on Go memory, a slice.
 package vm
 
 import (

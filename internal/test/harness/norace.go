@@ -4,6 +4,6 @@ package harness
 
 // RaceEnabled reports whether the race detector is on. Its bookkeeping
 // grows a process's memory with every goroutine started, so RSS says
-// little about leaks then, and its shadow memory faults in as the
-// program writes, so a count of page faults says little either.
+// little about leaks then; its shadow memory faults in as the program
+// writes, so a count of page faults says as little.
 const RaceEnabled = false
