@@ -93,7 +93,9 @@ type Listener struct {
 // is what really keeps strangers out). With refuseRights, the connections
 // it accepts take no descriptors: the kernel fails a peer's send of any
 // with EPERM, from the moment the peer connects, if it can
-// (RefusesRights); the socket is made so before it is bound.
+// (RefusesRights); the socket is made so before it is bound. At most 256
+// connections wait to be accepted; connect refuses more at once
+// (EAGAIN), and Dial tries again.
 func Listen(path string, refuseRights bool) (*Listener, error) {
 	var refuses bool
 	lc := net.ListenConfig{}
@@ -111,8 +113,28 @@ func Listen(path string, refuseRights bool) (*Listener, error) {
 	}
 	l := nl.(*net.UnixListener)
 	l.SetUnlinkOnClose(false)
+	// Listening again sets the queue's length (the standard library
+	// takes somaxconn).
+	rc, err := l.SyscallConn()
+	if err == nil {
+		cerr := rc.Control(func(fd uintptr) { err = unix.Listen(int(fd), listenBacklog) })
+		err = errors.Join(cerr, err)
+	}
+	if err != nil {
+		l.Close() // the socket file stays, as after a listener's Close
+		return nil, fmt.Errorf("sock: listen on %s: %w", path, err)
+	}
 	return &Listener{l: l, refuses: refuses}, nil
 }
+
+// listenBacklog is how many connections may wait to be accepted: a
+// connection that got in waits for every one ahead of it, so a peer that
+// keeps the queue full (connecting and closing in a loop) must not make
+// that wait long. The system's default (somaxconn, 4096 on current
+// kernels) made it seconds where the accept loop turns each one away in
+// half a millisecond (the race detector on). Connections that find the
+// queue full are refused at once (EAGAIN), and Dial tries again.
+const listenBacklog = 256
 
 // RefusesRights reports whether the kernel refuses the descriptors peers
 // send on the connections l accepts (see Listen).
@@ -151,7 +173,7 @@ func (l *Listener) Path() string { return l.l.Addr().String() }
 // file exists there and ErrRefused when nobody listens on it.
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	var d net.Dialer
-	for wait := 50 * time.Microsecond; ; wait = min(2*wait, 10*time.Millisecond) {
+	for wait := 50 * time.Microsecond; ; wait = min(2*wait, time.Millisecond) {
 		c, err := d.DialContext(ctx, network, path)
 		switch {
 		case err == nil:
@@ -163,7 +185,11 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 		case errors.Is(err, unix.EAGAIN):
 			// The listener's queue of connections to accept is full: the
 			// server is busy, or someone floods it. Try again until ctx
-			// ends rather than take a busy server for an absent one.
+			// ends rather than take a busy server for an absent one, and
+			// often: against a peer that connects in a loop to keep the
+			// queue full, a try gets in only if it comes just as a place
+			// frees, about one in a hundred on a slow machine, and tries
+			// 10 ms apart left some Attach calls out for seconds.
 			t := time.NewTimer(wait)
 			select {
 			case <-ctx.Done():

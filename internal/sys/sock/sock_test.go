@@ -322,3 +322,25 @@ func TestConnTrySend(t *testing.T) {
 	require.NoError(t, b.Close())
 	assert.ErrorIs(t, a.TrySend(msg, nil), ErrPeerClosed)
 }
+
+// A connection waits in the listener's queue until it is accepted, and a
+// peer that keeps the queue full makes each one that gets in wait for
+// all those ahead of it: the queue is kept short. Those that find it
+// full are refused at once (EAGAIN), and Dial tries again.
+func TestTheListenQueueIsShort(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s")
+	l, err := Listen(path, false)
+	require.NoError(t, err)
+	defer l.Close()
+	queued := 0
+	for ; queued <= 4096; queued++ {
+		fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+		require.NoError(t, err)
+		defer unix.Close(fd)
+		if err := unix.Connect(fd, &unix.SockaddrUnix{Name: path}); err != nil {
+			require.ErrorIs(t, err, unix.EAGAIN)
+			break
+		}
+	}
+	assert.Equal(t, listenBacklog+1, queued, "connections queued before the queue was full") // Linux takes one more than the backlog
+}
