@@ -93,9 +93,9 @@ type Listener struct {
 // is what really keeps strangers out). With refuseRights, the connections
 // it accepts take no descriptors: the kernel fails a peer's send of any
 // with EPERM, from the moment the peer connects, if it can
-// (RefusesRights); the socket is made so before it is bound. At most 256
-// connections wait to be accepted; connect refuses more at once
-// (EAGAIN), and Dial tries again.
+// (RefusesRights); the socket is made so before it is bound. About 256
+// connections wait to be accepted (fewer if the system's somaxconn is
+// lower); connect refuses more at once (EAGAIN), and Dial tries again.
 func Listen(path string, refuseRights bool) (*Listener, error) {
 	var refuses bool
 	lc := net.ListenConfig{}
@@ -188,8 +188,9 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 			// ends rather than take a busy server for an absent one, and
 			// often: against a peer that connects in a loop to keep the
 			// queue full, a try gets in only if it comes just as a place
-			// frees, about one in a hundred on a slow machine, and tries
-			// 10 ms apart left some Attach calls out for seconds.
+			// frees, and tries 10 ms apart left some Attach calls out
+			// for seconds. A try costs about 12 µs of CPU: a dialer held
+			// out spends about 1% of one while the queue stays full.
 			t := time.NewTimer(wait)
 			select {
 			case <-ctx.Done():
