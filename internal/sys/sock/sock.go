@@ -26,6 +26,7 @@
 package sock
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -95,7 +96,8 @@ type Listener struct {
 // with EPERM, from the moment the peer connects, if it can
 // (RefusesRights); the socket is made so before it is bound. About 256
 // connections wait to be accepted (fewer if the system's somaxconn is
-// lower); connect refuses more at once (EAGAIN), and Dial tries again.
+// lower); a non-blocking connect is refused more at once (EAGAIN), and
+// Dial waits for a place.
 func Listen(path string, refuseRights bool) (*Listener, error) {
 	var refuses bool
 	lc := net.ListenConfig{}
@@ -133,7 +135,8 @@ func Listen(path string, refuseRights bool) (*Listener, error) {
 // that wait long. The system's default (somaxconn, 4096 on current
 // kernels) made it seconds where the accept loop turns each one away in
 // half a millisecond (the race detector on). Connections that find the
-// queue full are refused at once (EAGAIN), and Dial tries again.
+// queue full wait for a place (Dial), or are refused at once (EAGAIN,
+// a non-blocking connect).
 const listenBacklog = 256
 
 // RefusesRights reports whether the kernel refuses the descriptors peers
@@ -169,39 +172,80 @@ func (l *Listener) Close() error {
 // Path returns the path the listener is bound to.
 func (l *Listener) Path() string { return l.l.Addr().String() }
 
+// dialSlice is how long a Dial waits in the kernel at a time for a place
+// in a full listen queue before it looks at its context again.
+const dialSlice = 10 * time.Millisecond
+
+// dialTried, when set (by tests), is called as Dial tries to connect.
+var dialTried func()
+
 // Dial connects to the listener at path. It fails with ErrNoSocket when no
-// file exists there and ErrRefused when nobody listens on it.
+// file exists there and ErrRefused when nobody listens on it. When the
+// listener's queue of connections to accept is full (the server is busy,
+// or someone floods it), Dial waits for a place until ctx ends, and then
+// fails with ErrBusy, rather than take a busy server for an absent one.
+// It waits in the kernel (a blocking connect), which wakes it as a place
+// frees: tries made apart got in only when one came just as a place
+// freed, and lost to a peer that connects in a loop to keep the queue
+// full. A cancellation is seen within dialSlice.
 func Dial(ctx context.Context, path string) (*Conn, error) {
-	var d net.Dialer
-	for wait := 50 * time.Microsecond; ; wait = min(2*wait, time.Millisecond) {
-		c, err := d.DialContext(ctx, network, path)
+	addr := &unix.SockaddrUnix{Name: path}
+	for {
+		wait := dialSlice
+		if dl, ok := ctx.Deadline(); ok {
+			wait = min(wait, time.Until(dl))
+		}
+		if err := ctx.Err(); err != nil || wait < time.Microsecond {
+			return nil, fmt.Errorf("%w: %s: %w", ErrBusy, path, cmp.Or(err, context.DeadlineExceeded))
+		}
+		if dialTried != nil {
+			dialTried()
+		}
+		c, err := connect(addr, wait)
 		switch {
 		case err == nil:
-			return newConn(c.(*net.UnixConn)), nil
+			return c, nil
 		case errors.Is(err, unix.ENOENT):
 			return nil, fmt.Errorf("%w: %s", ErrNoSocket, path)
 		case errors.Is(err, unix.ECONNREFUSED):
 			return nil, fmt.Errorf("%w: %s", ErrRefused, path)
-		case errors.Is(err, unix.EAGAIN):
-			// The listener's queue of connections to accept is full: the
-			// server is busy, or someone floods it. Try again until ctx
-			// ends rather than take a busy server for an absent one, and
-			// often: against a peer that connects in a loop to keep the
-			// queue full, a try gets in only if it comes just as a place
-			// frees, and tries 10 ms apart left some Attach calls out
-			// for seconds. A try costs about 12 µs of CPU: a dialer held
-			// out spends about 1% of one while the queue stays full.
-			t := time.NewTimer(wait)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return nil, fmt.Errorf("%w: %s: %w (last: %v)", ErrBusy, path, ctx.Err(), err)
-			case <-t.C:
-			}
-			continue
+		case errors.Is(err, unix.EAGAIN), errors.Is(err, unix.EINTR):
+			continue // the queue stayed full for wait, or a signal came
 		}
 		return nil, fmt.Errorf("sock: dial %s: %w", path, err)
 	}
+}
+
+// connect makes a connection to addr, waiting up to wait (at least a
+// microsecond) for a place in the listener's queue: a blocking connect,
+// bounded by the send timeout, which bounds it on a unix socket.
+func connect(addr *unix.SockaddrUnix, wait time.Duration) (*Conn, error) {
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	tv := unix.NsecToTimeval(wait.Nanoseconds())
+	if err = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv); err == nil {
+		if err = unix.Connect(fd, addr); err == nil {
+			// Connected: no send timeout from now on, and served by the
+			// runtime's poller like every other connection.
+			var none unix.Timeval
+			if err = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &none); err == nil {
+				err = unix.SetNonblock(fd, true)
+			}
+		}
+	}
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), "seqpacket")
+	nc, err := net.FileConn(f) // dups fd
+	f.Close()
+	if err != nil {
+		return nil, err
+	}
+	return newConn(nc.(*net.UnixConn)), nil
 }
 
 // Pair returns two connected sockets, for tests and for handing one end to
