@@ -173,8 +173,9 @@ func (l *Listener) Close() error {
 func (l *Listener) Path() string { return l.l.Addr().String() }
 
 // dialSlice is how long a Dial waits in the kernel at a time for a place
-// in a full listen queue before it looks at its context again.
-const dialSlice = 10 * time.Millisecond
+// in a full listen queue before it looks at its context again. A
+// variable for tests.
+var dialSlice = 10 * time.Millisecond
 
 // dialTried, when set (by tests), is called as Dial tries to connect.
 var dialTried func()
@@ -187,16 +188,22 @@ var dialTried func()
 // It waits in the kernel (a blocking connect), which wakes it as a place
 // frees: tries made apart got in only when one came just as a place
 // freed, and lost to a peer that connects in a loop to keep the queue
-// full. A cancellation is seen within dialSlice.
+// full. A cancellation is seen within 10 ms (rounded up to the kernel's
+// tick). Each Dial that waits holds an OS thread meanwhile.
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	addr := &unix.SockaddrUnix{Name: path}
+	busy := false // the queue was found full
 	for {
 		wait := dialSlice
 		if dl, ok := ctx.Deadline(); ok {
 			wait = min(wait, time.Until(dl))
 		}
 		if err := ctx.Err(); err != nil || wait < time.Microsecond {
-			return nil, fmt.Errorf("%w: %s: %w", ErrBusy, path, cmp.Or(err, context.DeadlineExceeded))
+			err = cmp.Or(err, context.DeadlineExceeded)
+			if busy {
+				return nil, fmt.Errorf("%w: %s: %w", ErrBusy, path, err)
+			}
+			return nil, fmt.Errorf("sock: dial %s: %w", path, err)
 		}
 		if dialTried != nil {
 			dialTried()
@@ -209,8 +216,11 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 			return nil, fmt.Errorf("%w: %s", ErrNoSocket, path)
 		case errors.Is(err, unix.ECONNREFUSED):
 			return nil, fmt.Errorf("%w: %s", ErrRefused, path)
-		case errors.Is(err, unix.EAGAIN), errors.Is(err, unix.EINTR):
-			continue // the queue stayed full for wait, or a signal came
+		case errors.Is(err, unix.EAGAIN):
+			busy = true // the queue stayed full for wait
+			continue
+		case errors.Is(err, unix.EINTR):
+			continue // a signal came
 		}
 		return nil, fmt.Errorf("sock: dial %s: %w", path, err)
 	}

@@ -392,6 +392,12 @@ func TestDialWaitsInTheKernelForAPlace(t *testing.T) {
 	}
 	defer func() { dialTried = nil }()
 
+	drain := func() { // the tries of Dials that returned
+		for len(tried) > 0 {
+			<-tried
+		}
+	}
+
 	const out = 300 * time.Millisecond
 	ctx, cancel := context.WithTimeout(t.Context(), out)
 	defer cancel()
@@ -401,7 +407,7 @@ func TestDialWaitsInTheKernelForAPlace(t *testing.T) {
 	assert.LessOrEqual(t, tries.Load(), int64(out/dialSlice)+5, "tries while held out for %v", out)
 
 	// A cancellation ends the wait.
-	<-tried
+	drain()
 	ctx, cancel = context.WithCancel(t.Context())
 	errc := make(chan error, 1)
 	go func() { _, err := Dial(ctx, path); errc <- err }()
@@ -411,14 +417,21 @@ func TestDialWaitsInTheKernelForAPlace(t *testing.T) {
 	require.ErrorIs(t, err, ErrBusy)
 	require.ErrorIs(t, err, context.Canceled)
 
-	// A place that frees lets the waiting Dial in.
+	// A place that frees lets a Dial in while it waits in the kernel: in
+	// its first try, however long that may wait.
+	drain()
+	defer func(s time.Duration) { dialSlice = s }(dialSlice)
+	dialSlice = time.Hour
+	tries.Store(0)
 	type dialed struct {
 		c   *Conn
 		err error
 	}
 	done := make(chan dialed, 1)
+	ctx, cancel = context.WithTimeout(t.Context(), time.Minute) // a bound on a failure only
+	defer cancel()
 	go func() {
-		c, err := Dial(t.Context(), path)
+		c, err := Dial(ctx, path)
 		done <- dialed{c, err}
 	}()
 	<-tried
@@ -428,4 +441,15 @@ func TestDialWaitsInTheKernelForAPlace(t *testing.T) {
 	d := <-done
 	require.NoError(t, d.err)
 	d.c.Close()
+	assert.Equal(t, int64(1), tries.Load(), "tries of the Dial a freed place let in")
+}
+
+// A Dial whose context has ended before it tried says so, not that the
+// listener was busy.
+func TestADialThatNeverTriedIsNotBusy(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	_, err := Dial(ctx, filepath.Join(t.TempDir(), "nothing-there"))
+	require.ErrorIs(t, err, context.Canceled)
+	assert.NotErrorIs(t, err, ErrBusy)
 }
