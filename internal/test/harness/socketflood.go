@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -100,18 +99,12 @@ func runSocketFlood(args []byte) int {
 	return fail(fmt.Errorf("harness: unknown socket flood %q", a.Mode))
 }
 
-// dialFlood dials path, retrying while the listen backlog is full: a
-// flood outruns the server's accept loop.
+// dialFlood dials path; a flood outruns the server's accept loop, and
+// Dial waits for a place in the listen queue (DefaultTimeout at most).
 func dialFlood(path string) (*sock.Conn, error) {
-	for i := 0; ; i++ {
-		ctx, cancel := context.WithTimeout(context.Background(), DefaultTimeout)
-		c, err := sock.Dial(ctx, path)
-		cancel()
-		if err == nil || !errors.Is(err, syscall.EAGAIN) || i == 100000 {
-			return c, err
-		}
-		runtime.Gosched()
-	}
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultTimeout)
+	defer cancel()
+	return sock.Dial(ctx, path)
 }
 
 func floodIdle(h *helper, a SocketFloodArgs) int {
