@@ -213,8 +213,8 @@ type Conn struct {
 
 // Dial connects to the server listening at path. It fails with
 // ErrNotListening when nobody listens there, and with ErrBusy when the
-// server's queue of connections stays full until ctx ends (it retries
-// until then).
+// server's queue of connections stays full until ctx ends (it waits for
+// a place until then).
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	c, err := sock.Dial(ctx, path)
 	if err != nil {

@@ -96,8 +96,8 @@ type Listener struct {
 // with EPERM, from the moment the peer connects, if it can
 // (RefusesRights); the socket is made so before it is bound. About 256
 // connections wait to be accepted (fewer if the system's somaxconn is
-// lower); a non-blocking connect is refused more at once (EAGAIN), and
-// Dial waits for a place.
+// lower); beyond that a non-blocking connect is refused at once (EAGAIN),
+// and Dial waits for a place.
 func Listen(path string, refuseRights bool) (*Listener, error) {
 	var refuses bool
 	lc := net.ListenConfig{}
@@ -177,8 +177,9 @@ func (l *Listener) Path() string { return l.l.Addr().String() }
 // variable for tests.
 var dialSlice = 10 * time.Millisecond
 
-// dialTried, when set (by tests), is called as Dial tries to connect.
-var dialTried func()
+// dialTried, when set (by tests), is called as Dial tries to connect;
+// dialFull when a try found the queue full for its whole wait.
+var dialTried, dialFull func()
 
 // Dial connects to the listener at path. It fails with ErrNoSocket when no
 // file exists there and ErrRefused when nobody listens on it. When the
@@ -218,9 +219,13 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 			return nil, fmt.Errorf("%w: %s", ErrRefused, path)
 		case errors.Is(err, unix.EAGAIN):
 			busy = true // the queue stayed full for wait
+			if dialFull != nil {
+				dialFull()
+			}
 			continue
 		case errors.Is(err, unix.EINTR):
-			continue // a signal came
+			busy = true // a signal came while it waited
+			continue
 		}
 		return nil, fmt.Errorf("sock: dial %s: %w", path, err)
 	}
