@@ -177,9 +177,17 @@ func (l *Listener) Path() string { return l.l.Addr().String() }
 // variable for tests.
 var dialSlice = 10 * time.Millisecond
 
+// dialWaits holds a token for each Dial of this process that may wait in
+// the kernel (each holds a thread meanwhile): a process that dials from
+// ten thousand goroutines a server whose queue stays full must not make
+// ten thousand threads (the runtime ends the program past 10,000). The
+// others wait here, without a thread, for a token. A variable for tests.
+var dialWaits = make(chan struct{}, 16)
+
 // dialTried, when set (by tests), is called as Dial tries to connect;
-// dialFull when a try found the queue full for its whole wait.
-var dialTried, dialFull func()
+// dialFull when a try found the queue full for its whole wait;
+// dialQueued when a Dial waits for a token of dialWaits.
+var dialTried, dialFull, dialQueued func()
 
 // Dial connects to the listener at path. It fails with ErrNoSocket when no
 // file exists there and ErrRefused when nobody listens on it. When the
@@ -190,7 +198,9 @@ var dialTried, dialFull func()
 // frees: tries made apart got in only when one came just as a place
 // freed, and lost to a peer that connects in a loop to keep the queue
 // full. A cancellation is seen within 10 ms (rounded up to the kernel's
-// tick). Each Dial that waits holds an OS thread meanwhile.
+// tick). Each Dial that waits in the kernel holds an OS thread meanwhile;
+// at most 16 of a process do at once, and the others wait for their turn
+// in the process.
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	addr := &unix.SockaddrUnix{Name: path}
 	busy := false // the queue was found full
@@ -206,10 +216,23 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 			}
 			return nil, fmt.Errorf("sock: dial %s: %w", path, err)
 		}
+		select {
+		case dialWaits <- struct{}{}:
+		default:
+			if dialQueued != nil {
+				dialQueued()
+			}
+			select {
+			case dialWaits <- struct{}{}:
+			case <-ctx.Done():
+				continue // said at the top
+			}
+		}
 		if dialTried != nil {
 			dialTried()
 		}
 		c, err := connect(addr, wait)
+		<-dialWaits
 		switch {
 		case err == nil:
 			return c, nil

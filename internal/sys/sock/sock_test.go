@@ -450,15 +450,62 @@ func TestDialWaitsInTheKernelForAPlace(t *testing.T) {
 
 // threadInConnect reports whether a thread of this process is in a
 // connect(2) system call, as /proc says.
-func threadInConnect() bool {
+func threadInConnect() bool { return threadsInConnect() > 0 }
+
+// threadsInConnect counts the threads of this process in a connect(2)
+// system call.
+func threadsInConnect() int {
+	n := 0
 	tasks, _ := os.ReadDir("/proc/self/task")
 	for _, task := range tasks {
 		b, err := os.ReadFile(filepath.Join("/proc/self/task", task.Name(), "syscall"))
 		if err == nil && strings.HasPrefix(string(b), strconv.Itoa(unix.SYS_CONNECT)+" ") {
-			return true
+			n++
 		}
 	}
-	return false
+	return n
+}
+
+// Each Dial that waits in the kernel holds a thread: a process dialing a
+// full queue from many goroutines holds only so many, and the other Dials
+// wait for their turn without one; all get in as places free.
+func TestDialsWaitingInTheKernelAreBounded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "s")
+	l, err := Listen(path, false)
+	require.NoError(t, err)
+	defer l.Close()
+	fillQueue(t, path)
+	const limit, dials = 2, 5
+	defer func(w chan struct{}, s time.Duration) { dialWaits, dialSlice = w, s }(dialWaits, dialSlice)
+	dialWaits, dialSlice = make(chan struct{}, limit), time.Hour // a try ends when a place frees
+	var tried, queued atomic.Int64
+	dialTried = func() { tried.Add(1) }
+	dialQueued = func() { queued.Add(1) }
+	defer func() { dialTried, dialQueued = nil, nil }()
+
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // a bound on a failure only
+	defer cancel()
+	errc := make(chan error, dials)
+	for range dials {
+		go func() {
+			c, err := Dial(ctx, path)
+			if err == nil {
+				c.Close()
+			}
+			errc <- err
+		}()
+	}
+	require.Eventually(t, func() bool { return tried.Load()+queued.Load() == dials && threadsInConnect() == limit },
+		10*time.Second, time.Millisecond, "%d dials, each trying or waiting for a turn, %d of them in connect(2)", dials, limit)
+	assert.Equal(t, int64(limit), tried.Load(), "dials waiting in the kernel")
+	for range dials { // each place freed lets one in, and the next takes its turn
+		s, err := l.Accept()
+		require.NoError(t, err)
+		s.Close()
+	}
+	for range dials {
+		require.NoError(t, <-errc)
+	}
 }
 
 // A Dial whose context has ended before it tried says so, not that the
