@@ -277,6 +277,12 @@ func connect(addr *unix.SockaddrUnix, wait time.Duration) (*Conn, error) {
 		unix.Close(fd)
 		return nil, err
 	}
+	return fromFD(fd)
+}
+
+// fromFD makes a Conn of fd, a connected non-blocking socket, which it
+// takes over: closed if that fails.
+func fromFD(fd int) (*Conn, error) {
 	f := os.NewFile(uintptr(fd), "seqpacket")
 	nc, err := net.FileConn(f) // dups fd
 	f.Close()
@@ -295,9 +301,7 @@ func Pair() (*Conn, *Conn, error) {
 	}
 	var cs [2]*Conn
 	for i, fd := range fds {
-		f := os.NewFile(uintptr(fd), "seqpacket-pair")
-		c, err := net.FileConn(f) // dups fd
-		f.Close()
+		c, err := fromFD(fd)
 		if err != nil {
 			if i == 1 {
 				cs[0].Close()
@@ -306,7 +310,7 @@ func Pair() (*Conn, *Conn, error) {
 			}
 			return nil, nil, fmt.Errorf("sock: socketpair: %w", err)
 		}
-		cs[i] = newConn(c.(*net.UnixConn))
+		cs[i] = c
 	}
 	return cs[0], cs[1], nil
 }
