@@ -353,6 +353,18 @@ func TestTheListenQueueIsShort(t *testing.T) {
 	assert.Equal(t, min(listenBacklog, somaxconn)+1, queued, "connections queued before the queue was full")
 }
 
+// fullListener returns a listener, closed with the test, whose queue
+// fillQueue has filled, and its path.
+func fullListener(t *testing.T) (*Listener, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "s")
+	l, err := Listen(path, false)
+	require.NoError(t, err)
+	t.Cleanup(func() { l.Close() })
+	fillQueue(t, path)
+	return l, path
+}
+
 // fillQueue connects to the listener at path until its queue is full,
 // and keeps the connections open until the test ends.
 func fillQueue(t *testing.T, path string) {
@@ -376,11 +388,7 @@ func fillQueue(t *testing.T, path string) {
 // a second, against half a millisecond), and it spends nothing while it
 // waits.
 func TestDialWaitsInTheKernelForAPlace(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "s")
-	l, err := Listen(path, false)
-	require.NoError(t, err)
-	defer l.Close()
-	fillQueue(t, path)
+	l, path := fullListener(t)
 	var tries atomic.Int64
 	tried := make(chan struct{}, 1)
 	dialTried = func() {
@@ -401,7 +409,7 @@ func TestDialWaitsInTheKernelForAPlace(t *testing.T) {
 	const out = 300 * time.Millisecond
 	ctx, cancel := context.WithTimeout(t.Context(), out)
 	defer cancel()
-	_, err = Dial(ctx, path)
+	_, err := Dial(ctx, path)
 	require.ErrorIs(t, err, ErrBusy)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	// About one a slice; a tick may cut a slice short.
@@ -470,11 +478,7 @@ func threadsInConnect() int {
 // full queue from many goroutines holds only so many, and the other Dials
 // wait for their turn without one; all get in as places free.
 func TestDialsWaitingInTheKernelAreBounded(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "s")
-	l, err := Listen(path, false)
-	require.NoError(t, err)
-	defer l.Close()
-	fillQueue(t, path)
+	l, path := fullListener(t)
 	const limit, dials = 2, 5
 	defer func(w chan struct{}, s time.Duration) { dialWaits, dialSlice = w, s }(dialWaits, dialSlice)
 	dialWaits, dialSlice = make(chan struct{}, limit), time.Hour // a try ends when a place frees
