@@ -64,3 +64,26 @@ func TestCancelledSendLeavesTheConnectionIntact(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint64(3), f.ID)
 }
+
+// The reason a connection ends reaches a peer whose queue has room even
+// when the goroutine telling it comes to send only after its wait for
+// room is over: a server held up by load or a debugger between deciding
+// and sending must not close the connection without saying why.
+func TestAReasonIsToldWhenThereIsRoomWhateverTheWait(t *testing.T) {
+	a, b, err := sock.Pair()
+	require.NoError(t, err)
+	defer a.Close()
+	defer b.Close()
+	require.NoError(t, tell(&Conn{c: a}, ErrLimit, time.Now().Add(-time.Second)))
+
+	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
+	buf := make([]byte, MaxMessage)
+	n, _, err := b.Recv(buf)
+	require.NoError(t, err)
+	f, err := ParseFrame(buf[:n])
+	require.NoError(t, err)
+	require.Equal(t, KindError, f.Kind)
+	var r ErrorReply
+	require.NoError(t, Unmarshal(f.Body, &r))
+	assert.Equal(t, "ipc.limit", r.Code)
+}

@@ -429,10 +429,18 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 const farewellWait = 100 * time.Millisecond
 
 // tell sends the reason why the connection ends, as an error frame with
-// id 0, waiting until deadline at most.
+// id 0, waiting until deadline at most for room. A queue with room takes
+// it whatever the deadline: this process may have been held up (load, a
+// debugger) between setting the deadline and sending, as write allows.
 func tell(c *Conn, why error, deadline time.Time) error {
 	b, _ := AppendFrame(nil, 0, KindError, 0, errorReply(why))
-	return c.send(b, nil, deadline)
+	err := c.send(b, nil, deadline)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		if terr := c.trySend(b, nil); !errors.Is(terr, sock.ErrWouldBlock) {
+			err = terr
+		}
+	}
+	return err
 }
 
 // refuse tells a refused client why without waiting for room in its
