@@ -43,7 +43,11 @@
 // yield, it waits until the runtime preempts one of them (after 10 ms of
 // running at the soonest), and the create's round trip grows from tens of
 // microseconds to milliseconds. Leave the runtime a P (GOMAXPROCS above the number of
-// queues that poll without blocking), or have polling queues yield
-// (runtime.Gosched) between bursts. Config.Spin trades a CPU for the
-// wake-up, and pays only when that CPU is spare.
+// queues that poll without blocking), and have polling queues call Yield
+// between bursts. The same holds across processes: the primary's thread
+// that answers a miss, woken on a CPU that another process's queue keeps
+// busy, waits for that queue's time slice in the kernel (milliseconds)
+// unless the queue yields the CPU; Yield does both (runtime.Gosched, then
+// sched_yield(2)). Config.Spin trades a CPU for the wake-up, and pays only
+// when that CPU is spare.
 package secondary
