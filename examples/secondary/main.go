@@ -20,7 +20,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -250,9 +249,10 @@ func datapath(ctx context.Context, s *secondary.Secondary, q *secondary.Queue, d
 		}
 		if i%256 == 255 {
 			// A busy-polling queue must let the goroutines that apply
-			// the primary's memory syncs and carry its answers run, or a
-			// Free or a miss waits for the scheduler's time slice.
-			runtime.Gosched()
+			// the primary's memory syncs and carry its answers run, and
+			// the primary's thread woken on this CPU to answer a miss,
+			// or a Free or a miss waits for a scheduler's time slice.
+			secondary.Yield()
 		}
 	}
 }
