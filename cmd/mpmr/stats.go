@@ -35,7 +35,9 @@ peers dropped for a full queue or for not reading).
 
 For a dead instance the primary cannot be asked; the published lines of
 processes still alive are shown. It fails (status 1) when a live primary
-does not answer within -timeout.`,
+does not answer within -timeout, and when it refuses the file at the
+control segment's name as not the instance's (then nothing published is
+shown).`,
 	flags: func(fs *flag.FlagSet, e *env) {
 		fs.DurationVar(&e.timeout, "timeout", e.timeout, "how long to wait for the primary's answer")
 	},
@@ -65,15 +67,16 @@ type primaryStats struct {
 func runStats(e *env, args []string) error {
 	type gathered struct {
 		out    statsOut
-		askErr error
+		askErr error // asking the primary
+		refErr error // a segment refused as not the instance's
 	}
 	g, err := answered(args[0], e.timeout, func() (gathered, error) {
 		t, err := e.target(args[0])
 		if err != nil {
 			return gathered{}, err
 		}
-		out, askErr := gatherStats(e, t)
-		return gathered{out, askErr}, nil
+		out, askErr, refErr := gatherStats(e, t)
+		return gathered{out, askErr, refErr}, nil
 	})
 	if err != nil {
 		return err
@@ -87,12 +90,16 @@ func runStats(e *env, args []string) error {
 	if err == nil && askErr != nil {
 		err = fmt.Errorf("asking the primary: %w", askErr)
 	}
+	if err == nil && g.refErr != nil {
+		err = g.refErr
+	}
 	return err
 }
 
-// gatherStats reads what stats shows of t, and the error of asking its
-// primary, if that failed.
-func gatherStats(e *env, t *target) (out statsOut, askErr error) {
+// gatherStats reads what stats shows of t, and the errors of asking its
+// primary, if that failed, and of a control segment refused as not the
+// instance's (ipc.ErrPermission).
+func gatherStats(e *env, t *target) (out statsOut, askErr, refErr error) {
 	defer t.release()
 	out = statsOut{Prefix: t.Prefix, State: t.state()}
 	if t.Live {
@@ -105,6 +112,9 @@ func gatherStats(e *env, t *target) (out statsOut, askErr error) {
 	}
 	if seg, _, err := t.open(e); err != nil {
 		out.Errors = append(out.Errors, err.Error())
+		if errors.Is(err, ipc.ErrPermission) {
+			refErr = err
+		}
 	} else {
 		if ctrs, err := instance.OpenCounters(seg); err != nil {
 			out.Errors = append(out.Errors, err.Error())
@@ -114,7 +124,7 @@ func gatherStats(e *env, t *target) (out statsOut, askErr error) {
 		seg.Close()
 	}
 	out.Processes = orEmpty(out.Processes)
-	return out, askErr
+	return out, askErr, refErr
 }
 
 // askPrimary asks the primary for its counters. A stats request is served
