@@ -433,7 +433,7 @@ func (w *laneWatch) look(p *Peer) {
 	busy := w.busy.Load()
 	if busy%2 == 0 {
 		w.seen = busy
-		w.quiet(p, busy)
+		w.quiet(p, busy, w.looked.Sub(last) > laneCheckEvery+laneCheckLate)
 		return
 	}
 	if !w.mu.TryLock() {
@@ -519,10 +519,13 @@ func (w *laneWatch) look(p *Peer) {
 // counting them: a lane whose peer has asked nothing for laneIdleAfter
 // gives its CPU back if a lane waits for it (see Server.helps). Its
 // thread may run anywhere again at once, and it unbinds at its next
-// request, after which it binds again if a CPU is free.
-func (w *laneWatch) quiet(p *Peer, busy uint64) {
+// request, after which it binds again if a CPU is free. A look that comes
+// late (laneCheckLate) measures the quiet again from now: the server may
+// not have run (stopped, traced), nor the lane's thread, with the peer's
+// requests waiting in the lane.
+func (w *laneWatch) quiet(p *Peer, busy uint64, late bool) {
 	now, binds := time.Now(), w.binds.Load()
-	if busy != w.quietAt || binds != w.quietBinds || w.quietSince.IsZero() {
+	if late || busy != w.quietAt || binds != w.quietBinds || w.quietSince.IsZero() {
 		w.quietAt, w.quietBinds, w.quietSince = busy, binds, now
 		return
 	}

@@ -150,15 +150,15 @@ func TestAQuietLaneCountsOnlyTheCPUItGaveBack(t *testing.T) {
 	s.waiting[waiter] = cpu
 
 	s.lanesMu.Lock() // as the waiting lane's next takeLane holds it
-	p.watch.quiet(p, 0)
-	p.watch.quiet(p, 0)
+	p.watch.quiet(p, 0, false)
+	p.watch.quiet(p, 0, false)
 	s.lanesMu.Unlock()
 	assert.Zero(t, s.idleLanes.Load())
 	assert.False(t, p.watch.idle.Load())
 	assert.Len(t, s.boundLanes(), 1)
 
 	gen := s.lanesGen.Load()
-	p.watch.quiet(p, 0)
+	p.watch.quiet(p, 0, false)
 	assert.Equal(t, uint64(1), s.idleLanes.Load())
 	assert.True(t, p.watch.idle.Load())
 	assert.Empty(t, s.boundLanes())

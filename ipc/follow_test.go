@@ -819,6 +819,42 @@ func TestAnIdleLaneGivesItsCPUToALaneWaitingForOne(t *testing.T) {
 	assert.Zero(t, s.Stats().StarvedLanes)
 }
 
+// A quiet lane is judged by the looks that come in time. A look that comes
+// late may have measured a stall of the server's own (stopped, traced),
+// when the lane's thread could not take its peer's requests either: the
+// quiet is measured again from then, and a lane that waits for the CPU
+// does not get it at that look.
+func TestALateLookDoesNotGiveAQuietLanesCPUAway(t *testing.T) {
+	const idle = 300 * time.Millisecond
+	s, cpu, _, _, b := quietPair(t, idle)
+
+	var step atomic.Int32 // 1: stall before the next look; 2: report before the one after
+	stalling := make(chan struct{})
+	type state struct {
+		idle  uint64
+		bound []int
+	}
+	after := make(chan state, 1)
+	defer ipc.SetLaneLookingHook(func() {
+		switch step.Load() {
+		case 1:
+			step.Store(2)
+			close(stalling)
+			time.Sleep(3 * idle) // the server's own stall, as its watch sees it
+		case 2:
+			step.Store(0)
+			after <- state{s.Stats().IdleLanes, ipc.BoundLaneCPUs(s.Server)}
+		}
+	})()
+	waitLooks(t, s, 2) // the quiet measured from a look in time
+	step.Store(1)
+	<-stalling
+	require.Equal(t, -1, laneCPUOf(t, b, cpu), "a CPU another lane has, while the watch cannot look")
+	st := <-after
+	assert.Zero(t, st.idle, "the quiet lane gave its CPU away at a look that came late")
+	assert.Equal(t, []int{cpu}, st.bound, "lanes bound after the late look")
+}
+
 // A quiet lane keeps its CPU unless giving it back lets a lane that waits
 // bind: not for a lane that has ended, nor for one that names a CPU the
 // process may not use, nor for one that waits for another lane's CPU.
