@@ -36,9 +36,9 @@ peers dropped for a full queue or for not reading).
 For a dead instance the primary cannot be asked; the published lines of
 processes still alive are shown. It fails (status 1) when a live primary
 does not answer within -timeout, and when it refuses the control segment
-as not the instance's (a file of another user or not a regular file at
-its name, or a description naming a segment elsewhere; then nothing
-published is shown).`,
+or the directory it is reached through as not the instance's (a file of
+another user or not a regular file at its name, a description naming a
+segment elsewhere; then nothing published is shown).`,
 	flags: func(fs *flag.FlagSet, e *env) {
 		fs.DurationVar(&e.timeout, "timeout", e.timeout, "how long to wait for the primary's answer")
 	},
