@@ -829,7 +829,7 @@ func TestALateLookDoesNotGiveAQuietLanesCPUAway(t *testing.T) {
 	s, cpu, _, _, b := quietPair(t, idle)
 
 	var step atomic.Int32 // 1: stall before the next look; 2: report before the one after
-	stalling := make(chan struct{})
+	stalling, asked := make(chan struct{}), make(chan struct{})
 	type state struct {
 		idle  uint64
 		bound []int
@@ -840,16 +840,20 @@ func TestALateLookDoesNotGiveAQuietLanesCPUAway(t *testing.T) {
 		case 1:
 			step.Store(2)
 			close(stalling)
+			<-asked
 			time.Sleep(3 * idle) // the server's own stall, as its watch sees it
 		case 2:
 			step.Store(0)
 			after <- state{s.Stats().IdleLanes, ipc.BoundLaneCPUs(s.Server)}
 		}
 	})()
+	release := sync.OnceFunc(func() { close(asked) })
+	defer release()    // should the test end early: the watch must not wait
 	waitLooks(t, s, 2) // the quiet measured from a look in time
 	step.Store(1)
 	<-stalling
 	require.Equal(t, -1, laneCPUOf(t, b, cpu), "a CPU another lane has, while the watch cannot look")
+	release()
 	st := <-after
 	assert.Zero(t, st.idle, "the quiet lane gave its CPU away at a look that came late")
 	assert.Equal(t, []int{cpu}, st.bound, "lanes bound after the late look")
