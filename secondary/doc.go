@@ -46,7 +46,7 @@
 // queues that poll without blocking), and have polling queues call Yield
 // between bursts. The same holds across processes: the primary's thread
 // that answers a miss, woken on a CPU that another process's queue keeps
-// busy, waits for that queue's time slice in the kernel (milliseconds)
+// busy, may wait for that queue's time slice in the kernel (milliseconds)
 // unless the queue yields the CPU; Yield does both (runtime.Gosched, then
 // sched_yield(2)). Config.Spin trades a CPU for the wake-up, and pays only
 // when that CPU is spare.
