@@ -5,10 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"runtime"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -497,17 +495,7 @@ func TestSlowReaderIsDropped(t *testing.T) {
 
 // threadsInPoll counts this process's threads blocked in ppoll, where a
 // frame waits for room on a call lane.
-func threadsInPoll() int {
-	tasks, _ := os.ReadDir("/proc/self/task")
-	n := 0
-	for _, task := range tasks {
-		b, err := os.ReadFile(filepath.Join("/proc/self/task", task.Name(), "syscall"))
-		if err == nil && strings.HasPrefix(string(b), strconv.Itoa(unix.SYS_PPOLL)+" ") {
-			n++
-		}
-	}
-	return n
-}
+func threadsInPoll() int { return testenv.ThreadsInSyscall(unix.SYS_PPOLL) }
 
 // A peer that asks on its call lane and never reads the answers keeps
 // the server's handlers waiting for room until the write timeout, but

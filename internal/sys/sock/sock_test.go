@@ -15,6 +15,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/test/testenv"
 )
 
 func pair(t *testing.T) (*Conn, *Conn) {
@@ -462,17 +464,7 @@ func threadInConnect() bool { return threadsInConnect() > 0 }
 
 // threadsInConnect counts the threads of this process in a connect(2)
 // system call.
-func threadsInConnect() int {
-	n := 0
-	tasks, _ := os.ReadDir("/proc/self/task")
-	for _, task := range tasks {
-		b, err := os.ReadFile(filepath.Join("/proc/self/task", task.Name(), "syscall"))
-		if err == nil && strings.HasPrefix(string(b), strconv.Itoa(unix.SYS_CONNECT)+" ") {
-			n++
-		}
-	}
-	return n
-}
+func threadsInConnect() int { return testenv.ThreadsInSyscall(unix.SYS_CONNECT) }
 
 // Each Dial that waits in the kernel holds a thread: a process dialing a
 // full queue from many goroutines holds only so many, and the other Dials

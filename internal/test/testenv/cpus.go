@@ -85,3 +85,18 @@ func ThreadSyscall(tb testing.TB, tid int) (int, bool) {
 	}
 	return n, true
 }
+
+// ThreadsInSyscall counts this process's threads blocked in system call
+// nr (unix.SYS_*), as /proc/self/task/*/syscall says.
+func ThreadsInSyscall(nr int) int {
+	tasks, _ := os.ReadDir("/proc/self/task")
+	prefix := []byte(strconv.Itoa(nr) + " ")
+	n := 0
+	for _, task := range tasks {
+		b, err := os.ReadFile("/proc/self/task/" + task.Name() + "/syscall")
+		if err == nil && bytes.HasPrefix(b, prefix) {
+			n++
+		}
+	}
+	return n
+}
