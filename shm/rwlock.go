@@ -247,7 +247,10 @@ func (l *RWLock) SetFenceAfter(d time.Duration) {
 // RLock takes a read hold. It waits while a writer holds the lock, up to
 // ctx's end. It fails with ErrOwnerDied if the writer died (the state may be
 // half-written), ErrNotRecoverable if a repair was abandoned, or ctx's error.
-// What the read section reads counts only if RUnlock returns nil.
+// A writer found gone as a wait runs out does not fail it: RLock may return
+// a hold after ctx's deadline (its process may not have run meanwhile), not
+// after a cancellation. What the read section reads counts only if RUnlock
+// returns nil.
 func (l *RWLock) RLock(ctx context.Context) (ReadHold, error) {
 	v := atomic.AddUint64(l.mine, 1)
 	if atomic.LoadUint64(l.owner) == 0 {
@@ -357,7 +360,7 @@ func (l *RWLock) waitWriter(b *bound) error {
 		}
 		runtime.Gosched()
 	}
-	for {
+	for last := false; ; {
 		w := atomic.LoadUint64(l.owner)
 		if w == 0 {
 			return nil
@@ -365,8 +368,11 @@ func (l *RWLock) waitWriter(b *bound) error {
 		if err := l.writerError(w); err != nil {
 			return err
 		}
+		b.seen()
 		if err := l.sleep(b, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
-			return err
+			if last = lookAgain(last, err); !last {
+				return err
+			}
 		}
 	}
 }
@@ -407,6 +413,24 @@ func (b *bound) deadline() (time.Time, bool) {
 	}
 	b.start()
 	return b.at, true
+}
+
+// seen runs the heldSeen hook, if a test set it.
+func (b *bound) seen() {
+	if hook := heldSeen.Load(); hook != nil {
+		at, _ := b.deadline()
+		(*hook)(at)
+	}
+}
+
+// lookAgain reports whether a wait whose sleep failed with err looks at
+// the lock once more before it fails: once, after its deadline passed,
+// since the process may not have run between its last look and the
+// deadline (stopped, traced, starved of CPU), and the holder may have let
+// go meanwhile. A cancelled wait takes nothing more. last is whether this
+// look was that one already.
+func lookAgain(last bool, err error) bool {
+	return !last && errors.Is(err, context.DeadlineExceeded)
 }
 
 // sleep waits on a futex word until it changes, the poll interval passes,
@@ -547,7 +571,7 @@ func (l *RWLock) OwnerWritesOnly() { l.ownerOnly.Store(true) }
 
 // lockWord takes the owner word, with this process's turn held.
 func (l *RWLock) lockWord(b *bound) error {
-	for spins := 0; ; {
+	for spins, last := 0, false; ; {
 		w := atomic.LoadUint64(l.owner)
 		switch {
 		case w == 0:
@@ -578,8 +602,11 @@ func (l *RWLock) lockWord(b *bound) error {
 			}
 			continue
 		}
+		b.seen()
 		if err := l.sleep(b, lowHalf(l.owner), uint32(w), true, time.Time{}); err != nil {
-			return err
+			if last = lookAgain(last, err); !last {
+				return err
+			}
 		}
 	}
 }
@@ -638,6 +665,7 @@ func (l *RWLock) drain(b *bound, prev uint64) error {
 		atomic.StoreUint32(&l.head.Seq, seq+1)
 	}
 	var fenceAt time.Time // from the first live reader met on
+	last := false
 	for i := range l.lines {
 		c := &l.lines[i].Count
 		for {
@@ -665,9 +693,12 @@ func (l *RWLock) drain(b *bound, prev uint64) error {
 				}
 				continue
 			}
+			b.seen()
 			if err := l.sleep(b, lowHalf(c), n, false, fenceAt); err != nil {
-				l.abort(prev)
-				return err
+				if last = lookAgain(last, err); !last {
+					l.abort(prev)
+					return err
+				}
 			}
 		}
 	}
@@ -848,3 +879,8 @@ func lockState(off uint64, head *lockHead, lines []readerLine) LockState {
 	}
 	return st
 }
+
+// heldSeen, when set (by tests), runs in a wait for the lock once it has
+// seen the lock held and before it sleeps, with the wait's deadline: where
+// its process may stop.
+var heldSeen atomic.Pointer[func(deadline time.Time)]

@@ -1,0 +1,133 @@
+package shm
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A wait that saw the lock held and then did not run past its deadline
+// (its process stopped, traced, starved of CPU) looks once more before it
+// fails: the holder may have let go meanwhile. A reader waiting for a
+// writer, a writer waiting for another process's writer and a writer
+// waiting for readers to leave all take the lock then, whether the wait
+// was bounded by a time or by a context's deadline.
+func TestAWaitThatDidNotRunPastItsDeadlineLooksAgainBeforeItFails(t *testing.T) {
+	newDir := closeOrderDir(t)
+	const wait = 10 * time.Millisecond
+	for _, waiter := range []string{"reader", "writer", "drain"} {
+		for _, how := range []string{"within", "context"} {
+			t.Run(waiter+"/"+how, func(t *testing.T) {
+				owner, other := ownerAndOther(t, newDir())
+				off, err := owner.NewRWLock()
+				require.NoError(t, err)
+				mine, err := owner.RWLock(off)
+				require.NoError(t, err)
+				theirs, err := other.RWLock(off)
+				require.NoError(t, err)
+				// The holder, and the waiter's hold's undoing, as the
+				// waiter stalls.
+				var letGo func()
+				switch waiter {
+				case "reader", "writer": // the owner's writer holds
+					require.NoError(t, mine.LockWithin(time.Second))
+					letGo = mine.Unlock
+				case "drain": // another process's reader holds
+					h, err := theirs.RLockWithin(time.Second)
+					require.NoError(t, err)
+					letGo = func() { require.NoError(t, theirs.RUnlock(h)) }
+					mine.SetFenceAfter(time.Minute) // the stall fences nobody
+				}
+				stalled := false
+				hook := func(deadline time.Time) {
+					if stalled {
+						return
+					}
+					stalled = true
+					letGo()
+					// The stall: the waiter does not run until its
+					// deadline has passed.
+					time.Sleep(time.Until(deadline))
+				}
+				heldSeen.Store(&hook)
+				t.Cleanup(func() { heldSeen.Store(nil) })
+
+				var ctx context.Context = context.Background()
+				if how == "context" {
+					c, cancel := context.WithTimeout(ctx, wait)
+					defer cancel()
+					ctx = c
+				}
+				switch waiter {
+				case "reader":
+					var h ReadHold
+					if how == "within" {
+						h, err = theirs.RLockWithin(wait)
+					} else {
+						h, err = theirs.RLock(ctx)
+					}
+					require.NoError(t, err, "the writer had gone when the reader looked again")
+					require.True(t, stalled)
+					require.NoError(t, theirs.RUnlock(h))
+				default:
+					l := theirs
+					if waiter == "drain" {
+						l = mine
+					}
+					if how == "within" {
+						err = l.LockWithin(wait)
+					} else {
+						err = l.Lock(ctx)
+					}
+					require.NoError(t, err, "the holder had gone when the writer looked again")
+					require.True(t, stalled)
+					l.Unlock()
+				}
+				heldSeen.Store(nil)
+				ok, err := theirs.TryLock()
+				require.NoError(t, err)
+				require.True(t, ok, "the lock is free again")
+				theirs.Unlock()
+			})
+		}
+	}
+}
+
+// A wait that is cancelled fails with the cancellation though the holder
+// let go meanwhile: it takes nothing after its caller gave up.
+func TestACancelledWaitDoesNotLookAgain(t *testing.T) {
+	newDir := closeOrderDir(t)
+	for _, waiter := range []string{"reader", "writer"} {
+		t.Run(waiter, func(t *testing.T) {
+			owner, other := ownerAndOther(t, newDir())
+			off, err := owner.NewRWLock()
+			require.NoError(t, err)
+			mine, err := owner.RWLock(off)
+			require.NoError(t, err)
+			theirs, err := other.RWLock(off)
+			require.NoError(t, err)
+			require.NoError(t, mine.LockWithin(time.Second))
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			hook := func(time.Time) {
+				cancel()
+				mine.Unlock()
+			}
+			heldSeen.Store(&hook)
+			t.Cleanup(func() { heldSeen.Store(nil) })
+			if waiter == "reader" {
+				_, err = theirs.RLock(ctx)
+			} else {
+				err = theirs.Lock(ctx)
+			}
+			require.ErrorIs(t, err, context.Canceled)
+			heldSeen.Store(nil)
+			ok, err := theirs.TryLock()
+			require.NoError(t, err)
+			require.True(t, ok, "the cancelled wait left the lock free")
+			theirs.Unlock()
+		})
+	}
+}
