@@ -72,9 +72,9 @@ func (m *Memory) fileIDs() map[mapID]bool {
 // Threads that share one table of open files (all of a process's, as a
 // rule) have it read once: a process with many threads and many files
 // would otherwise cost threads × files reads. And a caller that cannot
-// wait gives a deadline (zero: none): done is false if it passed first,
+// wait gives a patience (nil: none): done is false if it ran out first,
 // and then reach and known say nothing.
-func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) {
+func (m *Memory) reaches(pid int, p *patience) (reach, known, done bool) {
 	dir := "/proc/" + strconv.Itoa(pid) + "/task/"
 	tasks, err := os.ReadDir(dir)
 	if err != nil {
@@ -88,7 +88,7 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 	var mounts map[uint64][2]uint32
 	for _, t := range tasks {
 		var err error
-		mounts, err = mountDevices(dir+t.Name()+"/mountinfo", deadline)
+		mounts, err = mountDevices(dir+t.Name()+"/mountinfo", p)
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			return false, false, false
 		}
@@ -106,12 +106,12 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 	mapsRead := false
 	var read []int // threads whose open files were read
 	for _, t := range tasks {
-		if late(deadline) {
+		if p.out() {
 			return false, false, false
 		}
 		task := dir + t.Name()
 		if !mapsRead {
-			maps, empty, known, done := mapsAny(task+"/maps", ids, deadline)
+			maps, empty, known, done := mapsAny(task+"/maps", ids, p)
 			switch {
 			case !done:
 				return false, false, false
@@ -126,7 +126,7 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 		if err == nil && slices.ContainsFunc(read, func(r int) bool { return sameFiles(r, tid) }) {
 			continue
 		}
-		holds, known, done := holdsAny(task, ids, mounts, deadline)
+		holds, known, done := holdsAny(task, ids, mounts, p)
 		if !known && exited(dir, []os.DirEntry{t}) {
 			continue // an exited thread (the main one, say) holds nothing
 		}
@@ -140,8 +140,36 @@ func (m *Memory) reaches(pid int, deadline time.Time) (reach, known, done bool) 
 	return false, true, true
 }
 
-// late reports whether deadline, if there is one, has passed.
-func late(deadline time.Time) bool { return !deadline.IsZero() && time.Now().After(deadline) }
+// patience is how long a question about a process may take. The time
+// between two of its looks at the clock counts at most patienceStep: a stop
+// of the asking process itself (a debugger, SIGSTOP, a CPU it did not get)
+// costs one step, not the whole allowance, while a kernel slow to answer is
+// counted in full. A nil patience never runs out.
+type patience struct {
+	left time.Duration
+	at   time.Time // the last look
+}
+
+// patienceStep is the most one interval between looks counts for. Looks
+// come every few hundred lines or files read, well within it.
+const patienceStep = 20 * time.Millisecond
+
+func newPatience(d time.Duration) *patience { return &patience{left: d, at: time.Now()} }
+
+// out counts the time since the last look and reports whether the
+// allowance has run out.
+func (p *patience) out() bool {
+	if p == nil {
+		return false
+	}
+	if hook := describeLook.Load(); hook != nil {
+		(*hook)()
+	}
+	now := time.Now()
+	p.left -= min(now.Sub(p.at), patienceStep)
+	p.at = now
+	return p.left <= 0
+}
 
 // sameFiles reports whether threads a and b share one table of open files,
 // as kcmp says. Where it cannot say (no kcmp in this kernel, or a thread
@@ -155,8 +183,8 @@ func sameFiles(a, b int) bool {
 // mapsAny reports whether the maps file at path lists a mapping of one of
 // ids, and whether it lists nothing at all. A process can make its maps
 // file as long as it likes (many mappings of a file at a long path): done
-// is false if deadline (if any) passed while it was read.
-func mapsAny(path string, ids map[mapID]bool, deadline time.Time) (maps, empty, known, done bool) {
+// is false if p ran out while it was read.
+func mapsAny(path string, ids map[mapID]bool, p *patience) (maps, empty, known, done bool) {
 	f, err := os.Open(path)
 	if err != nil {
 		return false, true, errors.Is(err, fs.ErrNotExist), true // gone: it maps nothing
@@ -167,7 +195,7 @@ func mapsAny(path string, ids map[mapID]bool, deadline time.Time) (maps, empty, 
 	empty = true
 	for i := 0; sc.Scan(); i++ {
 		mapsLines.Add(1)
-		if i%256 == 255 && late(deadline) {
+		if i%256 == 255 && p.out() {
 			return false, false, false, false
 		}
 		empty = false
@@ -207,13 +235,13 @@ func mapsAny(path string, ids map[mapID]bool, deadline time.Time) (maps, empty, 
 // still found. A descriptor on a mount that no mountinfo lists (a
 // memfd's, secret memory's) is no backing file unless its inode is one of
 // theirs.
-func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, deadline time.Time) (holds, known, done bool) {
+func holdsAny(task string, ids map[mapID]bool, mounts map[uint64][2]uint32, p *patience) (holds, known, done bool) {
 	fds, err := os.ReadDir(task + "/fd")
 	if err != nil {
 		return false, errors.Is(err, fs.ErrNotExist), true
 	}
 	for i, fd := range fds {
-		if i%64 == 63 && late(deadline) {
+		if i%64 == 63 && p.out() {
 			return false, false, false
 		}
 		link, err := os.Readlink(task + "/fd/" + fd.Name())
@@ -315,10 +343,10 @@ func exited(dir string, tasks []os.DirEntry) bool {
 // major:minor of its file system. Reading it asks no file system. That of
 // a thread that is gone (ENOENT) or has exited (EINVAL) cannot be read.
 // A process can have as many mounts as it likes (in a namespace of its
-// own): past deadline (if not zero) it gives up, with an error matching
+// own): once p runs out it gives up, with an error matching
 // os.ErrDeadlineExceeded.
-func mountDevices(path string, deadline time.Time) (map[uint64][2]uint32, error) {
-	info, err := mounts.ReadInfoBy(path, deadline)
+func mountDevices(path string, p *patience) (map[uint64][2]uint32, error) {
+	info, err := mounts.ReadInfoUntil(path, p.out)
 	if err != nil {
 		return nil, err
 	}
@@ -328,6 +356,10 @@ func mountDevices(path string, deadline time.Time) (map[uint64][2]uint32, error)
 	}
 	return out, nil
 }
+
+// describeLook, when set (by tests), runs as a bounded question about a
+// process looks at the clock: where its process may stop.
+var describeLook atomic.Pointer[func()]
 
 // mapsLines counts the lines of maps files read, for tests.
 var mapsLines atomic.Int64
@@ -347,16 +379,17 @@ func fdInfo(path string) (mnt, ino uint64, ok bool) {
 // not say (another user's process, or one that made itself undumpable).
 // Primary only; it takes no lock.
 func (m *Memory) Reaches(pid int) (reach, known bool) {
-	reach, known, _ = m.reaches(pid, time.Time{})
+	reach, known, _ = m.reaches(pid, nil)
 	return reach, known
 }
 
 // ReachesWithin is Reaches for a caller that cannot wait: done is false
 // if the kernel's description of the process took longer than d (a
 // process can hold a great many files open), and then reach and known say
-// nothing.
+// nothing. A stop of this process meanwhile counts for a few milliseconds
+// at most (see patience).
 func (m *Memory) ReachesWithin(pid int, d time.Duration) (reach, known, done bool) {
-	return m.reaches(pid, time.Now().Add(d))
+	return m.reaches(pid, newPatience(d))
 }
 
 // mayReach reports whether holder h, fenced by the owner, is alive and may
@@ -368,7 +401,7 @@ func (m *Memory) mayReach(h shm.Proc) bool {
 	if !shm.SameProcess(h.PID, h.Start) {
 		return false
 	}
-	reach, known, _ := m.reaches(h.PID, time.Time{})
+	reach, known, _ := m.reaches(h.PID, nil)
 	return reach || !known && m.seg.Alive(h.Slot)
 }
 

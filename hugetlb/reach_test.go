@@ -23,6 +23,23 @@ import (
 	"github.com/mpmr/mpmr/shm"
 )
 
+// A bounded question counts the time it takes, not the time its own
+// process was stopped (a debugger, SIGSTOP, a CPU it did not get): a
+// primary stopped longer than the allowance while it asks about a
+// detaching secondary still gets its answer, and does not fence the
+// secondary for want of one.
+func TestABoundedQuestionDoesNotCountItsOwnStop(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	_, err := in.mem.Alloc(in.mem.Lists()[0].PageSize)
+	require.NoError(t, err)
+	hugetlb.StallDescribingOnce(300 * time.Millisecond)
+	t.Cleanup(hugetlb.NoDescribingStall)
+	reach, known, done := in.mem.ReachesWithin(os.Getpid(), 100*time.Millisecond)
+	assert.True(t, done, "stopped 300 ms with 100 ms allowed: the stop is not the question's")
+	assert.True(t, known)
+	assert.True(t, reach, "this process maps the memory")
+}
+
 func init() { testproc.Register("many-files", helperManyFiles) }
 
 // helperManyFiles opens args[0] descriptors of /dev/null, parks args[1]

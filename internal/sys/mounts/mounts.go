@@ -11,7 +11,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -137,13 +136,13 @@ type Mount struct {
 // ReadInfo reads a mountinfo file (/proc/PID/task/TID/mountinfo, say),
 // which the kernel writes without asking any file system: each mount by
 // its id.
-func ReadInfo(path string) (map[uint64]Mount, error) { return ReadInfoBy(path, time.Time{}) }
+func ReadInfo(path string) (map[uint64]Mount, error) { return ReadInfoUntil(path, nil) }
 
-// ReadInfoBy is ReadInfo for a caller that cannot wait: a process can
+// ReadInfoUntil is ReadInfo for a caller that cannot wait: a process can
 // make its mountinfo as long as it likes (many mounts in a namespace of
-// its own), and past deadline (if not zero) it gives up with an error
-// matching os.ErrDeadlineExceeded.
-func ReadInfoBy(path string, deadline time.Time) (map[uint64]Mount, error) {
+// its own), so it asks late (if not nil) every few hundred lines and gives
+// up when it says so, with an error matching os.ErrDeadlineExceeded.
+func ReadInfoUntil(path string, late func() bool) (map[uint64]Mount, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
@@ -153,7 +152,7 @@ func ReadInfoBy(path string, deadline time.Time) (map[uint64]Mount, error) {
 	sc.Buffer(make([]byte, 0, 4096), 1<<20)
 	out := map[uint64]Mount{}
 	for i := 0; sc.Scan(); i++ {
-		if i%256 == 255 && !deadline.IsZero() && time.Now().After(deadline) {
+		if i%256 == 255 && late != nil && late() {
 			return nil, fmt.Errorf("mounts: reading %s: %w", path, os.ErrDeadlineExceeded)
 		}
 		// id parent major:minor root mount-point options [tags] - type source ...
