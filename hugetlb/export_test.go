@@ -23,3 +23,17 @@ func StallDescribingOnce(d time.Duration) {
 
 // NoDescribingStall undoes StallDescribingOnce.
 func NoDescribingStall() { describeLook.Store(nil) }
+
+// BeginChange and EndChange bracket a change of the page state, as the
+// primary's Alloc and Free do, without changing anything: a secondary's
+// Resync waits while one is open.
+func (m *Memory) BeginChange() { m.mu.Lock(); m.beginChange(); m.mu.Unlock() }
+func (m *Memory) EndChange()   { m.mu.Lock(); m.endChange(); m.mu.Unlock() }
+
+// SetResyncWait sets how long Resync waits for a change to end (for the
+// rest of the process) and has stall run each time it finds one open,
+// before it judges how long it has waited.
+func SetResyncWait(d time.Duration, stall func()) {
+	resyncTimeout = d
+	resyncOpen.Store(&stall)
+}

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -242,6 +243,20 @@ func helperSecondary(args []string) int {
 				}
 			}
 			say("looped", err)
+		case "resync-stalled": // MS: resync, waiting MS at most for a change to end, stopped past that as it waits
+			wait := time.Duration(num(1)) * time.Millisecond
+			looks := 0
+			hugetlb.SetResyncWait(wait, func() {
+				if looks++; looks != 2 {
+					return // the first look starts the wait
+				}
+				testproc.Say("stalling")
+				if !in.Scan() || in.Text() != "go" {
+					os.Exit(3)
+				}
+				time.Sleep(2 * wait) // the stop, past the wait's end
+			})
+			say("resynced", mem.Resync())
 		case "consistent": // the allocated pages are exactly the mapped ones
 			testproc.Say("consistent %v", consistent(mem))
 		case "close":

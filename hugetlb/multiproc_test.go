@@ -186,3 +186,21 @@ func TestResyncWhilePrimaryChangesPages(t *testing.T) {
 	ask(t, sec, "resynced", "resync")
 	ask(t, sec, "consistent <nil>", "consistent")
 }
+
+// A secondary whose wait for the primary to end a change ran out while
+// the secondary itself was stopped (a debugger, SIGSTOP, a CPU it did not
+// get) looks once more before it fails: the primary ended the change
+// meanwhile, and the resync succeeds.
+func TestAResyncStoppedPastItsWaitLooksAgain(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	p := startSecondary(t, in)
+	in.mem.BeginChange()
+	p.Send("resync-stalled 50")
+	p.Expect("stalling", 0)
+	in.mem.EndChange()
+	p.Send("go")
+	line, err := p.Next("", 0)
+	require.NoError(t, err)
+	require.Equal(t, "resynced", line, "the change had ended when it looked again")
+	ask(t, p, "consistent <nil>", "consistent")
+}

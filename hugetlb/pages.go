@@ -603,14 +603,19 @@ func (m *Memory) Resync() error {
 
 // resyncTimeout bounds how long Resync waits for the primary to finish a
 // change; only a primary that died halfway through one makes it wait so
-// long.
-const resyncTimeout = 5 * time.Second
+// long. A variable for tests.
+var resyncTimeout = 5 * time.Second
+
+// resyncOpen, when set (by tests), runs each time Resync finds a change
+// open, before it judges its wait: where its process may stop.
+var resyncOpen atomic.Pointer[func()]
 
 // resyncLocked takes a consistent snapshot of the page state (Gen even and
 // unchanged around it), applies it, and starts over if the primary changed
 // something meanwhile. Called with m.mu held for writing.
 func (m *Memory) resyncLocked() error {
 	var deadline time.Time
+	last := false // the look after the deadline
 	for try := 0; ; try++ {
 		gen := atomic.LoadUint64(&m.table.Gen)
 		if gen&1 == 0 {
@@ -630,11 +635,19 @@ func (m *Memory) resyncLocked() error {
 			}
 		}
 		// The primary is changing pages: give it time, up to a point.
+		if hook := resyncOpen.Load(); hook != nil {
+			(*hook)()
+		}
 		switch {
 		case try == 0:
 			deadline = time.Now().Add(resyncTimeout)
-		case time.Now().After(deadline):
+		case time.Now().After(deadline) && last:
 			return fmt.Errorf("hugetlb: resync: the primary kept changing pages for %v (did it die during a change?)", resyncTimeout)
+		case time.Now().After(deadline):
+			// Once more: this process may not have run between its look
+			// and the deadline (stopped, traced, starved of CPU), and the
+			// primary may have ended the change meanwhile.
+			last = true
 		case try < 16:
 			runtime.Gosched()
 		default:
