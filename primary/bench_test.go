@@ -178,6 +178,7 @@ func benchCreate(b *testing.B, bk hugetlb.Backend, fresh bool, spin [2]time.Dura
 		b.ReportMetric(at(then, 0.99), "then-p99-µs")
 	}
 	b.ReportMetric(float64(p.Stats().Counters.LatencyP50.Nanoseconds())/1e3, "served-p50-µs")
+	b.ReportMetric(float64(p.Stats().Counters.LatencyP99.Nanoseconds())/1e3, "served-p99-µs")
 }
 
 // helperCreateBurst attaches and, for each "burst G ADDR PAGES PAGESIZE"
