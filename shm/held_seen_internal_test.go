@@ -20,13 +20,8 @@ func TestAWaitThatDidNotRunPastItsDeadlineLooksAgainBeforeItFails(t *testing.T) 
 	for _, waiter := range []string{"reader", "writer", "drain"} {
 		for _, how := range []string{"within", "context"} {
 			t.Run(waiter+"/"+how, func(t *testing.T) {
-				owner, other := ownerAndOther(t, newDir())
-				off, err := owner.NewRWLock()
-				require.NoError(t, err)
-				mine, err := owner.RWLock(off)
-				require.NoError(t, err)
-				theirs, err := other.RWLock(off)
-				require.NoError(t, err)
+				mine, theirs := mineAndTheirs(t, newDir())
+				var err error
 				// The holder, and the waiter's hold's undoing, as the
 				// waiter stalls.
 				var letGo func()
@@ -101,13 +96,8 @@ func TestACancelledWaitDoesNotLookAgain(t *testing.T) {
 	newDir := closeOrderDir(t)
 	for _, waiter := range []string{"reader", "writer"} {
 		t.Run(waiter, func(t *testing.T) {
-			owner, other := ownerAndOther(t, newDir())
-			off, err := owner.NewRWLock()
-			require.NoError(t, err)
-			mine, err := owner.RWLock(off)
-			require.NoError(t, err)
-			theirs, err := other.RWLock(off)
-			require.NoError(t, err)
+			mine, theirs := mineAndTheirs(t, newDir())
+			var err error
 			require.NoError(t, mine.LockWithin(time.Second))
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
@@ -130,4 +120,18 @@ func TestACancelledWaitDoesNotLookAgain(t *testing.T) {
 			theirs.Unlock()
 		})
 	}
+}
+
+// mineAndTheirs makes a lock in a segment at path and returns a handle of
+// this process, the segment's owner, on it and one of another Segment
+// attached to it, as another process's.
+func mineAndTheirs(t *testing.T, path string) (mine, theirs *RWLock) {
+	owner, other := ownerAndOther(t, path)
+	off, err := owner.NewRWLock()
+	require.NoError(t, err)
+	mine, err = owner.RWLock(off)
+	require.NoError(t, err)
+	theirs, err = other.RWLock(off)
+	require.NoError(t, err)
+	return mine, theirs
 }

@@ -72,14 +72,8 @@ func TestAWriterTakingItsTurnLateGivesItBackWhenTheLockIsHeld(t *testing.T) {
 // handles of this process on it, the first holding it, and one of another
 // Segment attached to it, as another process's.
 func twoWritersAndAnother(t *testing.T, path string) (first, second, theirs *RWLock) {
-	owner, other := ownerAndOther(t, path)
-	off, err := owner.NewRWLock()
-	require.NoError(t, err)
-	first, err = owner.RWLock(off)
-	require.NoError(t, err)
-	second, err = owner.RWLock(off)
-	require.NoError(t, err)
-	theirs, err = other.RWLock(off)
+	first, theirs = mineAndTheirs(t, path)
+	second, err := first.seg.RWLock(first.off)
 	require.NoError(t, err)
 	require.NoError(t, first.LockWithin(time.Second))
 	return first, second, theirs
