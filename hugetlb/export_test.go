@@ -2,6 +2,7 @@ package hugetlb
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -21,7 +22,20 @@ func StallDescribingOnce(d time.Duration) {
 	describeLook.Store(&f)
 }
 
-// NoDescribingStall undoes StallDescribingOnce.
+// StallDescribingEvery has every look at the clock of a bounded question
+// about a process wait d first, as if the kernel were that slow to answer
+// between two looks, and returns the count of looks so far.
+func StallDescribingEvery(d time.Duration) (looks func() int64) {
+	var n atomic.Int64
+	f := func() {
+		n.Add(1)
+		time.Sleep(d)
+	}
+	describeLook.Store(&f)
+	return n.Load
+}
+
+// NoDescribingStall undoes StallDescribingOnce and StallDescribingEvery.
 func NoDescribingStall() { describeLook.Store(nil) }
 
 // BeginChange and EndChange bracket a change of the page state, as the

@@ -140,18 +140,23 @@ func (m *Memory) reaches(pid int, p *patience) (reach, known, done bool) {
 	return false, true, true
 }
 
-// patience is how long a question about a process may take. The time
-// between two of its looks at the clock counts at most patienceStep: a stop
-// of the asking process itself (a debugger, SIGSTOP, a CPU it did not get)
-// costs one step, not the whole allowance, while a kernel slow to answer is
-// counted in full. A nil patience never runs out.
+// patience is how long a question about a process may take. One interval
+// between two of its looks at the clock, the first longer than
+// patienceStep, counts for patienceStep only: a stop of the asking process
+// itself (a debugger, SIGSTOP, a CPU it did not get) then costs one step,
+// not the whole allowance. Every other interval counts in full, so that a
+// process that makes the kernel slow to describe it (a file with many
+// locks, whose fdinfo lists them all) gains one interval at most, as it
+// would against a plain deadline. A nil patience never runs out.
 type patience struct {
-	left time.Duration
-	at   time.Time // the last look
+	left     time.Duration
+	at       time.Time // the last look
+	forgiven bool      // an interval was counted short already
 }
 
-// patienceStep is the most one interval between looks counts for. Looks
-// come every few hundred lines or files read, well within it.
+// patienceStep is what the one forgiven interval counts for. Looks come
+// every few hundred lines or files read, well within it unless the kernel
+// is slow to answer.
 const patienceStep = 20 * time.Millisecond
 
 func newPatience(d time.Duration) *patience { return &patience{left: d, at: time.Now()} }
@@ -166,7 +171,11 @@ func (p *patience) out() bool {
 		(*hook)()
 	}
 	now := time.Now()
-	p.left -= min(now.Sub(p.at), patienceStep)
+	gap := now.Sub(p.at)
+	if gap > patienceStep && !p.forgiven {
+		gap, p.forgiven = patienceStep, true
+	}
+	p.left -= gap
 	p.at = now
 	return p.left <= 0
 }
@@ -386,8 +395,8 @@ func (m *Memory) Reaches(pid int) (reach, known bool) {
 // ReachesWithin is Reaches for a caller that cannot wait: done is false
 // if the kernel's description of the process took longer than d (a
 // process can hold a great many files open), and then reach and known say
-// nothing. A stop of this process meanwhile counts for a few milliseconds
-// at most (see patience).
+// nothing. One stop of this process meanwhile counts for patienceStep
+// only (see patience).
 func (m *Memory) ReachesWithin(pid int, d time.Duration) (reach, known, done bool) {
 	return m.reaches(pid, newPatience(d))
 }

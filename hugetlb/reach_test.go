@@ -40,6 +40,24 @@ func TestABoundedQuestionDoesNotCountItsOwnStop(t *testing.T) {
 	assert.True(t, reach, "this process maps the memory")
 }
 
+// Only one interval between looks is forgiven as a stop: a process that
+// makes the kernel slow to describe it (a file with many locks, whose
+// fdinfo lists them all) gains one interval over the allowance at most,
+// as against a plain deadline. Every interval here is 100 ms with 100 ms
+// allowed: the first counts as a stop, the second ends the question.
+func TestAProcessSlowToDescribeGainsOneIntervalAtMost(t *testing.T) {
+	in := newInstance(t, testenv.Tmpfs(t), hugetlb.ListConfig{Pages: 4})
+	_, err := in.mem.Alloc(in.mem.Lists()[0].PageSize)
+	require.NoError(t, err)
+	h := testproc.Start(t, "many-files", []string{"1000", "0"})
+	require.Equal(t, "ready", h.Expect("", 30*time.Second))
+	looks := hugetlb.StallDescribingEvery(100 * time.Millisecond)
+	t.Cleanup(hugetlb.NoDescribingStall)
+	_, _, done := in.mem.ReachesWithin(h.PID(), 100*time.Millisecond)
+	assert.False(t, done, "two intervals of 100 ms with 100 ms allowed")
+	assert.Equal(t, int64(2), looks(), "the question went on past its second interval")
+}
+
 func init() { testproc.Register("many-files", helperManyFiles) }
 
 // helperManyFiles opens args[0] descriptors of /dev/null, parks args[1]
