@@ -109,5 +109,6 @@ func ownerAndOther(t *testing.T, path string) (owner, other *Segment) {
 	o.Role = RoleSecondary
 	other, err = Attach(o)
 	require.NoError(t, err)
+	t.Cleanup(func() { other.Close() })
 	return owner, other
 }

@@ -90,6 +90,48 @@ func TestAWaitThatDidNotRunPastItsDeadlineLooksAgainBeforeItFails(t *testing.T) 
 	}
 }
 
+// A writer whose wait ran out while its process was stopped, past the
+// time after which it fences a live reader too, does not fence the reader
+// at its look after the deadline: the stop was the writer's. It fails
+// with its deadline, and the reader's hold stands.
+func TestAWriterStoppedPastItsDeadlineFencesNoReaderAtItsLastLook(t *testing.T) {
+	newDir := closeOrderDir(t)
+	const wait, fence = 10 * time.Millisecond, 30 * time.Millisecond
+	for _, how := range []string{"within", "context"} {
+		t.Run(how, func(t *testing.T) {
+			mine, theirs := mineAndTheirs(t, newDir())
+			h, err := theirs.RLockWithin(time.Second)
+			require.NoError(t, err)
+			mine.SetFenceAfter(fence)
+			stalled := false
+			hook := func(deadline time.Time) {
+				if !stalled {
+					stalled = true
+					// The stop: past the deadline and the fence time.
+					time.Sleep(time.Until(deadline) + 2*fence)
+				}
+			}
+			heldSeen.Store(&hook)
+			t.Cleanup(func() { heldSeen.Store(nil) })
+			if how == "within" {
+				err = mine.LockWithin(wait)
+			} else {
+				ctx, cancel := context.WithTimeout(context.Background(), wait)
+				defer cancel()
+				err = mine.Lock(ctx)
+			}
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.True(t, stalled)
+			require.NoError(t, theirs.RUnlock(h), "the reader's hold was fenced")
+			heldSeen.Store(nil)
+			ok, err := mine.TryLock()
+			require.NoError(t, err)
+			require.True(t, ok, "the lock is free again")
+			mine.Unlock()
+		})
+	}
+}
+
 // A wait that is cancelled fails with the cancellation though the holder
 // let go meanwhile: it takes nothing after its caller gave up.
 func TestACancelledWaitDoesNotLookAgain(t *testing.T) {

@@ -665,7 +665,7 @@ func (l *RWLock) drain(b *bound, prev uint64) error {
 		atomic.StoreUint32(&l.head.Seq, seq+1)
 	}
 	var fenceAt time.Time // from the first live reader met on
-	last := false
+	var ranOut error      // the deadline's, once it passed: one more look, which takes only what is free
 	for i := range l.lines {
 		c := &l.lines[i].Count
 		for {
@@ -679,6 +679,13 @@ func (l *RWLock) drain(b *bound, prev uint64) error {
 					l.seg.log.Warn("discarded read holds of dead process", "lock", l.off, "slot", i, "holds", n)
 				}
 				continue
+			}
+			if ranOut != nil {
+				// A live reader is still in at the look after the
+				// deadline. Fencing it now would count this process's
+				// own stop against the reader.
+				l.abort(prev)
+				return ranOut
 			}
 			if fenceAt.IsZero() {
 				b.start()
@@ -695,10 +702,11 @@ func (l *RWLock) drain(b *bound, prev uint64) error {
 			}
 			b.seen()
 			if err := l.sleep(b, lowHalf(c), n, false, fenceAt); err != nil {
-				if last = lookAgain(last, err); !last {
-					l.abort(prev)
+				if ranOut != nil || !errors.Is(err, context.DeadlineExceeded) {
+					l.abort(prev) // a cancellation, or a failed wait
 					return err
 				}
+				ranOut = err
 			}
 		}
 	}
