@@ -76,14 +76,25 @@ func MapFile(addr, length uintptr, fd int, off int64) error {
 
 // mapFile maps, marks the mapping DONTFORK, and only then populates it:
 // populating a gigabyte takes long enough for a fork to come in between,
-// and the child would keep what it inherited.
+// and the child would keep what it inherited. The mapping and its mark
+// are two system calls, and a fork from another thread between them
+// inherits the mapping all the same: they are made raw, back to back, so
+// that nothing of this process's scheduling comes between them (a
+// goroutine back from a system call may wait for a P, or be preempted,
+// before its next); only the kernel's preemption of the thread right
+// there could still. Neither waits for anything: the mapping is not
+// populated yet.
 func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
-	_, err := mmap(addr, length, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED, fd, off)
-	if err == nil {
-		err = unix.Madvise(Bytes(addr, length), unix.MADV_DONTFORK)
-		if err != nil {
+	var err error
+	_, _, e := unix.RawSyscall6(unix.SYS_MMAP, addr, length, unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_SHARED|unix.MAP_FIXED, uintptr(fd), uintptr(off))
+	if e == 0 {
+		if _, _, e = unix.RawSyscall(unix.SYS_MADVISE, addr, length, unix.MADV_DONTFORK); e != 0 {
 			_ = Release(addr, length)
 		}
+	}
+	if e != 0 {
+		err = e
 	}
 	if err == nil && populate {
 		if perr := unix.Madvise(Bytes(addr, length), unix.MADV_POPULATE_WRITE); perr != nil && !errors.Is(perr, unix.EINVAL) {
