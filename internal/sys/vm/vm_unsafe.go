@@ -82,8 +82,11 @@ func MapFile(addr, length uintptr, fd int, off int64) error {
 // that nothing of this process's scheduling comes between them (a
 // goroutine back from a system call may wait for a P, or be preempted,
 // before its next); only the kernel's preemption of the thread right
-// there could still. Neither waits for anything: the mapping is not
-// populated yet.
+// there could still. Neither populates anything. The mmap may wait for
+// the memory map's lock while another thread populates (another Alloc's
+// mapping): the goroutine keeps its P meanwhile, where a system call
+// would let it go, but every page fault of the process waits for that
+// lock then too.
 func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
 	var err error
 	_, _, e := unix.RawSyscall6(unix.SYS_MMAP, addr, length, unix.PROT_READ|unix.PROT_WRITE,
