@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"sync"
+	"syscall"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -78,29 +80,30 @@ func MapFile(addr, length uintptr, fd int, off int64) error {
 // populating a gigabyte takes long enough for a fork to come in between,
 // and the child would keep what it inherited. The mapping and its mark
 // are two system calls, and a fork from another thread between them
-// inherits the mapping all the same: they are made raw, back to back, so
-// that nothing of this process's scheduling comes between them (a
-// goroutine back from a system call may wait for a P, or be preempted,
-// before its next); only the kernel's preemption of the thread right
-// there could still. Neither populates anything. The mmap may wait for
-// the memory map's lock while another thread populates (another Alloc's
-// mapping): the goroutine keeps its P meanwhile, where a system call
-// would let it go, but every page fault of the process waits for that
-// lock then too.
+// inherits the mapping all the same: mapAndMark makes them raw and back
+// to back, so that nothing of this process's scheduling comes between
+// them (a goroutine back from a system call may wait for a P, or be
+// preempted, before its next). Raw calls keep their P while they wait,
+// so they are made while no populate of this package runs (populating
+// holds the memory map's lock for seconds on tmpfs): what they may still
+// wait for is a short hold of that lock (a fault, a read of the maps
+// file), or, for the mmap, a populate the mapping itself makes under
+// mlockall(MCL_FUTURE). A fork can still come between the two if the
+// kernel preempts the thread right there, or hands the memory map's lock
+// to a fork that was waiting for it before it hands it to the mark.
 func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
 	var err error
-	_, _, e := unix.RawSyscall6(unix.SYS_MMAP, addr, length, unix.PROT_READ|unix.PROT_WRITE,
-		unix.MAP_SHARED|unix.MAP_FIXED, uintptr(fd), uintptr(off))
-	if e == 0 {
-		if _, _, e = unix.RawSyscall(unix.SYS_MADVISE, addr, length, unix.MADV_DONTFORK); e != 0 {
-			_ = Release(addr, length)
-		}
-	}
+	populating.Lock()
+	e := mapAndMark(addr, length, uintptr(fd), uintptr(off))
+	populating.Unlock()
 	if e != 0 {
 		err = e
 	}
 	if err == nil && populate {
-		if perr := unix.Madvise(Bytes(addr, length), unix.MADV_POPULATE_WRITE); perr != nil && !errors.Is(perr, unix.EINVAL) {
+		populating.RLock()
+		perr := unix.Madvise(Bytes(addr, length), unix.MADV_POPULATE_WRITE)
+		populating.RUnlock()
+		if perr != nil && !errors.Is(perr, unix.EINVAL) {
 			// EINVAL: a kernel before 5.14, which cannot; the pages are
 			// then faulted in at their first touch.
 			err = perr
@@ -111,6 +114,29 @@ func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
 		return fmt.Errorf("vm: map fd %d at 0x%x (+0x%x, off 0x%x): %w", fd, addr, length, off, err)
 	}
 	return nil
+}
+
+// populating is held for reading by populates and for writing by
+// mapAndMark's raw calls (see mapFile).
+var populating sync.RWMutex
+
+// mapAndMark maps fd at off at exactly addr (MAP_FIXED) and marks the
+// mapping DONTFORK, undoing the mapping if the mark fails. It is nosplit:
+// no preemption point of the runtime falls between the two calls.
+//
+//go:nosplit
+func mapAndMark(addr, length, fd, off uintptr) syscall.Errno {
+	_, _, e := syscall.RawSyscall6(syscall.SYS_MMAP, addr, length, unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_SHARED|unix.MAP_FIXED, fd, off)
+	if e != 0 {
+		return e
+	}
+	if _, _, e = syscall.RawSyscall(syscall.SYS_MADVISE, addr, length, unix.MADV_DONTFORK); e != 0 {
+		// Back to an inaccessible reservation, as Release leaves it.
+		syscall.RawSyscall6(syscall.SYS_MMAP, addr, length, unix.PROT_NONE,
+			unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE|unix.MAP_FIXED, ^uintptr(0), 0)
+	}
+	return e
 }
 
 // MapShared maps length bytes of fd from offset 0, shared and read-write, at
