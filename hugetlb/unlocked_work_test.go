@@ -191,8 +191,9 @@ func forkPausing(t *testing.T) int {
 // Data memory mappings are not inherited by a fork, not even one that
 // comes while an Alloc populates its pages (on tmpfs a second or more for
 // gigabytes, without the memory lock): the mapping is marked DONTFORK
-// before it is populated. A child that kept it would keep the pages after
-// Free, which hands them out again with nothing in quarantine.
+// before it is populated, in the same breath as the mapping (see
+// vm.mapFile). A child that kept it would keep the pages after Free, which
+// hands them out again with nothing in quarantine.
 func TestAForkDuringAnAllocsPopulateInheritsNothing(t *testing.T) {
 	b := testenv.Tmpfs(t)
 	const pages = 512
@@ -210,18 +211,17 @@ func TestAForkDuringAnAllocsPopulateInheritsNothing(t *testing.T) {
 		close(done)
 	}()
 	base := in.mem.Lists()[0].Base
-	// In the mmap system call, with its mapping in place (the populate
-	// runs): then fork.
+	// In mapFile with the mapping in place (mostly in the populate, now
+	// and then between the mapping and its mark): then fork.
 	seen := pollUntil(t, done, func() bool {
 		return testenv.GoroutinesIn("vm.mapFile") > 0 && mapsFileAt(t, os.Getpid(), file, base)
 	})
 	if !seen {
 		t.Skip("the populate ended before it could be seen")
 	}
-	// Every P busy: when the mmap returns, the Alloc's goroutine waits
-	// for one before it can ask for MADV_DONTFORK (as any thread of a
-	// host may be delayed there), while the fork, queued on the memory
-	// map's lock behind the populate, goes first.
+	// Every P busy: a goroutine that had to come back to the scheduler
+	// between the mapping and the mark would wait for one there (as any
+	// thread of a host may be delayed), and the fork would go first.
 	var stop atomic.Bool
 	for range runtime.GOMAXPROCS(0) {
 		go func() {

@@ -84,13 +84,14 @@ func MapFile(addr, length uintptr, fd int, off int64) error {
 // to back, so that nothing of this process's scheduling comes between
 // them (a goroutine back from a system call may wait for a P, or be
 // preempted, before its next). Raw calls keep their P while they wait,
-// so they are made while no populate of this package runs (populating
-// holds the memory map's lock for seconds on tmpfs): what they may still
-// wait for is a short hold of that lock (a fault, a read of the maps
-// file), or, for the mmap, a populate the mapping itself makes under
-// mlockall(MCL_FUTURE). A fork can still come between the two if the
-// kernel preempts the thread right there, or hands the memory map's lock
-// to a fork that was waiting for it before it hands it to the mark.
+// so they are made while none of this package's calls that fault pages
+// in runs (populates, mlock: they hold the memory map's lock for seconds
+// on tmpfs); what they may still wait for is a short hold of that lock (a
+// fault, a read of the maps file). A fork can still come between the two:
+// the memory map's lock is let go between them, and the thread may be
+// preempted there. Under mlockall(MCL_FUTURE) the mmap populates the
+// mapping itself before it returns: the gap then lasts the populate, and
+// the raw call holds its P as long.
 func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
 	var err error
 	populating.Lock()
@@ -116,15 +117,18 @@ func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
 	return nil
 }
 
-// populating is held for reading by populates and for writing by
-// mapAndMark's raw calls (see mapFile).
+// populating is held for reading by this package's calls that fault
+// pages in (populates, mlock) and for writing by mapAndMark's raw calls
+// (see mapFile).
 var populating sync.RWMutex
 
 // mapAndMark maps fd at off at exactly addr (MAP_FIXED) and marks the
-// mapping DONTFORK, undoing the mapping if the mark fails. It is nosplit:
-// no preemption point of the runtime falls between the two calls.
+// mapping DONTFORK, undoing the mapping if the mark fails. It is nosplit
+// (and never inlined into a caller that is not): no preemption point of
+// the runtime falls between the two calls.
 //
 //go:nosplit
+//go:noinline
 func mapAndMark(addr, length, fd, off uintptr) syscall.Errno {
 	_, _, e := syscall.RawSyscall6(syscall.SYS_MMAP, addr, length, unix.PROT_READ|unix.PROT_WRITE,
 		unix.MAP_SHARED|unix.MAP_FIXED, fd, off)
@@ -218,7 +222,9 @@ func Unmap(addr, length uintptr) error {
 func CheckReadable(addr, length uintptr) error {
 	start := addr &^ (PageSize - 1)
 	end := (addr + length + PageSize - 1) &^ (PageSize - 1)
+	populating.RLock()
 	_, _, e := unix.Syscall(unix.SYS_MADVISE, start, end-start, unix.MADV_POPULATE_READ)
+	populating.RUnlock()
 	switch e {
 	case 0:
 		return nil
@@ -246,7 +252,9 @@ func Prefault[T any](s []T) {
 	end := start + uintptr(cap(s))*unsafe.Sizeof(elem)
 	lo, hi := (start+PageSize-1)&^(PageSize-1), end&^(PageSize-1)
 	if lo < hi {
+		populating.RLock()
 		_, _, _ = unix.Syscall(unix.SYS_MADVISE, lo, hi-lo, unix.MADV_POPULATE_WRITE)
+		populating.RUnlock()
 	}
 	runtime.KeepAlive(s)
 }
@@ -254,7 +262,10 @@ func Prefault[T any](s []T) {
 // Lock pins [addr, addr+length) in memory (mlock). The kernel treats
 // hugetlbfs ranges as always resident and leaves them alone.
 func Lock(addr, length uintptr) error {
-	if _, _, e := unix.Syscall(unix.SYS_MLOCK, addr, length, 0); e != 0 {
+	populating.RLock()
+	_, _, e := unix.Syscall(unix.SYS_MLOCK, addr, length, 0)
+	populating.RUnlock()
+	if e != 0 {
 		return fmt.Errorf("vm: mlock [0x%x, 0x%x): %w", addr, addr+length, e)
 	}
 	return nil
