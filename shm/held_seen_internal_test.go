@@ -80,11 +80,7 @@ func TestAWaitThatDidNotRunPastItsDeadlineLooksAgainBeforeItFails(t *testing.T) 
 					require.True(t, stalled)
 					l.Unlock()
 				}
-				heldSeen.Store(nil)
-				ok, err := theirs.TryLock()
-				require.NoError(t, err)
-				require.True(t, ok, "the lock is free again")
-				theirs.Unlock()
+				requireFree(t, theirs)
 			})
 		}
 	}
@@ -123,11 +119,7 @@ func TestAWriterStoppedPastItsDeadlineFencesNoReaderAtItsLastLook(t *testing.T) 
 			require.ErrorIs(t, err, context.DeadlineExceeded)
 			require.True(t, stalled)
 			require.NoError(t, theirs.RUnlock(h), "the reader's hold was fenced")
-			heldSeen.Store(nil)
-			ok, err := mine.TryLock()
-			require.NoError(t, err)
-			require.True(t, ok, "the lock is free again")
-			mine.Unlock()
+			requireFree(t, mine)
 		})
 	}
 }
@@ -155,11 +147,7 @@ func TestACancelledWaitDoesNotLookAgain(t *testing.T) {
 				err = theirs.Lock(ctx)
 			}
 			require.ErrorIs(t, err, context.Canceled)
-			heldSeen.Store(nil)
-			ok, err := theirs.TryLock()
-			require.NoError(t, err)
-			require.True(t, ok, "the cancelled wait left the lock free")
-			theirs.Unlock()
+			requireFree(t, theirs)
 		})
 	}
 }
@@ -176,4 +164,14 @@ func mineAndTheirs(t *testing.T, path string) (mine, theirs *RWLock) {
 	theirs, err = other.RWLock(off)
 	require.NoError(t, err)
 	return mine, theirs
+}
+
+// requireFree unsets the heldSeen hook and checks, through l, that the
+// lock is free: nobody holds it and no reader is in.
+func requireFree(t *testing.T, l *RWLock) {
+	heldSeen.Store(nil)
+	ok, err := l.TryLock()
+	require.NoError(t, err)
+	require.True(t, ok, "the lock is free again")
+	l.Unlock()
 }
