@@ -64,9 +64,10 @@ type Config struct {
 	// SyncTimeout, and 100 ms. An answer waiting in the socket when the time
 	// is up counts (a primary that did not run meanwhile looks for 100 ms
 	// more at most). Whether a dropped secondary is fenced is judged within
-	// 200 ms more at most: a process whose connection ended has 100 ms to
-	// end, and one that has let its slot go is described by the kernel
-	// within 100 ms.
+	// about 200 ms more: a process whose connection ended has 100 ms to
+	// end, and one that has let its slot go is given 100 ms of the
+	// kernel's reading (see hugetlb.Memory.ReachesWithin for what that
+	// bound leaves out).
 	SyncTimeout time.Duration
 	// Spin is how long the primary polls each secondary's call lane for
 	// its next request before it blocks: requests that follow within it

@@ -291,9 +291,10 @@ var askKernel = func(m *hugetlb.Memory, pid int, d time.Duration) (reach, known,
 // and ends them once the process is seen to have let go, or a later
 // hello does. The primary's Close and its other secondaries wait on a
 // process's /proc no longer than that bound, however large the process
-// makes it (the bound is looked at between reads: one read the kernel
-// holds up is not cut short, and a free waits on it judgementWait at
-// most; see awaitJudgement).
+// makes it (the bound is looked at between batches of reads: the batch
+// under way when it runs out is not cut short, one long gap between looks
+// counts as the primary's own stop, and a free waits on it judgementWait
+// at most; see awaitJudgement and hugetlb.Memory.ReachesWithin).
 //
 // The kernel's answer is true of the moment it read the process, and
 // only what was settled before it read may be judged by it: the fences
@@ -370,10 +371,11 @@ func (h *handler) judgeEarlier(peer *ipc.Peer, pid int, start uint64, left []ipc
 // failed, is judged after it (s detached, then, is not fenced again): a
 // fence taken while the kernel reads would stand on no answer, and once
 // the process's new attachment maps the memory no answer could end it.
-// The hello's question takes detachAsk at most, checked between reads of
-// /proc; a single read the kernel holds up (a process stuck with its
-// memory map locked) is not cut short, so the wait ends after
-// judgementWait whatever the hello does, and s is judged on its own.
+// The hello's question takes about detachAsk, checked between batches of
+// reads of /proc; a batch the kernel holds up (a process stuck with its
+// memory map locked) is not cut short, nor is one long gap counted as the
+// primary's own stop, so the wait ends after judgementWait whatever the
+// hello does, and s is judged on its own.
 func (h *handler) awaitJudgement(s *secondary) {
 	h.syncMu.Lock()
 	var turn chan struct{}
