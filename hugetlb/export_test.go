@@ -1,9 +1,14 @@
 package hugetlb
 
 import (
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpmr/mpmr/internal/sys/vm"
 )
 
 // FDInfosRead returns how many fdinfo entries the questions about fenced
@@ -50,4 +55,33 @@ func (m *Memory) EndChange()   { m.mu.Lock(); m.endChange(); m.mu.Unlock() }
 func SetResyncWait(d time.Duration, stall func()) {
 	resyncTimeout = d
 	resyncOpen.Store(&stall)
+}
+
+// FailNextMapping has the next mapping of pages in a secondary fail as the
+// kernel may fail it. With how "hole", the range is left with nothing
+// mapped at all, as a MAP_FIXED that removed what was there and then
+// failed leaves it (kernels before 6.12). With "unmarked", the file is
+// mapped read-write without DONTFORK, as a mark that failed and whose undo
+// failed too leaves it. Not safe for concurrent use: for a helper process
+// whose commands map pages one at a time.
+func FailNextMapping(how string) {
+	mapFile = func(addr, length uintptr, fd int, off int64) error {
+		mapFile = vm.MapFile
+		switch how {
+		case "hole":
+			if err := vm.Unmap(addr, length); err != nil {
+				return err
+			}
+		case "unmarked":
+			if err := vm.MapFile(addr, length, fd, off); err != nil {
+				return err
+			}
+			if err := unix.Madvise(vm.Bytes(addr, length), unix.MADV_DOFORK); err != nil {
+				return err
+			}
+		default:
+			panic("FailNextMapping: " + how)
+		}
+		return fmt.Errorf("vm: map fd %d at 0x%x: %w (made to fail: %s)", fd, addr, unix.ENOMEM, how)
+	}
 }

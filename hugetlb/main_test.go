@@ -210,12 +210,18 @@ func helperSecondary(args []string) int {
 			testproc.Say("filled")
 		case "map": // LIST FIRST N
 			say("mapped", mem.MapPages(int(num(1)), int(num(2)), int(num(3))))
+		case "map-failing": // HOW LIST FIRST N: map, the mapping failing as hugetlb.FailNextMapping says
+			hugetlb.FailNextMapping(f[1])
+			f = f[1:]
+			say("mapped", mem.MapPages(int(num(1)), int(num(2)), int(num(3))))
 		case "unmap": // LIST FIRST N
 			say("unmapped", mem.UnmapPages(int(num(1)), int(num(2)), int(num(3))))
 		case "resync":
 			say("resynced", mem.Resync())
 		case "readable": // ADDR LEN
 			testproc.Say("readable %v", vm.CheckReadable(uintptr(num(1)), uintptr(num(2))) == nil)
+		case "reserved": // ADDR LEN: every small page of the range has something mapped
+			testproc.Say("reserved %v", reserved(uintptr(num(1)), uintptr(num(2))))
 		case "alloc": // SIZE
 			_, err := mem.Alloc(num(1))
 			testproc.Say("alloc-error notprimary=%v %v", errors.Is(err, hugetlb.ErrNotPrimary), err)
@@ -266,6 +272,18 @@ func helperSecondary(args []string) int {
 		}
 	}
 	return 0
+}
+
+// reserved reports whether every small page of [addr, addr+length) has
+// something mapped, so that nothing else of the process can be mapped
+// there. A page found free is reserved by the look.
+func reserved(addr, length uintptr) bool {
+	for a := addr; a < addr+length; a += vm.PageSize {
+		if _, err := vm.Reserve(a, vm.PageSize); !errors.Is(err, vm.ErrRangeTaken) {
+			return false
+		}
+	}
+	return true
 }
 
 // startHelperExpectingFailure starts a secondary whose attach is expected to

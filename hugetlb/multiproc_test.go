@@ -1,6 +1,7 @@
 package hugetlb_test
 
 import (
+	"strings"
 	"syscall"
 	"testing"
 
@@ -203,4 +204,57 @@ func TestAResyncStoppedPastItsWaitLooksAgain(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "resynced", line, "the change had ended when it looked again")
 	ask(t, p, "consistent <nil>", "consistent")
+}
+
+// A mapping that fails in a secondary leaves its range as unmapping would:
+// an inaccessible reservation, the pages that were mapped there announced
+// as freed and counted as not mapped, whatever the failure left behind —
+// nothing mapped at all (a MAP_FIXED that removed the old mapping, then
+// failed), or the file mapped without DONTFORK (a mark that failed, and
+// its undo too). A hole could be taken by any other mapping of the
+// process, which a later unmap of the pages would then destroy; a mapping
+// left in place and not counted would stay readable after the primary
+// freed the pages, and a child forked meanwhile would keep it. A resync
+// maps the pages again.
+func TestAFailedMappingLeavesItsRangeUnmapped(t *testing.T) {
+	for _, how := range []string{"hole", "unmarked"} {
+		t.Run(how, func(t *testing.T) {
+			testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
+				ps := b.PageSize
+				in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
+				r, err := in.mem.Alloc(2 * ps)
+				require.NoError(t, err)
+				fill(r.Bytes(), 1)
+				sec := startSecondary(t, in)
+				more, err := in.mem.Alloc(2 * ps) // the secondary is not told
+				require.NoError(t, err)
+				fill(more.Bytes(), 2)
+				ask(t, sec, "subscribed", "subscribe")
+
+				page1 := r.Addr + uintptr(ps)
+				sec.Send("map-failing %s 0 1 3", how)
+				line, err := sec.Next("", 0)
+				require.NoError(t, err)
+				assert.Equal(t, "event free "+hex(page1)+" "+dec(ps), line,
+					"page 1 was mapped here: it goes, announced")
+				if strings.HasPrefix(line, "event ") {
+					line, err = sec.Next("", 0)
+					require.NoError(t, err)
+				}
+				require.True(t, strings.HasPrefix(line, "error "), "the map failed: %s", line)
+				require.Contains(t, line, "made to fail")
+				ask(t, sec, "mapped 1", "mapped 0")
+				ask(t, sec, "readable false", "readable %#x %d", page1, 3*ps)
+				ask(t, sec, "reserved true", "reserved %#x %d", page1, 3*ps)
+				ask(t, sec, "ok", "check %#x %d 1", r.Addr, ps)
+
+				sec.Send("resync")
+				assert.Equal(t, "event alloc "+hex(page1)+" "+dec(3*ps), sec.Expect("event", 0))
+				sec.Expect("resynced", 0)
+				ask(t, sec, "consistent <nil>", "consistent")
+				ask(t, sec, "ok", "check %#x %d 1", r.Addr, 2*ps)
+				ask(t, sec, "ok", "check %#x %d 2", more.Addr, 2*ps)
+			})
+		})
+	}
 }

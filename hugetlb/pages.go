@@ -525,11 +525,31 @@ func (m *Memory) MapPages(list, first, n int) error {
 	return m.mapRun(l, first, n)
 }
 
+// mapFile is vm.MapFile; a variable for tests, which make it fail.
+var mapFile = vm.MapFile
+
 // mapRun maps pages of l here and announces the newly mapped ones. Called
 // with m.mu held.
+//
+// A mapping that fails may leave its range in any state: what was mapped
+// there still mapped, nothing mapped at all (a MAP_FIXED that removed the
+// old mapping first, on kernels before 6.12: a hole any other mapping of
+// the process could take, which a later unmap of the pages would then
+// destroy), or the file mapped without DONTFORK (a mark that failed, and
+// its undo too). The range goes back to an inaccessible reservation, as
+// after an unmap, the pages that were mapped announced as freed first;
+// they may no longer be readable when the subscribers hear of it.
 func (m *Memory) mapRun(l *list, first, n int) error {
-	if err := vm.MapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
-		return fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
+	if err := mapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
+		err = fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
+		if uerr := m.unmapRun(l, first, n); uerr != nil {
+			// The range's state is unknown: counted as mapped, so that
+			// the next unmap, resync or Close releases it again (and
+			// announces its pages as freed once more).
+			l.mapped.setRange(first, n)
+			return errors.Join(err, uerr)
+		}
+		return err
 	}
 	var fresh [][2]int
 	eachRun(l.mapped, first, first+n, false, func(a, b int) { fresh = append(fresh, [2]int{a, b}) })
