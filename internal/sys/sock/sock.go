@@ -193,7 +193,9 @@ var dialTried, dialFull, dialQueued func()
 // file exists there and ErrRefused when nobody listens on it. When the
 // listener's queue of connections to accept is full (the server is busy,
 // or someone floods it), Dial waits for a place until ctx ends, and then
-// fails with ErrBusy, rather than take a busy server for an absent one.
+// fails with ErrBusy, rather than take a busy server for an absent one
+// (when the deadline ran out, after one more try that waits for nothing:
+// the process may have been stopped while a place freed).
 // It waits in the kernel (a blocking connect), which wakes it as a place
 // frees: tries made apart got in only when one came just as a place
 // freed, and lost to a peer that connects in a loop to keep the queue
@@ -204,35 +206,48 @@ var dialTried, dialFull, dialQueued func()
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	addr := &unix.SockaddrUnix{Name: path}
 	busy := false // the queue was found full
+	late := false // the look after the deadline
 	for {
 		wait := dialSlice
 		if dl, ok := ctx.Deadline(); ok {
 			wait = min(wait, time.Until(dl))
 		}
-		if err := ctx.Err(); err != nil || wait < time.Microsecond {
+		if err := ctx.Err(); late || err != nil || wait < time.Microsecond {
 			err = cmp.Or(err, context.DeadlineExceeded)
-			if busy {
-				return nil, fmt.Errorf("%w: %s: %w", ErrBusy, path, err)
+			// The deadline may have passed while this process was
+			// stopped (SIGSTOP, a debugger, a CPU it did not get) after a
+			// try found the queue full, and a place freed meanwhile: one
+			// more try, which waits for nothing, before ErrBusy. Not
+			// after a cancellation.
+			if !busy || late || !errors.Is(err, context.DeadlineExceeded) {
+				if busy {
+					return nil, fmt.Errorf("%w: %s: %w", ErrBusy, path, err)
+				}
+				return nil, fmt.Errorf("sock: dial %s: %w", path, err)
 			}
-			return nil, fmt.Errorf("sock: dial %s: %w", path, err)
+			late, wait = true, 0
 		}
-		select {
-		case dialWaits <- struct{}{}:
-		default:
-			if dialQueued != nil {
-				dialQueued()
-			}
+		if !late {
 			select {
 			case dialWaits <- struct{}{}:
-			case <-ctx.Done():
-				continue // said at the top
+			default:
+				if dialQueued != nil {
+					dialQueued()
+				}
+				select {
+				case dialWaits <- struct{}{}:
+				case <-ctx.Done():
+					continue // said at the top
+				}
 			}
 		}
 		if dialTried != nil {
 			dialTried()
 		}
 		c, err := connect(addr, wait)
-		<-dialWaits
+		if !late {
+			<-dialWaits
+		}
 		switch {
 		case err == nil:
 			return c, nil
@@ -256,8 +271,21 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 
 // connect makes a connection to addr, waiting up to wait (at least a
 // microsecond) for a place in the listener's queue: a blocking connect,
-// bounded by the send timeout, which bounds it on a unix socket.
+// bounded by the send timeout, which bounds it on a unix socket. With
+// wait 0 it does not wait: a non-blocking connect, which fails with
+// EAGAIN when the queue is full.
 func connect(addr *unix.SockaddrUnix, wait time.Duration) (*Conn, error) {
+	if wait == 0 {
+		fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+		if err != nil {
+			return nil, err
+		}
+		if err := unix.Connect(fd, addr); err != nil {
+			unix.Close(fd)
+			return nil, err
+		}
+		return fromFD(fd)
+	}
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, err

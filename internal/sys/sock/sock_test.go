@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -512,4 +513,41 @@ func TestADialThatNeverTriedIsNotBusy(t *testing.T) {
 	_, err := Dial(ctx, filepath.Join(t.TempDir(), "nothing-there"))
 	require.ErrorIs(t, err, context.Canceled)
 	assert.NotErrorIs(t, err, ErrBusy)
+}
+
+// A Dial whose process was stopped (SIGSTOP, a debugger, a CPU it did not
+// get) after a try found the queue full, until past its deadline, while a
+// place freed, tries once more before it says ErrBusy: the server was not
+// busy when it looked again. A cancelled Dial does not.
+func TestADialStoppedPastItsDeadlineTriesOnceMore(t *testing.T) {
+	defer func(s time.Duration) { dialSlice = s }(dialSlice)
+	dialSlice = 20 * time.Millisecond
+	defer func() { dialFull = nil }()
+	const out = 50 * time.Millisecond
+	for _, cancelled := range []bool{false, true} {
+		l, path := fullListener(t)
+		ctx, cancel := context.WithTimeout(t.Context(), out)
+		defer cancel()
+		var once sync.Once
+		dialFull = func() {
+			once.Do(func() {
+				s, err := l.Accept() // a place frees
+				require.NoError(t, err)
+				s.Close()
+				if cancelled {
+					cancel()
+					return
+				}
+				time.Sleep(2 * out) // while the process is stopped, past the deadline
+			})
+		}
+		c, err := Dial(ctx, path)
+		if cancelled {
+			require.ErrorIs(t, err, ErrBusy)
+			require.ErrorIs(t, err, context.Canceled)
+			continue
+		}
+		require.NoError(t, err, "a place had freed when it looked again")
+		c.Close()
+	}
 }
