@@ -58,16 +58,25 @@ func SetResyncWait(d time.Duration, stall func()) {
 }
 
 // FailNextMapping has the next mapping of pages in a secondary fail as the
-// kernel may fail it. With how "hole", the range is left with nothing
-// mapped at all, as a MAP_FIXED that removed what was there and then
-// failed leaves it (kernels before 6.12). With "unmarked", the file is
-// mapped read-write without DONTFORK, as a mark that failed and whose undo
-// failed too leaves it. Not safe for concurrent use: for a helper process
+// kernel may fail it. With how "kept", nothing changes, as a MAP_FIXED
+// that fails leaves the range since 6.12. With "hole", the range is left
+// with nothing mapped at all, as a MAP_FIXED that removed what was there
+// and then failed leaves it (kernels before 6.12). With "unmarked", the
+// file is mapped read-write without DONTFORK, as a mark that failed and
+// whose undo failed too leaves it. With "kept-twice", nothing changes and
+// the release that undoes it fails too, as both do at the limit of the
+// process's mappings. Not safe for concurrent use: for a helper process
 // whose commands map pages one at a time.
 func FailNextMapping(how string) {
 	mapFile = func(addr, length uintptr, fd int, off int64) error {
 		mapFile = vm.MapFile
 		switch how {
+		case "kept":
+		case "kept-twice":
+			releaseRange = func(addr, length uintptr) error {
+				releaseRange = vm.Release
+				return fmt.Errorf("vm: release [0x%x, 0x%x): %w (made to fail)", addr, addr+length, unix.ENOMEM)
+			}
 		case "hole":
 			if err := vm.Unmap(addr, length); err != nil {
 				return err

@@ -37,7 +37,9 @@ type EventKind int
 const (
 	// EventAlloc: the range was just mapped; it is readable and writable.
 	EventAlloc EventKind = iota + 1
-	// EventFree: the range is about to be unmapped; it is still readable.
+	// EventFree: the range is about to be unmapped; it is still readable
+	// (unless a mapping that failed in a secondary removed it already:
+	// see MapPages).
 	EventFree
 )
 
@@ -504,7 +506,9 @@ func (m *Memory) pages(list, first, n int) (*list, error) {
 // the primary allocated them, and delivers EventAlloc for the pages that
 // were not mapped here yet. Mapping pages that are mapped already is
 // harmless. The pages must be allocated in the shared descriptor
-// (ErrNotAllocated otherwise). Secondary only.
+// (ErrNotAllocated otherwise). If the mapping fails, the range is left
+// unmapped, as UnmapPages leaves it, with EventFree for the pages that
+// were mapped (see mapRun). Secondary only.
 func (m *Memory) MapPages(list, first, n int) error {
 	if m.primary {
 		return fmt.Errorf("hugetlb: map pages: %w", ErrNotSecondary)
@@ -525,8 +529,9 @@ func (m *Memory) MapPages(list, first, n int) error {
 	return m.mapRun(l, first, n)
 }
 
-// mapFile is vm.MapFile; a variable for tests, which make it fail.
-var mapFile = vm.MapFile
+// mapFile and releaseRange are vm.MapFile and vm.Release in a
+// secondary; variables for tests, which make them fail.
+var mapFile, releaseRange = vm.MapFile, vm.Release
 
 // mapRun maps pages of l here and announces the newly mapped ones. Called
 // with m.mu held.
@@ -538,16 +543,16 @@ var mapFile = vm.MapFile
 // destroy), or the file mapped without DONTFORK (a mark that failed, and
 // its undo too). The range goes back to an inaccessible reservation, as
 // after an unmap, the pages that were mapped announced as freed first;
-// they may no longer be readable when the subscribers hear of it.
+// they may no longer be readable when the subscribers hear of it. If
+// that release fails too, as both do at the limit of the process's
+// mappings (vm.max_map_count: each splits the reservation), the kernel
+// has most likely changed nothing, and the pages stay counted as they
+// were (those mapped are announced as freed again when they go).
 func (m *Memory) mapRun(l *list, first, n int) error {
 	if err := mapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
 		err = fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
 		if uerr := m.unmapRun(l, first, n); uerr != nil {
-			// The range's state is unknown: counted as mapped, so that
-			// the next unmap, resync or Close releases it again (and
-			// announces its pages as freed once more).
-			l.mapped.setRange(first, n)
-			return errors.Join(err, uerr)
+			return fmt.Errorf("%w; undoing it: %w", err, uerr)
 		}
 		return err
 	}
@@ -584,7 +589,7 @@ func (m *Memory) UnmapPages(list, first, n int) error {
 // unmapRun announces and unmaps pages of l here. Called with m.mu held.
 func (m *Memory) unmapRun(l *list, first, n int) error {
 	eachRun(l.mapped, first, first+n, true, func(a, b int) { m.deliver(EventFree, l, a, b-a) })
-	if err := vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize)); err != nil {
+	if err := releaseRange(l.addr(first), uintptr(uint64(n)*l.pageSize)); err != nil {
 		return fmt.Errorf("hugetlb: unmap pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
 	}
 	l.mapped.clearRange(first, n)
