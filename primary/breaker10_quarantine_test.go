@@ -237,7 +237,7 @@ func b10ShutConn(path string) int {
 // for it to be ready.
 func b10Start(t *testing.T, cfg primary.Config, uid string, env ...string) *testproc.Proc {
 	t.Helper()
-	h := testproc.Start(t, "b10-sec", []string{cfg.Prefix, cfg.RuntimeDir, uid}, append([]string{b9Env}, env...)...)
+	h := testproc.Start(t, "b10-sec", []string{cfg.Prefix, cfg.RuntimeDir, uid}, env...)
 	h.Expect("ready", 0)
 	return h
 }
@@ -404,7 +404,7 @@ func TestBreaker10ReattachWhileTheDroppedAttachmentUnmaps(t *testing.T) {
 // after the server was killed.
 func b10Mount(t *testing.T) (string, *testproc.Proc) {
 	t.Helper()
-	return fusetest.Mount(t, "b10-fuse", b9Env)
+	return fusetest.Mount(t, "b10-fuse")
 }
 
 // b10Stack returns the function names of the first goroutine of this
@@ -589,7 +589,7 @@ func TestBreaker10SecondaryWithoutItsLeaderThreadIsStillFenced(t *testing.T) {
 func b10StartAs(t *testing.T, uid string, env []string) *b9Inst {
 	t.Helper()
 	cfg := primary.Config{Prefix: testenv.Prefix(t)}
-	h := testproc.Start(t, "b10-primary-as", []string{uid, cfg.Prefix, ""}, append([]string{b9Env}, env...)...)
+	h := testproc.Start(t, "b10-primary-as", []string{uid, cfg.Prefix, ""}, env...)
 	line := h.Expect("", 0)
 	b := &b9Inst{t: t, h: h, cfg: cfg}
 	_, err := fmt.Sscanf(line, "ready seg=%s page=%d name=%s dir=%s", &b.seg, &b.page, &b.name, &b.dir)

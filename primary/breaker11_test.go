@@ -160,7 +160,7 @@ func b11Sec(args []string) int {
 
 func b11Start(t *testing.T, cfg primary.Config, uid string, env ...string) *testproc.Proc {
 	t.Helper()
-	h := testproc.Start(t, "b11-sec", []string{cfg.Prefix, cfg.RuntimeDir, uid}, append([]string{b9Env}, env...)...)
+	h := testproc.Start(t, "b11-sec", []string{cfg.Prefix, cfg.RuntimeDir, uid}, env...)
 	h.Expect("ready", 0)
 	return h
 }
@@ -366,7 +366,7 @@ func b11FuseServe(fd int) {
 // (the housekeeping goroutine also reaps dead secondaries and repairs the
 // global lock; a hello of that pid runs the same check).
 func TestBreaker11EpollFdinfoDoesNotHangHousekeeping(t *testing.T) {
-	dir, fuse := fusetest.Mount(t, "b11-fuse", b9Env)
+	dir, fuse := fusetest.Mount(t, "b11-fuse")
 	var st syscall.Stat_t
 	require.NoError(t, syscall.Stat(dir+"/f", &st), "the FUSE server answers")
 

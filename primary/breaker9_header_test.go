@@ -48,9 +48,6 @@ func init() {
 	testproc.Register("b9-primary", b9Primary)
 }
 
-// b9Env spares each helper the race detector's one-second sleep at exit.
-const b9Env = "GORACE=atexit_sleep_ms=0"
-
 // b9Patience bounds every answer: an operation of an instance this small
 // takes milliseconds, so one that takes this long hangs.
 const b9Patience = 5 * time.Second
@@ -173,7 +170,7 @@ func b9Start(t *testing.T) *b9Inst {
 	t.Helper()
 	testenv.Tmpfs(t)
 	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t)}
-	h := testproc.Start(t, "b9-primary", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h := testproc.Start(t, "b9-primary", []string{cfg.Prefix, cfg.RuntimeDir})
 	line := h.Expect("", 0)
 	var b9 b9Inst
 	var name, dir string
@@ -442,7 +439,7 @@ func b9Drive(t *testing.T, attack func(b *b9Inst, secSlot int) string) {
 		}
 	}
 	// A new secondary attaches, or refuses to, in bounded time.
-	late := testproc.Start(t, "secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir}, b9Env)
+	late := testproc.Start(t, "secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir})
 	line, err := late.Next("", 15*time.Second)
 	if !step("new secondary", line, err) {
 		return
@@ -464,7 +461,7 @@ func b9Drive(t *testing.T, attack func(b *b9Inst, secSlot int) string) {
 // process-table slot.
 func b9Secondary(t *testing.T, cfg primary.Config) (*testproc.Proc, int) {
 	t.Helper()
-	h := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h := testproc.Start(t, "secondary", []string{cfg.Prefix, cfg.RuntimeDir})
 	line := h.Expect("ready", 0)
 	var slot int
 	_, err := fmt.Sscanf(line, "ready slot=%d", &slot)
@@ -743,7 +740,7 @@ func (b *b9Inst) runTool(tool string, args ...string) (int, string) {
 	ctx, cancel := context.WithTimeout(context.Background(), b9Patience)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, tool, append([]string{"-rundir", b.cfg.RuntimeDir}, args...)...)
-	cmd.Env = append(os.Environ(), b9Env)
+	cmd.Env = append(os.Environ(), testproc.QuickRaceExit())
 	var out, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &stderr
 	err := cmd.Run()
@@ -878,7 +875,7 @@ func TestBreaker9ArenaFreeInHeaderLeavesHeaderAlone(t *testing.T) {
 		assert.Equal(t, before[f.off:f.off+f.len], after[f.off:f.off+f.len],
 			"the primary itself rewrote the header's %s after a peer pointed ArenaFree at the header", f.name)
 	}
-	late := testproc.Start(t, "secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir}, b9Env)
+	late := testproc.Start(t, "secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir})
 	line, err := late.Next("", 15*time.Second)
 	require.NoError(t, err)
 	t.Logf("a new secondary: %s", line)
@@ -975,7 +972,7 @@ func TestBreaker9SizeLoweredSecondaries(t *testing.T) {
 		require.NoError(t, err, "Size=%#x", low)
 		t.Logf("secondary %s: %s", cmd, ans)
 	}
-	late := testproc.Start(t, "secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir}, b9Env)
+	late := testproc.Start(t, "secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir})
 	line, err := late.Next("", 15*time.Second)
 	require.NoError(t, err, "a secondary attaching with Size=%#x; stderr:\n%s", low, b9StackTop(late.Stderr()))
 	t.Logf("new secondary: %s", line)

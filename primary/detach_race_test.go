@@ -94,7 +94,7 @@ func TestADetachRacingAHelloAgainIsJudged(t *testing.T) {
 		li := p.Memory().Lists()[0]
 		fenced := p.Stats().Counters.Fenced
 		h := testproc.Start(t, "hello-detach", []string{cfg.Prefix, cfg.RuntimeDir,
-			strconv.FormatUint(uint64(r.Addr-li.Base), 10), strconv.FormatUint(r.Len, 10), strconv.Itoa((i % 5) * 200)}, b9Env)
+			strconv.FormatUint(uint64(r.Addr-li.Base), 10), strconv.FormatUint(r.Len, 10), strconv.Itoa((i % 5) * 200)})
 		line := h.Expect("> ", 0)
 		require.Contains(t, line, "done", line)
 		// Both requests are answered: what they did in the primary is done.
@@ -160,14 +160,14 @@ func TestAHelloNamingAnotherProcessesClaimDetachesNothing(t *testing.T) {
 	fenced := p.Stats().Counters.Fenced
 
 	h := testproc.Start(t, "hello-naming", []string{cfg.Prefix, cfg.RuntimeDir,
-		strconv.Itoa(claim.Slot), strconv.FormatUint(uint64(claim.Epoch), 10)}, b9Env)
+		strconv.Itoa(claim.Slot), strconv.FormatUint(uint64(claim.Epoch), 10)})
 	require.Equal(t, "> hello <nil>", h.Expect("> hello", 0))
 	st := p.Stats()
 	assert.Equal(t, 2, st.Counters.Secondaries, "both attachments in the sync set")
 	assert.Equal(t, fenced, st.Counters.Fenced, "nobody fenced")
 
 	tooMany := testproc.Start(t, "hello-naming", []string{cfg.Prefix, cfg.RuntimeDir,
-		strconv.Itoa(claim.Slot), strconv.FormatUint(uint64(claim.Epoch), 10), strconv.Itoa(ipc.MaxLeft + 1)}, b9Env)
+		strconv.Itoa(claim.Slot), strconv.FormatUint(uint64(claim.Epoch), 10), strconv.Itoa(ipc.MaxLeft + 1)})
 	assert.NotEqual(t, "> hello <nil>", tooMany.Expect("> hello", 0), "a hello naming more than MaxLeft claims")
 	assert.Equal(t, 2, p.Stats().Counters.Secondaries, "the hello naming too many was not admitted")
 

@@ -244,7 +244,7 @@ func TestAFenceMadeWhileAHelloIsJudgedIsNotEndedByItsAnswer(t *testing.T) {
 	r, err := p.Alloc(p.Backend().PageSize)
 	require.NoError(t, err)
 	list := p.Memory().Lists()[0]
-	h := testproc.Start(t, "judged", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h := testproc.Start(t, "judged", []string{cfg.Prefix, cfg.RuntimeDir})
 	require.Equal(t, "claimed", ask(t, h, "claim"))
 	require.Equal(t, "started", ask(t, h, "left-bg"))
 	select {

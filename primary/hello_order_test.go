@@ -174,7 +174,7 @@ func startJudged(t *testing.T, n int) *judgedInstance {
 		require.NoError(t, err)
 		in.pages = append(in.pages, r)
 	}
-	in.h = testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	in.h = testproc.Start(t, "attachments", []string{cfg.Prefix, cfg.RuntimeDir})
 	in.h.Expect("ready", 0)
 	return in
 }

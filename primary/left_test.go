@@ -103,7 +103,7 @@ func TestUndumpableReattachIsNotFenced(t *testing.T) {
 	uid := strconv.Itoa(victimUID)
 	b := b10StartAs(t, uid, env)
 	addr, _ := b.alloc(1)
-	s := testproc.Start(t, "left-secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir, uid}, append([]string{b9Env}, env...)...)
+	s := testproc.Start(t, "left-secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir, uid}, env...)
 	s.Expect("ready", 0)
 	require.Equal(t, "ok", ask(t, s, "nodump"))
 	first := ask(t, s, "attach")

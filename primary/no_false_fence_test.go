@@ -227,7 +227,7 @@ func TestACloseWhosePrimaryWasStoppedIsNotFenced(t *testing.T) {
 	for i := range 8 {
 		t.Run(fmt.Sprint(i), func(t *testing.T) {
 			b := b9Start(t)
-			s := testproc.Start(t, "left-secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir}, b9Env)
+			s := testproc.Start(t, "left-secondary", []string{b.cfg.Prefix, b.cfg.RuntimeDir})
 			s.Expect("ready", 0)
 			require.Contains(t, ask(t, s, "attach"), "attached")
 			waitSecondaries(t, b, 1)
@@ -257,7 +257,7 @@ func TestACloseWhosePrimaryWasStoppedIsNotFenced(t *testing.T) {
 func TestAnAcknowledgementReadLateFencesNoSecondaryThatLeft(t *testing.T) {
 	b := b9Start(t)
 	a, l := b.alloc(1)
-	h := testproc.Start(t, "slot-games", []string{b.cfg.Prefix, b.cfg.RuntimeDir, "0", strconv.FormatUint(b.page, 10)}, b9Env)
+	h := testproc.Start(t, "slot-games", []string{b.cfg.Prefix, b.cfg.RuntimeDir, "0", strconv.FormatUint(b.page, 10)})
 	require.True(t, strings.HasPrefix(h.Expect("> ", 0), "> mapped"))
 	waitSecondaries(t, b, 1)
 
@@ -315,7 +315,7 @@ func TestACleanCloseBesideAMemfdIsNotFenced(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t))
 	var st unix.Stat_t
 	require.NoError(t, unix.Stat(p.Memory().Lists()[0].File, &st))
-	h := testproc.Start(t, "memfd-app", []string{cfg.Prefix, cfg.RuntimeDir, strconv.FormatUint(st.Ino, 10)}, b9Env)
+	h := testproc.Start(t, "memfd-app", []string{cfg.Prefix, cfg.RuntimeDir, strconv.FormatUint(st.Ino, 10)})
 	if line := h.Expect("", 0); line != "ready" {
 		t.Skipf("no memfd with the backing file's inode %d can be made here: %s", st.Ino, line)
 	}

@@ -165,7 +165,7 @@ func TestReattachDuringASlowDetachLeavesNoFence(t *testing.T) {
 	r, err := p.Alloc(ps)
 	require.NoError(t, err)
 
-	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir})
 	h.Expect("ready", 0)
 	require.Contains(t, ask(t, h, "attach"), "attached")
 	require.Equal(t, "fds 19000", ask(t, h, "fds 19000"))
@@ -220,7 +220,7 @@ func TestReattachDuringASlowDetachLeavesNoFence(t *testing.T) {
 // enough.
 func TestReconnectsLeaveNoFence(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir})
 	h.Expect("ready", 0)
 	require.Contains(t, ask(t, h, "attach"), "attached")
 	rounds := 0
@@ -254,7 +254,7 @@ func requireFreesGoBack(t *testing.T, p *primary.Primary, h *testproc.Proc, when
 // back.
 func TestAnAttachThatFailedAfterItsHelloLeavesNoFence(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir})
 	h.Expect("ready", 0)
 	require.Contains(t, ask(t, h, "attach"), "attached")
 	for round := range 10 {
@@ -277,7 +277,7 @@ func TestAnAttachThatFailedAfterItsHelloLeavesNoFence(t *testing.T) {
 // for as long as it lives.
 func TestASecondAttachOfAProcessLeavesNoFence(t *testing.T) {
 	p, cfg := startPrimary(t, testenv.Tmpfs(t), shortSync)
-	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir}, b9Env)
+	h := testproc.Start(t, "reconnect-sec", []string{cfg.Prefix, cfg.RuntimeDir})
 	h.Expect("ready", 0)
 	require.Contains(t, ask(t, h, "attach"), "attached")
 	got := ask(t, h, "again")

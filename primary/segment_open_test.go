@@ -247,7 +247,7 @@ func TestASecondaryDoesNotHangOnASegmentPathThatDoesNotAnswer(t *testing.T) {
 	mnt := filepath.Join(shared, "mnt")
 	require.NoError(t, os.Mkdir(mnt, 0o755))
 	require.NoError(t, os.Chown(mnt, victimUID, victimUID))
-	fuse := fusetest.MountAt(t, mnt, "seg-fuse", b9Env)
+	fuse := fusetest.MountAt(t, mnt, "seg-fuse")
 	fuse.Stop() // from now on nothing on the mount answers
 	describeSegment(t, rundir, victimUID, filepath.Join(mnt, "seg"))
 
@@ -390,7 +390,7 @@ func TestStartDoesNotLookWhereAFileSystemThatMightNotAnswerIsMounted(t *testing.
 			var dir string
 			var fuse *testproc.Proc
 			if c.onDir {
-				dir, fuse = fusetest.Mount(t, "seg-fuse", b9Env)
+				dir, fuse = fusetest.Mount(t, "seg-fuse")
 			} else {
 				dir = tb.Dir
 				if c.linked || c.own {
@@ -404,7 +404,7 @@ func TestStartDoesNotLookWhereAFileSystemThatMightNotAnswerIsMounted(t *testing.
 				mnt := filepath.Join(dir, "mpmr."+name+"."+c.suffix)
 				require.NoError(t, os.Mkdir(mnt, 0o755))
 				t.Cleanup(func() { os.Remove(mnt) })
-				fuse = fusetest.MountAt(t, mnt, "seg-fuse", b9Env)
+				fuse = fusetest.MountAt(t, mnt, "seg-fuse")
 			}
 			if c.linked {
 				link := filepath.Join(t.TempDir(), "link")

@@ -178,7 +178,7 @@ func slotGamesOverPage(t *testing.T) (*primary.Primary, *testproc.Proc, hugetlb.
 	li := p.Memory().Lists()[0]
 	r.Bytes()[0] = 0x11
 	h := testproc.Start(t, "slot-games", []string{cfg.Prefix, cfg.RuntimeDir,
-		strconv.FormatUint(uint64(r.Addr-li.Base), 10), strconv.FormatUint(r.Len, 10)}, b9Env)
+		strconv.FormatUint(uint64(r.Addr-li.Base), 10), strconv.FormatUint(r.Len, 10)})
 	require.Equal(t, "> mapped 17", h.Expect("> ", 0))
 	return p, h, r
 }

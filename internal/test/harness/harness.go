@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -315,9 +314,7 @@ func (s *Scenario) Spawn(role string, args any) *Proc {
 	}
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envRole+"="+role, envArgs+"="+string(b), envScenario+"="+s.id,
-		// Under -race, a process sleeps a second before it exits unless
-		// told otherwise; helpers end by the dozen.
-		"GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
+		testproc.QuickRaceExit())
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	p := &Proc{s: s, Role: role, cmd: cmd, done: make(chan struct{}), more: make(chan struct{}, 1)}
 	cmd.Stderr = &p.stderr
