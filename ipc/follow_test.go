@@ -180,7 +180,8 @@ const (
 // starveHandler is followHandler with addresses of its own. A request for
 // addrStarve, naming the CPU its lane's thread is bound to, keeps the
 // thread busy until it may no longer run there (the lane was let go), for
-// at most bound/2, and answers LKey 1 if so, 0 if not; one for addrWait
+// at most bound/2, and answers LKey 1 if so, 0 if not (at once if the
+// thread is not bound there: it may run elsewhere too); one for addrWait
 // says it started on started and blocks until release is closed; one for
 // addrStarveHold does the one and then the other.
 func starveHandler(started chan<- struct{}, release <-chan struct{}) *handler {
@@ -203,9 +204,15 @@ func starveHandler(started chan<- struct{}, release <-chan struct{}) *handler {
 			r.LKey = 0
 			for end := time.Now().Add(bound / 2); m.CPU > 0 && time.Now().Before(end); {
 				var set unix.CPUSet
-				if unix.SchedGetaffinity(0, &set) == nil && !set.IsSet(int(m.CPU)-1) {
+				if unix.SchedGetaffinity(0, &set) != nil {
+					continue
+				}
+				if !set.IsSet(int(m.CPU) - 1) {
 					r.LKey = 1
 					break
+				}
+				if set.Count() > 1 {
+					break // not bound: nothing to let go
 				}
 			}
 		}
