@@ -700,7 +700,8 @@ const laneGrace = time.Second
 // bound (done: its context's; until: the end of its time, zero for
 // none): laneEnded then reports false and the grace goes on without it,
 // so that a server that closes the lane alone holds no call past its
-// time.
+// time. A connection that has ended already comes first, though the
+// call's bound has passed too (its process was stopped past it).
 func (c *Client) laneEnded(err error, done <-chan struct{}, until time.Time) (ended bool) {
 	if !errors.Is(err, io.EOF) && !errors.Is(err, sock.ErrPeerClosed) {
 		c.fail(connErr(err))
@@ -715,12 +716,16 @@ func (c *Client) laneEnded(err error, done <-chan struct{}, until time.Time) (en
 	}
 	ended = true
 	select {
-	case <-c.done:
-	case <-grace.C:
-	case <-done:
-		ended = false
-	case <-bound:
-		ended = false
+	case <-c.done: // ended already: its reason, not the call's bound
+	default:
+		select {
+		case <-c.done:
+		case <-grace.C:
+		case <-done:
+			ended = false
+		case <-bound:
+			ended = false
+		}
 	}
 	if ended {
 		grace.Stop()

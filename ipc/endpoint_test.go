@@ -3,6 +3,7 @@ package ipc
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"os"
 	"testing"
@@ -86,4 +87,21 @@ func TestAReasonIsToldWhenThereIsRoomWhateverTheWait(t *testing.T) {
 	var r ErrorReply
 	require.NoError(t, Unmarshal(f.Body, &r))
 	assert.Equal(t, "ipc.limit", r.Code)
+}
+
+// A call that finds the lane closed after its time ran out (its process
+// was stopped past its deadline, say) while the connection has already
+// ended says why the connection ended, not that its time ran out: the
+// server closes both at once and tells the reason on the connection.
+func TestALaneEndedPastItsBoundTakesTheConnectionsReason(t *testing.T) {
+	a, b, err := sock.Pair()
+	require.NoError(t, err)
+	defer b.Close()
+	var c Client
+	c.init(&Conn{c: a}, slog.New(slog.DiscardHandler), time.Minute)
+	c.fail(ErrLimit)
+	for range 100 { // both ready: not a coin's toss
+		require.True(t, c.laneEnded(io.EOF, nil, time.Now().Add(-time.Millisecond)),
+			"the call gave up as at its deadline though the connection had ended")
+	}
 }
