@@ -513,6 +513,19 @@ func TestADialThatNeverTriedIsNotBusy(t *testing.T) {
 	_, err := Dial(ctx, filepath.Join(t.TempDir(), "nothing-there"))
 	require.ErrorIs(t, err, context.Canceled)
 	assert.NotErrorIs(t, err, ErrBusy)
+
+	// Nor does it try after its deadline, whatever it would find: the
+	// one more try is for a Dial that found the queue full.
+	var tries atomic.Int64
+	dialTried = func() { tries.Add(1) }
+	defer func() { dialTried = nil }()
+	ctx, cancel = context.WithDeadline(t.Context(), time.Now().Add(-time.Second))
+	defer cancel()
+	_, path := fullListener(t)
+	_, err = Dial(ctx, path)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.NotErrorIs(t, err, ErrBusy)
+	assert.Zero(t, tries.Load())
 }
 
 // A Dial whose process was stopped (SIGSTOP, a debugger, a CPU it did not
@@ -523,10 +536,14 @@ func TestADialStoppedPastItsDeadlineTriesOnceMore(t *testing.T) {
 	defer func(s time.Duration) { dialSlice = s }(dialSlice)
 	dialSlice = 20 * time.Millisecond
 	defer func() { dialFull = nil }()
-	const out = 50 * time.Millisecond
 	for _, cancelled := range []bool{false, true} {
 		l, path := fullListener(t)
-		ctx, cancel := context.WithTimeout(t.Context(), out)
+		// A deadline the first try comes well within, or a cancellation
+		// alone.
+		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+		if cancelled {
+			ctx, cancel = context.WithCancel(t.Context())
+		}
 		defer cancel()
 		var once sync.Once
 		dialFull = func() {
@@ -538,7 +555,7 @@ func TestADialStoppedPastItsDeadlineTriesOnceMore(t *testing.T) {
 					cancel()
 					return
 				}
-				time.Sleep(2 * out) // while the process is stopped, past the deadline
+				<-ctx.Done() // the process is stopped until past the deadline
 			})
 		}
 		c, err := Dial(ctx, path)
