@@ -44,7 +44,7 @@ func hostileInstance(t *testing.T) (rundir, dir, prefix, seg string) {
 	require.NoError(t, os.MkdirAll(dir, 0o700))
 	seg = instance.SegmentPath(b.Dir, instance.Name(prefix, hostileOwnerUID, dir))
 	lock := filepath.Join(t.TempDir(), "slots.lock")
-	h := testproc.Start(t, "segment", []string{seg, lock}, "GORACE=atexit_sleep_ms=0")
+	h := testproc.Start(t, "segment", []string{seg, lock})
 	h.Expect("created", 0)
 	require.NoError(t, h.Wait(0))
 	t.Cleanup(func() { os.Remove(seg) })

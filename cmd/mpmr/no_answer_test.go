@@ -35,7 +35,7 @@ func TestToolDoesNotLookIntoFilesThatMightNotAnswer(t *testing.T) {
 
 func toolDoesNotLookIntoFilesThatMightNotAnswer(t *testing.T, link bool) {
 	rundir, dir, prefix, _ := hostileInstance(t)
-	fuseDir, fuse := fusetest.Mount(t, "fuse", "GORACE=atexit_sleep_ms=0")
+	fuseDir, fuse := fusetest.Mount(t, "fuse")
 	name := instance.Name(prefix, hostileOwnerUID, dir)
 	backend := fuseDir
 	if link {
@@ -53,7 +53,7 @@ func toolDoesNotLookIntoFilesThatMightNotAnswer(t *testing.T, link bool) {
 	// And one whose runtime directory is itself such a mount.
 	hung := filepath.Join(rundir, "hung")
 	require.NoError(t, os.Mkdir(hung, 0o700))
-	hungFuse := fusetest.MountAt(t, hung, "fuse", "GORACE=atexit_sleep_ms=0")
+	hungFuse := fusetest.MountAt(t, hung, "fuse")
 	hungFuse.Stop()
 	fuse.Stop()
 	old := fsWait
@@ -163,7 +163,7 @@ func TestToolDoesNotLookBelowIntoFilesThatMightNotAnswer(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			rundir, dir, prefix, seg := hostileInstance(t)
 			args, at := c.setup(t, rundir, dir, prefix, seg)
-			fusetest.MountAt(t, at, "fuse", "GORACE=atexit_sleep_ms=0").Stop()
+			fusetest.MountAt(t, at, "fuse").Stop()
 			done := make(chan string, 1)
 			go func() {
 				out, errOut, _ := tool(t, args...)
@@ -183,7 +183,7 @@ func TestToolDoesNotLookBelowIntoFilesThatMightNotAnswer(t *testing.T) {
 // to it swapped for a link to a file system that does not answer, after
 // the check, leads the tool nowhere new.
 func TestBackendDirectoryIsHeld(t *testing.T) {
-	fuseDir, fuse := fusetest.Mount(t, "fuse", "GORACE=atexit_sleep_ms=0")
+	fuseDir, fuse := fusetest.Mount(t, "fuse")
 	base := filepath.Join(testenv.Tmpfs(t).Dir, testenv.Prefix(t)+".held")
 	require.NoError(t, os.MkdirAll(filepath.Join(base, "u", "backend"), 0o700))
 	t.Cleanup(func() { os.RemoveAll(base) })
