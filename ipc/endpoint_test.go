@@ -20,9 +20,7 @@ import (
 // goes whole or not at all. White-box, because only here can the test fill
 // the socket and know it is full.
 func TestCancelledSendLeavesTheConnectionIntact(t *testing.T) {
-	a, b, err := sock.Pair()
-	require.NoError(t, err)
-	defer b.Close()
+	a, b := pair(t)
 	var e endpoint
 	e.init(&Conn{c: a}, slog.New(slog.DiscardHandler), time.Minute)
 	defer e.fail(ErrClosed)
@@ -71,10 +69,7 @@ func TestCancelledSendLeavesTheConnectionIntact(t *testing.T) {
 // room is over: a server held up by load or a debugger between deciding
 // and sending must not close the connection without saying why.
 func TestAReasonIsToldWhenThereIsRoomWhateverTheWait(t *testing.T) {
-	a, b, err := sock.Pair()
-	require.NoError(t, err)
-	defer a.Close()
-	defer b.Close()
+	a, b := pair(t)
 	require.NoError(t, tell(&Conn{c: a}, ErrLimit, time.Now().Add(-time.Second)))
 
 	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
@@ -94,9 +89,7 @@ func TestAReasonIsToldWhenThereIsRoomWhateverTheWait(t *testing.T) {
 // ended says why the connection ended, not that its time ran out: the
 // server closes both at once and tells the reason on the connection.
 func TestALaneEndedPastItsBoundTakesTheConnectionsReason(t *testing.T) {
-	a, b, err := sock.Pair()
-	require.NoError(t, err)
-	defer b.Close()
+	a, _ := pair(t)
 	var c Client
 	c.init(&Conn{c: a}, slog.New(slog.DiscardHandler), time.Minute)
 	c.fail(ErrLimit)
@@ -104,4 +97,13 @@ func TestALaneEndedPastItsBoundTakesTheConnectionsReason(t *testing.T) {
 		require.True(t, c.laneEnded(io.EOF, nil, time.Now().Add(-time.Millisecond)),
 			"the call gave up as at its deadline though the connection had ended")
 	}
+}
+
+// pair returns two connected sockets, closed when the test ends.
+func pair(t *testing.T) (a, b *sock.Conn) {
+	t.Helper()
+	a, b, err := sock.Pair()
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return a, b
 }
