@@ -37,9 +37,10 @@ type EventKind int
 const (
 	// EventAlloc: the range was just mapped; it is readable and writable.
 	EventAlloc EventKind = iota + 1
-	// EventFree: the range is about to be unmapped; it is still readable
-	// (unless a mapping that failed in a secondary removed it already:
-	// see MapPages).
+	// EventFree: the range is about to be unmapped; it is still readable,
+	// unless a mapping that failed in a secondary removed it already (a
+	// hole left by a failed MAP_FIXED). If the unmap then fails, the
+	// pages that were mapped are announced again with EventAlloc.
 	EventFree
 )
 
@@ -506,9 +507,14 @@ func (m *Memory) pages(list, first, n int) (*list, error) {
 // the primary allocated them, and delivers EventAlloc for the pages that
 // were not mapped here yet. Mapping pages that are mapped already is
 // harmless. The pages must be allocated in the shared descriptor
-// (ErrNotAllocated otherwise). If the mapping fails, the range is left
-// unmapped, as UnmapPages leaves it, with EventFree for the pages that
-// were mapped (see mapRun). Secondary only.
+// (ErrNotAllocated otherwise). If the mapping fails, whatever the kernel
+// left in the range (what was there, a hole, the file mapped without its
+// DONTFORK mark), the range is unmapped, as UnmapPages leaves it, with
+// EventFree for the pages that were mapped; they may no longer be
+// readable when the subscribers hear of it. If that unmap fails too (as
+// both do at the limit of the process's mappings, vm.max_map_count,
+// where the kernel changes nothing), the pages stay counted as they were
+// and those mapped are announced again with EventAlloc. Secondary only.
 func (m *Memory) MapPages(list, first, n int) error {
 	if m.primary {
 		return fmt.Errorf("hugetlb: map pages: %w", ErrNotSecondary)
@@ -546,12 +552,13 @@ var mapFile, releaseRange = vm.MapFile, vm.Release
 // they may no longer be readable when the subscribers hear of it. If
 // that release fails too, as both do at the limit of the process's
 // mappings (vm.max_map_count: each splits the reservation), the kernel
-// has most likely changed nothing, and the pages stay counted as they
-// were (those mapped are announced as freed again when they go).
+// has most likely changed nothing: the pages stay counted as they were,
+// and those mapped are announced again.
 func (m *Memory) mapRun(l *list, first, n int) error {
 	if err := mapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
 		err = fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
 		if uerr := m.unmapRun(l, first, n); uerr != nil {
+			eachRun(l.mapped, first, first+n, true, func(a, b int) { m.deliver(EventAlloc, l, a, b-a) })
 			return fmt.Errorf("%w; undoing it: %w", err, uerr)
 		}
 		return err
