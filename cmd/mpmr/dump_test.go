@@ -161,7 +161,6 @@ func TestDumpAndCleanOfAHalfBuiltInstance(t *testing.T) {
 	dir := filepath.Join(rundir, prefix)
 	require.NoError(t, os.MkdirAll(dir, 0o700))
 	segPath := instance.SegmentPath(b.Dir, instanceName(rundir, prefix))
-	// (The race detector's pause at a normal exit is not wanted here.)
 	h := testproc.Start(t, "segment", []string{segPath, filepath.Join(dir, instance.SlotsLockFile)})
 	h.Expect("created", 0)
 	require.NoError(t, h.Wait(0))

@@ -269,8 +269,8 @@ func Dial(ctx context.Context, path string) (*Conn, error) {
 	}
 }
 
-// connect makes a connection to addr, waiting up to wait (at least a
-// microsecond) for a place in the listener's queue: a blocking connect,
+// connect makes a connection to addr, waiting up to wait (0, or at least
+// a microsecond) for a place in the listener's queue: a blocking connect,
 // bounded by the send timeout, which bounds it on a unix socket. With
 // wait 0 it does not wait: a non-blocking connect, which fails with
 // EAGAIN when the queue is full.

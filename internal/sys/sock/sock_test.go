@@ -540,9 +540,12 @@ func TestADialStoppedPastItsDeadlineTriesOnceMore(t *testing.T) {
 		l, path := fullListener(t)
 		// A deadline the first try comes well within, or a cancellation
 		// alone.
-		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+		var ctx context.Context
+		var cancel context.CancelFunc
 		if cancelled {
 			ctx, cancel = context.WithCancel(t.Context())
+		} else {
+			ctx, cancel = context.WithTimeout(t.Context(), time.Second)
 		}
 		defer cancel()
 		var once sync.Once

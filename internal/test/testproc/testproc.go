@@ -81,7 +81,8 @@ const DefaultTimeout = 20 * time.Second
 
 // Command returns the command that runs helper name with args, for code
 // without a testing.TB (runnable examples). The caller starts, stops and
-// reaps it.
+// reaps it. Built with the race detector, the helper exits without its
+// one-second sleep (QuickRaceExit).
 func Command(ctx context.Context, name string, args ...string) *exec.Cmd {
 	a, _ := json.Marshal(args)
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
