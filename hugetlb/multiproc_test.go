@@ -11,6 +11,7 @@ import (
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/sys/vm"
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 )
 
 func TestSecondarySeesSameBytesAtSameAddresses(t *testing.T) {
@@ -102,12 +103,7 @@ func TestSecondaryFaultsOnFreedMemory(t *testing.T) {
 func TestResyncFollowsDescriptors(t *testing.T) {
 	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
 		ps := b.PageSize
-		in := newInstance(t, b, hugetlb.ListConfig{Pages: 8})
-		r, err := in.mem.Alloc(3 * ps)
-		require.NoError(t, err)
-		fill(r.Bytes(), 1)
-		sec := startSecondary(t, in)
-		ask(t, sec, "subscribed", "subscribe")
+		in, r, sec := subscribedSecondary(t, b, 8, 3)
 
 		// Changes the secondary is not told about.
 		require.NoError(t, in.mem.Free(hugetlb.Region{Addr: r.Addr + uintptr(ps), Len: ps}))
@@ -224,15 +220,10 @@ func TestAFailedMappingLeavesItsRangeUnmapped(t *testing.T) {
 		t.Run(how, func(t *testing.T) {
 			testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
 				ps := b.PageSize
-				in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
-				r, err := in.mem.Alloc(2 * ps)
-				require.NoError(t, err)
-				fill(r.Bytes(), 1)
-				sec := startSecondary(t, in)
+				in, r, sec := subscribedSecondary(t, b, 4, 2)
 				more, err := in.mem.Alloc(2 * ps) // the secondary is not told
 				require.NoError(t, err)
 				fill(more.Bytes(), 2)
-				ask(t, sec, "subscribed", "subscribe")
 
 				page1 := r.Addr + uintptr(ps)
 				sec.Send("map-failing %s 0 1 3", how)
@@ -277,4 +268,18 @@ func TestAFailedMappingLeavesItsRangeUnmapped(t *testing.T) {
 			})
 		})
 	}
+}
+
+// subscribedSecondary makes a memory of one list of pages pages on b,
+// allocates the first n of them, filled with pattern 1, and starts a
+// secondary that has mapped them and prints the events it receives.
+func subscribedSecondary(t *testing.T, b hugetlb.Backend, pages, n int) (*instance, hugetlb.Region, *testproc.Proc) {
+	t.Helper()
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: pages})
+	r, err := in.mem.Alloc(uint64(n) * b.PageSize)
+	require.NoError(t, err)
+	fill(r.Bytes(), 1)
+	sec := startSecondary(t, in)
+	ask(t, sec, "subscribed", "subscribe")
+	return in, r, sec
 }
