@@ -388,7 +388,9 @@ func (m *Memory) Free(r Region) error {
 // page tables of gigabytes takes a while) and marks them free in the
 // shared descriptor, under m.mu. Pages a fenced process may still map go
 // into quarantine; the others stay marked as being freed, for the caller
-// to punch. If the unmap fails, nothing changes but the mark, which goes.
+// to punch. If the unmap fails, nothing changes but the mark, which goes
+// (vm.Release reserves again a range a failed unmap left empty, and
+// counts that as done; only if it cannot does a hole stay, ErrHole).
 func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error) {
 	err = vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize))
 	m.mu.Lock()
@@ -551,9 +553,10 @@ var mapFile, releaseRange = vm.MapFile, vm.Release
 // after an unmap, the pages that were mapped announced as freed first;
 // they may no longer be readable when the subscribers hear of it. If
 // that release fails too, as both do at the limit of the process's
-// mappings (vm.max_map_count: each splits the reservation), the kernel
-// has most likely changed nothing: the pages stay counted as they were,
-// and those mapped are announced again.
+// mappings (vm.max_map_count: each splits the reservation), something
+// is still mapped there (a failed release reserves a hole again) and
+// the kernel has most likely changed nothing: the pages stay counted as
+// they were, and those mapped are announced again.
 func (m *Memory) mapRun(l *list, first, n int) error {
 	if err := mapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
 		err = fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)

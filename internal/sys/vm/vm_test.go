@@ -167,3 +167,58 @@ func TestWritesToAPrefaultedSliceDoNotFault(t *testing.T) {
 	// handler on a fresh page of its stack, say): at most 1% of the pages.
 	assert.LessOrEqual(t, write(s), pages/100, "page faults writing to a prefaulted mapping")
 }
+
+// failRelease has the next Release's mapping fail as a MAP_FIXED may: with
+// hole set, having first removed what was mapped (kernels before 6.12 do
+// that). With plugFails set, the mapping after it fails too, as any does
+// at the limit of the process's mappings.
+func failRelease(t *testing.T, hole, plugFails bool) {
+	t.Helper()
+	calls := 0
+	fixedMap = func(addr, length uintptr, prot, flags int, fd int, off int64) (uintptr, error) {
+		calls++
+		switch {
+		case calls == 1 && hole:
+			if err := Unmap(addr, length); err != nil {
+				return 0, err
+			}
+			return 0, unix.ENOMEM
+		case calls == 1, calls == 2 && plugFails:
+			return 0, unix.ENOMEM
+		}
+		return mmap(addr, length, prot, flags, fd, off)
+	}
+	t.Cleanup(func() { fixedMap = mmap })
+}
+
+func TestAFailedReleaseLeavesNoHole(t *testing.T) {
+	for _, c := range []struct {
+		name            string
+		hole, plugFails bool
+	}{{"nothing-changed", false, false}, {"refused-twice", false, true}, {"hole", true, false}, {"hole-stays", true, true}} {
+		t.Run(c.name, func(t *testing.T) {
+			f, base := fileAndReservation(t)
+			page := base + PageSize
+			require.NoError(t, MapFile(page, PageSize, int(f.Fd()), 0))
+			failRelease(t, c.hole, c.plugFails)
+
+			err := Release(page, PageSize)
+			_, taken := Reserve(page, PageSize)
+			switch c.name {
+			case "nothing-changed", "refused-twice":
+				assert.ErrorIs(t, err, unix.ENOMEM)
+				assert.NotErrorIs(t, err, ErrHole)
+				assert.NoError(t, CheckReadable(page, PageSize), "the mapping is still there")
+				assert.ErrorIs(t, taken, ErrRangeTaken)
+			case "hole":
+				assert.NoError(t, err, "the range ended up released")
+				assert.ErrorIs(t, CheckReadable(page, PageSize), ErrNotMapped)
+				assert.ErrorIs(t, taken, ErrRangeTaken, "the hole was reserved again")
+			case "hole-stays":
+				assert.ErrorIs(t, err, ErrHole)
+				assert.ErrorIs(t, err, unix.ENOMEM)
+				assert.NoError(t, taken, "nothing could take the hole")
+			}
+		})
+	}
+}

@@ -27,6 +27,10 @@ var (
 	ErrRangeTaken = errors.New("vm: address range already in use")
 	// ErrNotMapped means part of a range is unmapped or inaccessible.
 	ErrNotMapped = errors.New("vm: range not mapped readable")
+	// ErrHole means a failed Release left its range with nothing mapped
+	// at all, not even a reservation: any other mapping of the process
+	// may be placed there.
+	ErrHole = errors.New("vm: range left unmapped")
 )
 
 // PageSize is the base page size of the system.
@@ -175,14 +179,44 @@ func MapSharedReadOnly(fd int, length uintptr) (uintptr, error) {
 // Release turns [addr, addr+length) back into an inaccessible reservation:
 // whatever was mapped there is dropped, and a later touch faults instead of
 // reaching memory. The range stays reserved so nothing else is placed there.
+//
+// If it fails, the range is most likely as it was. Kernels before 6.12
+// may first remove what was mapped and then fail: Release then reserves
+// the hole again, without replacing anything, and returns nil if it can.
+// If it cannot, the error matches ErrHole: nothing is mapped in the
+// range, and any other mapping of the process may be placed there.
 func Release(addr, length uintptr) error {
-	_, err := mmap(addr, length, unix.PROT_NONE,
-		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE|unix.MAP_FIXED, -1, 0)
-	if err != nil {
-		return fmt.Errorf("vm: release [0x%x, 0x%x): %w", addr, addr+length, err)
+	const flags = unix.MAP_PRIVATE | unix.MAP_ANONYMOUS | unix.MAP_NORESERVE
+	_, err := fixedMap(addr, length, unix.PROT_NONE, flags|unix.MAP_FIXED, -1, 0)
+	if err == nil {
+		return nil
 	}
-	return nil
+	got, perr := fixedMap(addr, length, unix.PROT_NONE, flags|unix.MAP_FIXED_NOREPLACE, -1, 0)
+	switch {
+	case perr == nil && got == addr:
+		return nil // it was a hole, and is a reservation again
+	case perr == nil:
+		// A kernel before 4.17 takes the address as a hint: something
+		// is in the range.
+		_ = Unmap(got, length)
+	case !errors.Is(perr, unix.EEXIST) && unmapped(addr, length):
+		return fmt.Errorf("vm: release [0x%x, 0x%x): %w (%w), and reserving it again: %w",
+			addr, addr+length, ErrHole, err, perr)
+	}
+	return fmt.Errorf("vm: release [0x%x, 0x%x): %w", addr, addr+length, err)
 }
+
+// unmapped reports whether part of [addr, addr+length) has nothing mapped,
+// as mincore(2) sees it.
+func unmapped(addr, length uintptr) bool {
+	vec := make([]byte, (length+PageSize-1)/PageSize)
+	_, _, e := unix.Syscall(unix.SYS_MINCORE, addr, length, uintptr(unsafe.Pointer(&vec[0])))
+	return e == unix.ENOMEM
+}
+
+// fixedMap is the mmap of Release; a variable for tests, which make it
+// fail.
+var fixedMap = mmap
 
 // Vacate replaces whatever is mapped at [addr, addr+length) with private
 // pages of zeros, readable and writable, that cost nothing until written.
