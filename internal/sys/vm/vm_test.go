@@ -170,16 +170,17 @@ func TestWritesToAPrefaultedSliceDoNotFault(t *testing.T) {
 
 // failRelease has the next Release's mapping fail as a MAP_FIXED may: with
 // hole set, having first removed what was mapped (kernels before 6.12 do
-// that). With plugFails set, the mapping after it fails too, as any does
-// at the limit of the process's mappings.
-func failRelease(t *testing.T, hole, plugFails bool) {
+// that), from its start for holeLen(length) bytes. With plugFails set,
+// the mapping after it fails too, as any does at the limit of the
+// process's mappings.
+func failRelease(t *testing.T, hole, plugFails bool, holeLen func(uintptr) uintptr) {
 	t.Helper()
 	calls := 0
 	fixedMap = func(addr, length uintptr, prot, flags int, fd int, off int64) (uintptr, error) {
 		calls++
 		switch {
 		case calls == 1 && hole:
-			if err := Unmap(addr, length); err != nil {
+			if err := Unmap(addr, holeLen(length)); err != nil {
 				return 0, err
 			}
 			return 0, unix.ENOMEM
@@ -192,17 +193,25 @@ func failRelease(t *testing.T, hole, plugFails bool) {
 }
 
 func TestAFailedReleaseLeavesNoHole(t *testing.T) {
+	whole := func(n uintptr) uintptr { return n }
 	for _, c := range []struct {
 		name            string
 		hole, plugFails bool
-	}{{"nothing-changed", false, false}, {"refused-twice", false, true}, {"hole", true, false}, {"hole-stays", true, true}} {
+		holeLen         func(uintptr) uintptr
+	}{
+		{"nothing-changed", false, false, whole},
+		{"refused-twice", false, true, whole},
+		{"hole", true, false, whole},
+		{"hole-stays", true, true, whole},
+		{"part-hole", true, false, func(n uintptr) uintptr { return n / 2 }},
+	} {
 		t.Run(c.name, func(t *testing.T) {
 			f, base := fileAndReservation(t)
 			page := base + PageSize
-			require.NoError(t, MapFile(page, PageSize, int(f.Fd()), 0))
-			failRelease(t, c.hole, c.plugFails)
+			require.NoError(t, MapFile(page, 2*PageSize, int(f.Fd()), 0))
+			failRelease(t, c.hole, c.plugFails, c.holeLen)
 
-			err := Release(page, PageSize)
+			err := Release(page, 2*PageSize)
 			_, taken := Reserve(page, PageSize)
 			switch c.name {
 			case "nothing-changed", "refused-twice":
@@ -214,10 +223,13 @@ func TestAFailedReleaseLeavesNoHole(t *testing.T) {
 				assert.NoError(t, err, "the range ended up released")
 				assert.ErrorIs(t, CheckReadable(page, PageSize), ErrNotMapped)
 				assert.ErrorIs(t, taken, ErrRangeTaken, "the hole was reserved again")
-			case "hole-stays":
+			case "hole-stays", "part-hole":
 				assert.ErrorIs(t, err, ErrHole)
 				assert.ErrorIs(t, err, unix.ENOMEM)
-				assert.NoError(t, taken, "nothing could take the hole")
+				assert.NoError(t, taken, "the hole is still there")
+			}
+			if c.name == "part-hole" {
+				assert.NoError(t, CheckReadable(page+PageSize, PageSize), "what was not removed stays mapped")
 			}
 		})
 	}

@@ -183,8 +183,9 @@ func MapSharedReadOnly(fd int, length uintptr) (uintptr, error) {
 // If it fails, the range is most likely as it was. Kernels before 6.12
 // may first remove what was mapped and then fail: Release then reserves
 // the hole again, without replacing anything, and returns nil if it can.
-// If it cannot, the error matches ErrHole: nothing is mapped in the
-// range, and any other mapping of the process may be placed there.
+// If it cannot, the error matches ErrHole: part of the range or all of
+// it has nothing mapped, and any other mapping of the process may be
+// placed there.
 func Release(addr, length uintptr) error {
 	const flags = unix.MAP_PRIVATE | unix.MAP_ANONYMOUS | unix.MAP_NORESERVE
 	_, err := fixedMap(addr, length, unix.PROT_NONE, flags|unix.MAP_FIXED, -1, 0)
@@ -199,7 +200,9 @@ func Release(addr, length uintptr) error {
 		// A kernel before 4.17 takes the address as a hint: something
 		// is in the range.
 		_ = Unmap(got, length)
-	case !errors.Is(perr, unix.EEXIST) && unmapped(addr, length):
+		perr = unix.EEXIST
+	}
+	if unmapped(addr, length) {
 		return fmt.Errorf("vm: release [0x%x, 0x%x): %w (%w), and reserving it again: %w",
 			addr, addr+length, ErrHole, err, perr)
 	}
@@ -209,9 +212,16 @@ func Release(addr, length uintptr) error {
 // unmapped reports whether part of [addr, addr+length) has nothing mapped,
 // as mincore(2) sees it.
 func unmapped(addr, length uintptr) bool {
-	vec := make([]byte, (length+PageSize-1)/PageSize)
-	_, _, e := unix.Syscall(unix.SYS_MINCORE, addr, length, uintptr(unsafe.Pointer(&vec[0])))
-	return e == unix.ENOMEM
+	var vec [4096]byte // a page's answer each
+	for a := addr; a < addr+length; {
+		n := min(addr+length-a, uintptr(len(vec))*PageSize)
+		_, _, e := unix.Syscall(unix.SYS_MINCORE, a, n, uintptr(unsafe.Pointer(&vec[0])))
+		if e == unix.ENOMEM {
+			return true
+		}
+		a += n
+	}
+	return false
 }
 
 // fixedMap is the mmap of Release; a variable for tests, which make it
