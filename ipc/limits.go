@@ -63,7 +63,11 @@ type Limits struct {
 	// that did not run meanwhile finds its time up and the hello there).
 	HelloTimeout time.Duration
 	// MaxConns bounds the connections open at once, admitted or not.
-	// One over it is closed at once, told why.
+	// One over it is closed at once, told why — unless its user holds
+	// fewer than the user holding the most less one, and that user has a
+	// connection not admitted yet: then the oldest such is closed, told
+	// why, in its place (ServerStats.ShedConns). Users that each stay
+	// within MaxConnsPerUID and never say hello so lock no other out.
 	MaxConns int
 	// MaxConnsPerUID bounds the connections of one user (by the
 	// kernel's credentials), so that one user cannot take them all.
@@ -144,6 +148,9 @@ type ServerStats struct {
 	// for MaxConns and MaxConnsPerUID.
 	RefusedConns    uint64 `json:"refused_conns"`
 	RefusedConnsUID uint64 `json:"refused_conns_uid"`
+	// ShedConns counts connections not admitted yet that were closed to
+	// make room, over MaxConns, for a user holding fewer connections.
+	ShedConns uint64 `json:"shed_conns"`
 	// HelloTimeouts counts connections closed for an overdue hello.
 	HelloTimeouts uint64 `json:"hello_timeouts"`
 	// RefusedFiles counts requests whose descriptors were refused:
@@ -213,6 +220,7 @@ func (s *Server) Stats() ServerStats {
 	s.mu.Unlock()
 	st.RefusedConns = s.refusedConns.Load()
 	st.RefusedConnsUID = s.refusedConnsUID.Load()
+	st.ShedConns = s.shedConns.Load()
 	st.HelloTimeouts = s.helloTimeouts.Load()
 	st.RefusedFiles = s.refusedFiles.Load()
 	st.RefusedFilesInFlight = s.refusedFilesHeld.Load()

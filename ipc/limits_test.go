@@ -272,6 +272,18 @@ func TestConnectionCaps(t *testing.T) {
 		c := dial(t, path, ipc.ClientConfig{})
 		hello(t, c)
 	}
+	// Over the total, root (2) holds fewer than uid 65534 (4, none
+	// admitted) less one: served, in the place of 65534's oldest.
+	hello(t, dial(t, path, ipc.ClientConfig{}))
+	require.True(t, eventually(func() bool {
+		h.Send("check")
+		_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
+		require.NoError(t, err)
+		return closed == 3
+	}), "one of uid 65534's connections made room")
+	assert.Equal(t, 3, limited, "and was told why")
+	assert.EqualValues(t, 1, s.Stats().ShedConns)
+	// Now root holds 3 and 65534 3: nobody holds more than root's share.
 	over := dial(t, path, ipc.ClientConfig{})
 	waitFor(t, over.Done(), "the end of a connection over the total")
 	assert.ErrorIs(t, over.Err(), ipc.ErrLimit)
@@ -281,6 +293,66 @@ func TestConnectionCaps(t *testing.T) {
 	assert.Equal(t, 6, st.Conns)
 	assert.EqualValues(t, 1, st.RefusedConns)
 	assert.EqualValues(t, 2, st.RefusedConnsUID)
+}
+
+// Users that fill the total with connections that never say hello, each
+// within its own cap, lock no other user out: a user holding fewer
+// connections than the one holding the most, less one, takes the place of
+// that user's oldest connection not admitted yet. A user no lighter than
+// that is refused as before.
+func TestTheTotalCapMakesRoomForALighterUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
+	}
+	const other = 65533
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody, other}
+		c.Limits = ipc.Limits{MaxConns: 8, MaxConnsPerUID: 4, HelloTimeout: time.Hour}
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+	var floods []*testproc.Proc
+	for _, uid := range []int{nobody, other} {
+		h := testproc.Start(t, "flood", []string{path, strconv.Itoa(uid), "idle", "4"})
+		h.Expect("open 4", 0)
+		floods = append(floods, h)
+	}
+	require.True(t, eventually(func() bool { return s.Stats().Conns == 8 }), "both users' connections are served: %+v", s.Stats())
+
+	for range 2 { // root, 0 then 1, against two users of 4: served
+		hello(t, dial(t, path, ipc.ClientConfig{}))
+	}
+	var closed, limited [2]int
+	require.True(t, eventually(func() bool {
+		for i, h := range floods {
+			h.Send("check")
+			_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed[i], &limited[i])
+			require.NoError(t, err)
+		}
+		return closed[0]+closed[1] == 2
+	}), "two of the flooders' connections made room")
+	assert.Equal(t, [2]int{1, 1}, closed, "one of each user's: each was the heavier in turn (the older first)")
+	assert.Equal(t, closed, limited, "each told why")
+	st := s.Stats()
+	assert.Equal(t, 8, st.Conns)
+	assert.EqualValues(t, 2, st.ShedConns)
+	assert.Zero(t, st.RefusedConns)
+
+	// uid 65534 (3) against 3 and 2: no lighter than the heaviest less
+	// one. Refused, and nobody's connection goes.
+	again := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "1"})
+	again.Expect("open 1", 0)
+	require.True(t, eventually(func() bool {
+		again.Send("check")
+		_, err := fmt.Sscanf(again.Expect("check ", 0), "check closed=%d limit=%d", &closed[0], &limited[0])
+		require.NoError(t, err)
+		return closed[0] == 1
+	}), "the connection of a user that is not lighter is refused")
+	assert.Equal(t, 1, limited[0])
+	st = s.Stats()
+	assert.EqualValues(t, 1, st.RefusedConns)
+	assert.EqualValues(t, 2, st.ShedConns)
+	assert.Equal(t, 8, st.Conns)
 }
 
 // A connection that does not complete its hello in time is closed and

@@ -136,6 +136,7 @@ type Server struct {
 
 	refusedConns     atomic.Uint64
 	refusedConnsUID  atomic.Uint64
+	shedConns        atomic.Uint64
 	helloTimeouts    atomic.Uint64
 	refusedFiles     atomic.Uint64
 	refusedFilesHeld atomic.Uint64
@@ -233,21 +234,44 @@ func (s *Server) Serve(ctx context.Context) error {
 			c.Close()
 			continue // Accept fails next
 		}
-		if err := s.takeConn(cred); err != nil {
+		shed, err := s.takeConn(cred)
+		if err != nil {
 			s.mu.Unlock()
 			s.turnAway(c, err)
 			continue
 		}
 		s.wg.Add(1)
 		s.mu.Unlock()
+		if shed != nil {
+			// Not here: its farewell may wait for room in its queue.
+			s.wg.Add(1)
+			go func() {
+				defer s.wg.Done()
+				shed.drop(fmt.Errorf("%w: closed to make room for a user with fewer connections: %d open at most, uid %d held %d",
+					ErrLimit, s.lim.MaxConns, shed.cred.UID, shed.shedFrom))
+			}()
+		}
 		go s.serveConn(c, cred)
 	}
 }
 
 // takeConn counts a new connection of cred's user, or says which cap it
-// is over. Call it with s.mu held.
-func (s *Server) takeConn(cred Cred) error {
+// is over. At the total cap, a user under its own takes the place of a
+// connection not admitted yet of a user holding more than one more (see
+// shedFor): it returns that peer, uncounted already, for the caller to
+// close. Call it with s.mu held.
+func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 	total, mine := s.conns >= s.lim.MaxConns, s.connsByUID[cred.UID] >= s.lim.MaxConnsPerUID
+	if total && !mine {
+		if shed = s.shedFor(cred.UID); shed != nil {
+			shed.shed, shed.shedFrom = true, s.connsByUID[shed.cred.UID]
+			s.uncount(shed.cred.UID)
+			s.shedConns.Add(1)
+			s.trip("shed", "ipc: closed a connection without hello to make room for a user with fewer",
+				"limit", "conns", "pid", shed.cred.PID, "uid", shed.cred.UID, "for_pid", cred.PID, "for_uid", cred.UID)
+			total = false
+		}
+	}
 	// Refused: say whether the cap is held by peers that said hello (then
 	// only their leaving makes room) or also by connections that have not
 	// said hello — which go by themselves, at their hello deadline if not
@@ -263,17 +287,38 @@ func (s *Server) takeConn(cred Cred) error {
 		s.refusedConns.Add(1)
 		s.trip("conns", "ipc: refused a connection: too many connections",
 			"limit", "conns", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConns)
-		return fmt.Errorf("%w: %d connections open, at most %d", limit, s.conns, s.lim.MaxConns)
+		return nil, fmt.Errorf("%w: %d connections open, at most %d", limit, s.conns, s.lim.MaxConns)
 	case mine:
 		s.refusedConnsUID.Add(1)
 		s.trip("conns-per-uid", "ipc: refused a connection: too many connections per user",
 			"limit", "conns-per-uid", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConnsPerUID)
-		return fmt.Errorf("%w: uid %d has %d connections open, at most %d per user",
+		return nil, fmt.Errorf("%w: uid %d has %d connections open, at most %d per user",
 			limit, cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)
 	}
 	s.conns++
 	s.connsByUID[cred.UID]++
-	return nil
+	return shed, nil
+}
+
+// shedFor chooses the connection that a new one of uid, over the total
+// cap, takes the place of: one not admitted yet (its hello may be under
+// way, and is then lost) of the user holding the most connections, if
+// that is more than uid holds plus one, the oldest of them; or nil. So
+// users that fill the total with connections that never say hello, each
+// within its own cap, keep no other user out, and no user is made to give
+// way to one that holds as many. Call it with s.mu held.
+func (s *Server) shedFor(uid int) *Peer {
+	var best *Peer
+	most := s.connsByUID[uid] + 1 // what a candidate's user must hold more than
+	for p := range s.peers {
+		if !p.counted || p.shed {
+			continue
+		}
+		if n := s.connsByUID[p.cred.UID]; n > most || best != nil && n == most && p.id < best.id {
+			best, most = p, n
+		}
+	}
+	return best
 }
 
 // admittedConns counts the peers that said hello, of uid if sameUID. Call
@@ -288,10 +333,18 @@ func (s *Server) admittedConns(sameUID bool, uid int) int {
 	return n
 }
 
-// releaseConn uncounts a connection of uid.
-func (s *Server) releaseConn(uid int) {
+// releaseConn uncounts the connection of uid that ends, made for p (nil
+// if it ends before it is a peer), unless it was shed and uncounted then.
+func (s *Server) releaseConn(uid int, p *Peer) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if p == nil || !p.shed {
+		s.uncount(uid)
+	}
+}
+
+// uncount uncounts a connection of uid. Call it with s.mu held.
+func (s *Server) uncount(uid int) {
 	s.conns--
 	if s.connsByUID[uid]--; s.connsByUID[uid] <= 0 {
 		delete(s.connsByUID, uid)
@@ -363,7 +416,8 @@ func (s *Server) allowed(uid int) bool {
 
 func (s *Server) serveConn(c *Conn, cred Cred) {
 	defer s.wg.Done()
-	defer s.releaseConn(cred.UID)
+	var p *Peer
+	defer func() { s.releaseConn(cred.UID, p) }()
 	if !s.allowed(cred.UID) {
 		s.trip("credentials", "ipc: refused a connection by credentials", "pid", cred.PID, "uid", cred.UID, "gid", cred.GID)
 		refuse(c, fmt.Errorf("%w: uid %d may not connect", ErrRefused, cred.UID))
@@ -371,7 +425,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 		return
 	}
 
-	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
+	p = &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
 	defer p.ident.close()
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
@@ -479,6 +533,8 @@ type Peer struct {
 	admitted   atomic.Bool
 	laneOnce   sync.Once   // opens the call lane, before the first answer once admitted
 	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
+	shed       bool        // closed, and uncounted, to make room (see Server.shedFor); guarded by srv.mu
+	shedFrom   int         // its user's connections then; guarded by srv.mu
 	helloTimer *time.Timer // closes the connection when the hello is overdue
 	helloLook  time.Time   // until when the hello's time may be looked at again (see helloDue); guarded by qmu
 
@@ -619,11 +675,15 @@ func (p *Peer) rearmReader() bool {
 // admit marks the peer as having completed its hello: from now on the
 // limits of Limits apply instead of those of a stranger.
 func (p *Peer) admit() {
-	if p.admitted.Swap(true) {
-		return
-	}
 	s := p.srv
 	s.mu.Lock()
+	if p.shed || p.admitted.Load() {
+		// Shed: closing, and admitted no more (its connection no longer
+		// counts).
+		s.mu.Unlock()
+		return
+	}
+	p.admitted.Store(true)
 	if p.counted {
 		p.counted = false
 		s.unadmitted--
