@@ -370,12 +370,34 @@ func (e *endpoint) writeBounded(ctx, caller context.Context, id uint64, kind Kin
 	if errors.Is(err, ErrFilesRefused) {
 		return err // nothing went: the connection is whole
 	}
+	if errors.Is(err, ErrPeerGone) {
+		// The peer closed its end. One that ends a connection says why
+		// first (a limit, a refusal), in a frame the reader may not have
+		// handled yet: the reader, which takes what is queued up to the
+		// end, ends the connection with it. Waited for laneGrace at most,
+		// within the caller's patience.
+		if h := sentToClosed.Load(); h != nil {
+			(*h)()
+		}
+		grace := time.NewTimer(laneGrace)
+		select {
+		case <-e.done:
+		case <-grace.C:
+		case <-caller.Done():
+		}
+		grace.Stop()
+	}
 	if err != nil {
 		e.fail(err)
 		return e.Err()
 	}
 	return nil
 }
+
+// frameTaken and sentToClosed, when set (by tests), run when the reader
+// has taken a frame off the socket, before it handles it, and when a send
+// finds the peer's end closed.
+var frameTaken, sentToClosed atomic.Pointer[func()]
 
 // call sends a request or push and waits for its answer, decoded into
 // reply (which may be nil, or a *WithFiles).
@@ -715,6 +737,9 @@ func (e *endpoint) readLoop(incoming func(Frame, []*os.File) error) error {
 				continue
 			}
 			return err
+		}
+		if h := frameTaken.Load(); h != nil {
+			(*h)()
 		}
 		f, err := ParseFrame(buf[:n])
 		if err == nil && f.Files != len(files) {

@@ -2,6 +2,7 @@ package ipc
 
 import (
 	"context"
+	"sync"
 	"time"
 )
 
@@ -102,3 +103,30 @@ func BoundLaneCPUs(s *Server) []int {
 // CatchUpWait is how long a call or push past its bound waits for what
 // could still be on time.
 const CatchUpWait = catchUpWait
+
+// HoldNextFrame has the next frame a connection's reader takes wait, taken
+// off the socket and not yet handled, until gate is closed; the returned
+// channel is closed once the reader holds it.
+func HoldNextFrame(gate <-chan struct{}) (held <-chan struct{}) {
+	h := make(chan struct{})
+	var once sync.Once
+	f := func() {
+		once.Do(func() {
+			close(h)
+			<-gate
+		})
+	}
+	frameTaken.Store(&f)
+	return h
+}
+
+// OnSendToClosedPeer has f run when a send finds the peer's end closed,
+// before the caller waits for the connection's end; nil undoes it.
+func OnSendToClosedPeer(f func()) {
+	if f == nil {
+		sentToClosed.Store(nil)
+		frameTaken.Store(nil)
+		return
+	}
+	sentToClosed.Store(&f)
+}

@@ -577,3 +577,25 @@ func TestClosedClientsLeaveNoGoroutines(t *testing.T) {
 	}
 	assert.True(t, ok, "goroutines: %d before, %d after 300 clients", goroutines, runtime.NumGoroutine())
 }
+
+// A server that ends a connection says why first, then closes. A call whose
+// send finds the connection closed fails with that reason, not a bare
+// "peer has gone", even when the reader has not handled the reason yet.
+func TestACallThatFindsTheConnectionClosedFailsWithTheServersReason(t *testing.T) {
+	c, srv := rawServer(t, ipc.ClientConfig{})
+	gate := make(chan struct{})
+	var once sync.Once
+	held := ipc.HoldNextFrame(gate)
+	ipc.OnSendToClosedPeer(func() { once.Do(func() { close(gate) }) })
+	t.Cleanup(func() { ipc.OnSendToClosedPeer(nil); once.Do(func() { close(gate) }) })
+
+	why := &ipc.ErrorReply{Code: "ipc.limit", Message: "256 connections open, at most 256"}
+	require.NoError(t, srv.Send(frame(t, 0, ipc.KindError, 0, why), nil))
+	require.NoError(t, srv.Close())
+	waitFor(t, held, "the reader taking the reason")
+
+	err := c.Call(ctxBound(t), ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), Role: "secondary"}, nil)
+	assert.ErrorIs(t, err, ipc.ErrLimit, "%v", err)
+	assert.ErrorIs(t, err, ipc.ErrPeerGone)
+	assert.ErrorContains(t, err, "at most 256")
+}
