@@ -570,3 +570,53 @@ func TestBlockingHoldsNothingAfterAFailedReceive(t *testing.T) {
 		})
 	}
 }
+
+// A peer that closes with a message of ours unread makes the kernel report
+// ECONNRESET at our next receive, ahead of what the peer sent before it
+// closed (its reason for closing, say). Every receive still returns those
+// messages first, then the end.
+func TestAPeerThatClosesWithOurMessageUnreadIsReadToTheEnd(t *testing.T) {
+	buf := make([]byte, 64)
+	for _, c := range []struct {
+		name string
+		recv func(t *testing.T, why string) (recv func() (int, error))
+	}{
+		{"Conn", func(t *testing.T, why string) func() (int, error) {
+			a, b := pair(t)
+			require.NoError(t, b.Send([]byte("unread"), nil))
+			require.NoError(t, a.Send([]byte(why), nil))
+			require.NoError(t, a.Close())
+			return func() (int, error) { n, _, err := b.Recv(buf); return n, err }
+		}},
+		{"Blocking/blocking", func(t *testing.T, why string) func() (int, error) {
+			a, b := blockingPair(t) // a is not wakeable: a plain blocking receive
+			require.NoError(t, a.Send([]byte("unread"), nil, time.Time{}))
+			require.NoError(t, b.Send([]byte(why), nil, time.Time{}))
+			require.NoError(t, b.Close())
+			return func() (int, error) { n, _, err := a.Recv(buf, time.Time{}); return n, err }
+		}},
+		{"Blocking/deadline", func(t *testing.T, why string) func() (int, error) {
+			a, b := blockingPair(t)
+			require.NoError(t, a.Send([]byte("unread"), nil, time.Time{}))
+			require.NoError(t, b.Send([]byte(why), nil, time.Time{}))
+			require.NoError(t, b.Close())
+			return func() (int, error) { n, _, err := a.Recv(buf, time.Now().Add(10*time.Second)); return n, err }
+		}},
+		{"Blocking/try", func(t *testing.T, why string) func() (int, error) {
+			a, b := blockingPair(t)
+			require.NoError(t, a.Send([]byte("unread"), nil, time.Time{}))
+			require.NoError(t, b.Send([]byte(why), nil, time.Time{}))
+			require.NoError(t, b.Close())
+			return func() (int, error) { n, _, err := a.TryRecv(buf); return n, err }
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			recv := c.recv(t, "why")
+			n, err := recv()
+			require.NoError(t, err, "the message sent before the close comes first")
+			assert.Equal(t, "why", string(buf[:n]))
+			_, err = recv()
+			assert.ErrorIs(t, err, io.EOF, "then the end")
+		})
+	}
+}
