@@ -188,9 +188,9 @@ func (s *statsOut) print(e *env) error {
 			c.Requests, c.RequestErrors, c.LatencyP50, c.LatencyP99, c.LatencyMax)
 		fmt.Fprintf(e.stdout, "  memory syncs pushed %d, secondaries dropped %d, fenced %d, freed pages in quarantine %d, read holds fenced %d\n",
 			c.Syncs, c.SyncDrops, c.Fenced, c.Quarantined, c.ReadFences)
-		fmt.Fprintf(e.stdout, "  ipc: %d connections open; refused %d over the total, %d over the per-user cap; %d closed without hello; %d stats requests of strangers throttled; "+
+		fmt.Fprintf(e.stdout, "  ipc: %d connections open; refused %d over the total, %d over the per-user cap; %d closed without hello, %d of them to make room; %d stats requests of strangers throttled; "+
 			"requests refused for descriptors %d (%d over the held limit); peers dropped: %d queue full, %d not reading, %d breaking the protocol; lanes let go starved %d, given back idle %d\n",
-			c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts, c.IPCThrottled, c.IPCRefusedFiles+c.IPCRefusedFilesInFlight,
+			c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts+c.IPCShedConns, c.IPCShedConns, c.IPCThrottled, c.IPCRefusedFiles+c.IPCRefusedFilesInFlight,
 			c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCViolations, c.IPCStarvedLanes, c.IPCIdleLanes)
 		fmt.Fprintf(e.stdout, "  lookups %d (top %d, bottom %d, global %d, created %d, failed %d), flushes %d (%d selective), queues %d\n",
 			c.Lookups, c.TopHits, c.BottomHits, c.GlobalHits, c.Created, c.Failed, c.Flushes, c.SelectiveFlushes, c.Queues)

@@ -50,6 +50,7 @@ const (
 	CIPCViolations           // connections closed for breaking the protocol
 	CIPCStarvedLanes         // lane threads let go from a CPU they could not run on
 	CIPCIdleLanes            // lane threads that gave their CPU back while their peer was quiet
+	CIPCShedConns            // connections without hello closed to make room for a user with fewer
 	NumCounters
 )
 
@@ -62,7 +63,7 @@ var CounterNames = [NumCounters]string{
 	"ipc_conns", "ipc_refused_conns", "ipc_refused_conns_per_uid", "ipc_hello_timeouts",
 	"ipc_refused_files", "ipc_refused_files_in_flight", "ipc_queue_overflows", "ipc_write_timeouts",
 	"ipc_strangers_throttled", "ipc_violations", "ipc_starved_lanes",
-	"ipc_idle_lanes",
+	"ipc_idle_lanes", "ipc_shed_conns",
 }
 
 // Map returns the counters by CounterNames.
@@ -167,6 +168,9 @@ type Counters struct {
 	// Lane threads that gave their CPU back to a lane waiting for one
 	// while their secondary asked nothing (primary with FollowCPU).
 	IPCIdleLanes uint64 `json:"ipc_idle_lanes"`
+	// Connections that had not said hello, closed over the total cap to
+	// make room for a user holding fewer (primary).
+	IPCShedConns uint64 `json:"ipc_shed_conns"`
 }
 
 func (c *Counters) vector() *[NumCounters]uint64 {
@@ -176,7 +180,7 @@ func (c *Counters) vector() *[NumCounters]uint64 {
 		c.SelectiveFlushes, c.FullDropped, c.SelectiveDropped, c.Fenced, c.Quarantined, c.ReadFences,
 		uint64(c.IPCConns), c.IPCRefusedConns, c.IPCRefusedConnsUID, c.IPCHelloTimeouts,
 		c.IPCRefusedFiles, c.IPCRefusedFilesInFlight, c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCThrottled,
-		c.IPCViolations, c.IPCStarvedLanes, c.IPCIdleLanes}
+		c.IPCViolations, c.IPCStarvedLanes, c.IPCIdleLanes, c.IPCShedConns}
 }
 
 func fromVector(v *[NumCounters]uint64) Counters {
@@ -193,7 +197,7 @@ func fromVector(v *[NumCounters]uint64) Counters {
 		IPCHelloTimeouts: v[CIPCHelloTimeouts], IPCRefusedFiles: v[CIPCRefusedFiles],
 		IPCRefusedFilesInFlight: v[CIPCRefusedFilesInFlight], IPCQueueOverflows: v[CIPCQueueOverflows],
 		IPCWriteTimeouts: v[CIPCWriteTimeouts], IPCThrottled: v[CIPCThrottled], IPCViolations: v[CIPCViolations],
-		IPCStarvedLanes: v[CIPCStarvedLanes], IPCIdleLanes: v[CIPCIdleLanes],
+		IPCStarvedLanes: v[CIPCStarvedLanes], IPCIdleLanes: v[CIPCIdleLanes], IPCShedConns: v[CIPCShedConns],
 	}
 }
 
@@ -209,7 +213,7 @@ func (c *Counters) SetIPC(st ipc.ServerStats) {
 	c.IPCConns, c.IPCRefusedConns, c.IPCRefusedConnsUID = st.Conns, st.RefusedConns, st.RefusedConnsUID
 	c.IPCHelloTimeouts, c.IPCRefusedFiles, c.IPCRefusedFilesInFlight = st.HelloTimeouts, st.RefusedFiles, st.RefusedFilesInFlight
 	c.IPCQueueOverflows, c.IPCWriteTimeouts, c.IPCViolations = st.QueueOverflows, st.WriteTimeouts, st.Violations
-	c.IPCStarvedLanes, c.IPCIdleLanes = st.StarvedLanes, st.IdleLanes
+	c.IPCStarvedLanes, c.IPCIdleLanes, c.IPCShedConns = st.StarvedLanes, st.IdleLanes, st.ShedConns
 }
 
 // SetLatency copies a histogram's quantiles in.

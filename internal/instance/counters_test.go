@@ -46,11 +46,13 @@ func TestBucketsCoverValues(t *testing.T) {
 func TestIPCCountersKeepTheirPlaces(t *testing.T) {
 	var c Counters
 	c.SetIPC(ipc.ServerStats{Conns: 1, RefusedConns: 2, RefusedConnsUID: 3, HelloTimeouts: 4, RefusedFiles: 5,
-		RefusedFilesInFlight: 6, QueueOverflows: 7, WriteTimeouts: 8, Violations: 9, StarvedLanes: 10, IdleLanes: 11})
+		RefusedFilesInFlight: 6, QueueOverflows: 7, WriteTimeouts: 8, Violations: 9, StarvedLanes: 10, IdleLanes: 11,
+		ShedConns: 12})
 	got := fromVector(c.vector())
 	assert.Equal(t, c, got)
 	m := got.Map()
 	assert.Equal(t, uint64(10), m["ipc_starved_lanes"])
 	assert.Equal(t, uint64(11), m["ipc_idle_lanes"])
+	assert.Equal(t, uint64(12), m["ipc_shed_conns"])
 	assert.Equal(t, uint64(9), m["ipc_violations"])
 }
