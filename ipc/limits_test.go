@@ -295,6 +295,36 @@ func TestConnectionCaps(t *testing.T) {
 	assert.EqualValues(t, 2, st.RefusedConnsUID)
 }
 
+// Connections of users the server does not let in are refused before they
+// count against any cap: users that may not connect cannot fill the caps
+// of those who may.
+func TestRefusedUsersCountAgainstNoCap(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a helper switches to uid 65534 with setuid")
+	}
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.Limits = ipc.Limits{MaxConns: 2, MaxConnsPerUID: 1, HelloTimeout: time.Hour}
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+
+	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "8"})
+	h.Expect("open 8", 0)
+	var closed, limited int
+	require.True(t, eventually(func() bool {
+		h.Send("check")
+		_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
+		require.NoError(t, err)
+		return closed == 8
+	}), "every connection of uid 65534 is refused")
+	assert.Zero(t, limited, "for its credentials, not a limit")
+	st := s.Stats()
+	assert.Zero(t, st.RefusedConnsUID, "none counted against the per-user cap")
+	assert.Zero(t, st.RefusedConns)
+	assert.Contains(t, s.log.String(), "refused a connection by credentials")
+	hello(t, dial(t, path, ipc.ClientConfig{}))
+}
+
 // Users that fill the total with connections that never say hello, each
 // within its own cap, lock no other user out: a user holding fewer
 // connections than the one holding the most, less one, takes the place of

@@ -228,6 +228,14 @@ func (s *Server) Serve(ctx context.Context) error {
 			c.Close()
 			continue
 		}
+		if !s.allowed(cred.UID) {
+			// Before any cap counts it: users that may not connect must not
+			// fill the caps of those who may. The refusals draining at
+			// once are bounded (turnAway).
+			s.trip("credentials", "ipc: refused a connection by credentials", "pid", cred.PID, "uid", cred.UID, "gid", cred.GID)
+			s.turnAway(c, fmt.Errorf("%w: uid %d may not connect", ErrRefused, cred.UID))
+			continue
+		}
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
@@ -333,13 +341,13 @@ func (s *Server) admittedConns(sameUID bool, uid int) int {
 	return n
 }
 
-// releaseConn uncounts the connection of uid that ends, made for p (nil
-// if it ends before it is a peer), unless it was shed and uncounted then.
-func (s *Server) releaseConn(uid int, p *Peer) {
+// releaseConn uncounts p's connection as it ends, unless it was shed and
+// uncounted then.
+func (s *Server) releaseConn(p *Peer) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if p == nil || !p.shed {
-		s.uncount(uid)
+	if !p.shed {
+		s.uncount(p.cred.UID)
 	}
 }
 
@@ -416,16 +424,8 @@ func (s *Server) allowed(uid int) bool {
 
 func (s *Server) serveConn(c *Conn, cred Cred) {
 	defer s.wg.Done()
-	var p *Peer
-	defer func() { s.releaseConn(cred.UID, p) }()
-	if !s.allowed(cred.UID) {
-		s.trip("credentials", "ipc: refused a connection by credentials", "pid", cred.PID, "uid", cred.UID, "gid", cred.GID)
-		refuse(c, fmt.Errorf("%w: uid %d may not connect", ErrRefused, cred.UID))
-		c.Close()
-		return
-	}
-
-	p = &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
+	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
+	defer s.releaseConn(p)
 	defer p.ident.close()
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
