@@ -375,14 +375,17 @@ func (e *endpoint) writeBounded(ctx, caller context.Context, id uint64, kind Kin
 		// first (a limit, a refusal), in a frame the reader may not have
 		// handled yet: the reader, which takes what is queued up to the
 		// end, ends the connection with it. Waited for laneGrace at most,
-		// within the caller's patience.
+		// within the send's bound and the caller's patience (a peer that
+		// shut only its reading side keeps the connection open, and the
+		// end may not come).
 		if h := sentToClosed.Load(); h != nil {
 			(*h)()
 		}
-		grace := time.NewTimer(laneGrace)
+		grace := time.NewTimer(peerClosedGrace)
 		select {
 		case <-e.done:
 		case <-grace.C:
+		case <-ctx.Done():
 		case <-caller.Done():
 		}
 		grace.Stop()
@@ -393,6 +396,10 @@ func (e *endpoint) writeBounded(ctx, caller context.Context, id uint64, kind Kin
 	}
 	return nil
 }
+
+// peerClosedGrace is how long a send that found the peer's end closed
+// waits for the reader to say why; a variable for tests.
+var peerClosedGrace = laneGrace
 
 // frameTaken and sentToClosed, when set (by tests), run when the reader
 // has taken a frame off the socket, before it handles it, and when a send

@@ -130,3 +130,11 @@ func OnSendToClosedPeer(f func()) {
 	}
 	sentToClosed.Store(&f)
 }
+
+// SetPeerClosedGrace sets how long a send that found the peer's end closed
+// waits for the reader to say why; the returned function sets it back.
+func SetPeerClosedGrace(d time.Duration) (restore func()) {
+	old := peerClosedGrace
+	peerClosedGrace = d
+	return func() { peerClosedGrace = old }
+}

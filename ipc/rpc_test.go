@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -598,4 +599,25 @@ func TestACallThatFindsTheConnectionClosedFailsWithTheServersReason(t *testing.T
 	assert.ErrorIs(t, err, ipc.ErrLimit, "%v", err)
 	assert.ErrorIs(t, err, ipc.ErrPeerGone)
 	assert.ErrorContains(t, err, "at most 256")
+}
+
+// A peer that shut only its reading side keeps the connection open: the
+// end the reader waits for does not come. A push with a bound of its own
+// still returns within it, not at the end of the wait for the reason.
+func TestAPushToAPeerThatStoppedReadingKeepsItsBound(t *testing.T) {
+	defer ipc.SetPeerClosedGrace(time.Hour)()
+	h := newHandler()
+	s := startServer(t, h)
+	raw, err := net.Dial("unixpacket", s.path)
+	require.NoError(t, err)
+	defer raw.Close()
+	p := waitFor(t, h.connected, "the peer")
+	require.NoError(t, raw.(*net.UnixConn).CloseRead())
+
+	done := make(chan error, 1)
+	go func() {
+		done <- p.PushWithin(context.Background(), 50*time.Millisecond, ipc.KindSync, &ipc.Sync{}, &ipc.SyncAck{})
+	}()
+	err = waitFor(t, done, "the push, bound to 50 ms, with an hour's grace for the reason")
+	assert.ErrorIs(t, err, ipc.ErrPeerGone)
 }
