@@ -64,10 +64,11 @@ type Limits struct {
 	HelloTimeout time.Duration
 	// MaxConns bounds the connections open at once, admitted or not.
 	// One over it is closed at once, told why — unless its user holds
-	// fewer than the user holding the most less one, and that user has a
-	// connection not admitted yet: then the oldest such is closed, told
-	// why, in its place (ServerStats.ShedConns). Users that each stay
-	// within MaxConnsPerUID and never say hello so lock no other out.
+	// fewer connections not admitted yet than the user holding the most
+	// such, less one: then the oldest of that user's is closed, told why,
+	// in its place (ServerStats.ShedConns). Users that each stay within
+	// MaxConnsPerUID and never say hello so lock no other out, whatever
+	// that user's admitted connections are; admitted ones are never shed.
 	MaxConns int
 	// MaxConnsPerUID bounds the connections of one user (by the
 	// kernel's credentials), so that one user cannot take them all.

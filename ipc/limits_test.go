@@ -268,12 +268,12 @@ func TestConnectionCaps(t *testing.T) {
 	}), "the refused connections end")
 	assert.Equal(t, 2, limited, "and are told why")
 
-	for range 2 { // root's own: served up to the total
-		c := dial(t, path, ipc.ClientConfig{})
-		hello(t, c)
+	for range 2 { // root's own, without hello: served up to the total
+		dial(t, path, ipc.ClientConfig{})
 	}
-	// Over the total, root (2) holds fewer than uid 65534 (4, none
-	// admitted) less one: served, in the place of 65534's oldest.
+	require.True(t, eventually(func() bool { return s.Stats().Conns == 6 }), "root's are served: %+v", s.Stats())
+	// Over the total, root (2 without hello) holds fewer than uid 65534
+	// (4, none admitted) less one: served, in the place of 65534's oldest.
 	hello(t, dial(t, path, ipc.ClientConfig{}))
 	require.True(t, eventually(func() bool {
 		h.Send("check")
@@ -283,7 +283,7 @@ func TestConnectionCaps(t *testing.T) {
 	}), "one of uid 65534's connections made room")
 	assert.Equal(t, 3, limited, "and was told why")
 	assert.EqualValues(t, 1, s.Stats().ShedConns)
-	// Now root holds 3 and 65534 3: nobody holds more than root's share.
+	// Now root holds 2 without hello and 65534 3: not more than one more.
 	over := dial(t, path, ipc.ClientConfig{})
 	waitFor(t, over.Done(), "the end of a connection over the total")
 	assert.ErrorIs(t, over.Err(), ipc.ErrLimit)
@@ -382,6 +382,62 @@ func TestTheTotalCapMakesRoomForALighterUser(t *testing.T) {
 	st = s.Stats()
 	assert.EqualValues(t, 1, st.RefusedConns)
 	assert.EqualValues(t, 2, st.ShedConns)
+	assert.Equal(t, 8, st.Conns)
+}
+
+// Only connections without hello weigh in the choice, since only they can
+// be shed: a user whose connections said hello, more of them than either
+// flooder holds, is let in all the same, and a flooder is not let in in
+// the place of another that holds as many without hello.
+func TestSheddingWeighsOnlyConnectionsWithoutHello(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
+	}
+	const other = 65533
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody, other}
+		c.Limits = ipc.Limits{MaxConns: 8, MaxConnsPerUID: 4, HelloTimeout: time.Hour}
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+	for range 2 {
+		hello(t, dial(t, path, ipc.ClientConfig{}))
+	}
+	var floods []*testproc.Proc
+	for _, uid := range []int{nobody, other} {
+		h := testproc.Start(t, "flood", []string{path, strconv.Itoa(uid), "idle", "3"})
+		h.Expect("open 3", 0)
+		floods = append(floods, h)
+	}
+	require.True(t, eventually(func() bool { return s.Stats().Conns == 8 }), "every connection is served: %+v", s.Stats())
+
+	// Root holds 2, each flooder 3; but root holds none without hello.
+	hello(t, dial(t, path, ipc.ClientConfig{}))
+	var closed, limited [2]int
+	require.True(t, eventually(func() bool {
+		for i, h := range floods {
+			h.Send("check")
+			_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed[i], &limited[i])
+			require.NoError(t, err)
+		}
+		return closed[0]+closed[1] == 1
+	}), "one of the flooders' connections made room")
+	assert.Equal(t, [2]int{1, 0}, closed, "the older flooder's")
+	assert.Equal(t, closed, limited, "told why")
+
+	// 65533 (3 without hello) against 65534 (2): not lighter by two.
+	again := testproc.Start(t, "flood", []string{path, strconv.Itoa(other), "idle", "1"})
+	again.Expect("open 1", 0)
+	var c, l int
+	require.True(t, eventually(func() bool {
+		again.Send("check")
+		_, err := fmt.Sscanf(again.Expect("check ", 0), "check closed=%d limit=%d", &c, &l)
+		require.NoError(t, err)
+		return c == 1
+	}), "refused")
+	st := s.Stats()
+	assert.EqualValues(t, 1, st.ShedConns)
+	assert.EqualValues(t, 1, st.RefusedConns)
 	assert.Equal(t, 8, st.Conns)
 }
 

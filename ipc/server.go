@@ -119,11 +119,13 @@ type Server struct {
 	closed     bool
 	peers      map[*Peer]struct{}
 	nextPeer   uint64
-	conns      int            // open, from accept to the end of serveConn
-	connsByUID map[int]int    // the same, by user
-	unadmitted int            // peers not admitted yet
-	wg         sync.WaitGroup // connection and handler goroutines
-	refusing   chan struct{}  // refusals draining (maxRefusing)
+	conns      int         // open, from accept to the end of serveConn
+	connsByUID map[int]int // the same, by user
+	unadmitted int         // peers not admitted yet (and not shed)
+	// unadmittedByUID is the same by user, which shedFor weighs.
+	unadmittedByUID map[int]int
+	wg              sync.WaitGroup // connection and handler goroutines
+	refusing        chan struct{}  // refusals draining (maxRefusing)
 	// starved and starvedUsers count, by process and by user, the lanes
 	// let go for their CPU's load (see starveCountsOf); starved, when
 	// full, is not searched for exited processes before starvedSearch;
@@ -169,15 +171,16 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		return nil, fmt.Errorf("ipc: NewServer: hello kind %s is not a request", cfg.HelloKind)
 	}
 	s := &Server{
-		cfg:         cfg,
-		log:         cfg.Logger,
-		uid:         os.Geteuid(),
-		maxInflight: cfg.MaxInflightPerConn,
-		lim:         cfg.Limits.withDefaults(),
-		peers:       map[*Peer]struct{}{},
-		connsByUID:  map[int]int{},
-		refusing:    make(chan struct{}, maxRefusing),
-		closing:     make(chan struct{}),
+		cfg:             cfg,
+		log:             cfg.Logger,
+		uid:             os.Geteuid(),
+		maxInflight:     cfg.MaxInflightPerConn,
+		lim:             cfg.Limits.withDefaults(),
+		peers:           map[*Peer]struct{}{},
+		connsByUID:      map[int]int{},
+		unadmittedByUID: map[int]int{},
+		refusing:        make(chan struct{}, maxRefusing),
+		closing:         make(chan struct{}),
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -255,7 +258,7 @@ func (s *Server) Serve(ctx context.Context) error {
 			s.wg.Add(1)
 			go func() {
 				defer s.wg.Done()
-				shed.drop(fmt.Errorf("%w: closed to make room for a user with fewer connections: %d open at most, uid %d held %d",
+				shed.drop(fmt.Errorf("%w: closed to make room for a user with fewer connections without hello: %d open at most, uid %d held %d without hello",
 					ErrLimit, s.lim.MaxConns, shed.cred.UID, shed.shedFrom))
 			}()
 		}
@@ -272,7 +275,9 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 	total, mine := s.conns >= s.lim.MaxConns, s.connsByUID[cred.UID] >= s.lim.MaxConnsPerUID
 	if total && !mine {
 		if shed = s.shedFor(cred.UID); shed != nil {
-			shed.shed, shed.shedFrom = true, s.connsByUID[shed.cred.UID]
+			shed.shed, shed.shedFrom = true, s.unadmittedByUID[shed.cred.UID]
+			shed.counted = false
+			s.count(shed, -1)
 			s.uncount(shed.cred.UID)
 			s.shedConns.Add(1)
 			s.trip("shed", "ipc: closed a connection without hello to make room for a user with fewer",
@@ -310,23 +315,34 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 
 // shedFor chooses the connection that a new one of uid, over the total
 // cap, takes the place of: one not admitted yet (its hello may be under
-// way, and is then lost) of the user holding the most connections, if
-// that is more than uid holds plus one, the oldest of them; or nil. So
+// way, and is then lost) of the user holding the most such connections,
+// if that is more than uid holds plus one, the oldest of them; or nil.
+// Only connections without hello weigh, since only they can be shed. So
 // users that fill the total with connections that never say hello, each
-// within its own cap, keep no other user out, and no user is made to give
-// way to one that holds as many. Call it with s.mu held.
+// within its own cap, keep no other user out, whatever that user's
+// secondaries hold, and no user is made to give way to one that holds as
+// many. Call it with s.mu held.
 func (s *Server) shedFor(uid int) *Peer {
 	var best *Peer
-	most := s.connsByUID[uid] + 1 // what a candidate's user must hold more than
+	most := s.unadmittedByUID[uid] + 1 // what a candidate's user must hold more than
 	for p := range s.peers {
-		if !p.counted || p.shed {
+		if !p.counted {
 			continue
 		}
-		if n := s.connsByUID[p.cred.UID]; n > most || best != nil && n == most && p.id < best.id {
+		if n := s.unadmittedByUID[p.cred.UID]; n > most || best != nil && n == most && p.id < best.id {
 			best, most = p, n
 		}
 	}
 	return best
+}
+
+// count counts p in the peers not admitted yet (by n, 1 or -1). Call it
+// with s.mu held.
+func (s *Server) count(p *Peer, n int) {
+	s.unadmitted += n
+	if s.unadmittedByUID[p.cred.UID] += n; s.unadmittedByUID[p.cred.UID] <= 0 {
+		delete(s.unadmittedByUID, p.cred.UID)
+	}
 }
 
 // admittedConns counts the peers that said hello, of uid if sameUID. Call
@@ -444,7 +460,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 		p.watchProcess()
 	} else {
 		p.counted = true
-		s.unadmitted++
+		s.count(p, 1)
 		p.helloTimer = time.AfterFunc(s.lim.HelloTimeout, p.helloDue)
 	}
 	s.mu.Unlock()
@@ -471,7 +487,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	delete(s.peers, p)
 	if p.counted {
 		p.counted = false
-		s.unadmitted--
+		s.count(p, -1)
 	}
 	s.mu.Unlock()
 	s.cfg.Handler.Disconnected(p, err)
@@ -534,7 +550,7 @@ type Peer struct {
 	laneOnce   sync.Once   // opens the call lane, before the first answer once admitted
 	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
 	shed       bool        // closed, and uncounted, to make room (see Server.shedFor); guarded by srv.mu
-	shedFrom   int         // its user's connections then; guarded by srv.mu
+	shedFrom   int         // its user's connections without hello then; guarded by srv.mu
 	helloTimer *time.Timer // closes the connection when the hello is overdue
 	helloLook  time.Time   // until when the hello's time may be looked at again (see helloDue); guarded by qmu
 
@@ -686,7 +702,7 @@ func (p *Peer) admit() {
 	p.admitted.Store(true)
 	if p.counted {
 		p.counted = false
-		s.unadmitted--
+		s.count(p, -1)
 	}
 	s.mu.Unlock()
 	p.helloTimer.Stop()
