@@ -138,3 +138,15 @@ func SetPeerClosedGrace(d time.Duration) (restore func()) {
 	peerClosedGrace = d
 	return func() { peerClosedGrace = old }
 }
+
+// HoldNewConnections has the goroutines of connections accepted from now
+// on wait, before they become peers, until gate is closed; nil gate undoes
+// it.
+func HoldNewConnections(gate <-chan struct{}) {
+	if gate == nil {
+		connServing.Store(nil)
+		return
+	}
+	f := func() { <-gate }
+	connServing.Store(&f)
+}

@@ -441,6 +441,49 @@ func TestSheddingWeighsOnlyConnectionsWithoutHello(t *testing.T) {
 	assert.Equal(t, 8, st.Conns)
 }
 
+// Connections of a user accepted back to back weigh from the moment they
+// are accepted, before they are peers: a burst sheds no more than the same
+// connections one by one would.
+func TestABurstShedsNoMoreThanItsConnectionsOneByOne(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
+	}
+	const other = 65533
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody, other}
+		c.Limits = ipc.Limits{MaxConns: 8, MaxConnsPerUID: 8, HelloTimeout: time.Hour}
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+	for _, f := range []struct{ uid, n int }{{other, 6}, {nobody, 2}} {
+		h := testproc.Start(t, "flood", []string{path, strconv.Itoa(f.uid), "idle", strconv.Itoa(f.n)})
+		h.Expect(fmt.Sprintf("open %d", f.n), 0)
+	}
+	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 8 }), "%+v", s.Stats())
+
+	// 65534's four, all accepted before any becomes a peer: two shed one
+	// of 65533's each (2 against 6, then 3 against 5), then 4 against 4.
+	gate := make(chan struct{})
+	ipc.HoldNewConnections(gate)
+	t.Cleanup(func() { ipc.HoldNewConnections(nil) })
+	burst := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "4"})
+	burst.Expect("open 4", 0)
+	require.True(t, eventually(func() bool { st := s.Stats(); return st.ShedConns+st.RefusedConns == 4 }),
+		"every connection of the burst judged: %+v", s.Stats())
+	close(gate)
+	st := s.Stats()
+	assert.EqualValues(t, 2, st.ShedConns)
+	assert.EqualValues(t, 2, st.RefusedConns)
+
+	// 65533, now 4 against 4, is refused: the flooders do not shed each
+	// other in turn.
+	again := testproc.Start(t, "flood", []string{path, strconv.Itoa(other), "idle", "1"})
+	again.Expect("open 1", 0)
+	require.True(t, eventually(func() bool { return s.Stats().RefusedConns == 3 }), "%+v", s.Stats())
+	assert.EqualValues(t, 2, s.Stats().ShedConns)
+	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 8 }), "%+v", s.Stats())
+}
+
 // A connection that does not complete its hello in time is closed and
 // told why; a failed hello does not count, and requests before the hello
 // are still served.

@@ -277,7 +277,7 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 		if shed = s.shedFor(cred.UID); shed != nil {
 			shed.shed, shed.shedFrom = true, s.unadmittedByUID[shed.cred.UID]
 			shed.counted = false
-			s.count(shed, -1)
+			s.count(shed.cred.UID, -1)
 			s.uncount(shed.cred.UID)
 			s.shedConns.Add(1)
 			s.trip("shed", "ipc: closed a connection without hello to make room for a user with fewer",
@@ -310,6 +310,11 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 	}
 	s.conns++
 	s.connsByUID[cred.UID]++
+	if s.cfg.HelloKind != 0 {
+		// Counted without hello from now: a burst of the user's is
+		// weighed whole by shedFor, before its goroutines make peers.
+		s.count(cred.UID, 1)
+	}
 	return shed, nil
 }
 
@@ -336,12 +341,16 @@ func (s *Server) shedFor(uid int) *Peer {
 	return best
 }
 
-// count counts p in the peers not admitted yet (by n, 1 or -1). Call it
-// with s.mu held.
-func (s *Server) count(p *Peer, n int) {
+// connServing, when set (by tests), runs as an accepted connection's
+// goroutine starts, before the connection is a peer.
+var connServing atomic.Pointer[func()]
+
+// count counts a connection of uid in those not admitted yet (by n, 1 or
+// -1). Call it with s.mu held.
+func (s *Server) count(uid, n int) {
 	s.unadmitted += n
-	if s.unadmittedByUID[p.cred.UID] += n; s.unadmittedByUID[p.cred.UID] <= 0 {
-		delete(s.unadmittedByUID, p.cred.UID)
+	if s.unadmittedByUID[uid] += n; s.unadmittedByUID[uid] <= 0 {
+		delete(s.unadmittedByUID, uid)
 	}
 }
 
@@ -362,6 +371,10 @@ func (s *Server) admittedConns(sameUID bool, uid int) int {
 func (s *Server) releaseConn(p *Peer) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if p.counted {
+		p.counted = false
+		s.count(p.cred.UID, -1)
+	}
 	if !p.shed {
 		s.uncount(p.cred.UID)
 	}
@@ -440,7 +453,11 @@ func (s *Server) allowed(uid int) bool {
 
 func (s *Server) serveConn(c *Conn, cred Cred) {
 	defer s.wg.Done()
-	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID)}
+	if h := connServing.Load(); h != nil {
+		(*h)()
+	}
+	// Counted without hello since takeConn, if a hello is needed.
+	p := &Peer{srv: s, cred: cred, ident: pin(c, cred.PID), counted: s.cfg.HelloKind != 0}
 	defer s.releaseConn(p)
 	defer p.ident.close()
 	p.init(c, s.log, s.cfg.WriteTimeout)
@@ -459,8 +476,6 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 		p.admitted.Store(true)
 		p.watchProcess()
 	} else {
-		p.counted = true
-		s.count(p, 1)
 		p.helloTimer = time.AfterFunc(s.lim.HelloTimeout, p.helloDue)
 	}
 	s.mu.Unlock()
@@ -485,10 +500,6 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	}
 	s.mu.Lock()
 	delete(s.peers, p)
-	if p.counted {
-		p.counted = false
-		s.count(p, -1)
-	}
 	s.mu.Unlock()
 	s.cfg.Handler.Disconnected(p, err)
 }
@@ -702,7 +713,7 @@ func (p *Peer) admit() {
 	p.admitted.Store(true)
 	if p.counted {
 		p.counted = false
-		s.count(p, -1)
+		s.count(p.cred.UID, -1)
 	}
 	s.mu.Unlock()
 	p.helloTimer.Stop()
