@@ -209,19 +209,15 @@ func Release(addr, length uintptr) error {
 	return fmt.Errorf("vm: release [0x%x, 0x%x): %w", addr, addr+length, err)
 }
 
-// unmapped reports whether part of [addr, addr+length) has nothing mapped,
-// as mincore(2) sees it.
+// unmapped reports whether part of [addr, addr+length) has nothing
+// mapped. msync(2) with MS_ASYNC says so (ENOMEM) having done nothing
+// else, and, unlike mincore, allocates nothing to find out: it answers
+// under the memory pressure that may have made the release fail.
 func unmapped(addr, length uintptr) bool {
-	var vec [4096]byte // a page's answer each
-	for a := addr; a < addr+length; {
-		n := min(addr+length-a, uintptr(len(vec))*PageSize)
-		_, _, e := unix.Syscall(unix.SYS_MINCORE, a, n, uintptr(unsafe.Pointer(&vec[0])))
-		if e == unix.ENOMEM {
-			return true
-		}
-		a += n
-	}
-	return false
+	start := addr &^ (PageSize - 1)
+	end := (addr + length + PageSize - 1) &^ (PageSize - 1)
+	_, _, e := unix.Syscall(unix.SYS_MSYNC, start, end-start, unix.MS_ASYNC)
+	return e == unix.ENOMEM
 }
 
 // fixedMap is the mmap of Release; a variable for tests, which make it
