@@ -34,7 +34,9 @@ var errSlowReader = errors.New("peer is not reading")
 // connection the cap allows belongs to a peer that said hello: unlike a cap
 // filled by connections that never speak (each closed at its hello
 // deadline, the oldest first) or that are closing, it does not pass by
-// itself.
+// itself. A connection over its user's cap (MaxConnsPerUID) is refused
+// for that cap, whether or not the total is full too: that is the cap
+// whose connections are judged.
 var ErrConnsInUse = fmt.Errorf("%w: every connection allowed is in use by a peer that said hello", ErrLimit)
 
 func init() {

@@ -484,6 +484,52 @@ func TestABurstShedsNoMoreThanItsConnectionsOneByOne(t *testing.T) {
 	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 8 }), "%+v", s.Stats())
 }
 
+// A connection over its user's cap is refused for that cap, whatever the
+// total: with ErrConnsInUse when every connection of the user said hello
+// (only their leaving makes room: an attach need not try again), plain
+// ErrLimit when some did not (they go by themselves).
+func TestTheUsersOwnCapIsNamedFirst(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a helper switches to uid 65534 with setuid")
+	}
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody}
+		c.Limits = ipc.Limits{MaxConns: 3, MaxConnsPerUID: 2, HelloTimeout: time.Hour}
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+	for range 2 {
+		hello(t, dial(t, path, ipc.ClientConfig{}))
+	}
+	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "1"})
+	h.Expect("open 1", 0)
+	require.True(t, eventually(func() bool { return s.Stats().Conns == 3 }), "%+v", s.Stats())
+
+	over := dial(t, path, ipc.ClientConfig{}) // root: 2 of 2, both said hello; the total full too
+	waitFor(t, over.Done(), "the end of a connection over its user's cap")
+	assert.ErrorIs(t, over.Err(), ipc.ErrConnsInUse)
+	assert.ErrorContains(t, over.Err(), "per user")
+	st := s.Stats()
+	assert.EqualValues(t, 1, st.RefusedConnsUID)
+	assert.Zero(t, st.RefusedConns)
+
+	// uid 65534, 1 of 2 without hello, against the full total: the total,
+	// held in part by a connection that goes by itself.
+	h2 := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "1"})
+	h2.Expect("open 1", 0)
+	var closed, limited int
+	require.True(t, eventually(func() bool {
+		h2.Send("check")
+		_, err := fmt.Sscanf(h2.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
+		require.NoError(t, err)
+		return closed == 1
+	}), "refused")
+	assert.Equal(t, 1, limited)
+	st = s.Stats()
+	assert.EqualValues(t, 1, st.RefusedConns)
+	assert.EqualValues(t, 1, st.RefusedConnsUID)
+}
+
 // A connection that does not complete its hello in time is closed and
 // told why; a failed hello does not count, and requests before the hello
 // are still served.

@@ -285,28 +285,31 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 			total = false
 		}
 	}
-	// Refused: say whether the cap is held by peers that said hello (then
-	// only their leaving makes room) or also by connections that have not
-	// said hello — which go by themselves, at their hello deadline if not
+	// Refused, for the user's own cap first (binding whatever the total):
+	// say whether the cap is held by peers that said hello (then only
+	// their leaving makes room) or also by connections that have not said
+	// hello — which go by themselves, at their hello deadline if not
 	// before: a client may try again (Attach does).
-	limit := ErrLimit
 	switch {
-	case total && s.admittedConns(false, 0) >= s.conns,
-		!total && mine && s.admittedConns(true, cred.UID) >= s.connsByUID[cred.UID]:
-		limit = ErrConnsInUse
-	}
-	switch {
-	case total:
-		s.refusedConns.Add(1)
-		s.trip("conns", "ipc: refused a connection: too many connections",
-			"limit", "conns", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConns)
-		return nil, fmt.Errorf("%w: %d connections open, at most %d", limit, s.conns, s.lim.MaxConns)
 	case mine:
+		limit := ErrLimit
+		if s.unadmittedByUID[cred.UID] == 0 {
+			limit = ErrConnsInUse
+		}
 		s.refusedConnsUID.Add(1)
 		s.trip("conns-per-uid", "ipc: refused a connection: too many connections per user",
 			"limit", "conns-per-uid", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConnsPerUID)
 		return nil, fmt.Errorf("%w: uid %d has %d connections open, at most %d per user",
 			limit, cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)
+	case total:
+		limit := ErrLimit
+		if s.unadmitted == 0 {
+			limit = ErrConnsInUse
+		}
+		s.refusedConns.Add(1)
+		s.trip("conns", "ipc: refused a connection: too many connections",
+			"limit", "conns", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConns)
+		return nil, fmt.Errorf("%w: %d connections open, at most %d", limit, s.conns, s.lim.MaxConns)
 	}
 	s.conns++
 	s.connsByUID[cred.UID]++
@@ -352,18 +355,6 @@ func (s *Server) count(uid, n int) {
 	if s.unadmittedByUID[uid] += n; s.unadmittedByUID[uid] <= 0 {
 		delete(s.unadmittedByUID, uid)
 	}
-}
-
-// admittedConns counts the peers that said hello, of uid if sameUID. Call
-// it with s.mu held.
-func (s *Server) admittedConns(sameUID bool, uid int) int {
-	n := 0
-	for p := range s.peers {
-		if p.admitted.Load() && (!sameUID || p.cred.UID == uid) {
-			n++
-		}
-	}
-	return n
 }
 
 // releaseConn uncounts p's connection as it ends, unless it was shed and
