@@ -243,6 +243,56 @@ func TestIdleConnectionFloodIsBounded(t *testing.T) {
 	assert.Contains(t, s.log.String(), "per user")
 }
 
+// other is a second uid besides nobody for the tests of several users'
+// connections.
+const other = 65533
+
+// floodAs starts a helper of uid that dials n connections to path that
+// never say hello, and waits until it has.
+func floodAs(t *testing.T, path string, uid, n int) *testproc.Proc {
+	t.Helper()
+	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(uid), "idle", strconv.Itoa(n)})
+	h.Expect(fmt.Sprintf("open %d", n), 0)
+	return h
+}
+
+// floodEnded asks a flood helper how many of its connections the server
+// closed, and of those how many it told they were over a limit.
+func floodEnded(t *testing.T, h *testproc.Proc) (closed, limited int) {
+	t.Helper()
+	h.Send("check")
+	_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
+	require.NoError(t, err)
+	return closed, limited
+}
+
+// awaitEnded waits until n of a flood helper's connections were closed,
+// and returns how many of them were told they were over a limit.
+func awaitEnded(t *testing.T, h *testproc.Proc, n int, what string) (limited int) {
+	t.Helper()
+	var closed int
+	require.True(t, eventually(func() bool { closed, limited = floodEnded(t, h); return closed == n }),
+		"%s: %d closed, not %d", what, closed, n)
+	return limited
+}
+
+// usersServer starts a server with a hello, in a directory and on a
+// socket anyone may use, that lets in root, nobody and other, with the
+// caps given and no hello deadline to speak of.
+func usersServer(t *testing.T, maxConns, perUID int) (*testServer, string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
+	}
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody, other}
+		c.Limits = ipc.Limits{MaxConns: maxConns, MaxConnsPerUID: perUID, HelloTimeout: time.Hour}
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+	return s, path
+}
+
 // The total and per-user caps count connections of real users.
 func TestConnectionCaps(t *testing.T) {
 	if os.Geteuid() != 0 {
@@ -255,18 +305,10 @@ func TestConnectionCaps(t *testing.T) {
 	})
 	require.NoError(t, os.Chmod(path, 0o666))
 
-	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "6"})
-	h.Expect("open 6", 0)
+	h := floodAs(t, path, nobody, 6)
 	require.True(t, eventually(func() bool { st := s.Stats(); return st.Conns == 4 && st.RefusedConnsUID == 2 }),
 		"4 of uid 65534's 6 connections are served, 2 refused: %+v", s.Stats())
-	var closed, limited int
-	require.True(t, eventually(func() bool {
-		h.Send("check")
-		_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
-		require.NoError(t, err)
-		return closed == 2
-	}), "the refused connections end")
-	assert.Equal(t, 2, limited, "and are told why")
+	assert.Equal(t, 2, awaitEnded(t, h, 2, "the refused connections end"), "and are told why")
 
 	for range 2 { // root's own, without hello: served up to the total
 		dial(t, path, ipc.ClientConfig{})
@@ -275,13 +317,7 @@ func TestConnectionCaps(t *testing.T) {
 	// Over the total, root (2 without hello) holds fewer than uid 65534
 	// (4, none admitted) less one: served, in the place of 65534's oldest.
 	hello(t, dial(t, path, ipc.ClientConfig{}))
-	require.True(t, eventually(func() bool {
-		h.Send("check")
-		_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
-		require.NoError(t, err)
-		return closed == 3
-	}), "one of uid 65534's connections made room")
-	assert.Equal(t, 3, limited, "and was told why")
+	assert.Equal(t, 3, awaitEnded(t, h, 3, "one of uid 65534's connections made room"), "and was told why")
 	assert.EqualValues(t, 1, s.Stats().ShedConns)
 	// Now root holds 2 without hello and 65534 3: not more than one more.
 	over := dial(t, path, ipc.ClientConfig{})
@@ -308,16 +344,8 @@ func TestRefusedUsersCountAgainstNoCap(t *testing.T) {
 	})
 	require.NoError(t, os.Chmod(path, 0o666))
 
-	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "8"})
-	h.Expect("open 8", 0)
-	var closed, limited int
-	require.True(t, eventually(func() bool {
-		h.Send("check")
-		_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
-		require.NoError(t, err)
-		return closed == 8
-	}), "every connection of uid 65534 is refused")
-	assert.Zero(t, limited, "for its credentials, not a limit")
+	h := floodAs(t, path, nobody, 8)
+	assert.Zero(t, awaitEnded(t, h, 8, "every connection of uid 65534 is refused"), "for its credentials, not a limit")
 	st := s.Stats()
 	assert.Zero(t, st.RefusedConnsUID, "none counted against the per-user cap")
 	assert.Zero(t, st.RefusedConns)
@@ -331,22 +359,8 @@ func TestRefusedUsersCountAgainstNoCap(t *testing.T) {
 // that user's oldest connection not admitted yet. A user no lighter than
 // that is refused as before.
 func TestTheTotalCapMakesRoomForALighterUser(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
-	}
-	const other = 65533
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs = []int{nobody, other}
-		c.Limits = ipc.Limits{MaxConns: 8, MaxConnsPerUID: 4, HelloTimeout: time.Hour}
-	})
-	require.NoError(t, os.Chmod(path, 0o666))
-	var floods []*testproc.Proc
-	for _, uid := range []int{nobody, other} {
-		h := testproc.Start(t, "flood", []string{path, strconv.Itoa(uid), "idle", "4"})
-		h.Expect("open 4", 0)
-		floods = append(floods, h)
-	}
+	s, path := usersServer(t, 8, 4)
+	floods := []*testproc.Proc{floodAs(t, path, nobody, 4), floodAs(t, path, other, 4)}
 	require.True(t, eventually(func() bool { return s.Stats().Conns == 8 }), "both users' connections are served: %+v", s.Stats())
 
 	for range 2 { // root, 0 then 1, against two users of 4: served
@@ -355,9 +369,7 @@ func TestTheTotalCapMakesRoomForALighterUser(t *testing.T) {
 	var closed, limited [2]int
 	require.True(t, eventually(func() bool {
 		for i, h := range floods {
-			h.Send("check")
-			_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed[i], &limited[i])
-			require.NoError(t, err)
+			closed[i], limited[i] = floodEnded(t, h)
 		}
 		return closed[0]+closed[1] == 2
 	}), "two of the flooders' connections made room")
@@ -370,15 +382,8 @@ func TestTheTotalCapMakesRoomForALighterUser(t *testing.T) {
 
 	// uid 65534 (3) against 3 and 2: no lighter than the heaviest less
 	// one. Refused, and nobody's connection goes.
-	again := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "1"})
-	again.Expect("open 1", 0)
-	require.True(t, eventually(func() bool {
-		again.Send("check")
-		_, err := fmt.Sscanf(again.Expect("check ", 0), "check closed=%d limit=%d", &closed[0], &limited[0])
-		require.NoError(t, err)
-		return closed[0] == 1
-	}), "the connection of a user that is not lighter is refused")
-	assert.Equal(t, 1, limited[0])
+	again := floodAs(t, path, nobody, 1)
+	assert.Equal(t, 1, awaitEnded(t, again, 1, "the connection of a user that is not lighter is refused"))
 	st = s.Stats()
 	assert.EqualValues(t, 1, st.RefusedConns)
 	assert.EqualValues(t, 2, st.ShedConns)
@@ -390,25 +395,11 @@ func TestTheTotalCapMakesRoomForALighterUser(t *testing.T) {
 // flooder holds, is let in all the same, and a flooder is not let in in
 // the place of another that holds as many without hello.
 func TestSheddingWeighsOnlyConnectionsWithoutHello(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
-	}
-	const other = 65533
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs = []int{nobody, other}
-		c.Limits = ipc.Limits{MaxConns: 8, MaxConnsPerUID: 4, HelloTimeout: time.Hour}
-	})
-	require.NoError(t, os.Chmod(path, 0o666))
+	s, path := usersServer(t, 8, 4)
 	for range 2 {
 		hello(t, dial(t, path, ipc.ClientConfig{}))
 	}
-	var floods []*testproc.Proc
-	for _, uid := range []int{nobody, other} {
-		h := testproc.Start(t, "flood", []string{path, strconv.Itoa(uid), "idle", "3"})
-		h.Expect("open 3", 0)
-		floods = append(floods, h)
-	}
+	floods := []*testproc.Proc{floodAs(t, path, nobody, 3), floodAs(t, path, other, 3)}
 	require.True(t, eventually(func() bool { return s.Stats().Conns == 8 }), "every connection is served: %+v", s.Stats())
 
 	// Root holds 2, each flooder 3; but root holds none without hello.
@@ -416,9 +407,7 @@ func TestSheddingWeighsOnlyConnectionsWithoutHello(t *testing.T) {
 	var closed, limited [2]int
 	require.True(t, eventually(func() bool {
 		for i, h := range floods {
-			h.Send("check")
-			_, err := fmt.Sscanf(h.Expect("check ", 0), "check closed=%d limit=%d", &closed[i], &limited[i])
-			require.NoError(t, err)
+			closed[i], limited[i] = floodEnded(t, h)
 		}
 		return closed[0]+closed[1] == 1
 	}), "one of the flooders' connections made room")
@@ -426,15 +415,7 @@ func TestSheddingWeighsOnlyConnectionsWithoutHello(t *testing.T) {
 	assert.Equal(t, closed, limited, "told why")
 
 	// 65533 (3 without hello) against 65534 (2): not lighter by two.
-	again := testproc.Start(t, "flood", []string{path, strconv.Itoa(other), "idle", "1"})
-	again.Expect("open 1", 0)
-	var c, l int
-	require.True(t, eventually(func() bool {
-		again.Send("check")
-		_, err := fmt.Sscanf(again.Expect("check ", 0), "check closed=%d limit=%d", &c, &l)
-		require.NoError(t, err)
-		return c == 1
-	}), "refused")
+	awaitEnded(t, floodAs(t, path, other, 1), 1, "refused")
 	st := s.Stats()
 	assert.EqualValues(t, 1, st.ShedConns)
 	assert.EqualValues(t, 1, st.RefusedConns)
@@ -445,20 +426,9 @@ func TestSheddingWeighsOnlyConnectionsWithoutHello(t *testing.T) {
 // are accepted, before they are peers: a burst sheds no more than the same
 // connections one by one would.
 func TestABurstShedsNoMoreThanItsConnectionsOneByOne(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
-	}
-	const other = 65533
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs = []int{nobody, other}
-		c.Limits = ipc.Limits{MaxConns: 8, MaxConnsPerUID: 8, HelloTimeout: time.Hour}
-	})
-	require.NoError(t, os.Chmod(path, 0o666))
-	for _, f := range []struct{ uid, n int }{{other, 6}, {nobody, 2}} {
-		h := testproc.Start(t, "flood", []string{path, strconv.Itoa(f.uid), "idle", strconv.Itoa(f.n)})
-		h.Expect(fmt.Sprintf("open %d", f.n), 0)
-	}
+	s, path := usersServer(t, 8, 8)
+	floodAs(t, path, other, 6)
+	floodAs(t, path, nobody, 2)
 	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 8 }), "%+v", s.Stats())
 
 	// 65534's four, all accepted before any becomes a peer: two shed one
@@ -466,8 +436,7 @@ func TestABurstShedsNoMoreThanItsConnectionsOneByOne(t *testing.T) {
 	gate := make(chan struct{})
 	ipc.HoldNewConnections(gate)
 	t.Cleanup(func() { ipc.HoldNewConnections(nil) })
-	burst := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "4"})
-	burst.Expect("open 4", 0)
+	floodAs(t, path, nobody, 4)
 	require.True(t, eventually(func() bool { st := s.Stats(); return st.ShedConns+st.RefusedConns == 4 }),
 		"every connection of the burst judged: %+v", s.Stats())
 	close(gate)
@@ -477,8 +446,7 @@ func TestABurstShedsNoMoreThanItsConnectionsOneByOne(t *testing.T) {
 
 	// 65533, now 4 against 4, is refused: the flooders do not shed each
 	// other in turn.
-	again := testproc.Start(t, "flood", []string{path, strconv.Itoa(other), "idle", "1"})
-	again.Expect("open 1", 0)
+	floodAs(t, path, other, 1)
 	require.True(t, eventually(func() bool { return s.Stats().RefusedConns == 3 }), "%+v", s.Stats())
 	assert.EqualValues(t, 2, s.Stats().ShedConns)
 	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 8 }), "%+v", s.Stats())
@@ -489,20 +457,11 @@ func TestABurstShedsNoMoreThanItsConnectionsOneByOne(t *testing.T) {
 // (only their leaving makes room: an attach need not try again), plain
 // ErrLimit when some did not (they go by themselves).
 func TestTheUsersOwnCapIsNamedFirst(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: a helper switches to uid 65534 with setuid")
-	}
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs = []int{nobody}
-		c.Limits = ipc.Limits{MaxConns: 3, MaxConnsPerUID: 2, HelloTimeout: time.Hour}
-	})
-	require.NoError(t, os.Chmod(path, 0o666))
+	s, path := usersServer(t, 3, 2)
 	for range 2 {
 		hello(t, dial(t, path, ipc.ClientConfig{}))
 	}
-	h := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "1"})
-	h.Expect("open 1", 0)
+	floodAs(t, path, nobody, 1)
 	require.True(t, eventually(func() bool { return s.Stats().Conns == 3 }), "%+v", s.Stats())
 
 	over := dial(t, path, ipc.ClientConfig{}) // root: 2 of 2, both said hello; the total full too
@@ -515,16 +474,7 @@ func TestTheUsersOwnCapIsNamedFirst(t *testing.T) {
 
 	// uid 65534, 1 of 2 without hello, against the full total: the total,
 	// held in part by a connection that goes by itself.
-	h2 := testproc.Start(t, "flood", []string{path, strconv.Itoa(nobody), "idle", "1"})
-	h2.Expect("open 1", 0)
-	var closed, limited int
-	require.True(t, eventually(func() bool {
-		h2.Send("check")
-		_, err := fmt.Sscanf(h2.Expect("check ", 0), "check closed=%d limit=%d", &closed, &limited)
-		require.NoError(t, err)
-		return closed == 1
-	}), "refused")
-	assert.Equal(t, 1, limited)
+	assert.Equal(t, 1, awaitEnded(t, floodAs(t, path, nobody, 1), 1, "refused"))
 	st = s.Stats()
 	assert.EqualValues(t, 1, st.RefusedConns)
 	assert.EqualValues(t, 1, st.RefusedConnsUID)
