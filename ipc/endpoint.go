@@ -139,6 +139,7 @@ type endpoint struct {
 	frameLimit func() int
 	rearm      func() bool
 	ending     func(err error)
+	server     bool // a Server's end of the connection (for tests' hooks)
 
 	ctx    context.Context // handlers' context: cancelled when the connection ends
 	cancel context.CancelFunc
@@ -218,6 +219,16 @@ func (e *endpoint) fail(cause error) {
 	e.cancel()
 	for _, c := range pending {
 		c.ch <- err
+	}
+}
+
+// hasEnded reports whether the connection has ended (its done is closed).
+func (e *endpoint) hasEnded() bool {
+	select {
+	case <-e.done:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -401,10 +412,13 @@ func (e *endpoint) writeBounded(ctx, caller context.Context, id uint64, kind Kin
 // waits for the reader to say why; a variable for tests.
 var peerClosedGrace = laneGrace
 
-// frameTaken and sentToClosed, when set (by tests), run when the reader
-// has taken a frame off the socket, before it handles it, and when a send
-// finds the peer's end closed.
-var frameTaken, sentToClosed atomic.Pointer[func()]
+// frameTaken and sentToClosed, when set (by tests), run when a reader has
+// taken a frame off the socket, before it handles it (told whether it is
+// a Server's), and when a send finds the peer's end closed.
+var (
+	frameTaken   atomic.Pointer[func(server bool)]
+	sentToClosed atomic.Pointer[func()]
+)
 
 // call sends a request or push and waits for its answer, decoded into
 // reply (which may be nil, or a *WithFiles).
@@ -746,7 +760,7 @@ func (e *endpoint) readLoop(incoming func(Frame, []*os.File) error) error {
 			return err
 		}
 		if h := frameTaken.Load(); h != nil {
-			(*h)()
+			(*h)(e.server)
 		}
 		f, err := ParseFrame(buf[:n])
 		if err == nil && f.Files != len(files) {

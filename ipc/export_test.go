@@ -104,13 +104,17 @@ func BoundLaneCPUs(s *Server) []int {
 // could still be on time.
 const CatchUpWait = catchUpWait
 
-// HoldNextFrame has the next frame a connection's reader takes wait, taken
-// off the socket and not yet handled, until gate is closed; the returned
+// HoldNextFrame has the next frame a connection's reader takes, on the
+// server's side if server is set and the client's if not, wait, taken off
+// the socket and not yet handled, until gate is closed; the returned
 // channel is closed once the reader holds it.
-func HoldNextFrame(gate <-chan struct{}) (held <-chan struct{}) {
+func HoldNextFrame(gate <-chan struct{}, server bool) (held <-chan struct{}) {
 	h := make(chan struct{})
 	var once sync.Once
-	f := func() {
+	f := func(side bool) {
+		if side != server {
+			return
+		}
 		once.Do(func() {
 			close(h)
 			<-gate

@@ -480,6 +480,103 @@ func TestTheUsersOwnCapIsNamedFirst(t *testing.T) {
 	assert.EqualValues(t, 1, st.RefusedConnsUID)
 }
 
+// heldGone is a handler whose Disconnected waits until gate is closed, as
+// the primary's may (its judgement of a secondary that went); entered
+// gets each peer as its Disconnected starts.
+type heldGone struct {
+	quietHandler
+	gate    chan struct{}
+	entered chan *ipc.Peer
+}
+
+func (h heldGone) Disconnected(p *ipc.Peer, err error) {
+	h.entered <- p
+	<-h.gate
+}
+
+// heldGoneServer starts a server with a hello whose handler is a heldGone,
+// with limits lim (an hour to say hello), on a socket anyone may use; the
+// gate opens before the server closes.
+func heldGoneServer(t *testing.T, lim ipc.Limits, allow ...int) (*testServer, heldGone, string) {
+	t.Helper()
+	h := heldGone{quietHandler{newHandler()}, make(chan struct{}), make(chan *ipc.Peer, 64)}
+	path := openSocketPath(t)
+	lim.HelloTimeout = time.Hour
+	s := startServerOn(t, listen(t, path), h, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs, c.Limits = allow, lim
+	})
+	t.Cleanup(func() { close(h.gate) }) // before the server's Close: cleanups run last first
+	require.NoError(t, os.Chmod(path, 0o666))
+	return s, h, path
+}
+
+// A cap held in part by connections that are closing passes by itself:
+// refused with plain ErrLimit (an attach tries again), not ErrConnsInUse —
+// whether the connection's end is still being handled, or has not even
+// been read yet (its peer hung up a moment ago).
+func TestACapHeldByAClosingConnectionIsNotInUse(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		lim  ipc.Limits
+	}{{"per-user", ipc.Limits{MaxConnsPerUID: 1}}, {"total", ipc.Limits{MaxConns: 1, MaxConnsPerUID: 2}}} {
+		t.Run(c.name+"/ending", func(t *testing.T) {
+			_, h, path := heldGoneServer(t, c.lim)
+			a := dial(t, path, ipc.ClientConfig{})
+			hello(t, a)
+			a.Close()
+			waitFor(t, h.entered, "the end of the first connection, being handled")
+			b := dial(t, path, ipc.ClientConfig{})
+			waitFor(t, b.Done(), "the refusal")
+			assert.ErrorIs(t, b.Err(), ipc.ErrLimit)
+			assert.NotErrorIs(t, b.Err(), ipc.ErrConnsInUse)
+		})
+		t.Run(c.name+"/hung-up", func(t *testing.T) {
+			s, _, path := heldGoneServer(t, c.lim)
+			a := dial(t, path, ipc.ClientConfig{})
+			hello(t, a)
+			// The server's reader holds the next frame it takes (the
+			// answer to a push), and does not read the end that follows.
+			gate := make(chan struct{})
+			defer close(gate)
+			held := ipc.HoldNextFrame(gate, true)
+			t.Cleanup(func() { ipc.OnSendToClosedPeer(nil) })
+			p := s.Peers()[0]
+			go p.PushWithin(context.Background(), bound, ipc.KindSync, &ipc.Sync{}, &ipc.SyncAck{}) //nolint:errcheck // it ends with the connection
+			waitFor(t, held, "the server's reader holding a frame")
+			a.Close()
+			b := dial(t, path, ipc.ClientConfig{})
+			waitFor(t, b.Done(), "the refusal")
+			assert.ErrorIs(t, b.Err(), ipc.ErrLimit)
+			assert.NotErrorIs(t, b.Err(), ipc.ErrConnsInUse)
+		})
+	}
+}
+
+// Connections without hello that have ended weigh no more in the
+// shedding, while their end is handled.
+func TestEndedConnectionsWeighNothingInTheShedding(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a helper switches to uid 65534 with setuid")
+	}
+	s, h, path := heldGoneServer(t, ipc.Limits{MaxConns: 3, MaxConnsPerUID: 3}, nobody)
+	var cs []*ipc.Client
+	for range 3 { // root's, without hello
+		cs = append(cs, dial(t, path, ipc.ClientConfig{}))
+	}
+	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 3 }), "%+v", s.Stats())
+	for i := range 2 {
+		cs[i].Close()
+		waitFor(t, h.entered, "an ended connection, being handled")
+	}
+	// Root holds one live without hello; 65534 none: 1 is not more than
+	// 0 + 1. Refused (the total still counts the two ending).
+	awaitEnded(t, floodAs(t, path, nobody, 1), 1, "refused")
+	st := s.Stats()
+	assert.Zero(t, st.ShedConns)
+	assert.EqualValues(t, 1, st.RefusedConns)
+	assert.NoError(t, cs[2].Err(), "root's live connection stays")
+}
+
 // A connection that does not complete its hello in time is closed and
 // told why; a failed hello does not count, and requests before the hello
 // are still served.

@@ -586,7 +586,7 @@ func TestACallThatFindsTheConnectionClosedFailsWithTheServersReason(t *testing.T
 	c, srv := rawServer(t, ipc.ClientConfig{})
 	gate := make(chan struct{})
 	var once sync.Once
-	held := ipc.HoldNextFrame(gate)
+	held := ipc.HoldNextFrame(gate, false)
 	ipc.OnSendToClosedPeer(func() { once.Do(func() { close(gate) }) })
 	t.Cleanup(func() { ipc.OnSendToClosedPeer(nil); once.Do(func() { close(gate) }) })
 

@@ -293,7 +293,7 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 	switch {
 	case mine:
 		limit := ErrLimit
-		if s.unadmittedByUID[cred.UID] == 0 {
+		if s.inUse(cred.UID, false) {
 			limit = ErrConnsInUse
 		}
 		s.refusedConnsUID.Add(1)
@@ -303,7 +303,7 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 			limit, cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)
 	case total:
 		limit := ErrLimit
-		if s.unadmitted == 0 {
+		if s.inUse(0, true) {
 			limit = ErrConnsInUse
 		}
 		s.refusedConns.Add(1)
@@ -342,6 +342,28 @@ func (s *Server) shedFor(uid int) *Peer {
 		}
 	}
 	return best
+}
+
+// inUse reports whether every connection counted, of uid or with all set
+// of every user, is a peer that said hello and is open: not ended, not
+// being closed, its peer not hung up. Only then does a cap they fill not
+// pass by itself (ErrConnsInUse). Call it with s.mu held.
+func (s *Server) inUse(uid int, all bool) bool {
+	want := s.conns
+	if !all {
+		want = s.connsByUID[uid]
+	}
+	n := 0
+	for p := range s.peers {
+		if p.shed || !all && p.cred.UID != uid {
+			continue // a shed one is counted no more
+		}
+		if !p.admitted.Load() || p.hasEnded() || p.conn.hungUp() {
+			return false
+		}
+		n++
+	}
+	return n == want // else some are not peers yet, or ending
 }
 
 // connServing, when set (by tests), runs as an accepted connection's
@@ -453,7 +475,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	defer p.ident.close()
 	p.init(c, s.log, s.cfg.WriteTimeout)
 	p.spin = s.cfg.Spin
-	p.frameLimit, p.rearm, p.ending = p.maxFrame, p.rearmReader, p.ended
+	p.frameLimit, p.rearm, p.ending, p.server = p.maxFrame, p.rearmReader, p.ended, true
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -491,6 +513,13 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 	}
 	s.mu.Lock()
 	delete(s.peers, p)
+	if p.counted {
+		// Ended: it weighs no more in the shedding, while Disconnected
+		// runs (the connection still counts against the caps until it
+		// returns).
+		p.counted = false
+		s.count(p.cred.UID, -1)
+	}
 	s.mu.Unlock()
 	s.cfg.Handler.Disconnected(p, err)
 }

@@ -257,6 +257,9 @@ func (c *Conn) trySend(b []byte, files []*os.File) error {
 // queued (sock.Conn.CaughtUp).
 func (c *Conn) caughtUp() bool { return c.c.CaughtUp() }
 
+// hungUp reports whether the peer has closed its end (sock.Conn.HungUp).
+func (c *Conn) hungUp() bool { return c.c.HungUp() }
+
 // interruptSend makes a blocked send fail with os.ErrDeadlineExceeded.
 func (c *Conn) interruptSend() { _ = c.c.SetWriteDeadline(time.Unix(1, 0)) }
 

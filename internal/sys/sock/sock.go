@@ -533,6 +533,30 @@ func (c *Conn) CaughtUp() bool {
 	return !queued && !c.holding.Load()
 }
 
+// HungUp reports whether the peer has closed its end of the connection
+// (or shut down its writing), as poll(2) sees it, whatever is still queued
+// to be received before that end. A connection closed here has hung up;
+// one whose descriptor cannot be polled has not, as far as it can tell.
+// Safe to call from any goroutine, while a Recv runs.
+func (c *Conn) HungUp() bool {
+	if c.closing.Load() {
+		return true
+	}
+	if c.rc == nil {
+		return false
+	}
+	hup := false
+	if err := c.rc.Control(func(fd uintptr) {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
+		if n, err := unix.Poll(fds, 0); err == nil && n > 0 {
+			hup = fds[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR) != 0
+		}
+	}); err != nil {
+		return true // closed meanwhile
+	}
+	return hup
+}
+
 // Recv receives one message into b and returns its length and the files
 // that came with it, which the caller then owns. A peer that has closed its
 // end (or died) reads as io.EOF, and so does an empty message, which this

@@ -571,3 +571,21 @@ func TestADialStoppedPastItsDeadlineTriesOnceMore(t *testing.T) {
 		c.Close()
 	}
 }
+
+// HungUp says whether the peer has closed its end, what is queued from it
+// notwithstanding, and a connection closed here has hung up too.
+func TestHungUp(t *testing.T) {
+	a, b := pair(t)
+	assert.False(t, b.HungUp(), "both ends open")
+	require.NoError(t, a.Send([]byte("queued"), nil))
+	assert.False(t, b.HungUp(), "a message queued is no end")
+	require.NoError(t, a.Close())
+	assert.True(t, b.HungUp(), "the peer closed, its message still queued")
+	n, _, err := b.Recv(make([]byte, 16))
+	require.NoError(t, err)
+	assert.Equal(t, 6, n)
+	c, d := pair(t)
+	require.NoError(t, d.Close())
+	assert.True(t, d.HungUp(), "closed here")
+	assert.True(t, c.HungUp())
+}
