@@ -532,8 +532,26 @@ func TestACapHeldByAClosingConnectionIsNotInUse(t *testing.T) {
 		})
 		t.Run(c.name+"/hung-up", func(t *testing.T) {
 			s, _, path := heldGoneServer(t, c.lim)
-			a := dial(t, path, ipc.ClientConfig{})
-			hello(t, a)
+			// A client played by hand, which keeps its call lane open
+			// when it closes its connection: the peer lives on, its
+			// connection hung up.
+			ctx, cancel := context.WithTimeout(context.Background(), bound)
+			defer cancel()
+			a, err := sock.Dial(ctx, path)
+			require.NoError(t, err)
+			defer a.Close()
+			buf := make([]byte, ipc.MaxMessage)
+			require.NoError(t, a.Send(frame(t, 1, ipc.KindHello, 0, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}), nil))
+			for replied := false; !replied; {
+				n, files, err := a.Recv(buf)
+				require.NoError(t, err)
+				for _, f := range files {
+					defer f.Close() // the lane
+				}
+				f, err := ipc.ParseFrame(buf[:n])
+				require.NoError(t, err)
+				replied = f.Kind == ipc.KindReply
+			}
 			// The server's reader holds the next frame it takes (the
 			// answer to a push), and does not read the end that follows.
 			gate := make(chan struct{})
@@ -542,8 +560,14 @@ func TestACapHeldByAClosingConnectionIsNotInUse(t *testing.T) {
 			t.Cleanup(func() { ipc.OnSendToClosedPeer(nil) })
 			p := s.Peers()[0]
 			go p.PushWithin(context.Background(), bound, ipc.KindSync, &ipc.Sync{}, &ipc.SyncAck{}) //nolint:errcheck // it ends with the connection
+			n, _, err := a.Recv(buf)
+			require.NoError(t, err)
+			push, err := ipc.ParseFrame(buf[:n])
+			require.NoError(t, err)
+			require.NoError(t, a.Send(frame(t, push.ID, ipc.KindReply, 0, &ipc.SyncAck{}), nil))
 			waitFor(t, held, "the server's reader holding a frame")
-			a.Close()
+			require.NoError(t, a.Close())
+			assert.NoError(t, p.Err(), "the peer lives on")
 			b := dial(t, path, ipc.ClientConfig{})
 			waitFor(t, b.Done(), "the refusal")
 			assert.ErrorIs(t, b.Err(), ipc.ErrLimit)

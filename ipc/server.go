@@ -245,10 +245,10 @@ func (s *Server) Serve(ctx context.Context) error {
 			c.Close()
 			continue // Accept fails next
 		}
-		shed, err := s.takeConn(cred)
-		if err != nil {
+		shed, refused := s.takeConn(cred)
+		if refused != nil {
 			s.mu.Unlock()
-			s.turnAway(c, err)
+			s.turnAway(c, refused.err())
 			continue
 		}
 		s.wg.Add(1)
@@ -270,8 +270,9 @@ func (s *Server) Serve(ctx context.Context) error {
 // is over. At the total cap, a user under its own takes the place of a
 // connection not admitted yet of a user holding more than one more (see
 // shedFor): it returns that peer, uncounted already, for the caller to
-// close. Call it with s.mu held.
-func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
+// close. Call it with s.mu held; the caller asks a refusal its error
+// without it.
+func (s *Server) takeConn(cred Cred) (shed *Peer, refused *refusal) {
 	total, mine := s.conns >= s.lim.MaxConns, s.connsByUID[cred.UID] >= s.lim.MaxConnsPerUID
 	if total && !mine {
 		if shed = s.shedFor(cred.UID); shed != nil {
@@ -292,24 +293,18 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, err error) {
 	// before: a client may try again (Attach does).
 	switch {
 	case mine:
-		limit := ErrLimit
-		if s.inUse(cred.UID, false) {
-			limit = ErrConnsInUse
-		}
 		s.refusedConnsUID.Add(1)
 		s.trip("conns-per-uid", "ipc: refused a connection: too many connections per user",
 			"limit", "conns-per-uid", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConnsPerUID)
-		return nil, fmt.Errorf("%w: uid %d has %d connections open, at most %d per user",
-			limit, cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)
+		return nil, &refusal{inUse: s.inUse(cred.UID, false),
+			why: fmt.Sprintf("uid %d has %d connections open, at most %d per user",
+				cred.UID, s.connsByUID[cred.UID], s.lim.MaxConnsPerUID)}
 	case total:
-		limit := ErrLimit
-		if s.inUse(0, true) {
-			limit = ErrConnsInUse
-		}
 		s.refusedConns.Add(1)
 		s.trip("conns", "ipc: refused a connection: too many connections",
 			"limit", "conns", "pid", cred.PID, "uid", cred.UID, "max", s.lim.MaxConns)
-		return nil, fmt.Errorf("%w: %d connections open, at most %d", limit, s.conns, s.lim.MaxConns)
+		return nil, &refusal{inUse: s.inUse(0, true),
+			why: fmt.Sprintf("%d connections open, at most %d", s.conns, s.lim.MaxConns)}
 	}
 	s.conns++
 	s.connsByUID[cred.UID]++
@@ -344,26 +339,60 @@ func (s *Server) shedFor(uid int) *Peer {
 	return best
 }
 
-// inUse reports whether every connection counted, of uid or with all set
-// of every user, is a peer that said hello and is open: not ended, not
-// being closed, its peer not hung up. Only then does a cap they fill not
-// pass by itself (ErrConnsInUse). Call it with s.mu held.
-func (s *Server) inUse(uid int, all bool) bool {
+// refusal is a connection refused over a cap: why, and, if every
+// connection the cap counts was an open peer that said hello, those
+// peers.
+type refusal struct {
+	why   string
+	inUse []*Peer
+}
+
+// err is the refusal's error: ErrConnsInUse if the cap is in use by peers
+// that said hello, none of whose peers has hung up since (a cap they fill
+// does not pass by itself), plain ErrLimit if not. It looks at each of
+// those peers' sockets (a system call each): call it without s.mu.
+func (r *refusal) err() error {
+	limit := ErrConnsInUse
+	if r.inUse == nil {
+		limit = ErrLimit
+	}
+	for _, p := range r.inUse {
+		if p.conn.hungUp() {
+			limit = ErrLimit // closing: its end is not read yet
+			break
+		}
+	}
+	return fmt.Errorf("%w: %s", limit, r.why)
+}
+
+// inUse returns the peers that hold the connections counted, of uid or
+// with all set of every user, if every one of those is a peer that said
+// hello and is open (not ended, not being closed); nil otherwise. Call it
+// with s.mu held.
+func (s *Server) inUse(uid int, all bool) []*Peer {
 	want := s.conns
 	if !all {
+		if s.unadmittedByUID[uid] > 0 {
+			return nil
+		}
 		want = s.connsByUID[uid]
+	} else if s.unadmitted > 0 {
+		return nil
 	}
-	n := 0
+	var ps []*Peer
 	for p := range s.peers {
 		if p.shed || !all && p.cred.UID != uid {
 			continue // a shed one is counted no more
 		}
-		if !p.admitted.Load() || p.hasEnded() || p.conn.hungUp() {
-			return false
+		if !p.admitted.Load() || p.hasEnded() {
+			return nil
 		}
-		n++
+		ps = append(ps, p)
 	}
-	return n == want // else some are not peers yet, or ending
+	if len(ps) != want {
+		return nil // some are not peers yet, or ending
+	}
+	return ps
 }
 
 // connServing, when set (by tests), runs as an accepted connection's
