@@ -31,10 +31,11 @@ func (e *limitError) Unwrap() error { return ErrLimit }
 var errSlowReader = errors.New("peer is not reading")
 
 // ErrConnsInUse is the ErrLimit of a connection refused because every
-// connection the cap allows belongs to a peer that said hello: unlike a cap
-// filled by connections that never speak (each closed at its hello
-// deadline, the oldest first) or that are closing, it does not pass by
-// itself. A connection over its user's cap (MaxConnsPerUID) is refused
+// connection the cap allows belongs to an open peer that said hello:
+// unlike a cap filled by connections that never speak (each closed at its
+// hello deadline, the oldest first) or that are closing (ended, their end
+// still handled, or hung up by their peer and not read yet), it does not
+// pass by itself. A connection over its user's cap (MaxConnsPerUID) is refused
 // for that cap, whether or not the total is full too: that is the cap
 // whose connections are judged.
 var ErrConnsInUse = fmt.Errorf("%w: every connection allowed is in use by a peer that said hello", ErrLimit)
