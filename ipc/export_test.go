@@ -154,3 +154,14 @@ func HoldNewConnections(gate <-chan struct{}) {
 	f := func() { <-gate }
 	connServing.Store(&f)
 }
+
+// HoldShedDrops has the closing of connections shed from now on wait
+// until gate is closed; nil gate undoes it.
+func HoldShedDrops(gate <-chan struct{}) {
+	if gate == nil {
+		shedDropping.Store(nil)
+		return
+	}
+	f := func() { <-gate }
+	shedDropping.Store(&f)
+}

@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -599,6 +600,54 @@ func TestEndedConnectionsWeighNothingInTheShedding(t *testing.T) {
 	assert.Zero(t, st.ShedConns)
 	assert.EqualValues(t, 1, st.RefusedConns)
 	assert.NoError(t, cs[2].Err(), "root's live connection stays")
+}
+
+// A connection shed while its hello is handled is not admitted, and its
+// hello is answered with the reason (a limit: an attach tries again), not
+// with a success the connection's end would then contradict.
+func TestAHelloShedWhileHandledFails(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a helper switches to uid 65534 with setuid")
+	}
+	h := newHandler()
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind == ipc.KindHello {
+			entered <- struct{}{}
+			<-release
+		}
+		return nil, nil, false
+	}
+	path := openSocketPath(t)
+	s := startServerOn(t, listen(t, path), quietHandler{h}, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs = []int{nobody}
+		c.Limits = ipc.Limits{MaxConns: 3, MaxConnsPerUID: 3, HelloTimeout: time.Hour}
+	})
+	var once sync.Once
+	t.Cleanup(func() { once.Do(func() { close(release) }) })
+	require.NoError(t, os.Chmod(path, 0o666))
+
+	first := dial(t, path, ipc.ClientConfig{}) // root's oldest: the one shed
+	done := make(chan error, 1)
+	go func() {
+		done <- first.Call(ctxBound(t), ipc.KindHello, &ipc.Hello{ABI: ipc.ABI, PID: os.Getpid(), UID: os.Getuid(), Role: "secondary"}, &ipc.HelloReply{})
+	}()
+	waitFor(t, entered, "the hello in its handler")
+	for range 2 {
+		dial(t, path, ipc.ClientConfig{})
+	}
+	require.True(t, eventually(func() bool { return len(s.Peers()) == 3 }), "root's three are peers")
+	gate := make(chan struct{})
+	ipc.HoldShedDrops(gate)
+	t.Cleanup(func() { ipc.HoldShedDrops(nil) })
+	defer close(gate)
+	floodAs(t, path, nobody, 1) // 0 against root's 3 without hello
+	require.True(t, eventually(func() bool { return s.Stats().ShedConns == 1 }), "%+v", s.Stats())
+
+	once.Do(func() { close(release) }) // the hello's handler returns, its connection not closed yet
+	err := waitFor(t, done, "the hello's answer")
+	assert.ErrorIs(t, err, ipc.ErrLimit)
+	assert.ErrorContains(t, err, "to make room")
 }
 
 // A connection that does not complete its hello in time is closed and

@@ -252,14 +252,20 @@ func (s *Server) Serve(ctx context.Context) error {
 			continue
 		}
 		s.wg.Add(1)
+		var why error
+		if shed != nil {
+			why = shed.shedReason()
+		}
 		s.mu.Unlock()
 		if shed != nil {
 			// Not here: its farewell may wait for room in its queue.
 			s.wg.Add(1)
 			go func() {
 				defer s.wg.Done()
-				shed.drop(fmt.Errorf("%w: closed to make room for a user with fewer connections without hello: %d open at most, uid %d held %d without hello",
-					ErrLimit, s.lim.MaxConns, shed.cred.UID, shed.shedFrom))
+				if h := shedDropping.Load(); h != nil {
+					(*h)()
+				}
+				shed.drop(why)
 			}()
 		}
 		go s.serveConn(c, cred)
@@ -749,15 +755,20 @@ func (p *Peer) rearmReader() bool {
 }
 
 // admit marks the peer as having completed its hello: from now on the
-// limits of Limits apply instead of those of a stranger.
-func (p *Peer) admit() {
+// limits of Limits apply instead of those of a stranger. A peer shed
+// meanwhile (closing, its connection counted no more) is not admitted:
+// admit returns why, for the hello's answer.
+func (p *Peer) admit() error {
 	s := p.srv
 	s.mu.Lock()
-	if p.shed || p.admitted.Load() {
-		// Shed: closing, and admitted no more (its connection no longer
-		// counts).
+	if p.shed {
+		why := p.shedReason()
 		s.mu.Unlock()
-		return
+		return why
+	}
+	if p.admitted.Load() {
+		s.mu.Unlock()
+		return nil
 	}
 	p.admitted.Store(true)
 	if p.counted {
@@ -771,7 +782,19 @@ func (p *Peer) admit() {
 	// the peer may send a larger one as soon as it has the hello's reply,
 	// which goes out after this: wake the reader so it takes a full one.
 	_ = p.conn.c.SetReadDeadline(time.Unix(1, 0))
+	return nil
 }
+
+// shedReason says why p was shed. Call it with srv.mu held, once p.shed
+// is set.
+func (p *Peer) shedReason() error {
+	return fmt.Errorf("%w: closed to make room for a user with fewer connections without hello: %d open at most, uid %d held %d without hello",
+		ErrLimit, p.srv.lim.MaxConns, p.cred.UID, p.shedFrom)
+}
+
+// shedDropping, when set (by tests), runs before a shed peer's connection
+// is closed.
+var shedDropping atomic.Pointer[func()]
 
 // watchProcess ends the connection when the process that made it exits,
 // should a child it forked hold the connection (and the call lane) open
@@ -1053,7 +1076,9 @@ func (p *Peer) handle(m message) {
 		// and before the hello stops counting as running, so that the
 		// hello timer, firing in between, finds the peer admitted rather
 		// than finding no hello.
-		p.admit()
+		if why := p.admit(); why != nil {
+			reply, err = nil, why // shed meanwhile: no success to answer
+		}
 	}
 	// The request holds its descriptors no more (the handler took them or
 	// they are closed): make room before the peer learns the answer.
