@@ -255,11 +255,11 @@ func (s *Server) Serve(ctx context.Context) error {
 		var why error
 		if shed != nil {
 			why = shed.shedReason()
+			s.wg.Add(1)
 		}
 		s.mu.Unlock()
 		if shed != nil {
 			// Not here: its farewell may wait for room in its queue.
-			s.wg.Add(1)
 			go func() {
 				defer s.wg.Done()
 				if h := shedDropping.Load(); h != nil {
@@ -444,7 +444,17 @@ func (s *Server) uncount(uid int) {
 func (s *Server) turnAway(c *Conn, why error) {
 	select {
 	case s.refusing <- struct{}{}:
+		// Counted under mu, unless closed: Close waits for what is
+		// counted, and counts nothing once it has begun to wait.
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			<-s.refusing
+			c.Close()
+			return
+		}
 		s.wg.Add(1)
+		s.mu.Unlock()
 		go func() {
 			defer s.wg.Done()
 			refuse(c, why)
