@@ -386,13 +386,14 @@ func (e *endpoint) writeBounded(ctx, caller context.Context, id uint64, kind Kin
 		// first (a limit, a refusal), in a frame the reader may not have
 		// handled yet: the reader, which takes what is queued up to the
 		// end, ends the connection with it. Waited for laneGrace at most,
-		// within the send's bound and the caller's patience (a peer that
-		// shut only its reading side keeps the connection open, and the
-		// end may not come).
+		// within the send's bound (its context's deadline or the write
+		// timeout) and the caller's patience: a peer that shut only its
+		// reading side keeps the connection open, and the end may not
+		// come.
 		if h := sentToClosed.Load(); h != nil {
 			(*h)()
 		}
-		grace := time.NewTimer(peerClosedGrace)
+		grace := time.NewTimer(max(min(peerClosedGrace, time.Until(deadline)), 0))
 		select {
 		case <-e.done:
 		case <-grace.C:

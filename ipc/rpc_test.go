@@ -621,3 +621,28 @@ func TestAPushToAPeerThatStoppedReadingKeepsItsBound(t *testing.T) {
 	err = waitFor(t, done, "the push, bound to 50 ms, with an hour's grace for the reason")
 	assert.ErrorIs(t, err, ipc.ErrPeerGone)
 }
+
+// A call with no deadline of its own to a server that shut only its
+// reading side: the wait for the server's reason keeps the send's bound,
+// the write timeout.
+func TestACallToAServerThatStoppedReadingKeepsTheWriteTimeout(t *testing.T) {
+	defer ipc.SetPeerClosedGrace(time.Hour)()
+	path := filepath.Join(t.TempDir(), "raw.sock")
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	require.NoError(t, err)
+	defer l.Close()
+	accepted := make(chan *net.UnixConn, 1)
+	go func() {
+		if srv, err := l.AcceptUnix(); err == nil {
+			accepted <- srv
+		}
+	}()
+	c := dial(t, path, ipc.ClientConfig{WriteTimeout: 50 * time.Millisecond})
+	srv := waitFor(t, accepted, "the connection")
+	defer srv.Close()
+	require.NoError(t, srv.CloseRead())
+	done := make(chan error, 1)
+	go func() { done <- c.Call(context.Background(), ipc.KindStats, &ipc.StatsRequest{}, nil) }()
+	err = waitFor(t, done, "the call, its send bound by a 50 ms write timeout, with an hour's grace for the reason")
+	assert.ErrorIs(t, err, ipc.ErrPeerGone)
+}
