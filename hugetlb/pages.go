@@ -390,7 +390,9 @@ func (m *Memory) Free(r Region) error {
 // into quarantine; the others stay marked as being freed, for the caller
 // to punch. If the unmap fails, nothing changes but the mark, which goes
 // (vm.Release reserves again a range a failed unmap left empty, and
-// counts that as done; only if it cannot does a hole stay, ErrHole).
+// counts that as done; a hole it cannot fill, vm.ErrHole, stays counted
+// as mapped here, and a later unmap of the pages would replace whatever
+// took it).
 func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error) {
 	err = vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize))
 	m.mu.Lock()
@@ -554,9 +556,10 @@ var mapFile, releaseRange = vm.MapFile, vm.Release
 // they may no longer be readable when the subscribers hear of it. If
 // that release fails too, as both do at the limit of the process's
 // mappings (vm.max_map_count: each splits the reservation), something
-// is still mapped there (a failed release reserves a hole again) and
-// the kernel has most likely changed nothing: the pages stay counted as
-// they were, and those mapped are announced again.
+// is most likely still mapped there (a failed release reserves a hole
+// again, and says vm.ErrHole if it cannot) and the kernel has changed
+// nothing: the pages stay counted as they were, and those mapped are
+// announced again.
 func (m *Memory) mapRun(l *list, first, n int) error {
 	if err := mapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
 		err = fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)

@@ -125,7 +125,8 @@ func HoldNextFrame(gate <-chan struct{}, server bool) (held <-chan struct{}) {
 }
 
 // OnSendToClosedPeer has f run when a send finds the peer's end closed,
-// before the caller waits for the connection's end; nil undoes it.
+// before the caller waits for the connection's end; nil undoes it, and
+// HoldNextFrame too.
 func OnSendToClosedPeer(f func()) {
 	if f == nil {
 		sentToClosed.Store(nil)

@@ -71,7 +71,9 @@ type Limits struct {
 	// such, less one: then the oldest of that user's is closed, told why,
 	// in its place (ServerStats.ShedConns). Users that each stay within
 	// MaxConnsPerUID and never say hello so lock no other out, whatever
-	// that user's admitted connections are; admitted ones are never shed.
+	// that user's admitted connections are (admitted ones are never
+	// shed) — unless they are so many that none of them holds two more
+	// than that user.
 	MaxConns int
 	// MaxConnsPerUID bounds the connections of one user (by the
 	// kernel's credentials), so that one user cannot take them all.
@@ -153,7 +155,8 @@ type ServerStats struct {
 	RefusedConns    uint64 `json:"refused_conns"`
 	RefusedConnsUID uint64 `json:"refused_conns_uid"`
 	// ShedConns counts connections not admitted yet that were closed to
-	// make room, over MaxConns, for a user holding fewer connections.
+	// make room, over MaxConns, for a user holding fewer connections
+	// without hello (by two at least; see MaxConns).
 	ShedConns uint64 `json:"shed_conns"`
 	// HelloTimeouts counts connections closed for an overdue hello.
 	HelloTimeouts uint64 `json:"hello_timeouts"`

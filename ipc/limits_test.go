@@ -430,7 +430,7 @@ func TestABurstShedsNoMoreThanItsConnectionsOneByOne(t *testing.T) {
 	s, path := usersServer(t, 8, 8)
 	floodAs(t, path, other, 6)
 	floodAs(t, path, nobody, 2)
-	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 8 }), "%+v", s.Stats())
+	require.True(t, eventually(func() bool { return len(s.Peers()) == 8 }), "every connection a peer: %+v", s.Stats())
 
 	// 65534's four, all accepted before any becomes a peer: two shed one
 	// of 65533's each (2 against 6, then 3 against 5), then 4 against 4.
@@ -588,7 +588,7 @@ func TestEndedConnectionsWeighNothingInTheShedding(t *testing.T) {
 	for range 3 { // root's, without hello
 		cs = append(cs, dial(t, path, ipc.ClientConfig{}))
 	}
-	require.True(t, eventually(func() bool { return s.Stats().Unadmitted == 3 }), "%+v", s.Stats())
+	require.True(t, eventually(func() bool { return len(s.Peers()) == 3 }), "root's three are peers: %+v", s.Stats())
 	for i := range 2 {
 		cs[i].Close()
 		waitFor(t, h.entered, "an ended connection, being handled")

@@ -114,15 +114,20 @@ type Server struct {
 	maxInflight int
 	lim         Limits // with defaults
 
-	mu         sync.Mutex
-	serving    bool
-	closed     bool
-	peers      map[*Peer]struct{}
-	nextPeer   uint64
-	conns      int         // open, from accept to the end of serveConn
-	connsByUID map[int]int // the same, by user
-	unadmitted int         // peers not admitted yet (and not shed)
-	// unadmittedByUID is the same by user, which shedFor weighs.
+	mu       sync.Mutex
+	serving  bool
+	closed   bool
+	peers    map[*Peer]struct{}
+	nextPeer uint64
+	// conns counts the connections from their accept to the end of
+	// serveConn, but for those shed, uncounted at once (they may stay open
+	// a moment, up to farewellWait); connsByUID, the same by user.
+	conns      int
+	connsByUID map[int]int
+	// unadmitted counts the connections that need a hello and have not
+	// said it, from their accept until they are admitted, shed, or leave
+	// the peers; unadmittedByUID, the same by user, which shedFor weighs.
+	unadmitted      int
 	unadmittedByUID map[int]int
 	wg              sync.WaitGroup // connection and handler goroutines
 	refusing        chan struct{}  // refusals draining (maxRefusing)
@@ -284,8 +289,8 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, refused *refusal) {
 		if shed = s.shedFor(cred.UID); shed != nil {
 			shed.shed, shed.shedFrom = true, s.unadmittedByUID[shed.cred.UID]
 			shed.counted = false
-			s.count(shed.cred.UID, -1)
-			s.uncount(shed.cred.UID)
+			s.countUnadmitted(shed.cred.UID, -1)
+			s.uncountConn(shed.cred.UID)
 			s.shedConns.Add(1)
 			s.trip("shed", "ipc: closed a connection without hello to make room for a user with fewer",
 				"limit", "conns", "pid", shed.cred.PID, "uid", shed.cred.UID, "for_pid", cred.PID, "for_uid", cred.UID)
@@ -317,7 +322,7 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, refused *refusal) {
 	if s.cfg.HelloKind != 0 {
 		// Counted without hello from now: a burst of the user's is
 		// weighed whole by shedFor, before its goroutines make peers.
-		s.count(cred.UID, 1)
+		s.countUnadmitted(cred.UID, 1)
 	}
 	return shed, nil
 }
@@ -332,11 +337,18 @@ func (s *Server) takeConn(cred Cred) (shed *Peer, refused *refusal) {
 // secondaries hold, and no user is made to give way to one that holds as
 // many. Call it with s.mu held.
 func (s *Server) shedFor(uid int) *Peer {
-	var best *Peer
 	most := s.unadmittedByUID[uid] + 1 // what a candidate's user must hold more than
+	heavier := false
+	for _, n := range s.unadmittedByUID {
+		heavier = heavier || n > most
+	}
+	if !heavier {
+		return nil // no walk over the peers
+	}
+	var best *Peer
 	for p := range s.peers {
-		if !p.counted {
-			continue
+		if !p.counted || p.hasEnded() {
+			continue // an ended one goes by itself
 		}
 		if n := s.unadmittedByUID[p.cred.UID]; n > most || best != nil && n == most && p.id < best.id {
 			best, most = p, n
@@ -405,9 +417,9 @@ func (s *Server) inUse(uid int, all bool) []*Peer {
 // goroutine starts, before the connection is a peer.
 var connServing atomic.Pointer[func()]
 
-// count counts a connection of uid in those not admitted yet (by n, 1 or
-// -1). Call it with s.mu held.
-func (s *Server) count(uid, n int) {
+// countUnadmitted counts a connection of uid in those without hello (by
+// n, 1 or -1). Call it with s.mu held.
+func (s *Server) countUnadmitted(uid, n int) {
 	s.unadmitted += n
 	if s.unadmittedByUID[uid] += n; s.unadmittedByUID[uid] <= 0 {
 		delete(s.unadmittedByUID, uid)
@@ -421,15 +433,16 @@ func (s *Server) releaseConn(p *Peer) {
 	defer s.mu.Unlock()
 	if p.counted {
 		p.counted = false
-		s.count(p.cred.UID, -1)
+		s.countUnadmitted(p.cred.UID, -1)
 	}
 	if !p.shed {
-		s.uncount(p.cred.UID)
+		s.uncountConn(p.cred.UID)
 	}
 }
 
-// uncount uncounts a connection of uid. Call it with s.mu held.
-func (s *Server) uncount(uid int) {
+// uncountConn uncounts a connection of uid from conns and connsByUID.
+// Call it with s.mu held.
+func (s *Server) uncountConn(uid int) {
 	s.conns--
 	if s.connsByUID[uid]--; s.connsByUID[uid] <= 0 {
 		delete(s.connsByUID, uid)
@@ -563,7 +576,7 @@ func (s *Server) serveConn(c *Conn, cred Cred) {
 		// runs (the connection still counts against the caps until it
 		// returns).
 		p.counted = false
-		s.count(p.cred.UID, -1)
+		s.countUnadmitted(p.cred.UID, -1)
 	}
 	s.mu.Unlock()
 	s.cfg.Handler.Disconnected(p, err)
@@ -783,7 +796,7 @@ func (p *Peer) admit() error {
 	p.admitted.Store(true)
 	if p.counted {
 		p.counted = false
-		s.count(p.cred.UID, -1)
+		s.countUnadmitted(p.cred.UID, -1)
 	}
 	s.mu.Unlock()
 	p.helloTimer.Stop()

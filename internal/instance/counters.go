@@ -50,7 +50,7 @@ const (
 	CIPCViolations           // connections closed for breaking the protocol
 	CIPCStarvedLanes         // lane threads let go from a CPU they could not run on
 	CIPCIdleLanes            // lane threads that gave their CPU back while their peer was quiet
-	CIPCShedConns            // connections without hello closed to make room for a user with fewer
+	CIPCShedConns            // connections without hello closed to make room for a user with fewer such
 	NumCounters
 )
 
@@ -169,7 +169,7 @@ type Counters struct {
 	// while their secondary asked nothing (primary with FollowCPU).
 	IPCIdleLanes uint64 `json:"ipc_idle_lanes"`
 	// Connections that had not said hello, closed over the total cap to
-	// make room for a user holding fewer (primary).
+	// make room for a user holding fewer such (primary).
 	IPCShedConns uint64 `json:"ipc_shed_conns"`
 }
 

@@ -27,9 +27,9 @@ var (
 	ErrRangeTaken = errors.New("vm: address range already in use")
 	// ErrNotMapped means part of a range is unmapped or inaccessible.
 	ErrNotMapped = errors.New("vm: range not mapped readable")
-	// ErrHole means a failed Release left its range with nothing mapped
-	// at all, not even a reservation: any other mapping of the process
-	// may be placed there.
+	// ErrHole means a failed Release left part of its range or all of it
+	// with nothing mapped, not even a reservation: any other mapping of
+	// the process may be placed there.
 	ErrHole = errors.New("vm: range left unmapped")
 )
 
@@ -182,10 +182,13 @@ func MapSharedReadOnly(fd int, length uintptr) (uintptr, error) {
 //
 // If it fails, the range is most likely as it was. Kernels before 6.12
 // may first remove what was mapped and then fail: Release then reserves
-// the hole again, without replacing anything, and returns nil if it can.
-// If it cannot, the error matches ErrHole: part of the range or all of
+// the whole range again, without replacing anything, and returns nil if
+// it can. If it cannot (the reservation fails, or only part of the range
+// was emptied), the error matches ErrHole: part of the range or all of
 // it has nothing mapped, and any other mapping of the process may be
-// placed there.
+// placed there. A mapping another thread places in the hole between the
+// two calls is not told from what was there: Release then reports the
+// failure without ErrHole.
 func Release(addr, length uintptr) error {
 	const flags = unix.MAP_PRIVATE | unix.MAP_ANONYMOUS | unix.MAP_NORESERVE
 	_, err := fixedMap(addr, length, unix.PROT_NONE, flags|unix.MAP_FIXED, -1, 0)
