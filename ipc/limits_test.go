@@ -277,21 +277,28 @@ func awaitEnded(t *testing.T, h *testproc.Proc, n int, what string) (limited int
 	return limited
 }
 
-// usersServer starts a server with a hello, in a directory and on a
-// socket anyone may use, that lets in root, nobody and other, with the
-// caps given and no hello deadline to speak of.
+// openServer starts a server with a hello and handler h, in a directory
+// and on a socket anyone may use, that lets in root and allow, with the
+// limits lim and an hour to say hello.
+func openServer(t *testing.T, h ipc.Handler, lim ipc.Limits, allow ...int) (*testServer, string) {
+	t.Helper()
+	path := openSocketPath(t)
+	lim.HelloTimeout = time.Hour
+	s := startServerOn(t, listen(t, path), h, withHello, func(c *ipc.ServerConfig) {
+		c.AllowUIDs, c.Limits = allow, lim
+	})
+	require.NoError(t, os.Chmod(path, 0o666))
+	return s, path
+}
+
+// usersServer is openServer for root, nobody and other, with the caps
+// given.
 func usersServer(t *testing.T, maxConns, perUID int) (*testServer, string) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: helpers switch to uids 65534 and 65533 with setuid")
 	}
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs = []int{nobody, other}
-		c.Limits = ipc.Limits{MaxConns: maxConns, MaxConnsPerUID: perUID, HelloTimeout: time.Hour}
-	})
-	require.NoError(t, os.Chmod(path, 0o666))
-	return s, path
+	return openServer(t, quietHandler{newHandler()}, ipc.Limits{MaxConns: maxConns, MaxConnsPerUID: perUID}, nobody, other)
 }
 
 // The total and per-user caps count connections of real users.
@@ -299,13 +306,7 @@ func TestConnectionCaps(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: a helper switches to uid 65534 with setuid")
 	}
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs = []int{nobody}
-		c.Limits = ipc.Limits{MaxConns: 6, MaxConnsPerUID: 4, HelloTimeout: time.Hour}
-	})
-	require.NoError(t, os.Chmod(path, 0o666))
-
+	s, path := openServer(t, quietHandler{newHandler()}, ipc.Limits{MaxConns: 6, MaxConnsPerUID: 4}, nobody)
 	h := floodAs(t, path, nobody, 6)
 	require.True(t, eventually(func() bool { st := s.Stats(); return st.Conns == 4 && st.RefusedConnsUID == 2 }),
 		"4 of uid 65534's 6 connections are served, 2 refused: %+v", s.Stats())
@@ -339,12 +340,7 @@ func TestRefusedUsersCountAgainstNoCap(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: a helper switches to uid 65534 with setuid")
 	}
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{newHandler()}, withHello, func(c *ipc.ServerConfig) {
-		c.Limits = ipc.Limits{MaxConns: 2, MaxConnsPerUID: 1, HelloTimeout: time.Hour}
-	})
-	require.NoError(t, os.Chmod(path, 0o666))
-
+	s, path := openServer(t, quietHandler{newHandler()}, ipc.Limits{MaxConns: 2, MaxConnsPerUID: 1})
 	h := floodAs(t, path, nobody, 8)
 	assert.Zero(t, awaitEnded(t, h, 8, "every connection of uid 65534 is refused"), "for its credentials, not a limit")
 	st := s.Stats()
@@ -495,19 +491,13 @@ func (h heldGone) Disconnected(p *ipc.Peer, err error) {
 	<-h.gate
 }
 
-// heldGoneServer starts a server with a hello whose handler is a heldGone,
-// with limits lim (an hour to say hello), on a socket anyone may use; the
-// gate opens before the server closes.
+// heldGoneServer is openServer with a heldGone handler, whose gate opens
+// before the server closes.
 func heldGoneServer(t *testing.T, lim ipc.Limits, allow ...int) (*testServer, heldGone, string) {
 	t.Helper()
 	h := heldGone{quietHandler{newHandler()}, make(chan struct{}), make(chan *ipc.Peer, 64)}
-	path := openSocketPath(t)
-	lim.HelloTimeout = time.Hour
-	s := startServerOn(t, listen(t, path), h, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs, c.Limits = allow, lim
-	})
+	s, path := openServer(t, h, lim, allow...)
 	t.Cleanup(func() { close(h.gate) }) // before the server's Close: cleanups run last first
-	require.NoError(t, os.Chmod(path, 0o666))
 	return s, h, path
 }
 
@@ -618,14 +608,9 @@ func TestAHelloShedWhileHandledFails(t *testing.T) {
 		}
 		return nil, nil, false
 	}
-	path := openSocketPath(t)
-	s := startServerOn(t, listen(t, path), quietHandler{h}, withHello, func(c *ipc.ServerConfig) {
-		c.AllowUIDs = []int{nobody}
-		c.Limits = ipc.Limits{MaxConns: 3, MaxConnsPerUID: 3, HelloTimeout: time.Hour}
-	})
+	s, path := openServer(t, quietHandler{h}, ipc.Limits{MaxConns: 3, MaxConnsPerUID: 3}, nobody)
 	var once sync.Once
 	t.Cleanup(func() { once.Do(func() { close(release) }) })
-	require.NoError(t, os.Chmod(path, 0o666))
 
 	first := dial(t, path, ipc.ClientConfig{}) // root's oldest: the one shed
 	done := make(chan error, 1)
