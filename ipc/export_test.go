@@ -3,6 +3,7 @@ package ipc
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -147,22 +148,19 @@ func SetPeerClosedGrace(d time.Duration) (restore func()) {
 // HoldNewConnections has the goroutines of connections accepted from now
 // on wait, before they become peers, until gate is closed; nil gate undoes
 // it.
-func HoldNewConnections(gate <-chan struct{}) {
-	if gate == nil {
-		connServing.Store(nil)
-		return
-	}
-	f := func() { <-gate }
-	connServing.Store(&f)
-}
+func HoldNewConnections(gate <-chan struct{}) { holdAt(&connServing, gate) }
 
 // HoldShedDrops has the closing of connections shed from now on wait
 // until gate is closed; nil gate undoes it.
-func HoldShedDrops(gate <-chan struct{}) {
+func HoldShedDrops(gate <-chan struct{}) { holdAt(&shedDropping, gate) }
+
+// holdAt sets hook to wait until gate is closed, or unsets it if gate is
+// nil.
+func holdAt(hook *atomic.Pointer[func()], gate <-chan struct{}) {
 	if gate == nil {
-		shedDropping.Store(nil)
+		hook.Store(nil)
 		return
 	}
 	f := func() { <-gate }
-	shedDropping.Store(&f)
+	hook.Store(&f)
 }

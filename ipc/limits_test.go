@@ -291,6 +291,20 @@ func openServer(t *testing.T, h ipc.Handler, lim ipc.Limits, allow ...int) (*tes
 	return s, path
 }
 
+// awaitTwoEnded waits until n of two flood helpers' connections in all
+// were closed, and returns how many of each's were, and how many of those
+// each was told were over a limit.
+func awaitTwoEnded(t *testing.T, floods []*testproc.Proc, n int, what string) (closed, limited [2]int) {
+	t.Helper()
+	require.True(t, eventually(func() bool {
+		for i, h := range floods {
+			closed[i], limited[i] = floodEnded(t, h)
+		}
+		return closed[0]+closed[1] == n
+	}), "%s: %v closed", what, closed)
+	return closed, limited
+}
+
 // usersServer is openServer for root, nobody and other, with the caps
 // given.
 func usersServer(t *testing.T, maxConns, perUID int) (*testServer, string) {
@@ -363,13 +377,7 @@ func TestTheTotalCapMakesRoomForALighterUser(t *testing.T) {
 	for range 2 { // root, 0 then 1, against two users of 4: served
 		hello(t, dial(t, path, ipc.ClientConfig{}))
 	}
-	var closed, limited [2]int
-	require.True(t, eventually(func() bool {
-		for i, h := range floods {
-			closed[i], limited[i] = floodEnded(t, h)
-		}
-		return closed[0]+closed[1] == 2
-	}), "two of the flooders' connections made room")
+	closed, limited := awaitTwoEnded(t, floods, 2, "two of the flooders' connections made room")
 	assert.Equal(t, [2]int{1, 1}, closed, "one of each user's: each was the heavier in turn (the older first)")
 	assert.Equal(t, closed, limited, "each told why")
 	st := s.Stats()
@@ -401,13 +409,7 @@ func TestSheddingWeighsOnlyConnectionsWithoutHello(t *testing.T) {
 
 	// Root holds 2, each flooder 3; but root holds none without hello.
 	hello(t, dial(t, path, ipc.ClientConfig{}))
-	var closed, limited [2]int
-	require.True(t, eventually(func() bool {
-		for i, h := range floods {
-			closed[i], limited[i] = floodEnded(t, h)
-		}
-		return closed[0]+closed[1] == 1
-	}), "one of the flooders' connections made room")
+	closed, limited := awaitTwoEnded(t, floods, 1, "one of the flooders' connections made room")
 	assert.Equal(t, [2]int{1, 0}, closed, "the older flooder's")
 	assert.Equal(t, closed, limited, "told why")
 
