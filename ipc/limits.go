@@ -33,7 +33,8 @@ var errSlowReader = errors.New("peer is not reading")
 // ErrConnsInUse is the ErrLimit of a connection refused because every
 // connection the cap allows belongs to an open peer that said hello:
 // unlike a cap filled by connections that never speak (each closed at its
-// hello deadline, the oldest first) or that are closing (ended, their end
+// hello deadline, the oldest first), that were retired (Peer.Retire) or
+// that are closing (ended, their end
 // still handled, or hung up by their peer and not read yet), it does not
 // pass by itself. A connection over its user's cap (MaxConnsPerUID) is refused
 // for that cap, whether or not the total is full too: that is the cap
@@ -69,7 +70,8 @@ type Limits struct {
 	// One over it is closed at once, told why — unless its user holds
 	// fewer connections not admitted yet than the user holding the most
 	// such, less one: then the oldest of that user's is closed, told why,
-	// in its place (ServerStats.ShedConns). Users that each stay within
+	// in its place (ServerStats.ShedConns). A retired connection
+	// (Peer.Retire) counts as one not admitted. Users that each stay within
 	// MaxConnsPerUID and never say hello so lock no other out, whatever
 	// that user's admitted connections are (admitted ones are never
 	// shed) — unless they are so many that none of them holds two more
@@ -147,7 +149,8 @@ func (l Limits) withDefaults() Limits {
 // value.
 type ServerStats struct {
 	// Conns is how many connections are open now, Unadmitted how many of
-	// them have not completed their hello.
+	// them have not completed their hello or were retired since
+	// (Peer.Retire).
 	Conns      int `json:"conns"`
 	Unadmitted int `json:"unadmitted"`
 	// RefusedConns and RefusedConnsUID count connections closed at once

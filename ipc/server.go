@@ -640,6 +640,7 @@ type Peer struct {
 	counted    bool        // counted in srv.unadmitted; guarded by srv.mu
 	shed       bool        // closed, and uncounted, to make room (see Server.shedFor); guarded by srv.mu
 	shedFrom   int         // its user's connections without hello then; guarded by srv.mu
+	retired    atomic.Bool // left what its hello admitted it to (see Retire); set under srv.mu
 	helloTimer *time.Timer // closes the connection when the hello is overdue
 	helloLook  time.Time   // until when the hello's time may be looked at again (see helloDue); guarded by qmu
 
@@ -789,6 +790,10 @@ func (p *Peer) admit() error {
 		s.mu.Unlock()
 		return why
 	}
+	if p.retired.Load() {
+		s.mu.Unlock()
+		return errRetired
+	}
 	if p.admitted.Load() {
 		s.mu.Unlock()
 		return nil
@@ -807,6 +812,39 @@ func (p *Peer) admit() error {
 	_ = p.conn.c.SetReadDeadline(time.Unix(1, 0))
 	return nil
 }
+
+// Retire says that the peer has left what its hello admitted it to (a
+// secondary detached, say) while its connection may stay open. From then
+// on the connection counts, for the caps, as one without hello again: it
+// holds no cap in use (see ErrConnsInUse), shedFor may close it to make
+// room for a lighter user, and it closes, telling the peer why, when
+// HelloTimeout has passed since Retire, unless it ends before. So a peer
+// that leaves and keeps its connections holds them no longer, and no
+// more of them, than one that never says hello. No hello admits it again.
+// Its requests are still served until it closes: a handler that must
+// serve it nothing more refuses them itself. On a server without
+// HelloKind, which counts no connection as one without hello, Retire only
+// closes the connection after HelloTimeout. Idempotent; the first why
+// stands.
+func (p *Peer) Retire(why error) {
+	s := p.srv
+	s.mu.Lock()
+	if _, ok := s.peers[p]; !ok || p.retired.Load() || p.shed {
+		s.mu.Unlock()
+		return // ending (uncounted then, or about to be), or done already
+	}
+	p.retired.Store(true)
+	if !p.counted && s.cfg.HelloKind != 0 {
+		p.counted = true
+		s.countUnadmitted(p.cred.UID, 1)
+	}
+	s.mu.Unlock()
+	t := time.AfterFunc(s.lim.HelloTimeout, func() { p.drop(why) })
+	context.AfterFunc(p.ctx, func() { t.Stop() })
+}
+
+// errRetired answers a hello on a retired connection.
+var errRetired = fmt.Errorf("%w: the connection was retired: no hello admits it again", ErrLimit)
 
 // shedReason says why p was shed. Call it with srv.mu held, once p.shed
 // is set.
@@ -953,7 +991,14 @@ func (p *Peer) request(f Frame, files []*os.File, lane *sock.Blocking) (inline b
 		m.hello = true
 		p.hellos++
 	}
-	if len(files) > 0 {
+	if f.Kind == p.srv.cfg.HelloKind && p.retired.Load() {
+		m.refused = errRetired // before its handler, which may take it for a hello again
+	}
+	switch {
+	case len(files) == 0:
+	case m.refused != nil:
+		dropFiles(files) // refused whole already
+	default:
 		strip, err := p.checkFiles(f.Kind, len(files))
 		if strip || err != nil {
 			dropFiles(files) // at once: they must not pile up
