@@ -244,12 +244,20 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 			// Judged outside the lock; a hello again on this connection
 			// may replace the record meanwhile: then that one is judged.
 			if s == nil || h.detach(s, p.mayReachAtDetach(s)) {
+				// Its slots are free now, but not the connection, which a
+				// process could keep (and attach again, and again, on
+				// others): it closes by the hello deadline, and counts as
+				// one without hello till then.
+				peer.Retire(errDetachedConn)
 				return &ipc.DetachReply{}, nil
 			}
 		}
 	}
 	return nil, fmt.Errorf("primary: request kind %v not served", kind)
 }
+
+// errDetachedConn closes a connection kept open after its detach.
+var errDetachedConn = fmt.Errorf("%w: the connection detached and serves no attachment", ipc.ErrLimit)
 
 // detach takes s out of the sync set as detached: a secondary unmaps its
 // data memory before it detaches; one that may still reach it (reach) is
