@@ -819,9 +819,12 @@ func (p *Peer) admit() error {
 // holds no cap in use (see ErrConnsInUse), shedFor may close it to make
 // room for a lighter user, and it closes, telling the peer why, when
 // HelloTimeout has passed since Retire, unless it ends before. So a peer
-// that leaves and keeps its connections holds them no longer, and no
-// more of them, than one that never says hello. No hello admits it again.
-// Its requests are still served until it closes: a handler that must
+// that leaves and keeps its connections holds no more of them, and no
+// longer, than one that never says hello — though each still costs what
+// an admitted peer's does till it closes (its call lane's thread, its
+// queue and frame limits). A hello that comes after Retire is refused
+// before its handler; one already under way is the handler's to judge.
+// Other requests are still served until it closes: a handler that must
 // serve it nothing more refuses them itself. On a server without
 // HelloKind, which counts no connection as one without hello, Retire only
 // closes the connection after HelloTimeout. Idempotent; the first why
