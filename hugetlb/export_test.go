@@ -94,3 +94,29 @@ func FailNextMapping(how string) {
 		return fmt.Errorf("vm: map fd %d at 0x%x: %w (made to fail: %s)", fd, addr, unix.ENOMEM, how)
 	}
 }
+
+// LoseNextRelease has the next release of pages (a Free's unmap in the
+// primary, the undoing of a failed Alloc, an unmap in a secondary) fail
+// as a failed MAP_FIXED may on kernels before 6.12, leaving a hole it
+// could not reserve again: the range is unmapped, take runs (another
+// mapping of the process taking the hole), and the error matches
+// ErrHole. Not safe for concurrent use.
+func LoseNextRelease(take func(addr, length uintptr)) {
+	releaseRange = func(addr, length uintptr) error {
+		releaseRange = vm.Release
+		if err := vm.Unmap(addr, length); err != nil {
+			return err
+		}
+		take(addr, length)
+		return fmt.Errorf("vm: release [0x%x, 0x%x): %w (made to fail)", addr, addr+length, vm.ErrHole)
+	}
+}
+
+// FailNextPopulate has the next mapping of an Alloc fail, changing
+// nothing. Not safe for concurrent use.
+func FailNextPopulate() {
+	mapPopulated = func(addr, length uintptr, fd int, off int64) error {
+		mapPopulated = vm.MapFilePopulated
+		return fmt.Errorf("vm: map fd %d at 0x%x: %w (made to fail)", fd, addr, unix.ENOMEM)
+	}
+}

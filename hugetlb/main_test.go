@@ -179,6 +179,7 @@ func helperSecondary(args []string) int {
 		return 3
 	}
 	testproc.Say("attached")
+	var taken [2]uintptr // the sentinel's range
 	in := testproc.Commands()
 	for in.Scan() {
 		f := strings.Fields(in.Text())
@@ -214,6 +215,17 @@ func helperSecondary(args []string) int {
 			hugetlb.FailNextMapping(f[1])
 			f = f[1:]
 			say("mapped", mem.MapPages(int(num(1)), int(num(2)), int(num(3))))
+		case "unmap-losing": // LIST FIRST N: unmap, the release leaving a hole that a sentinel takes
+			hugetlb.LoseNextRelease(func(addr, length uintptr) {
+				if err := sentinel(addr, length); err != nil {
+					testproc.Say("sentinel-error %v", err)
+					os.Exit(3)
+				}
+				taken = [2]uintptr{addr, length}
+			})
+			say("unmapped", mem.UnmapPages(int(num(1)), int(num(2)), int(num(3))))
+		case "sentinel": // whether the sentinel of unmap-losing is still there
+			testproc.Say("sentinel %v", intact(taken))
 		case "unmap": // LIST FIRST N
 			say("unmapped", mem.UnmapPages(int(num(1)), int(num(2)), int(num(3))))
 		case "resync":

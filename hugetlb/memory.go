@@ -55,6 +55,11 @@ var (
 	ErrNoHugepages = ErrNoPages
 	// ErrNoFreeRun means no list has a run of free pages long enough.
 	ErrNoFreeRun = errors.New("hugetlb: no free run of pages large enough")
+	// ErrHole means a failed unmap left part of its range unmapped, and
+	// it could not be reserved again: another mapping of the process may
+	// take it. The pages are lost: never mapped, unmapped, allocated or
+	// freed again by this process (see Free).
+	ErrHole = vm.ErrHole
 	// ErrDoubleFree means part of a range given to Free is not allocated.
 	ErrDoubleFree = errors.New("hugetlb: freeing memory that is not allocated")
 	// ErrUnaligned means a range does not start or end on a page boundary.
@@ -202,6 +207,11 @@ type list struct {
 	state    bitmap // shared: allocated pages
 	mapped   bitmap // private: pages mapped in this process, under Memory.mu
 	reserved bool   // the address range is reserved
+	// lost are pages whose range a failed release may have left to
+	// another mapping of the process (vm.ErrHole): this process never
+	// maps, unmaps, allocates or frees them again, nor unmaps them at
+	// Close. Under Memory.mu.
+	lost bitmap
 
 	// Primary only, under Memory.mu: quarantined pages.
 	held      bitmap
@@ -427,6 +437,7 @@ func Create(seg *shm.Segment, cfg Config) (*Memory, error) {
 		blocks = append(blocks, bitsOff)
 		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path,
 			desc: &descs[i], state: shm.Slice[uint64](seg, bitsOff, words(s.pages)), mapped: make(bitmap, words(s.pages)),
+			lost: make(bitmap, words(s.pages)),
 			held: make(bitmap, words(s.pages)), allocating: make(bitmap, words(s.pages)), freeing: make(bitmap, words(s.pages)),
 			guarding: make(bitmap, words(s.pages))}
 		m.lists = append(m.lists, l)
@@ -516,7 +527,7 @@ func Attach(seg *shm.Segment, o AttachOptions) (*Memory, error) {
 		d := &descs[i]
 		l := &list{index: i, base: s.base, pageSize: s.pageSize, pages: s.pages, kind: s.kind, path: s.path, desc: d,
 			state:  shm.Slice[uint64](seg, s.bitsOff, words(s.pages)),
-			mapped: make(bitmap, words(s.pages))}
+			mapped: make(bitmap, words(s.pages)), lost: make(bitmap, words(s.pages))}
 		m.lists = append(m.lists, l)
 		if err := m.reserve(l, "start the primary with another base address (ListConfig.Base, the runtime's memory base setting)"); err != nil {
 			return fail(err)
@@ -838,9 +849,12 @@ func (m *Memory) release(remove bool) error {
 	var errs []error
 	for _, l := range m.lists {
 		if l.reserved {
-			if err := vm.Unmap(l.base, uintptr(l.size())); err != nil {
-				errs = append(errs, err)
-			}
+			// Around the lost pages: what holds them now is not ours.
+			eachRun(l.lost, 0, l.pages, false, func(a, b int) {
+				if err := vm.Unmap(l.addr(a), uintptr(uint64(b-a)*l.pageSize)); err != nil {
+					errs = append(errs, err)
+				}
+			})
 			l.reserved = false
 			l.mapped.clearRange(0, l.pages)
 		}

@@ -288,10 +288,17 @@ func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 	}
 	// Populated: the primary registers what it allocates, and pinning
 	// would fault every page in anyway (512 a hugepage on tmpfs).
-	if err := vm.MapFilePopulated(r.Addr, uintptr(r.Len), l.fd(), off); err != nil {
-		_ = vm.Release(r.Addr, uintptr(r.Len))
+	if err := mapPopulated(r.Addr, uintptr(r.Len), l.fd(), off); err != nil {
+		err = fmt.Errorf("hugetlb: alloc %s in list %d: %w", FormatSize(r.Len), l.index, err)
+		if rerr := releaseRange(r.Addr, uintptr(r.Len)); rerr != nil {
+			// Still being allocated: no other Alloc or Free has them.
+			m.mu.Lock()
+			m.loseLocked(l, first, n, rerr)
+			m.mu.Unlock()
+			err = fmt.Errorf("%w; undoing it: %w", err, rerr)
+		}
 		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
-		return Region{}, fmt.Errorf("hugetlb: alloc %s in list %d: %w", FormatSize(r.Len), l.index, err)
+		return Region{}, err
 	}
 	m.mu.Lock()
 	m.beginChange()
@@ -337,7 +344,10 @@ func freeHugepages(l *list) uint64 {
 // quarantine (see GuardFree's neighbour, ReleaseQuarantine, and the
 // package's notes on quarantine). If the unmap itself fails, the pages stay
 // allocated (the subscribers have already let go of them, which does no
-// harm). Primary only.
+// harm); if it left a hole it could not reserve again, the error matches
+// ErrHole and the pages are lost: this and every later Free of them
+// fails with ErrHole, no Alloc hands them out, and Close leaves their
+// range be. Primary only.
 func (m *Memory) Free(r Region) error {
 	if !m.primary {
 		return fmt.Errorf("hugetlb: free: %w", ErrNotPrimary)
@@ -384,21 +394,39 @@ func (m *Memory) Free(r Region) error {
 	return nil
 }
 
+// loseLocked marks pages [first, first+n) of l lost if err, a failed
+// release of them, says it left a hole it could not reserve again
+// (vm.ErrHole): part of the range may hold another mapping of the
+// process by now, which any later mapping or unmapping of the pages
+// would replace. The whole range is lost, since what part is not known.
+// Called with m.mu held.
+func (m *Memory) loseLocked(l *list, first, n int, err error) (lost bool) {
+	if !errors.Is(err, vm.ErrHole) {
+		return false
+	}
+	l.lost.setRange(first, n)
+	m.log.Error("hugetlb: pages lost: a failed unmap left their range unmapped and it could not be reserved again; "+
+		"they are never mapped, unmapped or allocated again", "list", l.index, "first", first, "pages", n,
+		"addr", fmt.Sprintf("%#x", l.addr(first)), "err", err)
+	return true
+}
+
 // unmapFreed unmaps a Free's pages here (without m.mu: tearing down the
 // page tables of gigabytes takes a while) and marks them free in the
 // shared descriptor, under m.mu. Pages a fenced process may still map go
 // into quarantine; the others stay marked as being freed, for the caller
 // to punch. If the unmap fails, nothing changes but the mark, which goes
 // (vm.Release reserves again a range a failed unmap left empty, and
-// counts that as done; a hole it cannot fill, vm.ErrHole, stays counted
-// as mapped here, and a later unmap of the pages would replace whatever
-// took it).
+// counts that as done); a hole it cannot fill (vm.ErrHole) loses the
+// pages (see loseLocked): they stay allocated, and nothing touches them
+// again.
 func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error) {
-	err = vm.Release(l.addr(first), uintptr(uint64(n)*l.pageSize))
+	err = releaseRange(l.addr(first), uintptr(uint64(n)*l.pageSize))
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if err != nil {
 		l.freeing.clearRange(first, n)
+		m.loseLocked(l, first, n, err)
 		return false, fmt.Errorf("hugetlb: free: %w", err)
 	}
 	m.beginChange()
@@ -453,6 +481,10 @@ func (m *Memory) markFreeing(r Region) (l *list, first, n int, err error) {
 	l, first, n, err = m.locate(r)
 	if err != nil {
 		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w", r.Addr, r.Addr+uintptr(r.Len), err)
+	}
+	if i := l.lost.next(first, first+n, true); i < first+n {
+		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x was lost to a failed unmap",
+			r.Addr, r.End(), ErrHole, i, l.index, l.addr(i))
 	}
 	for _, c := range []struct {
 		pages bitmap
@@ -539,9 +571,10 @@ func (m *Memory) MapPages(list, first, n int) error {
 	return m.mapRun(l, first, n)
 }
 
-// mapFile and releaseRange are vm.MapFile and vm.Release in a
-// secondary; variables for tests, which make them fail.
-var mapFile, releaseRange = vm.MapFile, vm.Release
+// mapFile and releaseRange are vm.MapFile and vm.Release (in both roles),
+// mapPopulated vm.MapFilePopulated (an Alloc's); variables for tests,
+// which make them fail.
+var mapFile, releaseRange, mapPopulated = vm.MapFile, vm.Release, vm.MapFilePopulated
 
 // mapRun maps pages of l here and announces the newly mapped ones. Called
 // with m.mu held.
@@ -560,10 +593,18 @@ var mapFile, releaseRange = vm.MapFile, vm.Release
 // again, and says vm.ErrHole if it cannot) and the kernel has changed
 // nothing: the pages stay counted as they were, and those mapped are
 // announced again.
+//
+// Lost pages (see list.lost) are left as they are, and make it fail with
+// ErrHole once the others are mapped.
 func (m *Memory) mapRun(l *list, first, n int) error {
+	return l.aroundLost(first, n, "map", m.mapPlain)
+}
+
+// mapPlain is mapRun for pages none of which is lost.
+func (m *Memory) mapPlain(l *list, first, n int) error {
 	if err := mapFile(l.addr(first), uintptr(uint64(n)*l.pageSize), l.fd(), int64(uint64(first)*l.pageSize)); err != nil {
 		err = fmt.Errorf("hugetlb: map pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
-		if uerr := m.unmapRun(l, first, n); uerr != nil {
+		if uerr := m.unmapPlain(l, first, n); uerr != nil {
 			eachRun(l.mapped, first, first+n, true, func(a, b int) { m.deliver(EventAlloc, l, a, b-a) })
 			return fmt.Errorf("%w; undoing it: %w", err, uerr)
 		}
@@ -582,7 +623,11 @@ func (m *Memory) mapRun(l *list, first, n int) error {
 // inaccessible reservation in this secondary, so that a touch faults
 // instead of reaching memory the primary freed. It delivers EventFree for
 // the pages mapped here before it unmaps them. Unmapping pages that are not
-// mapped is harmless. Secondary only.
+// mapped is harmless. If the unmap leaves a hole it could not reserve
+// again (ErrHole), the pages are lost: counted as not mapped, and never
+// mapped or unmapped here again (MapPages, UnmapPages and Resync fail
+// with ErrHole on them, after dealing with the others), nor at Close.
+// Secondary only.
 func (m *Memory) UnmapPages(list, first, n int) error {
 	if m.primary {
 		return fmt.Errorf("hugetlb: unmap pages: %w", ErrNotSecondary)
@@ -599,14 +644,44 @@ func (m *Memory) UnmapPages(list, first, n int) error {
 	return m.unmapRun(l, first, n)
 }
 
-// unmapRun announces and unmaps pages of l here. Called with m.mu held.
+// unmapRun announces and unmaps pages of l here. Lost pages (see
+// list.lost) are left as they are, and make it fail with ErrHole once the
+// others are unmapped. Called with m.mu held.
 func (m *Memory) unmapRun(l *list, first, n int) error {
+	return l.aroundLost(first, n, "unmap", m.unmapPlain)
+}
+
+// unmapPlain is unmapRun for pages none of which is lost. If the release
+// leaves a hole it could not reserve again, the pages are lost, and count
+// as not mapped here (they were announced as freed).
+func (m *Memory) unmapPlain(l *list, first, n int) error {
 	eachRun(l.mapped, first, first+n, true, func(a, b int) { m.deliver(EventFree, l, a, b-a) })
 	if err := releaseRange(l.addr(first), uintptr(uint64(n)*l.pageSize)); err != nil {
+		if m.loseLocked(l, first, n, err) {
+			l.mapped.clearRange(first, n)
+		}
 		return fmt.Errorf("hugetlb: unmap pages [%d, %d) of list %d: %w", first, first+n, l.index, err)
 	}
 	l.mapped.clearRange(first, n)
 	return nil
+}
+
+// aroundLost runs fn on each run of pages of [first, first+n) that is not
+// lost, and, if some are, fails with ErrHole after them (with fn's
+// errors, if any).
+func (l *list) aroundLost(first, n int, what string, fn func(l *list, first, n int) error) error {
+	i := l.lost.next(first, first+n, true)
+	if i == first+n {
+		return fn(l, first, n) // the common case: nothing lost
+	}
+	err := fmt.Errorf("hugetlb: %s pages [%d, %d) of list %d: %w: page %d at 0x%x was lost to a failed unmap",
+		what, first, first+n, l.index, ErrHole, i, l.addr(i))
+	eachRun(l.lost, first, first+n, false, func(a, b int) {
+		if ferr := fn(l, a, b-a); ferr != nil {
+			err = fmt.Errorf("%w; %w", err, ferr)
+		}
+	})
+	return err
 }
 
 // eachRun calls fn(a, b) for each maximal run [a, b) inside [from, to) whose
@@ -694,8 +769,9 @@ func (m *Memory) resyncLocked() error {
 	}
 }
 
-// apply maps and unmaps l's pages here so that they match want.
-func (m *Memory) apply(l *list, want bitmap) error {
+// apply maps and unmaps l's pages here so that they match want. A run
+// that fails does not stop the others: what can be unmapped is.
+func (m *Memory) apply(l *list, want bitmap) (failed error) {
 	for i := 0; i < l.pages; {
 		w := i >> 6
 		diff := (want[w] ^ atomic.LoadUint64(&l.mapped[w])) &^ (1<<(uint(i)&63) - 1)
@@ -718,10 +794,14 @@ func (m *Memory) apply(l *list, want bitmap) error {
 		} else {
 			err = m.unmapRun(l, i, j-i)
 		}
-		if err != nil {
-			return err
+		switch {
+		case err == nil:
+		case failed == nil:
+			failed = err
+		default:
+			failed = fmt.Errorf("%w; %w", failed, err)
 		}
 		i = j
 	}
-	return nil
+	return failed
 }

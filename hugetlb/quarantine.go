@@ -287,8 +287,9 @@ func stillHeld(holders, now []shm.Proc) bool {
 func (l *list) freeMask() bitmap {
 	b := l.mapped.snapshot()
 	for i := range b {
-		// Quarantined, being allocated, and being freed (until punched).
-		b[i] |= atomic.LoadUint64(&l.held[i]) | l.allocating[i] | l.freeing[i]
+		// Quarantined, being allocated, being freed (until punched), and
+		// lost.
+		b[i] |= atomic.LoadUint64(&l.held[i]) | l.allocating[i] | l.freeing[i] | l.lost[i]
 	}
 	return b
 }
