@@ -112,11 +112,21 @@ func LoseNextRelease(take func(addr, length uintptr)) {
 	}
 }
 
-// FailNextPopulate has the next mapping of an Alloc fail, changing
-// nothing. Not safe for concurrent use.
-func FailNextPopulate() {
+// FailNextPopulate has the next mapping of an Alloc fail. With take nil
+// it changes nothing; otherwise the range is left as a populate that
+// failed leaves it when its release leaves a hole it could not reserve
+// again: unmapped, take run (another mapping taking the hole), and the
+// error matching ErrHole. Not safe for concurrent use.
+func FailNextPopulate(take func(addr, length uintptr)) {
 	mapPopulated = func(addr, length uintptr, fd int, off int64) error {
 		mapPopulated = vm.MapFilePopulated
-		return fmt.Errorf("vm: map fd %d at 0x%x: %w (made to fail)", fd, addr, unix.ENOMEM)
+		if take == nil {
+			return fmt.Errorf("vm: map fd %d at 0x%x: %w (made to fail)", fd, addr, unix.ENOMEM)
+		}
+		if err := vm.Unmap(addr, length); err != nil {
+			return err
+		}
+		take(addr, length)
+		return fmt.Errorf("vm: map fd %d at 0x%x: %w; releasing it: %w (made to fail)", fd, addr, unix.EFAULT, vm.ErrHole)
 	}
 }

@@ -59,14 +59,34 @@ func TestAHoleLeftByAFailedFreeIsNeverTouchedAgain(t *testing.T) {
 		err = in.mem.Free(r)
 		require.ErrorIs(t, err, hugetlb.ErrHole)
 		require.True(t, intact(at), "the hole was taken")
+		// Freed for every other purpose: no query offers the pages (the
+		// cache would register them), no secondary maps them.
+		_, ok := in.mem.PageOf(r.Addr)
+		assert.False(t, ok, "PageOf")
+		_, ok = in.mem.ContigRun(r.Addr)
+		assert.False(t, ok, "ContigRun")
+		assert.False(t, in.mem.Mapped(r.Addr, r.Len), "Mapped")
+		li := in.mem.Lists()[0]
+		assert.Equal(t, 0, li.Allocated)
+		assert.Equal(t, 2, li.Lost)
+		assert.Equal(t, 2, li.LargestFree, "the two pages after them")
 
 		assert.ErrorIs(t, in.mem.Free(r), hugetlb.ErrHole, "a Free again")
 		assert.True(t, intact(at), "after a Free again")
 		rest, err := in.mem.Alloc(2 * b.PageSize)
 		require.NoError(t, err, "the other two pages")
 		assert.Equal(t, in.region(2, 2), rest)
+		run, ok := in.mem.ContigRun(rest.Addr)
+		assert.True(t, ok)
+		assert.Equal(t, 2, run.First, "a run stops at lost pages")
+		n := 0
+		for range in.mem.Runs {
+			n++
+		}
+		assert.Equal(t, 1, n, "Runs")
 		_, err = in.mem.Alloc(b.PageSize)
 		assert.ErrorIs(t, err, hugetlb.ErrNoFreeRun, "the lost pages are not handed out")
+		assert.Zero(t, in.mem.Lists()[0].LargestFree)
 		require.NoError(t, in.mem.Free(rest))
 		assert.True(t, intact(at), "after the Allocs")
 		assert.NoError(t, in.mem.Close())
@@ -75,27 +95,38 @@ func TestAHoleLeftByAFailedFreeIsNeverTouchedAgain(t *testing.T) {
 }
 
 // The same for an Alloc whose mapping fails and whose undoing leaves
-// such a hole: the Alloc fails with ErrHole, and the pages are never
-// handed out or touched again.
+// such a hole — its own release, or the populate's (which the Alloc must
+// then not release again): the Alloc fails with ErrHole, and the pages
+// are never handed out or touched again.
 func TestAHoleLeftByAFailedAllocIsNeverTouchedAgain(t *testing.T) {
 	testenv.ForEachBackend(t, 4, func(t *testing.T, b hugetlb.Backend) {
-		in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
-		var at [2]uintptr
-		hugetlb.FailNextPopulate()
-		hugetlb.LoseNextRelease(takeHole(t, &at))
-		_, err := in.mem.Alloc(2 * b.PageSize)
-		require.ErrorIs(t, err, hugetlb.ErrHole)
-		require.True(t, intact(at), "the hole was taken")
-
-		rest, err := in.mem.Alloc(2 * b.PageSize)
-		require.NoError(t, err, "the other two pages")
-		assert.Equal(t, in.region(2, 2), rest)
-		_, err = in.mem.Alloc(b.PageSize)
-		assert.ErrorIs(t, err, hugetlb.ErrNoFreeRun, "the lost pages are not handed out")
-		assert.True(t, intact(at), "after the Allocs")
-		assert.NoError(t, in.mem.Close())
-		assert.True(t, intact(at), "after Close")
+		for _, by := range []string{"undo", "populate"} {
+			t.Run(by, func(t *testing.T) { aHoleLeftByAFailedAlloc(t, b, by) })
+		}
 	})
+}
+
+func aHoleLeftByAFailedAlloc(t *testing.T, b hugetlb.Backend, by string) {
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
+	var at [2]uintptr
+	if by == "undo" {
+		hugetlb.FailNextPopulate(nil)
+		hugetlb.LoseNextRelease(takeHole(t, &at))
+	} else {
+		hugetlb.FailNextPopulate(takeHole(t, &at))
+	}
+	_, err := in.mem.Alloc(2 * b.PageSize)
+	require.ErrorIs(t, err, hugetlb.ErrHole)
+	require.True(t, intact(at), "the hole was taken")
+
+	rest, err := in.mem.Alloc(2 * b.PageSize)
+	require.NoError(t, err, "the other two pages")
+	assert.Equal(t, in.region(2, 2), rest)
+	_, err = in.mem.Alloc(b.PageSize)
+	assert.ErrorIs(t, err, hugetlb.ErrNoFreeRun, "the lost pages are not handed out")
+	assert.True(t, intact(at), "after the Allocs")
+	assert.NoError(t, in.mem.Close())
+	assert.True(t, intact(at), "after Close")
 }
 
 // A secondary's unmap that fails and leaves such a hole fails with
@@ -139,4 +170,29 @@ func TestAHoleLeftInASecondaryIsNeverTouchedAgain(t *testing.T) {
 		ask(t, sec, "closed", "close")
 		ask(t, sec, "sentinel true", "sentinel")
 	})
+}
+
+// A resync that fails on lost pages of one list still brings the other
+// lists in line: the pages freed there are unmapped.
+func TestAResyncFailingOnLostPagesGoesOnToTheOtherLists(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	ps := b.PageSize
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 4}, hugetlb.ListConfig{Pages: 4})
+	lost, err := in.mem.Alloc(2 * ps)
+	require.NoError(t, err)
+	_, err = in.mem.Alloc(2 * ps) // the rest of list 0
+	require.NoError(t, err)
+	other, err := in.mem.Alloc(ps) // in list 1
+	require.NoError(t, err)
+	require.Equal(t, 1, in.mem.Lists()[1].Allocated)
+	sec := startSecondary(t, in)
+
+	require.NoError(t, in.mem.Free(lost))
+	assert.Contains(t, ask(t, sec, "error", "unmap-losing 0 0 2"), "range left unmapped")
+	_, err = in.mem.Alloc(2 * ps) // list 0's lost pages again
+	require.NoError(t, err)
+	require.NoError(t, in.mem.Free(other))
+	assert.Contains(t, ask(t, sec, "error", "resync"), "lost")
+	ask(t, sec, "readable false", "readable %#x %d", other.Addr, ps)
+	ask(t, sec, "sentinel true", "sentinel")
 }

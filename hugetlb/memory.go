@@ -210,8 +210,9 @@ type list struct {
 	// lost are pages whose range a failed release may have left to
 	// another mapping of the process (vm.ErrHole): this process never
 	// maps, unmaps, allocates or frees them again, nor unmaps them at
-	// Close. Under Memory.mu.
-	lost bitmap
+	// Close. Under Memory.mu (read atomically without it by Lists).
+	lost      bitmap
+	lostPages atomic.Int64 // set bits of lost
 
 	// Primary only, under Memory.mu: quarantined pages.
 	held      bitmap

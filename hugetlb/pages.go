@@ -290,13 +290,17 @@ func (m *Memory) allocPages(l *list, first, n int) (Region, error) {
 	// would fault every page in anyway (512 a hugepage on tmpfs).
 	if err := mapPopulated(r.Addr, uintptr(r.Len), l.fd(), off); err != nil {
 		err = fmt.Errorf("hugetlb: alloc %s in list %d: %w", FormatSize(r.Len), l.index, err)
-		if rerr := releaseRange(r.Addr, uintptr(r.Len)); rerr != nil {
-			// Still being allocated: no other Alloc or Free has them.
-			m.mu.Lock()
-			m.loseLocked(l, first, n, rerr)
-			m.mu.Unlock()
-			err = fmt.Errorf("%w; undoing it: %w", err, rerr)
+		// A populate that failed has released the range already, and
+		// says if that left a hole: then nothing is released over it.
+		if !errors.Is(err, vm.ErrHole) {
+			if rerr := releaseRange(r.Addr, uintptr(r.Len)); rerr != nil {
+				err = fmt.Errorf("%w; undoing it: %w", err, rerr)
+			}
 		}
+		// Still being allocated: no other Alloc or Free has the pages.
+		m.mu.Lock()
+		m.loseLocked(l, first, n, err)
+		m.mu.Unlock()
 		_ = falloc.PunchHole(l.fd(), off, int64(r.Len))
 		return Region{}, err
 	}
@@ -344,10 +348,13 @@ func freeHugepages(l *list) uint64 {
 // quarantine (see GuardFree's neighbour, ReleaseQuarantine, and the
 // package's notes on quarantine). If the unmap itself fails, the pages stay
 // allocated (the subscribers have already let go of them, which does no
-// harm); if it left a hole it could not reserve again, the error matches
-// ErrHole and the pages are lost: this and every later Free of them
-// fails with ErrHole, no Alloc hands them out, and Close leaves their
-// range be. Primary only.
+// harm). If it left a hole it could not reserve again, the pages are
+// freed for every other purpose (the subscribers let go of them, the
+// shared state marks them free, the queries no longer offer them) but
+// lost to this process: the error matches ErrHole, a later Free of a
+// range holding any of them fails whole with ErrHole, no Alloc hands
+// them out again, and Close leaves their range be (ListInfo.Lost counts
+// them). Primary only.
 func (m *Memory) Free(r Region) error {
 	if !m.primary {
 		return fmt.Errorf("hugetlb: free: %w", ErrNotPrimary)
@@ -374,9 +381,10 @@ func (m *Memory) Free(r Region) error {
 	m.deliver(EventFree, l, first, n)
 	delivered = true
 	quarantined, err := m.unmapFreed(l, first, n)
-	if err != nil {
+	if err != nil && !errors.Is(err, ErrHole) {
 		return err
 	}
+	lostErr := err // freed all the same; said once the blocks are punched
 	var punchErr error
 	if !quarantined {
 		// Without the memory lock (seconds for gigabytes on tmpfs); the
@@ -389,9 +397,13 @@ func (m *Memory) Free(r Region) error {
 	m.debug("pages freed", l, first, n)
 	if punchErr != nil {
 		// The pages are unmapped and free; only their blocks linger.
-		return fmt.Errorf("hugetlb: free: the memory is free but its blocks were not returned: %w", punchErr)
+		punchErr = fmt.Errorf("hugetlb: free: the memory is free but its blocks were not returned: %w", punchErr)
+		if lostErr != nil {
+			return fmt.Errorf("%w; %w", lostErr, punchErr)
+		}
+		return punchErr
 	}
-	return nil
+	return lostErr
 }
 
 // loseLocked marks pages [first, first+n) of l lost if err, a failed
@@ -405,6 +417,7 @@ func (m *Memory) loseLocked(l *list, first, n int, err error) (lost bool) {
 		return false
 	}
 	l.lost.setRange(first, n)
+	l.lostPages.Store(int64(l.lost.count(l.pages)))
 	m.log.Error("hugetlb: pages lost: a failed unmap left their range unmapped and it could not be reserved again; "+
 		"they are never mapped, unmapped or allocated again", "list", l.index, "first", first, "pages", n,
 		"addr", fmt.Sprintf("%#x", l.addr(first)), "err", err)
@@ -417,17 +430,19 @@ func (m *Memory) loseLocked(l *list, first, n int, err error) (lost bool) {
 // into quarantine; the others stay marked as being freed, for the caller
 // to punch. If the unmap fails, nothing changes but the mark, which goes
 // (vm.Release reserves again a range a failed unmap left empty, and
-// counts that as done); a hole it cannot fill (vm.ErrHole) loses the
-// pages (see loseLocked): they stay allocated, and nothing touches them
-// again.
+// counts that as done). If it leaves a hole it cannot reserve again
+// (vm.ErrHole), the pages are lost here (see loseLocked) but freed for
+// every other purpose, as after an unmap, and the error says so.
 func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error) {
 	err = releaseRange(l.addr(first), uintptr(uint64(n)*l.pageSize))
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if err != nil {
-		l.freeing.clearRange(first, n)
-		m.loseLocked(l, first, n, err)
-		return false, fmt.Errorf("hugetlb: free: %w", err)
+		err = fmt.Errorf("hugetlb: free: %w", err)
+		if !m.loseLocked(l, first, n, err) {
+			l.freeing.clearRange(first, n)
+			return false, err
+		}
 	}
 	m.beginChange()
 	defer m.endChange()
@@ -439,7 +454,7 @@ func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error)
 	}
 	l.state.clearRange(first, n)
 	atomic.AddUint64(&l.desc.Allocated, -uint64(n))
-	return quarantined, nil
+	return quarantined, err
 }
 
 // takeForFree checks a Free and marks the pages as being freed, under
@@ -737,10 +752,16 @@ func (m *Memory) resyncLocked() error {
 				snaps[i] = l.state.snapshot()
 			}
 			if atomic.LoadUint64(&m.table.Gen) == gen {
+				var failed error // a list that fails does not stop the others
 				for i, l := range m.lists {
-					if err := m.apply(l, snaps[i]); err != nil {
-						return fmt.Errorf("hugetlb: resync: %w", err)
+					if err := m.apply(l, snaps[i]); err != nil && failed == nil {
+						failed = err
+					} else if err != nil {
+						failed = fmt.Errorf("%w; %w", failed, err)
 					}
+				}
+				if failed != nil {
+					return fmt.Errorf("hugetlb: resync: %w", failed)
 				}
 				if atomic.LoadUint64(&m.table.Gen) == gen {
 					return nil

@@ -159,6 +159,10 @@ type ListInfo struct {
 	// them any more (primary only; see ReleaseQuarantine); they count as
 	// free above but are not in LargestFree.
 	Quarantined int `json:"quarantined"`
+	// Lost pages are free but never used again by this process: a failed
+	// unmap left their range to whatever other mapping of the process
+	// takes it (see ErrHole). They are not in LargestFree either.
+	Lost int `json:"lost,omitempty"`
 	// The same in bytes.
 	CapacityBytes  uint64 `json:"capacity_bytes"`
 	AllocatedBytes uint64 `json:"allocated_bytes"`
@@ -175,11 +179,15 @@ func (m *Memory) Lists() []ListInfo {
 	out := make([]ListInfo, len(m.lists))
 	for i, l := range m.lists {
 		alloc := int(min(atomic.LoadUint64(&l.desc.Allocated), uint64(l.pages)))
-		taken, held := l.state, 0
+		taken, held, lost := l.state, 0, int(l.lostPages.Load())
 		if l.held != nil {
-			if held = l.held.count(l.pages); held > 0 {
-				taken = l.state.snapshot()
-				for i := range taken {
+			held = l.held.count(l.pages)
+		}
+		if held > 0 || lost > 0 {
+			taken = l.state.snapshot()
+			for i := range taken {
+				taken[i] |= atomic.LoadUint64(&l.lost[i])
+				if l.held != nil {
 					taken[i] |= atomic.LoadUint64(&l.held[i])
 				}
 			}
@@ -190,6 +198,7 @@ func (m *Memory) Lists() []ListInfo {
 			Index: l.index, Base: l.base, End: l.end(), PageSize: l.pageSize, Backend: l.kind, File: l.path,
 			Capacity: l.pages, Allocated: alloc, Free: l.pages - alloc, Mapped: mapped, LargestFree: longest,
 			Quarantined:    held,
+			Lost:           lost,
 			CapacityBytes:  l.size(),
 			AllocatedBytes: uint64(alloc) * l.pageSize,
 			FreeBytes:      uint64(l.pages-alloc) * l.pageSize,

@@ -501,7 +501,10 @@ func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 // to the kernel) until it is gone. If the registrations cannot be
 // invalidated (the global lock cannot be had within its timeout), Free
 // returns an error matching hugetlb.ErrNotFreed and the region stays
-// allocated, mapped and registered.
+// allocated, mapped and registered. One exception to all or nothing: an
+// error matching hugetlb.ErrHole says the region was freed as above but
+// its unmap here left a hole, and its pages are never used again by this
+// process (see hugetlb.Memory.Free).
 func (p *Primary) Free(r hugetlb.Region) error {
 	p.opMu.RLock()
 	defer p.opMu.RUnlock()

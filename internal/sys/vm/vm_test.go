@@ -234,3 +234,16 @@ func TestAFailedReleaseLeavesNoHole(t *testing.T) {
 		})
 	}
 }
+
+// A populated mapping whose populate fails is released again; if that
+// release leaves a hole, the error says so (ErrHole), so that the caller
+// does not map or release over whatever takes the hole.
+func TestAFailedPopulateSaysItLeftAHole(t *testing.T) {
+	f, base := fileAndReservation(t)
+	failRelease(t, true, true, func(n uintptr) uintptr { return n })
+	err := MapFilePopulated(base, 3*PageSize, int(f.Fd()), 0) // past the file's end: the populate faults
+	require.Error(t, err)
+	assert.ErrorIs(t, err, ErrHole)
+	_, taken := Reserve(base, PageSize)
+	assert.NoError(t, taken, "the hole is still there")
+}

@@ -112,7 +112,11 @@ func mapFile(addr, length uintptr, fd int, off int64, populate bool) error {
 			// EINVAL: a kernel before 5.14, which cannot; the pages are
 			// then faulted in at their first touch.
 			err = perr
-			_ = Release(addr, length)
+			if rerr := Release(addr, length); rerr != nil {
+				// ErrHole among them: the caller must not map or
+				// release over the range again.
+				err = fmt.Errorf("%w; releasing it: %w", perr, rerr)
+			}
 		}
 	}
 	if err != nil {
@@ -245,7 +249,9 @@ func Vacate(addr, length uintptr) error {
 // MapFilePopulated is MapFile that also sets up the page tables for the
 // whole range at once (MADV_POPULATE_WRITE), as a registration that pins the
 // memory would anyway: on tmpfs, where a 2 MiB page is 512 small ones,
-// that moves the work from the first registration to the mapping.
+// that moves the work from the first registration to the mapping. If the
+// populate fails, the range is released (see Release) and the error
+// says so if that left a hole (ErrHole).
 func MapFilePopulated(addr, length uintptr, fd int, off int64) error {
 	return mapFile(addr, length, fd, off, true)
 }
