@@ -31,7 +31,8 @@
 // free: the MR cache invalidates its registrations there, as the DPDK
 // drivers do on the free event, and refuses the free if it cannot — then
 // Free returns ErrNotFreed and nothing changed. A free either completes or
-// changes nothing.
+// changes nothing — but for one that completes having lost its pages to
+// a failed unmap (ErrHole; see Memory.Free).
 //
 // # Quarantine
 //

@@ -71,7 +71,7 @@ func TestAHoleLeftByAFailedFreeIsNeverTouchedAgain(t *testing.T) {
 		assert.Equal(t, 2, li.Lost)
 		assert.Equal(t, 2, li.LargestFree, "the two pages after them")
 
-		assert.ErrorIs(t, in.mem.Free(r), hugetlb.ErrHole, "a Free again")
+		assert.ErrorIs(t, in.mem.Free(r), hugetlb.ErrDoubleFree, "a Free again")
 		assert.True(t, intact(at), "after a Free again")
 		rest, err := in.mem.Alloc(2 * b.PageSize)
 		require.NoError(t, err, "the other two pages")
@@ -195,4 +195,26 @@ func TestAResyncFailingOnLostPagesGoesOnToTheOtherLists(t *testing.T) {
 	assert.Contains(t, ask(t, sec, "error", "resync"), "lost")
 	ask(t, sec, "readable false", "readable %#x %d", other.Addr, ps)
 	ask(t, sec, "sentinel true", "sentinel")
+}
+
+// Lost pages wait in no quarantine, even while a fenced process may map
+// them: they are never handed out again, so their blocks go back at once,
+// and nothing says they will come back.
+func TestLostPagesWaitInNoQuarantine(t *testing.T) {
+	b := testenv.Tmpfs(t)
+	in := newInstance(t, b, hugetlb.ListConfig{Pages: 4})
+	fenceASleeper(t, in)
+	r, err := in.mem.Alloc(2 * b.PageSize)
+	require.NoError(t, err)
+	var at [2]uintptr
+	hugetlb.LoseNextRelease(takeHole(t, &at))
+	require.ErrorIs(t, in.mem.Free(r), hugetlb.ErrHole)
+	li := in.mem.Lists()[0]
+	assert.Zero(t, li.Quarantined)
+	assert.Equal(t, 2, li.Lost)
+	assert.Zero(t, allocatedBytes(t, li.File), "the blocks are punched")
+	_, err = in.mem.Alloc(3 * b.PageSize)
+	assert.ErrorIs(t, err, hugetlb.ErrNoFreeRun)
+	assert.NotContains(t, err.Error(), "quarantine")
+	assert.True(t, intact(at))
 }

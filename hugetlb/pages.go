@@ -348,13 +348,13 @@ func freeHugepages(l *list) uint64 {
 // quarantine (see GuardFree's neighbour, ReleaseQuarantine, and the
 // package's notes on quarantine). If the unmap itself fails, the pages stay
 // allocated (the subscribers have already let go of them, which does no
-// harm). If it left a hole it could not reserve again, the pages are
-// freed for every other purpose (the subscribers let go of them, the
-// shared state marks them free, the queries no longer offer them) but
-// lost to this process: the error matches ErrHole, a later Free of a
-// range holding any of them fails whole with ErrHole, no Alloc hands
-// them out again, and Close leaves their range be (ListInfo.Lost counts
-// them). Primary only.
+// harm). The one exception to all or nothing: if the unmap left a hole
+// it could not reserve again, the pages are freed for every other purpose
+// (the subscribers let go of them, the shared state marks them free, the
+// queries no longer offer them, their blocks are punched) but lost to
+// this process, and the error matches ErrHole: no Alloc hands them out
+// again, a Free of them again is a double free, and Close leaves their
+// range be (ListInfo.Lost counts them). Primary only.
 func (m *Memory) Free(r Region) error {
 	if !m.primary {
 		return fmt.Errorf("hugetlb: free: %w", ErrNotPrimary)
@@ -447,7 +447,9 @@ func (m *Memory) unmapFreed(l *list, first, n int) (quarantined bool, err error)
 	m.beginChange()
 	defer m.endChange()
 	l.mapped.clearRange(first, n)
-	if holders := m.holdersLocked(); len(holders) > 0 {
+	// Lost pages are never handed out again: no quarantine to keep them
+	// from the fenced processes' successors; their blocks go now.
+	if holders := m.holdersLocked(); len(holders) > 0 && err == nil {
 		m.quarantineLocked(l, first, n, holders)
 		l.freeing.clearRange(first, n)
 		quarantined = true
@@ -497,18 +499,18 @@ func (m *Memory) markFreeing(r Region) (l *list, first, n int, err error) {
 	if err != nil {
 		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w", r.Addr, r.Addr+uintptr(r.Len), err)
 	}
-	if i := l.lost.next(first, first+n, true); i < first+n {
-		return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x was lost to a failed unmap",
-			r.Addr, r.End(), ErrHole, i, l.index, l.addr(i))
-	}
 	for _, c := range []struct {
 		pages bitmap
 		set   bool
 		is    string
 	}{{l.mapped, false, "free"}, {l.freeing, true, "being freed"}, {l.allocating, true, "being allocated"}} {
 		if i := c.pages.next(first, first+n, c.set); i < first+n { // its own record, not the shared state
+			is := c.is
+			if l.lost.get(i) {
+				is = "free, and lost to a failed unmap"
+			}
 			return nil, 0, 0, fmt.Errorf("hugetlb: free [0x%x, 0x%x): %w: page %d of list %d at 0x%x is %s",
-				r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i), c.is)
+				r.Addr, r.End(), ErrDoubleFree, i, l.index, l.addr(i), is)
 		}
 	}
 	l.freeing.setRange(first, n)

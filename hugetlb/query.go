@@ -159,9 +159,10 @@ type ListInfo struct {
 	// them any more (primary only; see ReleaseQuarantine); they count as
 	// free above but are not in LargestFree.
 	Quarantined int `json:"quarantined"`
-	// Lost pages are free but never used again by this process: a failed
-	// unmap left their range to whatever other mapping of the process
-	// takes it (see ErrHole). They are not in LargestFree either.
+	// Lost pages are never mapped or unmapped again by this process: a
+	// failed unmap left their range to whatever other mapping of the
+	// process takes it (see ErrHole). In the primary they are free but
+	// never allocated again, and not in LargestFree.
 	Lost int `json:"lost,omitempty"`
 	// The same in bytes.
 	CapacityBytes  uint64 `json:"capacity_bytes"`
@@ -180,15 +181,11 @@ func (m *Memory) Lists() []ListInfo {
 	for i, l := range m.lists {
 		alloc := int(min(atomic.LoadUint64(&l.desc.Allocated), uint64(l.pages)))
 		taken, held, lost := l.state, 0, int(l.lostPages.Load())
-		if l.held != nil {
-			held = l.held.count(l.pages)
-		}
-		if held > 0 || lost > 0 {
-			taken = l.state.snapshot()
-			for i := range taken {
-				taken[i] |= atomic.LoadUint64(&l.lost[i])
-				if l.held != nil {
-					taken[i] |= atomic.LoadUint64(&l.held[i])
+		if m.primary {
+			if held = l.held.count(l.pages); held > 0 || lost > 0 {
+				taken = l.state.snapshot()
+				for i := range taken {
+					taken[i] |= atomic.LoadUint64(&l.held[i]) | atomic.LoadUint64(&l.lost[i])
 				}
 			}
 		}

@@ -504,7 +504,7 @@ func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 // allocated, mapped and registered. One exception to all or nothing: an
 // error matching hugetlb.ErrHole says the region was freed as above but
 // its unmap here left a hole, and its pages are never used again by this
-// process (see hugetlb.Memory.Free).
+// process (see hugetlb.Memory.Free); do not free it again.
 func (p *Primary) Free(r hugetlb.Region) error {
 	p.opMu.RLock()
 	defer p.opMu.RUnlock()
