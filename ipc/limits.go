@@ -61,7 +61,8 @@ func init() {
 type Limits struct {
 	// HelloTimeout is how long a connection may stay open without being
 	// admitted; then it is closed, with ErrLimit as the reason. It
-	// applies only when ServerConfig.HelloKind is set. A hello still in
+	// applies only when ServerConfig.HelloKind is set, and to a retired
+	// connection, counted from Peer.Retire. A hello still in
 	// its handler when the time is up is waited for, and one still
 	// queued in the socket is read first (for 100 ms at most: a server
 	// that did not run meanwhile finds its time up and the hello there).
@@ -161,7 +162,8 @@ type ServerStats struct {
 	// make room, over MaxConns, for a user holding fewer connections
 	// without hello (by two at least; see MaxConns).
 	ShedConns uint64 `json:"shed_conns"`
-	// HelloTimeouts counts connections closed for an overdue hello.
+	// HelloTimeouts counts connections closed for an overdue hello, and
+	// retired ones (Peer.Retire) closed at their time.
 	HelloTimeouts uint64 `json:"hello_timeouts"`
 	// RefusedFiles counts requests whose descriptors were refused:
 	// closed on arrival before the hello, or refused whole for more than

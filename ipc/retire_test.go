@@ -83,7 +83,7 @@ func TestARetiredConnectionIsShedForALighterUser(t *testing.T) {
 }
 
 // A retired connection that its peer keeps open closes, told why, after
-// the time a new connection has to say hello.
+// the time a new connection has to say hello; counted and logged.
 func TestARetiredConnectionCloses(t *testing.T) {
 	s := startServer(t, retiring(), withHello, func(c *ipc.ServerConfig) { c.Limits.HelloTimeout = 200 * time.Millisecond })
 	kept := dial(t, s.path, ipc.ClientConfig{})
@@ -93,5 +93,7 @@ func TestARetiredConnectionCloses(t *testing.T) {
 	assert.ErrorIs(t, c.Err(), ipc.ErrLimit)
 	assert.ErrorContains(t, c.Err(), "detached")
 	assert.NoError(t, kept.Err(), "a connection still admitted stays")
+	assert.EqualValues(t, 1, s.Stats().HelloTimeouts, "counted with the overdue hellos")
+	assert.Contains(t, s.log.String(), "closed a retired connection")
 	assert.True(t, eventually(func() bool { return s.Stats().Conns == 1 }), "%+v", s.Stats())
 }

@@ -823,7 +823,8 @@ func (p *Peer) admit() error {
 // longer, than one that never says hello — though each still costs what
 // an admitted peer's does till it closes (its call lane's thread, its
 // queue and frame limits). A hello that comes after Retire is refused
-// before its handler; one already under way is the handler's to judge.
+// before its handler; one already under way is the handler's to judge
+// (and, on a peer not admitted yet, refused after it all the same).
 // Other requests are still served until it closes: a handler that must
 // serve it nothing more refuses them itself. On a server without
 // HelloKind, which counts no connection as one without hello, Retire only
@@ -842,7 +843,15 @@ func (p *Peer) Retire(why error) {
 		s.countUnadmitted(p.cred.UID, 1)
 	}
 	s.mu.Unlock()
-	t := time.AfterFunc(s.lim.HelloTimeout, func() { p.drop(why) })
+	t := time.AfterFunc(s.lim.HelloTimeout, func() {
+		if p.Err() != nil {
+			return // ended meanwhile
+		}
+		s.helloTimeouts.Add(1)
+		s.trip("retired", "ipc: closed a retired connection its peer kept open",
+			"limit", "hello", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "timeout", s.lim.HelloTimeout)
+		p.drop(why)
+	})
 	context.AfterFunc(p.ctx, func() { t.Stop() })
 }
 
