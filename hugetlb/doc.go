@@ -50,7 +50,9 @@
 // held, not only those the process mapped, since a process that stopped
 // listening cannot be trusted about what it maps; the cost is memory held
 // for as long as the stall lasts, which Lists (Quarantined) and Alloc's
-// errors report.
+// errors report. Lost pages (ErrHole) are the exception: never allocated
+// again, they are punched at once; a fenced process that writes one
+// afterwards makes the file hold that block until the instance ends.
 //
 // A secondary (Attach) reads the descriptors, reserves each list at the
 // same address with MAP_FIXED_NOREPLACE (failing with ErrAddressInUse if

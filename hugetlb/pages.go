@@ -165,7 +165,9 @@ func (m *Memory) endChange()   { atomic.AddUint64(&m.table.Gen, 1) }
 // allocates the pages in the backing file first (so a missing hugepage is an
 // error now, ErrNoHugepages, and not a SIGBUS at the first touch), maps them
 // at base + index*pagesize, marks them allocated in the shared descriptor and
-// then delivers EventAlloc. New pages read as zeros. Primary only.
+// then delivers EventAlloc. New pages read as zeros. If the mapping fails
+// and undoing it leaves a hole that cannot be reserved again, the error
+// matches ErrHole and the pages are lost (see Free). Primary only.
 func (m *Memory) Alloc(size uint64) (Region, error) {
 	if !m.primary {
 		return Region{}, fmt.Errorf("hugetlb: alloc: %w", ErrNotPrimary)
@@ -567,7 +569,9 @@ func (m *Memory) pages(list, first, n int) (*list, error) {
 // readable when the subscribers hear of it. If that unmap fails too (as
 // both do at the limit of the process's mappings, vm.max_map_count,
 // where the kernel changes nothing), the pages stay counted as they were
-// and those mapped are announced again with EventAlloc. Secondary only.
+// and those mapped are announced again with EventAlloc. Lost pages (see
+// UnmapPages) are left as they are: it fails with ErrHole once the others
+// are mapped. Secondary only.
 func (m *Memory) MapPages(list, first, n int) error {
 	if m.primary {
 		return fmt.Errorf("hugetlb: map pages: %w", ErrNotSecondary)
@@ -693,12 +697,19 @@ func (l *list) aroundLost(first, n int, what string, fn func(l *list, first, n i
 	}
 	err := fmt.Errorf("hugetlb: %s pages [%d, %d) of list %d: %w: page %d at 0x%x was lost to a failed unmap",
 		what, first, first+n, l.index, ErrHole, i, l.addr(i))
-	eachRun(l.lost, first, first+n, false, func(a, b int) {
-		if ferr := fn(l, a, b-a); ferr != nil {
-			err = fmt.Errorf("%w; %w", err, ferr)
-		}
-	})
+	eachRun(l.lost, first, first+n, false, func(a, b int) { err = joined(err, fn(l, a, b-a)) })
 	return err
+}
+
+// joined is a and b in one error, on one line (either may be nil).
+func joined(a, b error) error {
+	switch {
+	case a == nil:
+		return b
+	case b == nil:
+		return a
+	}
+	return fmt.Errorf("%w; %w", a, b)
 }
 
 // eachRun calls fn(a, b) for each maximal run [a, b) inside [from, to) whose
@@ -717,8 +728,10 @@ func eachRun(bm bitmap, from, to int, set bool, fn func(a, b int)) {
 
 // Resync brings this secondary's mappings in line with the shared
 // descriptors: it maps every allocated page and unmaps every free one,
-// delivering events for what changes. It retries while the primary is in
-// the middle of a change. Secondary only.
+// delivering events for what changes, but for lost pages (see
+// UnmapPages), which make it fail with ErrHole once every other page of
+// every list is dealt with; so does any other failure. It retries while
+// the primary is in the middle of a change. Secondary only.
 func (m *Memory) Resync() error {
 	if m.primary {
 		return fmt.Errorf("hugetlb: resync: %w", ErrNotSecondary)
@@ -756,11 +769,7 @@ func (m *Memory) resyncLocked() error {
 			if atomic.LoadUint64(&m.table.Gen) == gen {
 				var failed error // a list that fails does not stop the others
 				for i, l := range m.lists {
-					if err := m.apply(l, snaps[i]); err != nil && failed == nil {
-						failed = err
-					} else if err != nil {
-						failed = fmt.Errorf("%w; %w", failed, err)
-					}
+					failed = joined(failed, m.apply(l, snaps[i]))
 				}
 				if failed != nil {
 					return fmt.Errorf("hugetlb: resync: %w", failed)
@@ -817,13 +826,7 @@ func (m *Memory) apply(l *list, want bitmap) (failed error) {
 		} else {
 			err = m.unmapRun(l, i, j-i)
 		}
-		switch {
-		case err == nil:
-		case failed == nil:
-			failed = err
-		default:
-			failed = fmt.Errorf("%w; %w", failed, err)
-		}
+		failed = joined(failed, err)
 		i = j
 	}
 	return failed

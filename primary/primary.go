@@ -480,6 +480,8 @@ func (p *Primary) Segment() *shm.Segment { return p.seg }
 // Alloc allocates size bytes of data memory, in whole pages. It returns
 // once every attached secondary has mapped them (or was dropped for not
 // answering within Config.SyncTimeout: see there how long that can be).
+// An error matching hugetlb.ErrHole says the pages it chose are lost (see
+// Free) and nothing was allocated.
 func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 	p.opMu.RLock()
 	defer p.opMu.RUnlock()
@@ -504,7 +506,8 @@ func (p *Primary) Alloc(size uint64) (hugetlb.Region, error) {
 // allocated, mapped and registered. One exception to all or nothing: an
 // error matching hugetlb.ErrHole says the region was freed as above but
 // its unmap here left a hole, and its pages are never used again by this
-// process (see hugetlb.Memory.Free); do not free it again.
+// process (see hugetlb.Memory.Free; they wait in no quarantine); do not
+// free it again.
 func (p *Primary) Free(r hugetlb.Region) error {
 	p.opMu.RLock()
 	defer p.opMu.RUnlock()

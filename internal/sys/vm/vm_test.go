@@ -1,6 +1,7 @@
 package vm
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -239,9 +240,16 @@ func TestAFailedReleaseLeavesNoHole(t *testing.T) {
 // release leaves a hole, the error says so (ErrHole), so that the caller
 // does not map or release over whatever takes the hole.
 func TestAFailedPopulateSaysItLeftAHole(t *testing.T) {
+	probe, err := unix.Mmap(-1, 0, int(PageSize), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	perr := unix.Madvise(probe, unix.MADV_POPULATE_WRITE)
+	require.NoError(t, unix.Munmap(probe))
+	if errors.Is(perr, unix.EINVAL) {
+		t.Skip("the kernel cannot populate a mapping (MADV_POPULATE_WRITE, Linux 5.14): MapFilePopulated does not")
+	}
 	f, base := fileAndReservation(t)
 	failRelease(t, true, true, func(n uintptr) uintptr { return n })
-	err := MapFilePopulated(base, 3*PageSize, int(f.Fd()), 0) // past the file's end: the populate faults
+	err = MapFilePopulated(base, 3*PageSize, int(f.Fd()), 0) // past the file's end: the populate faults
 	require.Error(t, err)
 	assert.ErrorIs(t, err, ErrHole)
 	_, taken := Reserve(base, PageSize)
