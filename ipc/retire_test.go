@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -96,4 +98,46 @@ func TestARetiredConnectionCloses(t *testing.T) {
 	assert.EqualValues(t, 1, s.Stats().HelloTimeouts, "counted with the overdue hellos")
 	assert.Contains(t, s.log.String(), "closed a retired connection")
 	assert.True(t, eventually(func() bool { return s.Stats().Conns == 1 }), "%+v", s.Stats())
+}
+
+// A reply wrapped in AndRetire retires the peer only once it is sent: a
+// connection that comes over the total cap while the handler runs cannot
+// shed the connection the answer is for, whose request then succeeds.
+func TestARetireAfterTheAnswerIsNotShedBeforeIt(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a helper switches to uid 65534 with setuid")
+	}
+	h := newHandler()
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	var holdNext atomic.Bool
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind != ipc.KindDetach {
+			return nil, nil, false
+		}
+		if holdNext.CompareAndSwap(true, false) {
+			entered <- struct{}{}
+			<-release
+		}
+		return ipc.AndRetire{Reply: &ipc.DetachReply{}, Why: errDetached}, nil, true
+	}
+	s, path := openServer(t, quietHandler{h}, ipc.Limits{MaxConns: 3, MaxConnsPerUID: 3}, nobody)
+	var once sync.Once
+	t.Cleanup(func() { once.Do(func() { close(release) }) })
+
+	first := dial(t, path, ipc.ClientConfig{}) // root's oldest: its detach is held
+	hello(t, first)
+	for range 2 {
+		helloAndDetach(t, path)
+	}
+	done := make(chan error, 1)
+	holdNext.Store(true)
+	go func() { done <- first.Call(ctxBound(t), ipc.KindDetach, &ipc.Detach{}, &ipc.DetachReply{}) }()
+	waitFor(t, entered, "the detach in its handler")
+	floodAs(t, path, nobody, 1) // 0 against root's 2 retired: sheds one of them
+	require.True(t, eventually(func() bool { return s.Stats().ShedConns == 1 }), "%+v", s.Stats())
+	once.Do(func() { close(release) })
+	assert.NoError(t, waitFor(t, done, "the held detach's answer"), "its connection was not shed")
+	assert.NoError(t, first.Err())
+	// Root's two retired (one of three shed), and 65534's.
+	assert.True(t, eventually(func() bool { return s.Stats().Unadmitted == 3 }), "retired once answered: %+v", s.Stats())
 }

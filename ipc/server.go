@@ -855,6 +855,17 @@ func (p *Peer) Retire(why error) {
 	context.AfterFunc(p.ctx, func() { t.Stop() })
 }
 
+// AndRetire is a handler's reply that retires the peer (see Peer.Retire)
+// with Why once Reply is sent: a peer that leaves with this request (a
+// secondary's detach) is answered as admitted, and counts as a connection
+// without hello only from then on, so that no cap's shedding can close
+// its connection before the answer. Retire the peer itself to do so at
+// once.
+type AndRetire struct {
+	Reply any
+	Why   error
+}
+
 // errRetired answers a hello on a retired connection.
 var errRetired = fmt.Errorf("%w: the connection was retired: no hello admits it again", ErrLimit)
 
@@ -1151,6 +1162,10 @@ func (p *Peer) handle(m message) {
 	d := &Decoder{body: m.body, files: m.files}
 	reply, err := p.srv.cfg.Handler.Handle(ctx, p, m.kind, d)
 	d.release()
+	var retire error
+	if r, ok := reply.(AndRetire); ok {
+		reply, retire = r.Reply, r.Why // once answered
+	}
 	if hello && err == nil && d.err == nil {
 		// Before the reply, the peer's next request is an admitted one's;
 		// and before the hello stops counting as running, so that the
@@ -1168,6 +1183,9 @@ func (p *Peer) handle(m message) {
 		return
 	}
 	p.answer(m, reply, err)
+	if retire != nil && err == nil {
+		p.Retire(retire)
+	}
 	if late && !p.admitted.Load() {
 		p.helloOverdue()
 	}

@@ -246,13 +246,9 @@ func (h *handler) handle(ctx context.Context, peer *ipc.Peer, kind ipc.Kind, bod
 			if s == nil || h.detach(s, p.mayReachAtDetach(s)) {
 				// Its slots are free now, but not the connection, which a
 				// process could keep (and attach again, and again, on
-				// others): it closes by the hello deadline, and counts as
-				// one without hello till then. (Shed over the total cap
-				// before this answer goes, the detach fails for the
-				// secondary, which names its claim as left in its next
-				// hello: the primary then asks the kernel once.)
-				peer.Retire(errDetachedConn)
-				return &ipc.DetachReply{}, nil
+				// others): once answered, it closes by the hello deadline,
+				// and counts as one without hello till then.
+				return ipc.AndRetire{Reply: &ipc.DetachReply{}, Why: errDetachedConn}, nil
 			}
 		}
 	}
