@@ -141,3 +141,20 @@ func TestARetireAfterTheAnswerIsNotShedBeforeIt(t *testing.T) {
 	// Root's two retired (one of three shed), and 65534's.
 	assert.True(t, eventually(func() bool { return s.Stats().Unadmitted == 3 }), "retired once answered: %+v", s.Stats())
 }
+
+// A retire without a reason still closes the connection at its time,
+// telling the peer it was over a limit.
+func TestARetireWithoutAReasonClosesWithALimit(t *testing.T) {
+	h := newHandler()
+	h.handle = func(ctx context.Context, p *ipc.Peer, kind ipc.Kind, body *ipc.Decoder) (any, error, bool) {
+		if kind == ipc.KindDetach {
+			return ipc.AndRetire{Reply: &ipc.DetachReply{}}, nil, true
+		}
+		return nil, nil, false
+	}
+	s := startServer(t, quietHandler{h}, withHello, func(c *ipc.ServerConfig) { c.Limits.HelloTimeout = 200 * time.Millisecond })
+	c := helloAndDetach(t, s.path)
+	waitFor(t, c.Done(), "the end of the retired connection")
+	assert.ErrorIs(t, c.Err(), ipc.ErrLimit)
+	assert.ErrorContains(t, c.Err(), "retired")
+}

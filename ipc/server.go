@@ -829,7 +829,7 @@ func (p *Peer) admit() error {
 // serve it nothing more refuses them itself. On a server without
 // HelloKind, which counts no connection as one without hello, Retire only
 // closes the connection after HelloTimeout. Idempotent; the first why
-// stands.
+// stands (nil: a plain ErrLimit that says the connection was retired).
 func (p *Peer) Retire(why error) {
 	s := p.srv
 	s.mu.Lock()
@@ -843,14 +843,11 @@ func (p *Peer) Retire(why error) {
 		s.countUnadmitted(p.cred.UID, 1)
 	}
 	s.mu.Unlock()
+	if why == nil {
+		why = fmt.Errorf("%w: the connection was retired %v ago", ErrLimit, s.lim.HelloTimeout)
+	}
 	t := time.AfterFunc(s.lim.HelloTimeout, func() {
-		if p.Err() != nil {
-			return // ended meanwhile
-		}
-		s.helloTimeouts.Add(1)
-		s.trip("retired", "ipc: closed a retired connection its peer kept open",
-			"limit", "hello", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "timeout", s.lim.HelloTimeout)
-		p.drop(why)
+		p.dropOverdue("retired", "ipc: closed a retired connection its peer kept open", why)
 	})
 	context.AfterFunc(p.ctx, func() { t.Stop() })
 }
@@ -926,14 +923,22 @@ func (p *Peer) helloDue() {
 }
 
 func (p *Peer) helloOverdue() {
+	p.dropOverdue("hello", "ipc: closed a connection that sent no hello in time",
+		fmt.Errorf("%w: no hello within %v", ErrLimit, p.srv.lim.HelloTimeout))
+}
+
+// dropOverdue closes a connection that outstayed HelloTimeout without a
+// hello that holds (none came, or it was retired), for why, counting it
+// with HelloTimeouts and logging msg (rate-limited by key) — unless it
+// ended meanwhile, for another reason.
+func (p *Peer) dropOverdue(key, msg string, why error) {
 	if p.Err() != nil {
-		return // ended meanwhile, for another reason
+		return
 	}
 	s := p.srv
 	s.helloTimeouts.Add(1)
-	s.trip("hello", "ipc: closed a connection that sent no hello in time",
-		"limit", "hello", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "timeout", s.lim.HelloTimeout)
-	p.drop(fmt.Errorf("%w: no hello within %v", ErrLimit, s.lim.HelloTimeout))
+	s.trip(key, msg, "limit", "hello", "peer", p.id, "pid", p.cred.PID, "uid", p.cred.UID, "timeout", s.lim.HelloTimeout)
+	p.drop(why)
 }
 
 // drop ends the connection for why, telling the peer if that can be done
@@ -1162,9 +1167,9 @@ func (p *Peer) handle(m message) {
 	d := &Decoder{body: m.body, files: m.files}
 	reply, err := p.srv.cfg.Handler.Handle(ctx, p, m.kind, d)
 	d.release()
-	var retire error
+	var retire *AndRetire
 	if r, ok := reply.(AndRetire); ok {
-		reply, retire = r.Reply, r.Why // once answered
+		reply, retire = r.Reply, &r // once answered
 	}
 	if hello && err == nil && d.err == nil {
 		// Before the reply, the peer's next request is an admitted one's;
@@ -1184,7 +1189,7 @@ func (p *Peer) handle(m message) {
 	}
 	p.answer(m, reply, err)
 	if retire != nil && err == nil {
-		p.Retire(retire)
+		p.Retire(retire.Why)
 	}
 	if late && !p.admitted.Load() {
 		p.helloOverdue()
