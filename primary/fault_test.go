@@ -506,12 +506,11 @@ func TestALivePrimaryWithoutItsLifeFileKeepsItsFiles(t *testing.T) {
 	assert.Equal(t, files, instance.Files(b.Dir, name), "the live primary's files are left as they were")
 }
 
-// A start that fails in recovery (here, another user's file at the
-// instance's life file name in a recorded directory) keeps the record of
-// where a dead primary's files may be: the next start, once the way is
-// clear, cleans up in every directory it names.
+// A start that fails in recovery (here, on a live primary's life file in
+// a recorded directory) keeps the record of where a dead primary's files
+// may be: the next start, once the way is clear, cleans up in every
+// directory it names.
 func TestAFailedStartKeepsTheRecordOfWhereFilesMayBe(t *testing.T) {
-	requireRoot(t)
 	b := testenv.Tmpfs(t)
 	var dirs []string
 	for _, d := range []string{"a", "b"} {
@@ -522,20 +521,21 @@ func TestAFailedStartKeepsTheRecordOfWhereFilesMayBe(t *testing.T) {
 	}
 	cfg, record := recordedConfig(t, b, dirs[0]+"\n"+dirs[1]+"\n")
 	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-	squatted := instance.LifePath(dirs[0], name)
-	require.NoError(t, os.WriteFile(squatted, nil, 0o600))
-	require.NoError(t, os.Chown(squatted, squatterUID, squatterUID))
+	// A live primary's life file (as if its runtime directory had been
+	// removed under it), held here.
+	live, err := instance.TakeLife(dirs[0], name, os.Geteuid(), nil)
+	require.NoError(t, err)
 	dead := filepath.Join(dirs[1], hugetlb.FileName(name, 0))
 	require.NoError(t, os.WriteFile(dead, nil, 0o600))
 
-	_, err := primary.Start(cfg)
-	require.ErrorIs(t, err, primary.ErrPermission)
+	_, err = primary.Start(cfg)
+	require.ErrorIs(t, err, primary.ErrPrimaryRunning)
 	data, err := os.ReadFile(record)
 	require.NoError(t, err, "the record stays")
 	assert.Subset(t, strings.Fields(string(data)), dirs)
 	assert.FileExists(t, dead)
 
-	require.NoError(t, os.Remove(squatted))
+	require.NoError(t, live.Remove())
 	p, err := primary.Start(cfg)
 	require.NoError(t, err)
 	assert.NoFileExists(t, dead, "the next start cleans up where the record said")
@@ -726,6 +726,10 @@ func removeInstanceFiles(t *testing.T, prefix string) {
 	for _, dir := range dirs {
 		files, _ := filepath.Glob(filepath.Join(dir, "mpmr."+prefix+".*"))
 		for _, f := range files {
+			if fi, err := os.Lstat(f); err == nil && fi.IsDir() {
+				_ = os.RemoveAll(f) // a primary's directory of its own (see instance.PrivateDirName), or a squatter's
+				continue
+			}
 			if err := os.Remove(f); err != nil {
 				t.Logf("leftover %s: %v", f, err)
 			}

@@ -15,6 +15,7 @@ import (
 	"github.com/mpmr/mpmr/cache"
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
@@ -52,6 +53,8 @@ type Primary struct {
 	ownOnly   bool       // recovery finished, recording only its own directory, which teardown empties
 	life      *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
 	backend   hugetlb.Backend
+	private   bool // its files go in a directory of their own in the backend directory (backend.Dir; see Start)
+	madeDir   bool // that directory, made once the record names it; teardown removes it after them
 	segOpts   shm.Options
 	seg       *shm.Segment
 	mem       *hugetlb.Memory
@@ -166,6 +169,9 @@ func (s *secondary) running() bool { return shm.Running(s.peer.PID(), s.start) }
 // lock (failing with ErrPrimaryRunning if a live primary holds it), cleans
 // up what a dead predecessor left, creates the control segment, data
 // memory, soft device and global cache, and starts serving secondaries.
+// Where another user's file is at one of the names of the instance's files
+// in the backend directory (anyone may make one in /dev/shm), they go in
+// a directory of their own made there: Backend().Dir names it.
 func Start(cfg Config) (*Primary, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
@@ -188,18 +194,72 @@ func Start(cfg Config) (*Primary, error) {
 	if err != nil {
 		return nil, fmt.Errorf("primary: %w", err)
 	}
-	p := &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, peers: map[*ipc.Peer]*secondary{},
-		detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{},
+	p := newPrimary(cfg, dir, false)
+	err = p.startOrUndo()
+	if path, taken := p.nameTaken(); err != nil && !p.private && taken {
+		// Another user made a file at one of the names after this
+		// primary looked (see start): once more, in a directory of its own.
+		p.log.Warn("another user's file is at one of the instance's names where its files go; they go in a "+
+			"directory of their own there", "path", path, "err", err)
+		p = newPrimary(cfg, dir, true)
+		err = p.startOrUndo()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
+	}
+	return p, nil
+}
+
+func newPrimary(cfg Config, dir string, private bool) *Primary {
+	return &Primary{cfg: cfg, log: cfg.Logger.With("prefix", cfg.Prefix), dir: dir, private: private,
+		peers: map[*ipc.Peer]*secondary{}, detached: map[*ipc.Peer]struct{}{}, unreaped: map[int]uint32{},
 		judging: map[process]chan struct{}{}, procTurns: map[process]*procTurn{}, mempools: make(chan struct{}, 1)}
-	if err := p.start(); err != nil {
+}
+
+// startOrUndo starts p, or undoes what it did of the start.
+func (p *Primary) startOrUndo() error {
+	err := p.start()
+	if err != nil {
 		if terr := p.teardown(); terr != nil {
 			// The start's error is the news; what could not be undone
 			// (a file left, a segment still mapped) is logged.
 			p.log.Error("cleaning up after a failed start", "err", terr)
 		}
-		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
 	}
-	return p, nil
+	return err
+}
+
+// nameTaken returns the path of what is at one of the names of the
+// instance's files in its backend directory and is not a regular file of
+// this user, if anything is: another user's file or directory, which the
+// primary may neither use nor remove, or a mount. Nothing is looked up
+// where a file system that might not answer is mounted.
+func (p *Primary) nameTaken() (string, bool) {
+	if p.name == "" || p.backend.Dir == "" {
+		return "", false
+	}
+	tab, err := mounts.Read()
+	if err != nil {
+		return "", false
+	}
+	f, dir, _, err := mounts.OpenDir(p.backend.Dir)
+	if err != nil {
+		return "", false
+	}
+	f.Close()
+	if m := instance.MountOnNames(tab, dir, p.name); m != nil {
+		return m.Dir, true
+	}
+	for _, path := range instance.Files(dir, p.name) {
+		fi, err := os.Lstat(path)
+		if err != nil {
+			continue
+		}
+		if st, ok := fi.Sys().(*syscall.Stat_t); !fi.Mode().IsRegular() || !ok || int(st.Uid) != os.Geteuid() {
+			return path, true
+		}
+	}
+	return "", false
 }
 
 func (p *Primary) start() error {
@@ -221,9 +281,23 @@ func (p *Primary) start() error {
 	if p.backend.Dir, err = filepath.Abs(p.backend.Dir); err != nil {
 		return err
 	}
+	p.name = instance.Name(c.Prefix, os.Geteuid(), p.rundir.Path())
+	// Anyone may make a file in a directory such as /dev/shm, at a name
+	// of the instance's files (which anyone can tell): the primary may
+	// neither use such a file nor remove it. Its files then go in a
+	// directory of its own made there (under a name nobody can foresee,
+	// so that nobody makes it first; see recoverLeftovers), which
+	// secondaries reach through the description.
+	if path, taken := p.nameTaken(); taken && !p.private {
+		p.log.Warn("another user's file is at one of the instance's names where its files go; they go in a "+
+			"directory of their own there", "path", path)
+		p.private = true
+	}
+	if p.private {
+		p.backend.Dir = filepath.Join(p.backend.Dir, instance.PrivateDirName(p.name))
+	}
 	p.log.Info("backend chosen", "backend", p.backend.Kind, "dir", p.backend.Dir,
 		"page_size", hugetlb.FormatSize(p.backend.PageSize), "reason", p.backend.Reason)
-	p.name = instance.Name(c.Prefix, os.Geteuid(), p.rundir.Path())
 	if err := p.recoverLeftovers(); err != nil {
 		return err
 	}
@@ -650,6 +724,11 @@ func (p *Primary) teardown() error {
 	}
 	if p.life != nil {
 		add(p.life.Remove()) // last: unlinked before it is unlocked
+	}
+	if p.madeDir {
+		if err := os.Remove(p.backend.Dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+			add(err)
+		}
 	}
 	if p.lockf != nil {
 		// Only what this primary made: a start refused because another

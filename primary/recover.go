@@ -27,8 +27,14 @@ import (
 // primary holds the instance's life file there, which its primaries hold
 // for their lifetimes and nobody else may open. A live primary (one whose
 // runtime directory was removed while it ran) fails Start with
-// ErrPrimaryRunning, a file of another user with ErrPermission: neither
-// is touched. The directories looked into are the one the dead primary
+// ErrPrimaryRunning; a file of another user, or one that is not a regular
+// file, at one of the names in this primary's own directory fails it with
+// ErrPermission (Start then tries once more in a directory of its own;
+// see start), elsewhere it is left alone with a warning, and keeps the
+// directory in the record: neither is touched. A primary whose files go
+// in a directory of their own makes it here, once the record names it
+// (see instance.PrivateDirName); one that a dead primary made goes once
+// emptied. The directories looked into are the one the dead primary
 // described, those recorded in the runtime directory
 // (instance.BackendsFile: a primary records where it makes files before
 // it makes any, so that one that died before describing itself is found
@@ -98,6 +104,17 @@ func (p *Primary) recoverLeftovers() error {
 		return err
 	}
 	p.recorded = true
+	if p.private {
+		// Made with the mode others need to reach the files by their
+		// names, whatever the umask.
+		if err := os.Mkdir(p.backend.Dir, 0o700); err != nil {
+			return err
+		}
+		p.madeDir = true
+		if err := os.Chmod(p.backend.Dir, 0o755); err != nil {
+			return err
+		}
+	}
 	// Nothing is looked up where a file system that might not answer is
 	// mounted (anyone may mount one in a directory of theirs in a tmpfs
 	// directory, at one of the instance's names): each directory is
@@ -170,6 +187,8 @@ func (p *Primary) recoverLeftovers() error {
 		}
 		if len(instance.Files(resolved, p.name)) > 0 {
 			kept = append(kept, dir)
+		} else if p.removePrivateDir(resolved) != nil {
+			kept = append(kept, dir)
 		}
 	}
 	if moved != "" {
@@ -220,6 +239,24 @@ func recordOf(dirs []string) []string {
 	return record
 }
 
+// removePrivateDir removes dir if it is a directory of this user that a
+// primary of the instance made for its files (see Start), emptied.
+func (p *Primary) removePrivateDir(dir string) error {
+	fi, err := os.Lstat(dir)
+	if err != nil || !instance.IsPrivateDir(filepath.Base(dir), p.name) || !fi.IsDir() {
+		return nil
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Geteuid() {
+		return nil
+	}
+	if err := os.Remove(dir); err != nil {
+		p.log.Warn("could not remove a dead primary's directory", "dir", dir, "err", err)
+		return err
+	}
+	p.log.Info("removed stale directory", "path", dir)
+	return nil
+}
+
 // describedName returns the name (see instance.Name) the files of the
 // primary that wrote info have, read from its segment's name, if that is
 // a name of this prefix and user in the backend directory info names.
@@ -239,11 +276,19 @@ func (p *Primary) describedName(info instance.Info) (string, bool) {
 func (p *Primary) removeDeadFiles(dir, name string, moved bool) error {
 	own := dir == p.backend.Dir && !moved
 	leave := func(err error) error {
-		if !moved {
+		switch {
+		case own:
 			return err
+		case moved:
+			p.log.Warn("left alone the files of a runtime directory this one was moved or copied from",
+				"dir", dir, "name", name, "err", err)
+		default:
+			// Anyone may make a file at one of the names where anyone may
+			// make files: it keeps the directory in the record, not the
+			// primary from starting elsewhere.
+			p.log.Warn("left alone what is at the instance's names in a backend directory a primary of it "+
+				"used", "dir", dir, "err", err)
 		}
-		p.log.Warn("left alone the files of a runtime directory this one was moved or copied from",
-			"dir", dir, "name", name, "err", err)
 		return nil
 	}
 	if !own && len(instance.Files(dir, name)) == 0 {

@@ -6,6 +6,7 @@
 package instance
 
 import (
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
@@ -73,6 +74,23 @@ func Dir(prefix, override string) (string, error) {
 func Name(prefix string, uid int, dir string) string {
 	sum := sha256.Sum256([]byte(RealPath(dir)))
 	return fmt.Sprintf("%s.u%d.%x", prefix, uid, sum[:6])
+}
+
+// PrivateDirName returns a new name for a directory of the instance
+// called name's own in a backend directory, where its files go when
+// another user holds one of their names in the directory itself (see
+// primary.Start): "mpmr.", name, ".p" and a random part nobody can
+// foresee (rand.Text's 26 letters and digits, 128 bits), so that nobody
+// makes it first.
+func PrivateDirName(name string) string {
+	return "mpmr." + name + ".p" + strings.ToLower(rand.Text())
+}
+
+// IsPrivateDir reports whether base is a name PrivateDirName gives for
+// the instance called name.
+func IsPrivateDir(base, name string) bool {
+	r, ok := strings.CutPrefix(base, "mpmr."+name+".p")
+	return ok && len(r) == 26 && strings.Trim(r, "abcdefghijklmnopqrstuvwxyz234567") == ""
 }
 
 // HangingMount returns a mount in tab of a file system that might not

@@ -112,9 +112,11 @@ func (s squatter) do(format string, args ...any) string {
 // runs, with two secondaries copying and checking payloads through it,
 // the squatter pre-creates the runtime directory of the user's next
 // instance and runs a primary there that lets the user in, and pre-creates
-// the backend segment of a third. The user's primaries refuse to start in
-// either place and its secondaries refuse the squatter's primary, each
-// with ErrPermission naming the squatter; the squatter can neither move
+// the backend segment of a third. The user's primary refuses to start in
+// the squatted runtime directory and its secondaries refuse the
+// squatter's primary, each with ErrPermission naming the squatter; the
+// third starts, its files in a directory of their own beside the
+// squatter's file, which is left alone; the squatter can neither move
 // nor enter the running instance's directory; and the running instance's
 // secondaries finish without one failure, while new ones still attach.
 func TestSquattedRuntimeDirectory(t *testing.T) {
@@ -171,10 +173,15 @@ func TestSquattedRuntimeDirectory(t *testing.T) {
 		t.Cleanup(func() { os.Remove(seg); os.RemoveAll(filepath.Join(s.RunDir, third)) })
 		require.Equal(t, "<nil>", sq.do("touch %s", seg))
 
-		_, err := primary.Start(s.Config(func(c *primary.Config) { c.Prefix = third }))
-		require.ErrorIs(t, err, primary.ErrPermission)
-		assert.Contains(t, err.Error(), seg)
-		assert.Contains(t, err.Error(), squatter)
+		// It starts, with its files in a directory of their own there.
+		q, err := primary.Start(s.Config(func(c *primary.Config) {
+			c.Prefix = third
+			c.MemoryBase = p.Memory().Lists()[0].End + 1<<30 // beside the running one, in this process
+		}))
+		require.NoError(t, err)
+		assert.Equal(t, filepath.Dir(seg), filepath.Dir(q.Backend().Dir))
+		assert.NotEqual(t, filepath.Dir(seg), q.Backend().Dir)
+		require.NoError(t, q.Close())
 		fi, err := os.Stat(seg)
 		require.NoError(t, err, "another user's file is left alone")
 		assert.Equal(t, uint32(squatterUID), fi.Sys().(*syscall.Stat_t).Uid)

@@ -1,0 +1,225 @@
+package primary_test
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/mpmr/mpmr/hugetlb"
+	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/primary"
+)
+
+// privateDirs lists the directories of their own that primaries of the
+// instance called name made in backend directory dir.
+func privateDirs(t *testing.T, dir, name string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	var out []string
+	for _, e := range ents {
+		if instance.IsPrivateDir(e.Name(), name) {
+			out = append(out, filepath.Join(dir, e.Name()))
+		}
+	}
+	return out
+}
+
+// ownedBy checks that path is still what squatterUID made there.
+func ownedBy(t *testing.T, path string, uid int) {
+	t.Helper()
+	fi, err := os.Lstat(path)
+	require.NoError(t, err, "another user's file is left alone")
+	assert.Equal(t, uint32(uid), fi.Sys().(*syscall.Stat_t).Uid)
+}
+
+// Anyone may make a file in /dev/shm, and the names of an instance's
+// files there are predictable: another user's file or directory at one
+// of them (which the primary may neither use nor remove) no longer keeps
+// the primary from starting. It starts with its files in a directory of
+// its own made there, under a name nobody can foresee, which secondaries
+// reach through its description, and which goes when it closes.
+func TestANameTakenByAnotherUserMovesTheFilesToADirectoryOfTheirOwn(t *testing.T) {
+	requireRoot(t)
+	testenv.ForEachBackend(t, 8, func(t *testing.T, b hugetlb.Backend) {
+		for _, which := range []string{"segment", "memseg list", "life file"} {
+			for _, kind := range []string{"private", "dir"} {
+				t.Run(which+"/"+kind, func(t *testing.T) { nameTaken(t, b, which, kind) })
+			}
+		}
+	})
+}
+
+func nameTaken(t *testing.T, b hugetlb.Backend, which, kind string) {
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	t.Cleanup(func() { removeInstanceFiles(t, cfg.Prefix) })
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	path := b3secBackendPath(b.Dir, name, which)
+	b3secSquat(t, path, kind)
+
+	p, err := primary.Start(cfg)
+	require.NoError(t, err, "uid %d's %s at %s", squatterUID, kind, path)
+	defer p.Close()
+	dir := p.Backend().Dir
+	assert.Equal(t, b.Dir, filepath.Dir(dir), "a directory made in the backend directory")
+	assert.Equal(t, []string{dir}, privateDirs(t, b.Dir, name))
+	fi, err := os.Lstat(dir)
+	require.NoError(t, err)
+	assert.True(t, fi.IsDir())
+	assert.Equal(t, os.FileMode(0o755), fi.Mode().Perm(), "secondaries of other users pass through it")
+	assert.Equal(t, uint32(os.Geteuid()), fi.Sys().(*syscall.Stat_t).Uid)
+	assert.FileExists(t, instance.SegmentPath(dir, name))
+	ownedBy(t, path, squatterUID)
+
+	r, err := p.Alloc(p.Backend().PageSize)
+	require.NoError(t, err)
+	sec := startSecondary(t, cfg)
+	k := parseKey(t, ask(t, sec, "lookup %d", r.Addr))
+	assert.Equal(t, "ok", ask(t, sec, "validate %d %d", r.Addr, k))
+	assert.Equal(t, "closed", ask(t, sec, "close"))
+	require.NoError(t, p.Close())
+	assert.NoDirExists(t, dir, "it goes with the instance")
+	ownedBy(t, path, squatterUID)
+}
+
+// The same for a primary that does not run as root, whose runtime
+// directory's name anyone can tell from its uid: a file of mode 0600 of
+// another user at its segment's, memseg list's or life file's name in
+// /dev/shm, which it cannot even open.
+func TestAUsersPrimaryStartsBesideASquat(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	for _, which := range []string{"segment", "memseg list", "life file"} {
+		t.Run(which, func(t *testing.T) {
+			tmp := sharedTmp(t)
+			prefix := testenv.Prefix(t)
+			t.Cleanup(func() { removeInstanceFiles(t, prefix) })
+			name := runtimeName(prefix, victimUID, filepath.Join(tmp, "mpmr-"+strconv.Itoa(victimUID)))
+			path := b3secBackendPath(b.Dir, name, which)
+			b3secSquat(t, path, "private")
+
+			h, res := userProc(t, "user-primary", userEnv(tmp), strconv.Itoa(victimUID), prefix, "", "", "")
+			require.Equal(t, "<nil>", res, "uid %d's primary beside uid %d's %s", victimUID, squatterUID, path)
+			dirs := privateDirs(t, b.Dir, name)
+			require.Len(t, dirs, 1)
+			ownedBy(t, dirs[0], victimUID)
+			assert.FileExists(t, instance.SegmentPath(dirs[0], name))
+			h.CloseInput()
+			require.NoError(t, h.Wait(0))
+			assert.Empty(t, privateDirs(t, b.Dir, name), "it goes with the instance")
+			ownedBy(t, path, squatterUID)
+		})
+	}
+}
+
+// A primary killed while its files were in a directory of their own
+// leaves them there, and the record of its runtime directory names that
+// directory: the next primary removes them, and the directory, whether
+// it goes to a directory of its own again (the name still taken) or to
+// the backend directory itself (no longer).
+func TestADeadPrimarysOwnDirectoryIsCleanedUpAfter(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	path := instance.LifePath(b.Dir, name)
+	require.NoError(t, os.WriteFile(path, nil, 0o600))
+	require.NoError(t, os.Chown(path, squatterUID, squatterUID))
+	t.Cleanup(func() { os.Remove(path) })
+
+	killedPrimary(t, cfg)
+	dead := privateDirs(t, b.Dir, name)
+	require.Len(t, dead, 1)
+	require.NotEmpty(t, instance.Files(dead[0], name), "the dead primary left its files")
+
+	p, err := startAfterKill(cfg)
+	require.NoError(t, err)
+	assert.NoDirExists(t, dead[0], "the dead primary's directory and files are gone")
+	assert.Equal(t, []string{p.Backend().Dir}, privateDirs(t, b.Dir, name), "the new one has its own")
+	require.NoError(t, p.Close())
+	assert.Empty(t, privateDirs(t, b.Dir, name))
+
+	killedPrimary(t, cfg)
+	dead = privateDirs(t, b.Dir, name)
+	require.Len(t, dead, 1)
+	require.NoError(t, os.Remove(path))
+	p, err = startAfterKill(cfg)
+	require.NoError(t, err)
+	assert.Equal(t, b.Dir, p.Backend().Dir, "the name is free again")
+	assert.NoDirExists(t, dead[0], "the dead primary's directory and files are gone")
+	require.NoError(t, p.Close())
+	assert.Empty(t, instance.Files(b.Dir, name))
+	assert.NoFileExists(t, filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.BackendsFile), "nothing is left to record")
+}
+
+// A primary looks for a dead predecessor's files in every directory its
+// runtime directory's record names, which may be /dev/shm though this one
+// is given a directory only its user may write: a file of another user at
+// one of the instance's names there is left alone, and keeps the
+// directory in the record, but no longer keeps the primary from starting.
+func TestANameTakenWhereTheRecordPointsDoesNotStopTheStart(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	own := filepath.Join(b.Dir, testenv.Name(t))
+	require.NoError(t, os.Mkdir(own, 0o755))
+	t.Cleanup(func() { os.RemoveAll(own) })
+	cfg, record := recordedConfig(t, b, b.Dir+"\n")
+	cfg.BackendDir = own
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	path := instance.LifePath(b.Dir, name)
+	require.NoError(t, os.WriteFile(path, nil, 0o600))
+	require.NoError(t, os.Chown(path, squatterUID, squatterUID))
+	t.Cleanup(func() { os.Remove(path) })
+
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	assert.Equal(t, own, p.Backend().Dir)
+	ownedBy(t, path, squatterUID)
+	data, err := os.ReadFile(record)
+	require.NoError(t, err)
+	assert.Contains(t, string(data), b.Dir+"\n", "the directory stays in the record")
+	require.NoError(t, p.Close())
+}
+
+// Another user who makes a file at one of the names after the primary
+// looked (it watches the directory, and the life file is made first) does
+// not stop the start either: the primary starts again, with its files in
+// a directory of their own.
+func TestANameTakenAfterThePrimaryLookedMovesTheFilesToo(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	for _, which := range []string{"segment", "memseg list"} {
+		t.Run(which, func(t *testing.T) {
+			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+				MemoryPages: 16, Logger: quiet}
+			t.Cleanup(func() { removeInstanceFiles(t, cfg.Prefix) })
+			name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+			path := b3secBackendPath(b.Dir, name, which)
+			squatted := false
+			defer primary.SetLifeTaken(func(dir string) {
+				if dir == b.Dir && !squatted {
+					squatted = true
+					b3secSquat(t, path, "private")
+				}
+			})()
+
+			p, err := primary.Start(cfg)
+			require.NoError(t, err)
+			defer p.Close()
+			require.True(t, squatted)
+			assert.Equal(t, []string{p.Backend().Dir}, privateDirs(t, b.Dir, name))
+			assert.Equal(t, []string{path}, instance.Files(b.Dir, name), "the first try left only the squatter's file")
+			ownedBy(t, path, squatterUID)
+			require.NoError(t, p.Close())
+			assert.Empty(t, privateDirs(t, b.Dir, name))
+		})
+	}
+}
