@@ -189,6 +189,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	for _, dir := range t.backendDirs() {
 		t.cleanBackend(e, rd, dir, out)
 	}
+	t.removeOwnDir(out)
 	// The description is the only record of where the instance's files
 	// are: it stays while files of the instance it describes are still
 	// there, left alone above or named for another runtime directory.
@@ -255,6 +256,36 @@ func clean(e *env, t *target) (*cleanOut, error) {
 		}
 	}
 	return out, nil
+}
+
+// removeOwnDir removes the described backend directory, emptied, if it is
+// one a primary of the instance made for its files (see
+// instance.PrivateDirName): the instance user's, and still the directory
+// looked into.
+func (t *target) removeOwnDir(out *cleanOut) {
+	if t.Info == nil || !instance.IsPrivateDir(filepath.Base(t.Info.BackendDir), t.Name) {
+		return
+	}
+	bk := t.backend()
+	if bk.err != nil || t.hasFiles(bk.path) {
+		return
+	}
+	held, err := bk.f.Stat()
+	if err != nil {
+		return
+	}
+	fi, err := os.Lstat(t.Info.BackendDir)
+	if err != nil || !os.SameFile(held, fi) {
+		return
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != t.UID {
+		return
+	}
+	if err := os.Remove(t.Info.BackendDir); err != nil {
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", t.Info.BackendDir, err))
+		return
+	}
+	out.Removed = append(out.Removed, t.Info.BackendDir)
 }
 
 // describedLeft reports whether a file of the instance files the

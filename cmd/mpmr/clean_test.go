@@ -118,6 +118,41 @@ func TestCleanRemovesADeadInstance(t *testing.T) {
 	})
 }
 
+// A primary whose files went in a directory of their own, another
+// user's file being at one of their names in the backend directory, and
+// that died: clean removes its files and that directory, and leaves the
+// other user's file alone.
+func TestCleanRemovesADeadPrimarysOwnDirectory(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to make a file of another user")
+	}
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	prefix := testenv.Prefix(t)
+	squat := instance.LifePath(b.Dir, instanceName(rundir, prefix))
+	require.NoError(t, os.WriteFile(squat, nil, 0o600))
+	require.NoError(t, os.Chown(squat, 42012, 42012))
+	t.Cleanup(func() { os.Remove(squat) })
+	h := startDeadableAs(t, b, rundir, prefix)
+	assert.Contains(t, h.ask("alloc 2"), "region")
+	h.kill()
+	info, err := instance.ReadInfo(filepath.Join(rundir, prefix))
+	require.NoError(t, err)
+	own := info.BackendDir
+	require.Equal(t, b.Dir, filepath.Dir(own), "the primary's files went in a directory of their own")
+	left, err := filepath.Glob(filepath.Join(own, "*"))
+	require.NoError(t, err)
+	require.NotEmpty(t, left, "the dead primary left its files")
+
+	var got cleanOut
+	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+	assert.Subset(t, got.Removed, append(left, own))
+	assert.Empty(t, got.Warnings)
+	assert.NoDirExists(t, own)
+	assert.FileExists(t, squat, "another user's file is left alone")
+	assert.NoDirExists(t, filepath.Join(rundir, prefix))
+}
+
 // deadInstance starts a primary in a helper process with its runtime
 // directory in rundir, has it allocate, and kills it: it returns the
 // instance's prefix and the files it left.

@@ -86,10 +86,16 @@ func (h helperProc) kill() {
 func startDeadable(t testing.TB, b hugetlb.Backend, rundir string) (helperProc, string) {
 	t.Helper()
 	prefix := testenv.Prefix(t)
+	return startDeadableAs(t, b, rundir, prefix), prefix
+}
+
+// startDeadableAs is startDeadable for instance prefix.
+func startDeadableAs(t testing.TB, b hugetlb.Backend, rundir, prefix string) helperProc {
+	t.Helper()
 	t.Cleanup(func() { removeLeftovers(t, b, rundir, prefix) })
 	h := testproc.Start(t, "primary", []string{prefix, rundir, b.Kind.String()})
 	h.Expect("ready", 0)
-	return helperProc{h, t}, prefix
+	return helperProc{h, t}
 }
 
 // removeLeftovers is the safety net of tests that kill primaries: it
