@@ -196,13 +196,16 @@ func Start(cfg Config) (*Primary, error) {
 	}
 	p := newPrimary(cfg, dir, false)
 	err = p.startOrUndo()
-	if path, taken := p.nameTaken(); err != nil && !p.private && taken {
-		// Another user made a file at one of the names after this
-		// primary looked (see start): once more, in a directory of its own.
-		p.log.Warn("another user's file is at one of the instance's names where its files go; they go in a "+
-			"directory of their own there", "path", path, "err", err)
-		p = newPrimary(cfg, dir, true)
-		err = p.startOrUndo()
+	if err != nil && !p.private {
+		if path, taken := p.nameTaken(); taken {
+			// Another user made a file at one of the names after this
+			// primary looked (see start): once more, in a directory of
+			// its own.
+			p.log.Warn("another user's file is at one of the instance's names where its files go; they go in "+
+				"a directory of their own there", "path", path, "err", err)
+			p = newPrimary(cfg, dir, true)
+			err = p.startOrUndo()
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
