@@ -114,3 +114,12 @@ func ProcessTurns(p *Primary) (refs map[int]int, attached int) {
 	}
 	return refs, len(p.peers)
 }
+
+// SetStartFailed has f called, on Start's goroutine, when a start's
+// first try has failed and been undone, before Start judges whether to
+// try again, until restore is called.
+func SetStartFailed(f func()) (restore func()) {
+	old := testHookStartFailed
+	testHookStartFailed = f
+	return func() { testHookStartFailed = old }
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -196,16 +197,16 @@ func Start(cfg Config) (*Primary, error) {
 	}
 	p := newPrimary(cfg, dir, false)
 	err = p.startOrUndo()
-	if err != nil && !p.private {
-		if path, taken := p.nameTaken(); taken {
-			// Another user made a file at one of the names after this
-			// primary looked (see start): once more, in a directory of
-			// its own.
-			p.log.Warn("another user's file is at one of the instance's names where its files go; they go in "+
-				"a directory of their own there", "path", path, "err", err)
-			p = newPrimary(cfg, dir, true)
-			err = p.startOrUndo()
-		}
+	if err != nil && testHookStartFailed != nil {
+		testHookStartFailed()
+	}
+	if err != nil && !p.private && p.squatted(err) {
+		// Another user made a file at one of the names after this primary
+		// looked (see start): once more, in a directory of its own.
+		p.log.Warn("the start met what another user may have made at one of the instance's names where its "+
+			"files go; they go in a directory of their own there", "err", err)
+		p = newPrimary(cfg, dir, true)
+		err = p.startOrUndo()
 	}
 	if err != nil {
 		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
@@ -219,6 +220,10 @@ func newPrimary(cfg Config, dir string, private bool) *Primary {
 		judging: map[process]chan struct{}{}, procTurns: map[process]*procTurn{}, mempools: make(chan struct{}, 1)}
 }
 
+// testHookStartFailed, if set, runs in Start once a first try has failed
+// and been undone.
+var testHookStartFailed func()
+
 // startOrUndo starts p, or undoes what it did of the start.
 func (p *Primary) startOrUndo() error {
 	err := p.start()
@@ -230,6 +235,28 @@ func (p *Primary) startOrUndo() error {
 		}
 	}
 	return err
+}
+
+// squatted reports whether err, the failure of p's start, may have come
+// of what another user made at one of the names of the instance's files in
+// its backend directory: something is there, or the start found a file it
+// may not use or remove, or could not make one, there. The error decides,
+// not what is there now: one who watches the directory can remove its
+// file once the start has failed.
+func (p *Primary) squatted(err error) bool {
+	if p.name == "" || p.backend.Dir == "" {
+		return false // it failed before it chose where the files go
+	}
+	if _, taken := p.nameTaken(); taken {
+		return true
+	}
+	for _, e := range []error{ErrPermission, fs.ErrPermission, fs.ErrExist, shm.ErrExists, hugetlb.ErrExists,
+		syscall.EISDIR, syscall.ENOTDIR} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // nameTaken returns the path of what is at one of the names of the

@@ -1,6 +1,7 @@
 package primary_test
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -192,12 +193,18 @@ func TestANameTakenWhereTheRecordPointsDoesNotStopTheStart(t *testing.T) {
 // Another user who makes a file at one of the names after the primary
 // looked (it watches the directory, and the life file is made first) does
 // not stop the start either: the primary starts again, with its files in
-// a directory of their own.
+// a directory of their own; so too when that user removes the file
+// before the primary could look again (when the life file goes, as the
+// first try is undone): what the first try met decides.
 func TestANameTakenAfterThePrimaryLookedMovesTheFilesToo(t *testing.T) {
 	requireRoot(t)
 	b := testenv.Tmpfs(t)
-	for _, which := range []string{"segment", "memseg list"} {
-		t.Run(which, func(t *testing.T) {
+	for _, c := range []struct {
+		which string
+		gone  bool // the squatter removes its file before Start looks again
+	}{{"segment", false}, {"memseg list", false}, {"segment", true}, {"memseg list", true}} {
+		which, gone := c.which, c.gone
+		t.Run(fmt.Sprintf("%s/gone=%v", which, gone), func(t *testing.T) {
 			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
 				MemoryPages: 16, Logger: quiet}
 			t.Cleanup(func() { removeInstanceFiles(t, cfg.Prefix) })
@@ -211,15 +218,54 @@ func TestANameTakenAfterThePrimaryLookedMovesTheFilesToo(t *testing.T) {
 				}
 			})()
 
+			if gone {
+				// As one who watches the directory does once it sees the
+				// life file go: nothing is at the name when Start looks
+				// again.
+				defer primary.SetStartFailed(func() { require.NoError(t, os.Remove(path)) })()
+			}
+
 			p, err := primary.Start(cfg)
 			require.NoError(t, err)
 			defer p.Close()
 			require.True(t, squatted)
 			assert.Equal(t, []string{p.Backend().Dir}, privateDirs(t, b.Dir, name))
-			assert.Equal(t, []string{path}, instance.Files(b.Dir, name), "the first try left only the squatter's file")
-			ownedBy(t, path, squatterUID)
+			if gone {
+				assert.Empty(t, instance.Files(b.Dir, name))
+			} else {
+				assert.Equal(t, []string{path}, instance.Files(b.Dir, name), "the first try left only the squatter's file")
+				ownedBy(t, path, squatterUID)
+			}
 			require.NoError(t, p.Close())
 			assert.Empty(t, privateDirs(t, b.Dir, name))
 		})
 	}
+}
+
+// A dead primary's directory of its own whose runtime directory was moved
+// since (its files are named for where that was) goes with those files.
+func TestADeadPrimarysOwnDirectoryGoesWhenItsRuntimeDirectoryMoved(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	old := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	path := instance.LifePath(b.Dir, old)
+	require.NoError(t, os.WriteFile(path, nil, 0o600))
+	require.NoError(t, os.Chown(path, squatterUID, squatterUID))
+	t.Cleanup(func() { os.Remove(path) })
+	killedPrimary(t, cfg)
+	dead := privateDirs(t, b.Dir, old)
+	require.Len(t, dead, 1)
+	require.NotEmpty(t, instance.Files(dead[0], old), "the dead primary left its files")
+
+	moved := cfg.RuntimeDir + "-moved"
+	require.NoError(t, os.Rename(cfg.RuntimeDir, moved))
+	t.Cleanup(func() { os.RemoveAll(moved) })
+	cfg.RuntimeDir = moved
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	assert.Equal(t, b.Dir, p.Backend().Dir)
+	assert.NoDirExists(t, dead[0], "the dead primary's directory and files are gone")
+	require.NoError(t, p.Close())
 }
