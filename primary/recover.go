@@ -187,7 +187,7 @@ func (p *Primary) recoverLeftovers() error {
 		}
 		if len(instance.Files(resolved, p.name)) > 0 {
 			kept = append(kept, dir)
-		} else if p.removePrivateDir(resolved) != nil {
+		} else if p.removePrivateDir(resolved, p.name) != nil {
 			kept = append(kept, dir)
 		}
 	}
@@ -204,6 +204,8 @@ func (p *Primary) recoverLeftovers() error {
 			if left := instance.Files(resolved, moved); len(left) > 0 {
 				p.log.Warn("files of the runtime directory this one was moved or copied from stay; their only "+
 					"record, the description, goes", "files", left)
+			} else {
+				_ = p.removePrivateDir(resolved, moved) // else left with a warning
 			}
 		}
 	}
@@ -240,10 +242,11 @@ func recordOf(dirs []string) []string {
 }
 
 // removePrivateDir removes dir if it is a directory of this user that a
-// primary of the instance made for its files (see Start), emptied.
-func (p *Primary) removePrivateDir(dir string) error {
+// primary made for the files of the instance called name (see Start),
+// emptied.
+func (p *Primary) removePrivateDir(dir, name string) error {
 	fi, err := os.Lstat(dir)
-	if err != nil || !instance.IsPrivateDir(filepath.Base(dir), p.name) || !fi.IsDir() {
+	if err != nil || !instance.IsPrivateDir(filepath.Base(dir), name) || !fi.IsDir() {
 		return nil
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Geteuid() {
