@@ -9,9 +9,12 @@ import (
 	"strings"
 	"syscall"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/sys/falloc"
+	"github.com/mpmr/mpmr/internal/sys/mounts"
 	"github.com/mpmr/mpmr/internal/sys/ofd"
 	"github.com/mpmr/mpmr/ipc"
 	"github.com/mpmr/mpmr/shm"
@@ -261,7 +264,9 @@ func clean(e *env, t *target) (*cleanOut, error) {
 // removeOwnDir removes the described backend directory, emptied, if it is
 // one a primary of the instance made for its files (see
 // instance.PrivateDirName): the instance user's, and still the directory
-// looked into.
+// looked into. It is removed through its parent, reached as the backend
+// directory was, by its name there: the description is the instance
+// user's word, and run by root the tool must not follow that user's links.
 func (t *target) removeOwnDir(out *cleanOut) {
 	if t.Info == nil || !instance.IsPrivateDir(filepath.Base(t.Info.BackendDir), t.Name) {
 		return
@@ -274,14 +279,22 @@ func (t *target) removeOwnDir(out *cleanOut) {
 	if err != nil {
 		return
 	}
-	fi, err := os.Lstat(t.Info.BackendDir)
-	if err != nil || !os.SameFile(held, fi) {
+	parent, _, _, err := mounts.OpenDir(filepath.Dir(t.Info.BackendDir))
+	if err != nil {
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", t.Info.BackendDir, err))
 		return
 	}
-	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != t.UID {
+	defer parent.Close()
+	base := filepath.Base(t.Info.BackendDir)
+	var st unix.Stat_t
+	if err := unix.Fstatat(int(parent.Fd()), base, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return
 	}
-	if err := os.Remove(t.Info.BackendDir); err != nil {
+	h, ok := held.Sys().(*syscall.Stat_t)
+	if !ok || st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Dev != h.Dev || st.Ino != h.Ino || int(st.Uid) != t.UID {
+		return
+	}
+	if err := unix.Unlinkat(int(parent.Fd()), base, unix.AT_REMOVEDIR); err != nil {
 		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", t.Info.BackendDir, err))
 		return
 	}

@@ -105,6 +105,10 @@ func removeLeftovers(t testing.TB, b hugetlb.Backend, rundir, prefix string) {
 	os.Remove(instance.SegmentPath(b.Dir, name))
 	hugetlb.RemoveEndedFiles(b.Dir, name)
 	os.Remove(instance.LifePath(b.Dir, name))
+	own, _ := filepath.Glob(filepath.Join(b.Dir, "mpmr."+name+".p*"))
+	for _, dir := range own {
+		os.RemoveAll(dir) // a primary's directory of its own (see instance.PrivateDirName)
+	}
 	os.RemoveAll(filepath.Join(rundir, prefix))
 }
 
