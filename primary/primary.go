@@ -54,8 +54,9 @@ type Primary struct {
 	ownOnly   bool       // recovery finished, recording only its own directory, which teardown empties
 	life      *ofd.Claim // its life file (instance.LifePath), locked for the primary's lifetime
 	backend   hugetlb.Backend
-	private   bool // its files go in a directory of their own in the backend directory (backend.Dir; see Start)
-	madeDir   bool // that directory, made once the record names it; teardown removes it after them
+	private   bool   // its files go in a directory of their own in the backend directory (backend.Dir; see Start)
+	madeDir   bool   // that directory, made once the record names it; teardown removes it after them
+	shared    string // the backend directory it is made in, looked into as a recorded one (see recoverLeftovers)
 	segOpts   shm.Options
 	seg       *shm.Segment
 	mem       *hugetlb.Memory
@@ -324,6 +325,7 @@ func (p *Primary) start() error {
 		p.private = true
 	}
 	if p.private {
+		p.shared = p.backend.Dir
 		p.backend.Dir = filepath.Join(p.backend.Dir, instance.PrivateDirName(p.name))
 	}
 	p.log.Info("backend chosen", "backend", p.backend.Kind, "dir", p.backend.Dir,

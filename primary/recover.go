@@ -96,6 +96,13 @@ func (p *Primary) recoverLeftovers() error {
 	} else if !errors.Is(err, os.ErrNotExist) {
 		p.log.Warn("unreadable record of the instance's backend directories; cleaning up", "err", err)
 	}
+	// Where the files would have gone but for another user's file at a
+	// name: a live primary of the instance (its runtime directory removed
+	// while it ran) may hold its life file there, and a dead one may have
+	// left files.
+	if p.shared != "" {
+		dirs = append(dirs, p.shared)
+	}
 	// Recorded before this primary makes any file (its life file, below):
 	// those directories, until they are cleaned, and its own, each once
 	// (a primary killed here again and again must not grow the record).

@@ -269,3 +269,29 @@ func TestADeadPrimarysOwnDirectoryGoesWhenItsRuntimeDirectoryMoved(t *testing.T)
 	assert.NoDirExists(t, dead[0], "the dead primary's directory and files are gone")
 	require.NoError(t, p.Close())
 }
+
+// A live primary whose runtime directory was removed while it ran holds
+// its life file in the backend directory, where a new primary of the
+// instance finds it and fails Start with ErrPrimaryRunning. Another
+// user's file at one of the other names there sends the new primary's
+// files to a directory of their own, but not past that check: two
+// primaries of one instance would then run at once.
+func TestANameTakenBesideALivePrimaryDoesNotStartASecond(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+		MemoryPages: 16, Logger: quiet}
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	h, _, _ := startPrimaryProcess(t, cfg)
+	require.NoError(t, os.RemoveAll(filepath.Join(cfg.RuntimeDir, cfg.Prefix)))
+	path := instance.SegmentPath(b.Dir, name) + ".lock"
+	b3secSquat(t, path, "private")
+
+	p, err := primary.Start(cfg)
+	if err == nil {
+		p.Close()
+	}
+	require.ErrorIs(t, err, primary.ErrPrimaryRunning)
+	assert.Contains(t, err.Error(), fmt.Sprintf("pid %d", h.PID()))
+	assert.Empty(t, privateDirs(t, b.Dir, name), "none is left")
+}
