@@ -176,6 +176,15 @@ func (p *Primary) recoverLeftovers() error {
 		if dir == "" {
 			continue
 		}
+		if instance.IsPrivateDir(filepath.Base(dir), p.name) && !ownPrivateDir(dir, p.name) {
+			// Gone, and its name, which anyone could see, taken by
+			// another user, or never made: not the instance's.
+			if _, err := os.Lstat(dir); err == nil {
+				p.log.Warn("left alone, and dropped from the record, what is at the name of a directory a "+
+					"primary of the instance made for its files", "dir", dir)
+			}
+			continue
+		}
 		resolved, ok, gone := reachable(dir, p.name)
 		if !ok {
 			if !gone {
@@ -252,11 +261,7 @@ func recordOf(dirs []string) []string {
 // primary made for the files of the instance called name (see Start),
 // emptied.
 func (p *Primary) removePrivateDir(dir, name string) error {
-	fi, err := os.Lstat(dir)
-	if err != nil || !instance.IsPrivateDir(filepath.Base(dir), name) || !fi.IsDir() {
-		return nil
-	}
-	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Geteuid() {
+	if !ownPrivateDir(dir, name) {
 		return nil
 	}
 	if err := os.Remove(dir); err != nil {
@@ -265,6 +270,18 @@ func (p *Primary) removePrivateDir(dir, name string) error {
 	}
 	p.log.Info("removed stale directory", "path", dir)
 	return nil
+}
+
+// ownPrivateDir reports whether dir, not followed if a link, is a
+// directory of this user under a name a primary gives a directory of its
+// own for the files of the instance called name (see Start).
+func ownPrivateDir(dir, name string) bool {
+	fi, err := os.Lstat(dir)
+	if err != nil || !instance.IsPrivateDir(filepath.Base(dir), name) || !fi.IsDir() {
+		return false
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && int(st.Uid) == os.Geteuid()
 }
 
 // describedName returns the name (see instance.Name) the files of the

@@ -295,3 +295,31 @@ func TestANameTakenBesideALivePrimaryDoesNotStartASecond(t *testing.T) {
 	assert.Contains(t, err.Error(), fmt.Sprintf("pid %d", h.PID()))
 	assert.Empty(t, privateDirs(t, b.Dir, name), "none is left")
 }
+
+// A record may name a primary's directory of its own that has gone (a
+// clean removed it, say); its name was to be seen in /dev/shm, and
+// another user may make a directory of their own there under it. It is
+// not the instance's: nothing in it is looked at, and the record names it
+// no more.
+func TestAnotherUsersDirectoryAtARecordedOwnDirectorysNameIsLeft(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	cfg, record := recordedConfig(t, b, "")
+	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+	planted := filepath.Join(b.Dir, instance.PrivateDirName(name))
+	require.NoError(t, os.Mkdir(planted, 0o777))
+	t.Cleanup(func() { os.RemoveAll(planted) })
+	require.NoError(t, os.Chown(planted, squatterUID, squatterUID))
+	inside := instance.LifePath(planted, name)
+	require.NoError(t, os.WriteFile(inside, nil, 0o600))
+	require.NoError(t, os.Chown(inside, squatterUID, squatterUID))
+	require.NoError(t, os.WriteFile(record, []byte(planted+"\n"), 0o600))
+
+	p, err := primary.Start(cfg)
+	require.NoError(t, err)
+	data, err := os.ReadFile(record)
+	require.NoError(t, err)
+	assert.NotContains(t, string(data), planted, "the record names it no more")
+	ownedBy(t, inside, squatterUID)
+	require.NoError(t, p.Close())
+}
