@@ -202,12 +202,16 @@ func Start(cfg Config) (*Primary, error) {
 		testHookStartFailed()
 	}
 	if err != nil && !p.private && p.squatted(err) {
-		// Another user made a file at one of the names after this primary
-		// looked (see start): once more, in a directory of its own.
-		p.log.Warn("the start met what another user may have made at one of the instance's names where its "+
-			"files go; they go in a directory of their own there", "err", err)
+		// Another user may have made a file at one of the names after
+		// this primary looked (see start): once more, in a directory of
+		// its own.
+		p.log.Warn("the start failed where another user may have made a file at one of the instance's names; "+
+			"its files go in a directory of their own there", "err", err)
+		first := err
 		p = newPrimary(cfg, dir, true)
-		err = p.startOrUndo()
+		if err = p.startOrUndo(); err != nil {
+			err = fmt.Errorf("%w (in a directory of its own; in the backend directory: %v)", err, first)
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("primary %s: %w", cfg.Prefix, err)
