@@ -201,7 +201,7 @@ func (p *Primary) recoverLeftovers() error {
 		if err := p.removeDeadFiles(resolved, p.name, false); err != nil {
 			return err
 		}
-		if len(instance.Files(resolved, p.name)) > 0 {
+		if ownFiles(resolved, p.name) {
 			kept = append(kept, dir)
 		} else if p.removePrivateDir(resolved, p.name) != nil {
 			kept = append(kept, dir)
@@ -270,6 +270,23 @@ func (p *Primary) removePrivateDir(dir, name string) error {
 	}
 	p.log.Info("removed stale directory", "path", dir)
 	return nil
+}
+
+// ownFiles reports whether any of the files of the instance called name
+// in dir is a regular file of this user: one a primary of the instance
+// may have made. What others made at the names is not the instance's to
+// clean up after.
+func ownFiles(dir, name string) bool {
+	for _, path := range instance.Files(dir, name) {
+		fi, err := os.Lstat(path)
+		if err != nil {
+			continue
+		}
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok && fi.Mode().IsRegular() && int(st.Uid) == os.Geteuid() {
+			return true
+		}
+	}
+	return false
 }
 
 // ownPrivateDir reports whether dir, not followed if a link, is a

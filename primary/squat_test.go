@@ -164,30 +164,45 @@ func TestADeadPrimarysOwnDirectoryIsCleanedUpAfter(t *testing.T) {
 // A primary looks for a dead predecessor's files in every directory its
 // runtime directory's record names, which may be /dev/shm though this one
 // is given a directory only its user may write: a file of another user at
-// one of the instance's names there is left alone, and keeps the
-// directory in the record, but no longer keeps the primary from starting.
+// one of the instance's names there is left alone, but no longer keeps
+// the primary from starting. The directory stays in the record while a
+// file of the instance's user is left there (here a segment, beside a
+// life file that is not the instance's, which proves nothing of it), and
+// not for the other user's file.
 func TestANameTakenWhereTheRecordPointsDoesNotStopTheStart(t *testing.T) {
 	requireRoot(t)
 	b := testenv.Tmpfs(t)
 	own := filepath.Join(b.Dir, testenv.Name(t))
 	require.NoError(t, os.Mkdir(own, 0o755))
 	t.Cleanup(func() { os.RemoveAll(own) })
-	cfg, record := recordedConfig(t, b, b.Dir+"\n")
-	cfg.BackendDir = own
-	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-	path := instance.LifePath(b.Dir, name)
-	require.NoError(t, os.WriteFile(path, nil, 0o600))
-	require.NoError(t, os.Chown(path, squatterUID, squatterUID))
-	t.Cleanup(func() { os.Remove(path) })
+	for _, left := range []bool{true, false} {
+		cfg, record := recordedConfig(t, b, b.Dir+"\n")
+		cfg.BackendDir = own
+		name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+		path := instance.LifePath(b.Dir, name)
+		require.NoError(t, os.WriteFile(path, nil, 0o600))
+		require.NoError(t, os.Chown(path, squatterUID, squatterUID))
+		t.Cleanup(func() { os.Remove(path) })
+		seg := instance.SegmentPath(b.Dir, name)
+		if left {
+			require.NoError(t, os.WriteFile(seg, nil, 0o600))
+			t.Cleanup(func() { os.Remove(seg) })
+		}
 
-	p, err := primary.Start(cfg)
-	require.NoError(t, err)
-	assert.Equal(t, own, p.Backend().Dir)
-	ownedBy(t, path, squatterUID)
-	data, err := os.ReadFile(record)
-	require.NoError(t, err)
-	assert.Contains(t, string(data), b.Dir+"\n", "the directory stays in the record")
-	require.NoError(t, p.Close())
+		p, err := primary.Start(cfg)
+		require.NoError(t, err)
+		assert.Equal(t, own, p.Backend().Dir)
+		ownedBy(t, path, squatterUID)
+		data, err := os.ReadFile(record)
+		require.NoError(t, err)
+		if left {
+			assert.Contains(t, string(data), b.Dir+"\n", "the directory stays in the record")
+			assert.FileExists(t, seg)
+		} else {
+			assert.NotContains(t, string(data), b.Dir+"\n", "the record names only the directory in use")
+		}
+		require.NoError(t, p.Close())
+	}
 }
 
 // Another user who makes a file at one of the names after the primary
