@@ -192,7 +192,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	for _, dir := range t.backendDirs() {
 		t.cleanBackend(e, rd, dir, out)
 	}
-	t.removeOwnDir(out)
+	t.removeOwnDirs(out)
 	// The description is the only record of where the instance's files
 	// are: it stays while files of the instance it describes are still
 	// there, left alone above or named for another runtime directory.
@@ -261,44 +261,59 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	return out, nil
 }
 
-// removeOwnDir removes the described backend directory, emptied, if it is
-// one a primary of the instance made for its files (see
-// instance.PrivateDirName): the instance user's, and still the directory
-// looked into. It is removed through its parent, reached as the backend
-// directory was, by its name there: the description is the instance
-// user's word, and run by root the tool must not follow that user's links.
-func (t *target) removeOwnDir(out *cleanOut) {
-	if t.Info == nil || !instance.IsPrivateDir(filepath.Base(t.Info.BackendDir), t.Name) {
+// removeOwnDirs removes each directory a primary of the instance made for
+// its files (see instance.PrivateDirName) that clean looked into, once
+// emptied: the described backend directory, or those backendDirs found.
+func (t *target) removeOwnDirs(out *cleanOut) {
+	if t.Info != nil && t.Info.BackendDir != "" {
+		if !instance.IsPrivateDir(filepath.Base(t.Info.BackendDir), t.Name) {
+			return
+		}
+		bk := t.backend()
+		if bk.err != nil || t.hasFiles(bk.path) {
+			return
+		}
+		if held, err := bk.f.Stat(); err == nil {
+			t.removeDir(t.Info.BackendDir, held, out)
+		}
 		return
 	}
-	bk := t.backend()
-	if bk.err != nil || t.hasFiles(bk.path) {
-		return
+	for _, dir := range t.backendDirs() {
+		if !instance.IsPrivateDir(filepath.Base(dir), t.Name) || t.hasFiles(dir) {
+			continue
+		}
+		if fi, err := os.Lstat(dir); err == nil {
+			t.removeDir(dir, fi, out)
+		}
 	}
-	held, err := bk.f.Stat()
+}
+
+// removeDir removes the directory at path if it is still the one looked
+// into (looked) and the instance user's. It is removed through its parent,
+// reached as a backend directory is, by its name there: the description
+// is the instance user's word, and run by root the tool must not follow
+// that user's links.
+func (t *target) removeDir(path string, looked os.FileInfo, out *cleanOut) {
+	parent, _, _, err := mounts.OpenDir(filepath.Dir(path))
 	if err != nil {
-		return
-	}
-	parent, _, _, err := mounts.OpenDir(filepath.Dir(t.Info.BackendDir))
-	if err != nil {
-		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", t.Info.BackendDir, err))
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", path, err))
 		return
 	}
 	defer parent.Close()
-	base := filepath.Base(t.Info.BackendDir)
+	base := filepath.Base(path)
 	var st unix.Stat_t
 	if err := unix.Fstatat(int(parent.Fd()), base, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return
 	}
-	h, ok := held.Sys().(*syscall.Stat_t)
+	h, ok := looked.Sys().(*syscall.Stat_t)
 	if !ok || st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Dev != h.Dev || st.Ino != h.Ino || int(st.Uid) != t.UID {
 		return
 	}
 	if err := unix.Unlinkat(int(parent.Fd()), base, unix.AT_REMOVEDIR); err != nil {
-		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", t.Info.BackendDir, err))
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", path, err))
 		return
 	}
-	out.Removed = append(out.Removed, t.Info.BackendDir)
+	out.Removed = append(out.Removed, path)
 }
 
 // describedLeft reports whether a file of the instance files the

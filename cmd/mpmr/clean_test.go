@@ -153,6 +153,39 @@ func TestCleanRemovesADeadPrimarysOwnDirectory(t *testing.T) {
 	assert.NoDirExists(t, filepath.Join(rundir, prefix))
 }
 
+// The same for a primary killed before it described itself: clean, which
+// then looks where primaries make their files, finds the directory there
+// by the instance's name.
+func TestCleanRemovesAnUndescribedDeadPrimarysOwnDirectory(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to make a file of another user")
+	}
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	prefix := testenv.Prefix(t)
+	name := instanceName(rundir, prefix)
+	squat := instance.LifePath(b.Dir, name)
+	require.NoError(t, os.WriteFile(squat, nil, 0o600))
+	require.NoError(t, os.Chown(squat, 42012, 42012))
+	t.Cleanup(func() { os.Remove(squat) })
+	h := startDeadableAs(t, b, rundir, prefix)
+	assert.Contains(t, h.ask("alloc 2"), "region")
+	h.kill()
+	info, err := instance.ReadInfo(filepath.Join(rundir, prefix))
+	require.NoError(t, err)
+	own := info.BackendDir
+	require.NoError(t, os.Remove(filepath.Join(rundir, prefix, instance.InfoFile)))
+	left, err := filepath.Glob(filepath.Join(own, "*"))
+	require.NoError(t, err)
+	require.NotEmpty(t, left, "the dead primary left its files")
+
+	var got cleanOut
+	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
+	assert.Subset(t, got.Removed, append(left, own))
+	assert.NoDirExists(t, own)
+	assert.FileExists(t, squat, "another user's file is left alone")
+}
+
 // deadInstance starts a primary in a helper process with its runtime
 // directory in rundir, has it allocate, and kills it: it returns the
 // instance's prefix and the files it left.
