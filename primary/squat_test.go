@@ -40,6 +40,29 @@ func ownedBy(t *testing.T, path string, uid int) {
 	assert.Equal(t, uint32(uid), fi.Sys().(*syscall.Stat_t).Uid)
 }
 
+// squatLife makes a file of squatterUID at the life file's name of the
+// instance called name in dir, removed when the test ends.
+func squatLife(t *testing.T, dir, name string) string {
+	t.Helper()
+	path := instance.LifePath(dir, name)
+	require.NoError(t, os.WriteFile(path, nil, 0o600))
+	require.NoError(t, os.Chown(path, squatterUID, squatterUID))
+	t.Cleanup(func() { os.Remove(path) })
+	return path
+}
+
+// killedInOwnDir runs a primary of cfg in a helper process beside
+// squatLife's file, and kills it: it returns the directory of its own
+// where it left its files.
+func killedInOwnDir(t *testing.T, cfg primary.Config, dir, name string) string {
+	t.Helper()
+	killedPrimary(t, cfg)
+	dead := privateDirs(t, dir, name)
+	require.Len(t, dead, 1)
+	require.NotEmpty(t, instance.Files(dead[0], name), "the dead primary left its files")
+	return dead[0]
+}
+
 // Anyone may make a file in /dev/shm, and the names of an instance's
 // files there are predictable: another user's file or directory at one
 // of them (which the primary may neither use nor remove) no longer keeps
@@ -131,31 +154,22 @@ func TestADeadPrimarysOwnDirectoryIsCleanedUpAfter(t *testing.T) {
 	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
 		MemoryPages: 16, Logger: quiet}
 	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-	path := instance.LifePath(b.Dir, name)
-	require.NoError(t, os.WriteFile(path, nil, 0o600))
-	require.NoError(t, os.Chown(path, squatterUID, squatterUID))
-	t.Cleanup(func() { os.Remove(path) })
+	path := squatLife(t, b.Dir, name)
 
-	killedPrimary(t, cfg)
-	dead := privateDirs(t, b.Dir, name)
-	require.Len(t, dead, 1)
-	require.NotEmpty(t, instance.Files(dead[0], name), "the dead primary left its files")
-
+	dead := killedInOwnDir(t, cfg, b.Dir, name)
 	p, err := startAfterKill(cfg)
 	require.NoError(t, err)
-	assert.NoDirExists(t, dead[0], "the dead primary's directory and files are gone")
+	assert.NoDirExists(t, dead, "the dead primary's directory and files are gone")
 	assert.Equal(t, []string{p.Backend().Dir}, privateDirs(t, b.Dir, name), "the new one has its own")
 	require.NoError(t, p.Close())
 	assert.Empty(t, privateDirs(t, b.Dir, name))
 
-	killedPrimary(t, cfg)
-	dead = privateDirs(t, b.Dir, name)
-	require.Len(t, dead, 1)
+	dead = killedInOwnDir(t, cfg, b.Dir, name)
 	require.NoError(t, os.Remove(path))
 	p, err = startAfterKill(cfg)
 	require.NoError(t, err)
 	assert.Equal(t, b.Dir, p.Backend().Dir, "the name is free again")
-	assert.NoDirExists(t, dead[0], "the dead primary's directory and files are gone")
+	assert.NoDirExists(t, dead, "the dead primary's directory and files are gone")
 	require.NoError(t, p.Close())
 	assert.Empty(t, instance.Files(b.Dir, name))
 	assert.NoFileExists(t, filepath.Join(cfg.RuntimeDir, cfg.Prefix, instance.BackendsFile), "nothing is left to record")
@@ -179,10 +193,7 @@ func TestANameTakenWhereTheRecordPointsDoesNotStopTheStart(t *testing.T) {
 		cfg, record := recordedConfig(t, b, b.Dir+"\n")
 		cfg.BackendDir = own
 		name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-		path := instance.LifePath(b.Dir, name)
-		require.NoError(t, os.WriteFile(path, nil, 0o600))
-		require.NoError(t, os.Chown(path, squatterUID, squatterUID))
-		t.Cleanup(func() { os.Remove(path) })
+		path := squatLife(t, b.Dir, name)
 		seg := instance.SegmentPath(b.Dir, name)
 		if left {
 			require.NoError(t, os.WriteFile(seg, nil, 0o600))
@@ -265,14 +276,8 @@ func TestADeadPrimarysOwnDirectoryGoesWhenItsRuntimeDirectoryMoved(t *testing.T)
 	cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
 		MemoryPages: 16, Logger: quiet}
 	old := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-	path := instance.LifePath(b.Dir, old)
-	require.NoError(t, os.WriteFile(path, nil, 0o600))
-	require.NoError(t, os.Chown(path, squatterUID, squatterUID))
-	t.Cleanup(func() { os.Remove(path) })
-	killedPrimary(t, cfg)
-	dead := privateDirs(t, b.Dir, old)
-	require.Len(t, dead, 1)
-	require.NotEmpty(t, instance.Files(dead[0], old), "the dead primary left its files")
+	squatLife(t, b.Dir, old)
+	dead := killedInOwnDir(t, cfg, b.Dir, old)
 
 	moved := cfg.RuntimeDir + "-moved"
 	require.NoError(t, os.Rename(cfg.RuntimeDir, moved))
@@ -281,7 +286,7 @@ func TestADeadPrimarysOwnDirectoryGoesWhenItsRuntimeDirectoryMoved(t *testing.T)
 	p, err := primary.Start(cfg)
 	require.NoError(t, err)
 	assert.Equal(t, b.Dir, p.Backend().Dir)
-	assert.NoDirExists(t, dead[0], "the dead primary's directory and files are gone")
+	assert.NoDirExists(t, dead, "the dead primary's directory and files are gone")
 	require.NoError(t, p.Close())
 }
 

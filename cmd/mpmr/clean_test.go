@@ -118,18 +118,15 @@ func TestCleanRemovesADeadInstance(t *testing.T) {
 	})
 }
 
-// A primary whose files went in a directory of their own, another
-// user's file being at one of their names in the backend directory, and
-// that died: clean removes its files and that directory, and leaves the
-// other user's file alone.
-func TestCleanRemovesADeadPrimarysOwnDirectory(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: to make a file of another user")
-	}
-	b := testenv.Tmpfs(t)
-	rundir := testenv.RunDir(t)
-	prefix := testenv.Prefix(t)
-	squat := instance.LifePath(b.Dir, instanceName(rundir, prefix))
+// deadInOwnDir starts a primary in a helper process with its runtime
+// directory in rundir beside another user's file at its life file's name
+// in b's directory, has it allocate, and kills it: it returns the
+// instance's prefix, the directory of their own its files went in and
+// those files, and the other user's file.
+func deadInOwnDir(t *testing.T, b hugetlb.Backend, rundir string) (prefix, own string, left []string, squat string) {
+	t.Helper()
+	prefix = testenv.Prefix(t)
+	squat = instance.LifePath(b.Dir, instanceName(rundir, prefix))
 	require.NoError(t, os.WriteFile(squat, nil, 0o600))
 	require.NoError(t, os.Chown(squat, 42012, 42012))
 	t.Cleanup(func() { os.Remove(squat) })
@@ -138,11 +135,25 @@ func TestCleanRemovesADeadPrimarysOwnDirectory(t *testing.T) {
 	h.kill()
 	info, err := instance.ReadInfo(filepath.Join(rundir, prefix))
 	require.NoError(t, err)
-	own := info.BackendDir
+	own = info.BackendDir
 	require.Equal(t, b.Dir, filepath.Dir(own), "the primary's files went in a directory of their own")
-	left, err := filepath.Glob(filepath.Join(own, "*"))
+	left, err = filepath.Glob(filepath.Join(own, "*"))
 	require.NoError(t, err)
 	require.NotEmpty(t, left, "the dead primary left its files")
+	return prefix, own, left, squat
+}
+
+// A primary whose files went in a directory of their own, another user's
+// file being at one of their names in the backend directory, and that
+// died: clean removes its files and that directory, and leaves the other
+// user's file alone.
+func TestCleanRemovesADeadPrimarysOwnDirectory(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to make a file of another user")
+	}
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	prefix, own, left, squat := deadInOwnDir(t, b, rundir)
 
 	var got cleanOut
 	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
@@ -162,22 +173,8 @@ func TestCleanRemovesAnUndescribedDeadPrimarysOwnDirectory(t *testing.T) {
 	}
 	b := testenv.Tmpfs(t)
 	rundir := testenv.RunDir(t)
-	prefix := testenv.Prefix(t)
-	name := instanceName(rundir, prefix)
-	squat := instance.LifePath(b.Dir, name)
-	require.NoError(t, os.WriteFile(squat, nil, 0o600))
-	require.NoError(t, os.Chown(squat, 42012, 42012))
-	t.Cleanup(func() { os.Remove(squat) })
-	h := startDeadableAs(t, b, rundir, prefix)
-	assert.Contains(t, h.ask("alloc 2"), "region")
-	h.kill()
-	info, err := instance.ReadInfo(filepath.Join(rundir, prefix))
-	require.NoError(t, err)
-	own := info.BackendDir
+	prefix, own, left, squat := deadInOwnDir(t, b, rundir)
 	require.NoError(t, os.Remove(filepath.Join(rundir, prefix, instance.InfoFile)))
-	left, err := filepath.Glob(filepath.Join(own, "*"))
-	require.NoError(t, err)
-	require.NotEmpty(t, left, "the dead primary left its files")
 
 	var got cleanOut
 	toolJSON(t, &got, "-rundir", rundir, "clean", prefix)
