@@ -103,6 +103,15 @@ func (p *Primary) recoverLeftovers() error {
 	if p.shared != "" {
 		dirs = append(dirs, p.shared)
 	}
+	// A primary whose files went in a directory of its own made it there:
+	// found by the instance's name, for its runtime directory may have
+	// been removed while it ran (no record, no description names it then),
+	// and it may still run.
+	shared := p.backend.Dir
+	if p.shared != "" {
+		shared = p.shared
+	}
+	dirs = append(dirs, p.ownDirsIn(shared)...)
 	// Recorded before this primary makes any file (its life file, below):
 	// those directories, until they are cleaned, and its own, each once
 	// (a primary killed here again and again must not grow the record).
@@ -270,6 +279,36 @@ func (p *Primary) removePrivateDir(dir, name string) error {
 	}
 	p.log.Info("removed stale directory", "path", dir)
 	return nil
+}
+
+// ownDirsIn lists the directories of this user in dir under a name a
+// primary gives a directory of its own for the instance's files (see
+// Start). Nothing is looked up where a file system that might not answer
+// is mounted on one of the instance's names there.
+func (p *Primary) ownDirsIn(dir string) []string {
+	tab, err := mounts.Read()
+	if err != nil {
+		return nil
+	}
+	f, resolved, _, err := mounts.OpenDir(dir)
+	if err != nil {
+		return nil
+	}
+	f.Close()
+	if instance.MountOnNames(tab, resolved, p.name) != nil {
+		return nil
+	}
+	ents, err := os.ReadDir(resolved)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range ents {
+		if path := filepath.Join(dir, e.Name()); e.IsDir() && ownPrivateDir(path, p.name) {
+			out = append(out, path)
+		}
+	}
+	return out
 }
 
 // ownFiles reports whether any of the files of the instance called name

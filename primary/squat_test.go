@@ -343,3 +343,50 @@ func TestAnotherUsersDirectoryAtARecordedOwnDirectorysNameIsLeft(t *testing.T) {
 	ownedBy(t, inside, squatterUID)
 	require.NoError(t, p.Close())
 }
+
+// A primary whose files went in a directory of their own, and whose
+// runtime directory was then removed (so that no record or description
+// names that directory): a new primary of the instance still finds it,
+// by the instance's name, in the backend directory. A live one there
+// fails Start with ErrPrimaryRunning, the other user's file gone or not;
+// a dead one's files and directory go.
+func TestAnOwnDirectoryNothingNamesIsFoundByTheInstancesName(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	for _, c := range []struct {
+		kill, unsquat bool
+	}{{false, false}, {false, true}, {true, false}} {
+		t.Run(fmt.Sprintf("killed=%v/squat-removed=%v", c.kill, c.unsquat), func(t *testing.T) {
+			cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+				MemoryPages: 16, Logger: quiet}
+			name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+			path := squatLife(t, b.Dir, name)
+			h, _, _ := startPrimaryProcess(t, cfg)
+			first := privateDirs(t, b.Dir, name)
+			require.Len(t, first, 1)
+			if c.kill {
+				h.Kill()
+				_ = h.Wait(0)
+			}
+			require.NoError(t, os.RemoveAll(filepath.Join(cfg.RuntimeDir, cfg.Prefix)))
+			if c.unsquat {
+				require.NoError(t, os.Remove(path))
+			}
+
+			p, err := startAfterKill(cfg)
+			if !c.kill {
+				if err == nil {
+					p.Close()
+				}
+				require.ErrorIs(t, err, primary.ErrPrimaryRunning)
+				assert.Contains(t, err.Error(), fmt.Sprintf("pid %d", h.PID()))
+				assert.Equal(t, first, privateDirs(t, b.Dir, name), "the live primary's directory is left as it was")
+				return
+			}
+			require.NoError(t, err)
+			assert.NoDirExists(t, first[0], "the dead primary's directory and files are gone")
+			require.NoError(t, p.Close())
+			assert.Empty(t, privateDirs(t, b.Dir, name))
+		})
+	}
+}
