@@ -192,7 +192,7 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	for _, dir := range t.backendDirs() {
 		t.cleanBackend(e, rd, dir, out)
 	}
-	t.removeOwnDirs(out)
+	t.removeOwnDir(out)
 	// The description is the only record of where the instance's files
 	// are: it stays while files of the instance it describes are still
 	// there, left alone above or named for another runtime directory.
@@ -261,30 +261,22 @@ func clean(e *env, t *target) (*cleanOut, error) {
 	return out, nil
 }
 
-// removeOwnDirs removes each directory a primary of the instance made for
-// its files (see instance.PrivateDirName) that clean looked into, once
-// emptied: the described backend directory, or those backendDirs found.
-func (t *target) removeOwnDirs(out *cleanOut) {
-	if t.Info != nil && t.Info.BackendDir != "" {
-		if !instance.IsPrivateDir(filepath.Base(t.Info.BackendDir), t.Name) {
-			return
-		}
-		bk := t.backend()
-		if bk.err != nil || t.hasFiles(bk.path) {
-			return
-		}
-		if held, err := bk.f.Stat(); err == nil {
-			t.removeDir(t.Info.BackendDir, held, out)
-		}
+// removeOwnDir removes the described backend directory, emptied, if it is
+// one a primary of the instance made for its files (see
+// instance.PrivateDirName) and still the directory looked into. (Without
+// a description, clean does not look into such a directory, which the
+// instance's user could swap for a link: the record, which names it,
+// stays, and a primary started there cleans up.)
+func (t *target) removeOwnDir(out *cleanOut) {
+	if t.Info == nil || !instance.IsPrivateDir(filepath.Base(t.Info.BackendDir), t.Name) {
 		return
 	}
-	for _, dir := range t.backendDirs() {
-		if !instance.IsPrivateDir(filepath.Base(dir), t.Name) || t.hasFiles(dir) {
-			continue
-		}
-		if fi, err := os.Lstat(dir); err == nil {
-			t.removeDir(dir, fi, out)
-		}
+	bk := t.backend()
+	if bk.err != nil || t.hasFiles(bk.path) {
+		return
+	}
+	if held, err := bk.f.Stat(); err == nil {
+		t.removeDir(t.Info.BackendDir, held, out)
 	}
 }
 

@@ -276,42 +276,7 @@ func (t *target) backendDirs() []string {
 	if err != nil {
 		return nil
 	}
-	dirs = slices.DeleteFunc(dirs, func(dir string) bool { return t.mountedOnName(tab, dir) != nil })
-	// A primary whose files went in a directory of their own (another
-	// user's file was at one of their names) made it in one of these.
-	for _, dir := range slices.Clone(dirs) {
-		dirs = append(dirs, t.ownDirsIn(tab, dir)...)
-	}
-	return dirs
-}
-
-// ownDirsIn lists the directories of the instance's user in dir under a
-// name a primary gives a directory of its own for the instance's files
-// (instance.PrivateDirName), but those with a file system that might not
-// answer mounted on or in them.
-func (t *target) ownDirsIn(tab mounts.Table, dir string) []string {
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return nil
-	}
-	var out []string
-	for _, e := range ents {
-		if !e.IsDir() || !instance.IsPrivateDir(e.Name(), t.Name) {
-			continue
-		}
-		p := filepath.Join(dir, e.Name())
-		if t.mountedOnName(tab, p) != nil {
-			continue // looked at first: a look at a mount point asks what is mounted
-		}
-		fi, err := os.Lstat(p)
-		if err != nil || !fi.IsDir() {
-			continue
-		}
-		if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) == t.UID {
-			out = append(out, p)
-		}
-	}
-	return out
+	return slices.DeleteFunc(dirs, func(dir string) bool { return t.mountedOnName(tab, dir) != nil })
 }
 
 // mountedOnName returns a mount of a file system that might not answer on
