@@ -255,6 +255,9 @@ func (p *Primary) squatted(err error) bool {
 	if _, taken := p.nameTaken(); taken {
 		return true
 	}
+	if errors.Is(err, mounts.ErrMayHang) {
+		return false // a directory of its own there helps nothing: the names must be looked at still
+	}
 	for _, e := range []error{ErrPermission, fs.ErrPermission, fs.ErrExist, shm.ErrExists, hugetlb.ErrExists,
 		syscall.EISDIR, syscall.ENOTDIR} {
 		if errors.Is(err, e) {
@@ -266,9 +269,12 @@ func (p *Primary) squatted(err error) bool {
 
 // nameTaken returns the path of what is at one of the names of the
 // instance's files in its backend directory and is not a regular file of
-// this user, if anything is: another user's file or directory, which the
-// primary may neither use nor remove, or a mount. Nothing is looked up
-// where a file system that might not answer is mounted.
+// this user, if anything is: another user's file or directory, or a FIFO,
+// which the primary may neither use nor remove. Where a file system that
+// might not answer is mounted on one of the names nothing is looked up,
+// and nothing is said taken: a directory of its own there would not help,
+// for the names must still be looked at (see recoverLeftovers), and the
+// start fails on it.
 func (p *Primary) nameTaken() (string, bool) {
 	if p.name == "" || p.backend.Dir == "" {
 		return "", false
@@ -282,8 +288,8 @@ func (p *Primary) nameTaken() (string, bool) {
 		return "", false
 	}
 	f.Close()
-	if m := instance.MountOnNames(tab, dir, p.name); m != nil {
-		return m.Dir, true
+	if instance.MountOnNames(tab, dir, p.name) != nil {
+		return "", false
 	}
 	for _, path := range instance.Files(dir, p.name) {
 		fi, err := os.Lstat(path)

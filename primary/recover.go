@@ -111,7 +111,11 @@ func (p *Primary) recoverLeftovers() error {
 	if p.shared != "" {
 		shared = p.shared
 	}
-	dirs = append(dirs, p.ownDirsIn(shared)...)
+	found, err := p.ownDirsIn(shared)
+	if err != nil {
+		return err
+	}
+	dirs = append(dirs, found...)
 	// Recorded before this primary makes any file (its life file, below):
 	// those directories, until they are cleaned, and its own, each once
 	// (a primary killed here again and again must not grow the record).
@@ -283,32 +287,36 @@ func (p *Primary) removePrivateDir(dir, name string) error {
 
 // ownDirsIn lists the directories of this user in dir under a name a
 // primary gives a directory of its own for the instance's files (see
-// Start). Nothing is looked up where a file system that might not answer
-// is mounted on one of the instance's names there.
-func (p *Primary) ownDirsIn(dir string) []string {
+// Start). Nothing else there is looked at, and nothing at all where a file
+// system that might not answer is mounted on one of the instance's names
+// (or below one): that fails with ErrPermission, as it fails the
+// primary's own directory, since a primary of the instance may live
+// there, unseen.
+func (p *Primary) ownDirsIn(dir string) ([]string, error) {
 	tab, err := mounts.Read()
 	if err != nil {
-		return nil
+		return nil, fmt.Errorf("reading the mount table: %w", err)
 	}
 	f, resolved, _, err := mounts.OpenDir(dir)
 	if err != nil {
-		return nil
+		return nil, err
 	}
 	f.Close()
-	if instance.MountOnNames(tab, resolved, p.name) != nil {
-		return nil
+	if m := instance.MountOnNames(tab, resolved, p.name); m != nil {
+		return nil, fmt.Errorf("%w: where this instance's files go, %s: %w: %s is mounted at %s; unmount it, or "+
+			"use another prefix or runtime directory", ErrPermission, dir, mounts.ErrMayHang, m.Type, m.Dir)
 	}
 	ents, err := os.ReadDir(resolved)
 	if err != nil {
-		return nil
+		return nil, err
 	}
 	var out []string
 	for _, e := range ents {
-		if path := filepath.Join(dir, e.Name()); e.IsDir() && ownPrivateDir(path, p.name) {
-			out = append(out, path)
+		if e.IsDir() && instance.IsPrivateDir(e.Name(), p.name) && ownPrivateDir(filepath.Join(resolved, e.Name()), p.name) {
+			out = append(out, filepath.Join(dir, e.Name()))
 		}
 	}
-	return out
+	return out, nil
 }
 
 // ownFiles reports whether any of the files of the instance called name

@@ -13,6 +13,7 @@ import (
 
 	"github.com/mpmr/mpmr/hugetlb"
 	"github.com/mpmr/mpmr/internal/instance"
+	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
 	"github.com/mpmr/mpmr/primary"
 )
@@ -389,4 +390,49 @@ func TestAnOwnDirectoryNothingNamesIsFoundByTheInstancesName(t *testing.T) {
 			assert.Empty(t, privateDirs(t, b.Dir, name))
 		})
 	}
+}
+
+// A file system that does not answer (FUSE, which any user may mount on a
+// directory of theirs in /dev/shm) where the starting primary lists the
+// backend directory for directories of the instance's own: under another
+// name, it is not looked at, and the primary starts; at a name of the
+// instance's, beside a live primary whose runtime directory was removed,
+// Start fails and says why, rather than start a second primary of the
+// instance with its files elsewhere. Start never waits on it.
+func TestAMountInTheBackendDirectoryNeitherHangsNorHidesAPrimary(t *testing.T) {
+	requireRoot(t)
+	b := testenv.Tmpfs(t)
+	t.Run("another name", func(t *testing.T) {
+		own := filepath.Join(b.Dir, testenv.Name(t))
+		require.NoError(t, os.Mkdir(own, 0o755))
+		t.Cleanup(func() { os.RemoveAll(own) })
+		mnt := filepath.Join(own, "junk")
+		require.NoError(t, os.Mkdir(mnt, 0o755))
+		fuse := fusetest.MountAt(t, mnt, "seg-fuse")
+		fuse.Stop() // from now on nothing on the mount answers
+		cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+			BackendDir: own, MemoryPages: 16, Logger: quiet}
+		p, err := startWithin(t, cfg, fuse.Kill)
+		require.NoError(t, err)
+		require.NoError(t, p.Close())
+	})
+	t.Run("an instance's name beside a live primary", func(t *testing.T) {
+		cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+			MemoryPages: 16, Logger: quiet}
+		name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+		startPrimaryProcess(t, cfg)
+		require.NoError(t, os.RemoveAll(filepath.Join(cfg.RuntimeDir, cfg.Prefix)))
+		mnt := filepath.Join(b.Dir, "mpmr."+name+".junk")
+		require.NoError(t, os.Mkdir(mnt, 0o755))
+		t.Cleanup(func() { os.Remove(mnt) })
+		fuse := fusetest.MountAt(t, mnt, "seg-fuse")
+		fuse.Stop()
+		p, err := startWithin(t, cfg, fuse.Kill)
+		if err == nil {
+			p.Close()
+		}
+		require.ErrorIs(t, err, primary.ErrPermission)
+		assert.Contains(t, err.Error(), "might not answer")
+		assert.Empty(t, privateDirs(t, b.Dir, name), "no directory of its own was made")
+	})
 }
