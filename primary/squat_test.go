@@ -317,32 +317,48 @@ func TestANameTakenBesideALivePrimaryDoesNotStartASecond(t *testing.T) {
 	assert.Empty(t, privateDirs(t, b.Dir, name), "none is left")
 }
 
-// A record may name a primary's directory of its own that has gone (a
-// clean removed it, say); its name was to be seen in /dev/shm, and
-// another user may make a directory of their own there under it. It is
-// not the instance's: nothing in it is looked at, and the record names it
-// no more.
-func TestAnotherUsersDirectoryAtARecordedOwnDirectorysNameIsLeft(t *testing.T) {
+// A record or a description may name a primary's directory of its own
+// that has gone (a clean removed it, say); its name was to be seen in
+// /dev/shm, and another user may make a directory of their own there
+// under it. It is not the instance's: nothing in it is looked at (no life
+// file is taken or made there, a file of the instance's user at one of the
+// names stays), and the record names it no more. The description names
+// it as the directory of a runtime directory this one was moved from.
+func TestAnotherUsersDirectoryAtAnOwnDirectorysNameIsLeft(t *testing.T) {
 	requireRoot(t)
 	b := testenv.Tmpfs(t)
-	cfg, record := recordedConfig(t, b, "")
-	name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
-	planted := filepath.Join(b.Dir, instance.PrivateDirName(name))
-	require.NoError(t, os.Mkdir(planted, 0o777))
-	t.Cleanup(func() { os.RemoveAll(planted) })
-	require.NoError(t, os.Chown(planted, squatterUID, squatterUID))
-	inside := instance.LifePath(planted, name)
-	require.NoError(t, os.WriteFile(inside, nil, 0o600))
-	require.NoError(t, os.Chown(inside, squatterUID, squatterUID))
-	require.NoError(t, os.WriteFile(record, []byte(planted+"\n"), 0o600))
+	for _, how := range []string{"recorded", "described"} {
+		t.Run(how, func(t *testing.T) {
+			cfg, record := recordedConfig(t, b, "")
+			name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+			if how == "described" {
+				name = runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir+"-before")
+			}
+			planted := filepath.Join(b.Dir, instance.PrivateDirName(name))
+			require.NoError(t, os.Mkdir(planted, 0o777))
+			t.Cleanup(func() { os.RemoveAll(planted) })
+			require.NoError(t, os.Chown(planted, squatterUID, squatterUID))
+			seg := instance.SegmentPath(planted, name)
+			require.NoError(t, os.WriteFile(seg, nil, 0o600))
+			require.NoError(t, os.WriteFile(record, []byte(planted+"\n"), 0o600))
+			if how == "described" {
+				require.NoError(t, instance.WriteInfo(filepath.Join(cfg.RuntimeDir, cfg.Prefix),
+					instance.Info{Prefix: cfg.Prefix, Backend: "tmpfs", BackendDir: planted, Segment: seg}))
+			}
+			defer primary.SetLifeTaken(func(dir string) {
+				assert.NotEqual(t, planted, dir, "a life file taken in another user's directory")
+			})()
 
-	p, err := primary.Start(cfg)
-	require.NoError(t, err)
-	data, err := os.ReadFile(record)
-	require.NoError(t, err)
-	assert.NotContains(t, string(data), planted, "the record names it no more")
-	ownedBy(t, inside, squatterUID)
-	require.NoError(t, p.Close())
+			p, err := primary.Start(cfg)
+			require.NoError(t, err)
+			data, err := os.ReadFile(record)
+			require.NoError(t, err)
+			assert.NotContains(t, string(data), planted, "the record names it no more")
+			assert.FileExists(t, seg, "nothing in it is touched")
+			assert.NoFileExists(t, instance.LifePath(planted, name))
+			require.NoError(t, p.Close())
+		})
+	}
 }
 
 // A primary whose files went in a directory of their own, and whose
