@@ -196,6 +196,28 @@ func TestCleanLeavesAnUndescribedDeadPrimarysOwnDirectoryToTheNextPrimary(t *tes
 	assert.FileExists(t, squat, "another user's file is left alone")
 }
 
+// The described directory of a primary's own gone, another user made one
+// at its name (which was to be seen): it is not the instance's, and clean
+// looks into nothing there, refusing, and removes nothing.
+func TestCleanLooksIntoNoOtherUsersDirectoryAtAnOwnDirectorysName(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to make a directory of another user")
+	}
+	b := testenv.Tmpfs(t)
+	rundir := testenv.RunDir(t)
+	prefix, own, _, _ := deadInOwnDir(t, b, rundir)
+	require.NoError(t, os.RemoveAll(own))
+	require.NoError(t, os.Mkdir(own, 0o777))
+	require.NoError(t, os.Chown(own, 42012, 42012))
+	seg := instance.SegmentPath(own, instanceName(rundir, prefix))
+	require.NoError(t, os.WriteFile(seg, nil, 0o600))
+
+	_, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
+	assert.Equal(t, 1, status)
+	assert.Contains(t, errOut, "not the instance user's")
+	assert.FileExists(t, seg, "nothing in it is removed")
+}
+
 // deadInstance starts a primary in a helper process with its runtime
 // directory in rundir, has it allocate, and kills it: it returns the
 // instance's prefix and the files it left.

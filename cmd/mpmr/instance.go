@@ -330,6 +330,12 @@ func (t *target) backend() *backendHandle {
 		t.bk.err = fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
 	} else if err := t.noMountOnNames(f); err != nil {
 		t.bk.err = fmt.Errorf("backend directory %s: %w", dir, err)
+	} else if instance.IsPrivateDir(filepath.Base(resolved), t.Name) && !ownedBy(f, t.UID) {
+		// A primary's directory of its own (instance.PrivateDirName) is
+		// its user's; another user may have made one at the name, which
+		// was to be seen, once it went.
+		t.bk.err = fmt.Errorf("%w: backend directory %s is not the instance user's (uid %d): not looked into",
+			ipc.ErrPermission, dir, t.UID)
 	}
 	if t.bk.err != nil {
 		f.Close()
@@ -337,6 +343,16 @@ func (t *target) backend() *backendHandle {
 	}
 	t.bk.dir, t.bk.path, t.bk.f = resolved, held, f
 	return t.bk
+}
+
+// ownedBy reports whether the file f holds is uid's.
+func ownedBy(f *os.File, uid int) bool {
+	fi, err := f.Stat()
+	if err != nil {
+		return false
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && int(st.Uid) == uid
 }
 
 // noMountOnNames says so if anything is mounted on one of the instance's
