@@ -1,7 +1,9 @@
 package primary_test
 
 import (
+	"bytes"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -33,12 +35,13 @@ func privateDirs(t *testing.T, dir, name string) []string {
 	return out
 }
 
-// ownedBy checks that path is still what squatterUID made there.
+// ownedBy checks that path is uid's: what another user made is left
+// alone, what a primary made is its user's.
 func ownedBy(t *testing.T, path string, uid int) {
 	t.Helper()
 	fi, err := os.Lstat(path)
-	require.NoError(t, err, "another user's file is left alone")
-	assert.Equal(t, uint32(uid), fi.Sys().(*syscall.Stat_t).Uid)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(uid), fi.Sys().(*syscall.Stat_t).Uid, "owner of %s", path)
 }
 
 // squatLife makes a file of squatterUID at the life file's name of the
@@ -307,11 +310,14 @@ func TestANameTakenBesideALivePrimaryDoesNotStartASecond(t *testing.T) {
 	require.NoError(t, os.RemoveAll(filepath.Join(cfg.RuntimeDir, cfg.Prefix)))
 	path := instance.SegmentPath(b.Dir, name) + ".lock"
 	b3secSquat(t, path, "private")
+	var log bytes.Buffer
+	cfg.Logger = slog.New(slog.NewTextHandler(&log, nil))
 
 	p, err := primary.Start(cfg)
 	if err == nil {
 		p.Close()
 	}
+	assert.Contains(t, log.String(), "directory of their own", "its files were to go in one")
 	require.ErrorIs(t, err, primary.ErrPrimaryRunning)
 	assert.Contains(t, err.Error(), fmt.Sprintf("pid %d", h.PID()))
 	assert.Empty(t, privateDirs(t, b.Dir, name), "none is left")
