@@ -171,9 +171,11 @@ func (s *secondary) running() bool { return shm.Running(s.peer.PID(), s.start) }
 // lock (failing with ErrPrimaryRunning if a live primary holds it), cleans
 // up what a dead predecessor left, creates the control segment, data
 // memory, soft device and global cache, and starts serving secondaries.
-// Where another user's file is at one of the names of the instance's files
-// in the backend directory (anyone may make one in /dev/shm), they go in
-// a directory of their own made there: Backend().Dir names it.
+// Where another user's file, or something that is not a regular file, is
+// at one of the names of the instance's files in the backend directory
+// (anyone may make one in /dev/shm), or its first try fails on such a
+// thing made meanwhile, they go in a directory of their own made there:
+// Backend().Dir names it.
 func Start(cfg Config) (*Primary, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err

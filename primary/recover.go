@@ -30,8 +30,9 @@ import (
 // ErrPrimaryRunning; a file of another user, or one that is not a regular
 // file, at one of the names in this primary's own directory fails it with
 // ErrPermission (Start then tries once more in a directory of its own;
-// see start), elsewhere it is left alone with a warning, and keeps the
-// directory in the record: neither is touched. A primary whose files go
+// see start), elsewhere it is left alone with a warning (the directory
+// stays in the record while a regular file of this user is left there):
+// neither is touched. A primary whose files go
 // in a directory of their own makes it here, once the record names it
 // (see instance.PrivateDirName); one that a dead primary made goes once
 // emptied. The directories looked into are the one the dead primary
@@ -125,8 +126,9 @@ func (p *Primary) recoverLeftovers() error {
 	}
 	p.recorded = true
 	if p.private {
-		// Made with the mode others need to reach the files by their
-		// names, whatever the umask.
+		// Made with the mode of the backend directories it stands for
+		// (others reach the files in it by their names), whatever the
+		// umask.
 		if err := os.Mkdir(p.backend.Dir, 0o700); err != nil {
 			return err
 		}
@@ -375,8 +377,8 @@ func (p *Primary) removeDeadFiles(dir, name string, moved bool) error {
 				"dir", dir, "name", name, "err", err)
 		default:
 			// Anyone may make a file at one of the names where anyone may
-			// make files: it keeps the directory in the record, not the
-			// primary from starting elsewhere.
+			// make files: it does not keep the primary from starting
+			// elsewhere.
 			p.log.Warn("left alone what is at the instance's names in a backend directory a primary of it "+
 				"used", "dir", dir, "err", err)
 		}

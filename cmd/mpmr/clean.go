@@ -44,7 +44,10 @@ here); their mappings keep the memory (and its hugepages) until they
 exit, and clean names them.
 
 Backend files are named after the instance (prefix, user and runtime
-directory: mpmr.PREFIX.uUID.HASH.ctl, .msl0, ..., .live), and clean removes
+directory: mpmr.PREFIX.uUID.HASH.ctl, .msl0, ..., .live; in a directory
+mpmr.PREFIX.uUID.HASH.p... of their own where another user held one of
+those names, which clean removes with them when the description names it
+and it is the instance user's), and clean removes
 one only if it is a regular file of the instance's user, while it holds
 the life file or where there is none (a live primary of a build from
 before the life file has none: stop it first), whoever else holds the
@@ -295,10 +298,12 @@ func (t *target) removeDir(path string, looked os.FileInfo, out *cleanOut) {
 	base := filepath.Base(path)
 	var st unix.Stat_t
 	if err := unix.Fstatat(int(parent.Fd()), base, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", path, err))
 		return
 	}
 	h, ok := looked.Sys().(*syscall.Stat_t)
 	if !ok || st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Dev != h.Dev || st.Ino != h.Ino || int(st.Uid) != t.UID {
+		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: no longer the directory looked into", path))
 		return
 	}
 	if err := unix.Unlinkat(int(parent.Fd()), base, unix.AT_REMOVEDIR); err != nil {

@@ -76,10 +76,11 @@ func Name(prefix string, uid int, dir string) string {
 	return fmt.Sprintf("%s.u%d.%x", prefix, uid, sum[:6])
 }
 
-// PrivateDirName returns a new name for a directory of the instance
-// called name's own in a backend directory, where its files go when
-// another user holds one of their names in the directory itself (see
-// primary.Start): "mpmr.", name, ".p" and a random part nobody can
+// PrivateDirName returns a new name for a directory, in a backend
+// directory, that holds the files of the instance called name alone: they
+// go there when another user holds one of their names in the backend
+// directory itself (see primary.Start). It is "mpmr.", name, ".p" and a
+// random part nobody can
 // foresee (rand.Text's 26 letters and digits, 128 bits), so that nobody
 // makes it first.
 func PrivateDirName(name string) string {
