@@ -109,3 +109,34 @@ func TestReadInfoUntilGivesUpWhenTold(t *testing.T) {
 	require.NoError(t, err)
 	assert.Len(t, info, n)
 }
+
+// StatAt tells a file, a link and a missing name apart without following
+// the link, and says ErrMayHang of a mount on the name without crossing
+// into it.
+func TestStatAtCrossesNoMountAndFollowsNoLink(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "file"), nil, 0o600))
+	require.NoError(t, os.Symlink("/", filepath.Join(dir, "link")))
+	d, err := os.Open(dir)
+	require.NoError(t, err)
+	defer d.Close()
+
+	st, err := StatAt(d, "file")
+	require.NoError(t, err)
+	assert.Equal(t, uint32(syscall.S_IFREG), st.Mode&syscall.S_IFMT)
+	st, err = StatAt(d, "link")
+	require.NoError(t, err)
+	assert.Equal(t, uint32(syscall.S_IFLNK), st.Mode&syscall.S_IFMT, "the link itself")
+	_, err = StatAt(d, "none")
+	assert.ErrorIs(t, err, os.ErrNotExist)
+
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: to mount")
+	}
+	mnt := filepath.Join(dir, "mnt")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	require.NoError(t, syscall.Mount("none", mnt, "tmpfs", 0, "size=4k"))
+	defer syscall.Unmount(mnt, syscall.MNT_DETACH)
+	_, err = StatAt(d, "mnt")
+	assert.ErrorIs(t, err, ErrMayHang)
+}
