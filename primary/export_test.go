@@ -123,3 +123,12 @@ func SetStartFailed(f func()) (restore func()) {
 	testHookStartFailed = f
 	return func() { testHookStartFailed = old }
 }
+
+// SetMountsRead has f called, on Start's goroutine, each time a starting
+// primary has read the mount table to list the backend directory dir for
+// directories of the instance's own, until restore is called.
+func SetMountsRead(f func(dir string)) (restore func()) {
+	old := testHookMountsRead
+	testHookMountsRead = f
+	return func() { testHookMountsRead = old }
+}

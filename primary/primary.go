@@ -289,16 +289,18 @@ func (p *Primary) nameTaken() (string, bool) {
 	if err != nil {
 		return "", false
 	}
-	f.Close()
+	defer f.Close()
 	if instance.MountOnNames(tab, dir, p.name) != nil {
 		return "", false
 	}
 	for _, path := range instance.Files(dir, p.name) {
-		fi, err := os.Lstat(path)
+		// Through the directory held, crossing into no mount: one may
+		// have been made since the table was read.
+		st, err := mounts.StatAt(f, filepath.Base(path))
 		if err != nil {
 			continue
 		}
-		if st, ok := fi.Sys().(*syscall.Stat_t); !fi.Mode().IsRegular() || !ok || int(st.Uid) != os.Geteuid() {
+		if st.Mode&syscall.S_IFMT != syscall.S_IFREG || int(st.Uid) != os.Geteuid() {
 			return path, true
 		}
 	}

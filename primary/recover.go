@@ -191,13 +191,11 @@ func (p *Primary) recoverLeftovers() error {
 		if dir == "" {
 			continue
 		}
-		if instance.IsPrivateDir(filepath.Base(dir), p.name) && !ownPrivateDir(dir, p.name) {
+		if p.privateShaped(dir) && !ownDir(dir) {
 			// Gone, and its name, which anyone could see, taken by
 			// another user, or never made: not the instance's.
-			if _, err := os.Lstat(dir); err == nil {
-				p.log.Warn("left alone, and dropped from the record, what is at the name of a directory a "+
-					"primary of the instance made for its files", "dir", dir)
-			}
+			p.log.Warn("left alone, and dropped from the record, what (if anything) is at the name of a "+
+				"directory a primary of the instance made for its files", "dir", dir)
 			continue
 		}
 		resolved, ok, gone := reachable(dir, p.name)
@@ -228,7 +226,10 @@ func (p *Primary) recoverLeftovers() error {
 		// They are a dead primary's of this user and prefix unless one
 		// holds their life file (a copy's original, alive), and go as
 		// this instance's would.
-		if resolved, ok, _ := reachable(dirs[0], moved); ok {
+		if p.privateShaped(dirs[0]) && !ownDir(dirs[0]) {
+			p.log.Warn("left alone what (if anything) is at the name of the directory the description names",
+				"dir", dirs[0])
+		} else if resolved, ok, _ := reachable(dirs[0], moved); ok {
 			if err := p.removeDeadFiles(resolved, moved, true); err != nil {
 				return err
 			}
@@ -276,7 +277,7 @@ func recordOf(dirs []string) []string {
 // primary made for the files of the instance called name (see Start),
 // emptied.
 func (p *Primary) removePrivateDir(dir, name string) error {
-	if !ownPrivateDir(dir, name) {
+	if !instance.IsPrivateDir(filepath.Base(dir), name) || !ownDir(dir) {
 		return nil
 	}
 	if err := os.Remove(dir); err != nil {
@@ -303,10 +304,16 @@ func (p *Primary) ownDirsIn(dir string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	f.Close()
+	defer f.Close()
+	mounted := func(m string) error {
+		return fmt.Errorf("%w: where this instance's files go, %s: %w: %s; unmount it, or use another prefix "+
+			"or runtime directory", ErrPermission, dir, mounts.ErrMayHang, m)
+	}
 	if m := instance.MountOnNames(tab, resolved, p.name); m != nil {
-		return nil, fmt.Errorf("%w: where this instance's files go, %s: %w: %s is mounted at %s; unmount it, or "+
-			"use another prefix or runtime directory", ErrPermission, dir, mounts.ErrMayHang, m.Type, m.Dir)
+		return nil, mounted(fmt.Sprintf("%s is mounted at %s", m.Type, m.Dir))
+	}
+	if testHookMountsRead != nil {
+		testHookMountsRead(dir)
 	}
 	ents, err := os.ReadDir(resolved)
 	if err != nil {
@@ -314,7 +321,16 @@ func (p *Primary) ownDirsIn(dir string) ([]string, error) {
 	}
 	var out []string
 	for _, e := range ents {
-		if e.IsDir() && instance.IsPrivateDir(e.Name(), p.name) && ownPrivateDir(filepath.Join(resolved, e.Name()), p.name) {
+		if !e.IsDir() || !instance.IsPrivateDir(e.Name(), p.name) {
+			continue
+		}
+		// Looked at through the directory held, crossing into no mount:
+		// one may have been made since the table was read.
+		st, err := mounts.StatAt(f, e.Name())
+		switch {
+		case errors.Is(err, mounts.ErrMayHang):
+			return nil, mounted(err.Error())
+		case err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFDIR && int(st.Uid) == os.Geteuid():
 			out = append(out, filepath.Join(dir, e.Name()))
 		}
 	}
@@ -325,29 +341,42 @@ func (p *Primary) ownDirsIn(dir string) ([]string, error) {
 // in dir is a regular file of this user: one a primary of the instance
 // may have made. What others made at the names is not the instance's to
 // clean up after.
+// (A name that cannot be looked at, something mounted on it, say, counts
+// as one.)
 func ownFiles(dir, name string) bool {
+	f, _, _, err := mounts.OpenDir(dir)
+	if err != nil {
+		return true
+	}
+	defer f.Close()
 	for _, path := range instance.Files(dir, name) {
-		fi, err := os.Lstat(path)
-		if err != nil {
-			continue
-		}
-		if st, ok := fi.Sys().(*syscall.Stat_t); ok && fi.Mode().IsRegular() && int(st.Uid) == os.Geteuid() {
+		st, err := mounts.StatAt(f, filepath.Base(path))
+		if err != nil && !errors.Is(err, os.ErrNotExist) ||
+			err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFREG && int(st.Uid) == os.Geteuid() {
 			return true
 		}
 	}
 	return false
 }
 
-// ownPrivateDir reports whether dir, not followed if a link, is a
-// directory of this user under a name a primary gives a directory of its
-// own for the files of the instance called name (see Start).
-func ownPrivateDir(dir, name string) bool {
-	fi, err := os.Lstat(dir)
-	if err != nil || !instance.IsPrivateDir(filepath.Base(dir), name) || !fi.IsDir() {
+// ownDir reports whether dir is a directory of this user, itself (not a
+// link to one), looked at through its parent without crossing into a
+// mount.
+func ownDir(dir string) bool {
+	f, _, _, err := mounts.OpenDir(filepath.Dir(dir))
+	if err != nil {
 		return false
 	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	return ok && int(st.Uid) == os.Geteuid()
+	defer f.Close()
+	st, err := mounts.StatAt(f, filepath.Base(dir))
+	return err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFDIR && int(st.Uid) == os.Geteuid()
+}
+
+// privateShaped reports whether dir's name is one a primary gives a
+// directory of its own for the files of an instance of this prefix and
+// user, of any runtime directory (see Start).
+func (p *Primary) privateShaped(dir string) bool {
+	return instance.IsPrivateDirOf(filepath.Base(dir), p.cfg.Prefix, os.Geteuid())
 }
 
 // describedName returns the name (see instance.Name) the files of the
@@ -493,6 +522,10 @@ func (p *Primary) removeDeadSegment(path string) error {
 	p.log.Info("removed stale file", "path", path)
 	return nil
 }
+
+// testHookMountsRead, if set, runs in ownDirsIn once the mount table is
+// read, before the backend directory dir is listed.
+var testHookMountsRead func(dir string)
 
 // testHookLifeTaken, if set, runs in removeDeadFiles once the life file of
 // the backend directory dir is taken, before anything there is removed.

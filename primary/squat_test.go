@@ -17,6 +17,7 @@ import (
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
+	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
 )
 
@@ -346,6 +347,12 @@ func TestAnotherUsersDirectoryAtAnOwnDirectorysNameIsLeft(t *testing.T) {
 			require.NoError(t, os.Chown(planted, squatterUID, squatterUID))
 			seg := instance.SegmentPath(planted, name)
 			require.NoError(t, os.WriteFile(seg, nil, 0o600))
+			// And one of that user's at the name of this runtime
+			// directory's memory, which makes the directory look like one
+			// of this instance's files.
+			mem := filepath.Join(planted, hugetlb.FileName(runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir), 0))
+			require.NoError(t, os.WriteFile(mem, nil, 0o600))
+			require.NoError(t, os.Chown(mem, squatterUID, squatterUID))
 			require.NoError(t, os.WriteFile(record, []byte(planted+"\n"), 0o600))
 			if how == "described" {
 				require.NoError(t, instance.WriteInfo(filepath.Join(cfg.RuntimeDir, cfg.Prefix),
@@ -456,5 +463,29 @@ func TestAMountInTheBackendDirectoryNeitherHangsNorHidesAPrimary(t *testing.T) {
 		require.ErrorIs(t, err, primary.ErrPermission)
 		assert.Contains(t, err.Error(), "might not answer")
 		assert.Empty(t, privateDirs(t, b.Dir, name), "no directory of its own was made")
+	})
+	t.Run("a directory's name, mounted once the table was read", func(t *testing.T) {
+		cfg := primary.Config{Prefix: testenv.Prefix(t), RuntimeDir: testenv.RunDir(t), Backend: b.Kind,
+			MemoryPages: 16, Logger: quiet}
+		name := runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir)
+		// Another user's directory under a name a primary gives its own,
+		// on which a file system that does not answer is mounted.
+		mnt := filepath.Join(b.Dir, instance.PrivateDirName(name))
+		require.NoError(t, os.Mkdir(mnt, 0o755))
+		require.NoError(t, os.Chown(mnt, squatterUID, squatterUID))
+		t.Cleanup(func() { os.Remove(mnt) })
+		var fuse *testproc.Proc
+		defer primary.SetMountsRead(func(string) {
+			if fuse == nil {
+				fuse = fusetest.MountAt(t, mnt, "seg-fuse")
+				fuse.Stop()
+			}
+		})()
+		p, err := startWithin(t, cfg, func() { fuse.Kill() })
+		if err == nil {
+			p.Close()
+		}
+		require.ErrorIs(t, err, primary.ErrPermission)
+		assert.Contains(t, err.Error(), "might not answer")
 	})
 }

@@ -3,6 +3,7 @@ package instance_test
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -62,4 +63,27 @@ func TestTheBackendsRecordReadsBackAsWritten(t *testing.T) {
 	assert.Equal(t, dirs[2:], got, "a refused record changes nothing")
 	_, err = os.Stat(filepath.Join(rd.Path(), instance.BackendsFile+".tmp"))
 	assert.ErrorIs(t, err, os.ErrNotExist, "and leaves no temporary file")
+}
+
+// A directory of an instance's own is told by its name: of that instance
+// (IsPrivateDir), or of any instance of its prefix and user
+// (IsPrivateDirOf), and of no other, whatever the prefixes.
+func TestPrivateDirNamesAreTheInstances(t *testing.T) {
+	a := instance.Name("app", 0, "/run/mpmr/app")
+	b := instance.Name("app", 0, "/tmp/elsewhere/app")
+	other := instance.Name("app.u0."+a[len("app.u0."):], 0, "/run/mpmr/x")
+	d := instance.PrivateDirName(a)
+	assert.NotEqual(t, d, instance.PrivateDirName(a), "each name is new")
+	assert.True(t, instance.IsPrivateDir(d, a))
+	assert.False(t, instance.IsPrivateDir(d, b))
+	assert.True(t, instance.IsPrivateDirOf(d, "app", 0))
+	assert.True(t, instance.IsPrivateDirOf(instance.PrivateDirName(b), "app", 0), "any runtime directory")
+	assert.False(t, instance.IsPrivateDirOf(d, "app", 1000), "another user")
+	assert.False(t, instance.IsPrivateDirOf(d, "ap", 0), "another prefix")
+	assert.False(t, instance.IsPrivateDirOf(instance.PrivateDirName(other), "app", 0), "a prefix that begins with another's name")
+	assert.False(t, instance.IsPrivateDir(instance.PrivateDirName(other), a))
+	for _, base := range []string{d[:len(d)-1], d + "a", strings.ToUpper(d), "mpmr." + a + ".ctl", "mpmr." + a + ".p"} {
+		assert.False(t, instance.IsPrivateDir(base, a), base)
+		assert.False(t, instance.IsPrivateDirOf(base, "app", 0), base)
+	}
 }

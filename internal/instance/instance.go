@@ -94,6 +94,17 @@ func IsPrivateDir(base, name string) bool {
 	return ok && len(r) == 26 && strings.Trim(r, "abcdefghijklmnopqrstuvwxyz234567") == ""
 }
 
+// IsPrivateDirOf reports whether base is a name PrivateDirName gives for
+// an instance of prefix and uid, of any runtime directory.
+func IsPrivateDirOf(base, prefix string, uid int) bool {
+	i := strings.LastIndex(base, ".p")
+	if i < 0 {
+		return false
+	}
+	name, ok := SegmentName(base[:i]+".ctl", prefix, uid)
+	return ok && IsPrivateDir(base, name)
+}
+
 // HangingMount returns a mount in tab of a file system that might not
 // answer (mounts.MayHang) on the directory dir, above it, or on one of the
 // names of the instance files called name in it, if there is one: a thread
