@@ -197,25 +197,46 @@ func TestCleanLeavesAnUndescribedDeadPrimarysOwnDirectoryToTheNextPrimary(t *tes
 }
 
 // The described directory of a primary's own gone, another user made one
-// at its name (which was to be seen): it is not the instance's, and clean
-// looks into nothing there, refusing, and removes nothing.
+// at its name (which was to be seen), or a link there to a directory of
+// theirs; or the runtime directory was moved since, so that the
+// directory is named for where it was: it is not the instance's, and
+// clean looks into nothing there, refusing, and removes nothing.
 func TestCleanLooksIntoNoOtherUsersDirectoryAtAnOwnDirectorysName(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: to make a directory of another user")
 	}
 	b := testenv.Tmpfs(t)
-	rundir := testenv.RunDir(t)
-	prefix, own, _, _ := deadInOwnDir(t, b, rundir)
-	require.NoError(t, os.RemoveAll(own))
-	require.NoError(t, os.Mkdir(own, 0o777))
-	require.NoError(t, os.Chown(own, 42012, 42012))
-	seg := instance.SegmentPath(own, instanceName(rundir, prefix))
-	require.NoError(t, os.WriteFile(seg, nil, 0o600))
+	for _, how := range []string{"directory", "link", "moved"} {
+		t.Run(how, func(t *testing.T) {
+			rundir := testenv.RunDir(t)
+			prefix, own, _, _ := deadInOwnDir(t, b, rundir)
+			theirs := own
+			if how == "link" {
+				theirs = own + "-theirs"
+				t.Cleanup(func() { os.RemoveAll(theirs) })
+			}
+			seg := instance.SegmentPath(theirs, instanceName(rundir, prefix))
+			if how == "moved" {
+				moved := rundir + "-moved"
+				require.NoError(t, os.Rename(rundir, moved))
+				t.Cleanup(func() { os.RemoveAll(moved) })
+				rundir = moved
+			}
+			require.NoError(t, os.RemoveAll(own))
+			require.NoError(t, os.Mkdir(theirs, 0o777))
+			require.NoError(t, os.Chown(theirs, 42012, 42012))
+			if how == "link" {
+				require.NoError(t, os.Symlink(theirs, own))
+				require.NoError(t, os.Lchown(own, 42012, 42012))
+			}
+			require.NoError(t, os.WriteFile(seg, nil, 0o600))
 
-	_, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
-	assert.Equal(t, 1, status)
-	assert.Contains(t, errOut, "not the instance user's")
-	assert.FileExists(t, seg, "nothing in it is removed")
+			_, errOut, status := tool(t, "-rundir", rundir, "clean", prefix)
+			assert.Equal(t, 1, status)
+			assert.Contains(t, errOut, "not the instance user's")
+			assert.FileExists(t, seg, "nothing in it is removed")
+		})
+	}
 }
 
 // deadInstance starts a primary in a helper process with its runtime

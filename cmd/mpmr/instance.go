@@ -330,11 +330,12 @@ func (t *target) backend() *backendHandle {
 		t.bk.err = fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
 	} else if err := t.noMountOnNames(f); err != nil {
 		t.bk.err = fmt.Errorf("backend directory %s: %w", dir, err)
-	} else if instance.IsPrivateDir(filepath.Base(resolved), t.Name) && !ownedBy(f, t.UID) {
-		// A primary's directory of its own (instance.PrivateDirName) is
-		// its user's; another user may have made one at the name, which
-		// was to be seen, once it went.
-		t.bk.err = fmt.Errorf("%w: backend directory %s is not the instance user's (uid %d): not looked into",
+	} else if instance.IsPrivateDirOf(filepath.Base(dir), t.Prefix, t.UID) && !t.ownDir(dir, f) {
+		// A primary's directory of its own (instance.PrivateDirName), of
+		// this runtime directory or one it was moved from, is its user's,
+		// itself; another user may have made one at the name, which was
+		// to be seen, or a link there, once it went.
+		t.bk.err = fmt.Errorf("%w: backend directory %s is not the instance user's (uid %d) itself: not looked into",
 			ipc.ErrPermission, dir, t.UID)
 	}
 	if t.bk.err != nil {
@@ -345,14 +346,24 @@ func (t *target) backend() *backendHandle {
 	return t.bk
 }
 
-// ownedBy reports whether the file f holds is uid's.
-func ownedBy(f *os.File, uid int) bool {
-	fi, err := f.Stat()
+// ownDir reports whether the name dir, looked at through its parent
+// without following a link there or crossing a mount, is a directory of
+// the instance's user, the one held open as held.
+func (t *target) ownDir(dir string, held *os.File) bool {
+	parent, _, _, err := mounts.OpenDir(filepath.Dir(dir))
 	if err != nil {
 		return false
 	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	return ok && int(st.Uid) == uid
+	defer parent.Close()
+	st, err := mounts.StatAt(parent, filepath.Base(dir))
+	if err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFDIR || int(st.Uid) != t.UID {
+		return false
+	}
+	var h syscall.Stat_t
+	if err := syscall.Fstat(int(held.Fd()), &h); err != nil {
+		return false
+	}
+	return st.Dev == h.Dev && st.Ino == h.Ino
 }
 
 // noMountOnNames says so if anything is mounted on one of the instance's
