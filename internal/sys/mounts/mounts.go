@@ -312,12 +312,16 @@ func OpenDir(p string) (*os.File, string, Entry, error) {
 	return os.NewFile(uintptr(cur), done), done, at, nil
 }
 
-// StatAt returns what the name name in the directory dir holds, without
-// following a link there (a link's own status is returned) or crossing
-// into what is mounted there, which might not answer: something mounted
-// on the name fails with ErrMayHang, unasked.
+// StatAt returns what the name name (one name, not a path) in the
+// directory dir holds, without following a link there (a link's own
+// status is returned) or crossing into what is mounted there, which
+// might not answer: anything mounted on the name, whatever its type
+// (which is not looked up), fails with ErrMayHang, unasked.
 func StatAt(dir *os.File, name string) (unix.Stat_t, error) {
 	var st unix.Stat_t
+	if name == "" || name == "." || name == ".." || strings.ContainsRune(name, '/') {
+		return st, &os.PathError{Op: "open", Path: name, Err: unix.EINVAL}
+	}
 	how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
 		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV}
 	fd, err := unix.Openat2(int(dir.Fd()), name, how)
