@@ -272,9 +272,9 @@ func (p *Primary) squatted(err error) bool {
 // nameTaken returns the path of what is at one of the names of the
 // instance's files in its backend directory and is not a regular file of
 // this user, if anything is: another user's file or directory, or a FIFO,
-// which the primary may neither use nor remove. Where a file system that
-// might not answer is mounted on one of the names nothing is looked up,
-// and nothing is said taken: a directory of its own there would not help,
+// which the primary may neither use nor remove. Where anything is mounted
+// on one of the names (by the mount table, or found so) nothing is looked
+// up there, and nothing is said taken: a directory of its own there would not help,
 // for the names must still be looked at (see recoverLeftovers), and the
 // start fails on it.
 func (p *Primary) nameTaken() (string, bool) {

@@ -191,12 +191,21 @@ func (p *Primary) recoverLeftovers() error {
 		if dir == "" {
 			continue
 		}
-		if p.privateShaped(dir) && !ownDir(dir) {
-			// Gone, and its name, which anyone could see, taken by
-			// another user, or never made: not the instance's.
-			p.log.Warn("left alone, and dropped from the record, what (if anything) is at the name of a "+
-				"directory a primary of the instance made for its files", "dir", dir)
-			continue
+		if p.privateShaped(dir) {
+			switch mine, err := ownDir(dir); {
+			case errors.Is(err, os.ErrNotExist):
+				continue // gone
+			case err != nil:
+				p.log.Warn("left alone a backend directory that cannot be looked into", "dir", dir, "err", err)
+				kept = append(kept, dir)
+				continue
+			case !mine:
+				// Gone, and its name, which anyone could see, taken by
+				// another user: not the instance's.
+				p.log.Warn("left alone, and dropped from the record, what another user made at the name of a "+
+					"directory a primary of the instance made for its files", "dir", dir)
+				continue
+			}
 		}
 		resolved, ok, gone := reachable(dir, p.name)
 		if !ok {
@@ -226,9 +235,11 @@ func (p *Primary) recoverLeftovers() error {
 		// They are a dead primary's of this user and prefix unless one
 		// holds their life file (a copy's original, alive), and go as
 		// this instance's would.
-		if p.privateShaped(dirs[0]) && !ownDir(dirs[0]) {
-			p.log.Warn("left alone what (if anything) is at the name of the directory the description names",
-				"dir", dirs[0])
+		if mine, err := ownDir(dirs[0]); p.privateShaped(dirs[0]) && !mine {
+			if !errors.Is(err, os.ErrNotExist) {
+				p.log.Warn("left alone what is at the name of the directory the description names",
+					"dir", dirs[0], "err", err)
+			}
 		} else if resolved, ok, _ := reachable(dirs[0], moved); ok {
 			if err := p.removeDeadFiles(resolved, moved, true); err != nil {
 				return err
@@ -277,7 +288,7 @@ func recordOf(dirs []string) []string {
 // primary made for the files of the instance called name (see Start),
 // emptied.
 func (p *Primary) removePrivateDir(dir, name string) error {
-	if !instance.IsPrivateDir(filepath.Base(dir), name) || !ownDir(dir) {
+	if mine, _ := ownDir(dir); !instance.IsPrivateDir(filepath.Base(dir), name) || !mine {
 		return nil
 	}
 	if err := os.Remove(dir); err != nil {
@@ -315,7 +326,7 @@ func (p *Primary) ownDirsIn(dir string) ([]string, error) {
 	if testHookMountsRead != nil {
 		testHookMountsRead(dir)
 	}
-	ents, err := os.ReadDir(resolved)
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/self/fd/%d", f.Fd())) // the directory held
 	if err != nil {
 		return nil, err
 	}
@@ -329,7 +340,7 @@ func (p *Primary) ownDirsIn(dir string) ([]string, error) {
 		st, err := mounts.StatAt(f, e.Name())
 		switch {
 		case errors.Is(err, mounts.ErrMayHang):
-			return nil, mounted(err.Error())
+			return nil, mounted("something is mounted on " + filepath.Join(dir, e.Name()))
 		case err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFDIR && int(st.Uid) == os.Geteuid():
 			out = append(out, filepath.Join(dir, e.Name()))
 		}
@@ -346,7 +357,7 @@ func (p *Primary) ownDirsIn(dir string) ([]string, error) {
 func ownFiles(dir, name string) bool {
 	f, _, _, err := mounts.OpenDir(dir)
 	if err != nil {
-		return true
+		return !errors.Is(err, os.ErrNotExist)
 	}
 	defer f.Close()
 	for _, path := range instance.Files(dir, name) {
@@ -361,15 +372,18 @@ func ownFiles(dir, name string) bool {
 
 // ownDir reports whether dir is a directory of this user, itself (not a
 // link to one), looked at through its parent without crossing into a
-// mount.
-func ownDir(dir string) bool {
+// mount; or why it cannot tell (os.ErrNotExist if nothing is there).
+func ownDir(dir string) (bool, error) {
 	f, _, _, err := mounts.OpenDir(filepath.Dir(dir))
 	if err != nil {
-		return false
+		return false, err
 	}
 	defer f.Close()
 	st, err := mounts.StatAt(f, filepath.Base(dir))
-	return err == nil && st.Mode&syscall.S_IFMT == syscall.S_IFDIR && int(st.Uid) == os.Geteuid()
+	if err != nil {
+		return false, err
+	}
+	return st.Mode&syscall.S_IFMT == syscall.S_IFDIR && int(st.Uid) == os.Geteuid(), nil
 }
 
 // privateShaped reports whether dir's name is one a primary gives a

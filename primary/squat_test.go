@@ -17,7 +17,6 @@ import (
 	"github.com/mpmr/mpmr/internal/instance"
 	"github.com/mpmr/mpmr/internal/test/fusetest"
 	"github.com/mpmr/mpmr/internal/test/testenv"
-	"github.com/mpmr/mpmr/internal/test/testproc"
 	"github.com/mpmr/mpmr/primary"
 )
 
@@ -347,9 +346,9 @@ func TestAnotherUsersDirectoryAtAnOwnDirectorysNameIsLeft(t *testing.T) {
 			require.NoError(t, os.Chown(planted, squatterUID, squatterUID))
 			seg := instance.SegmentPath(planted, name)
 			require.NoError(t, os.WriteFile(seg, nil, 0o600))
-			// And one of that user's at the name of this runtime
-			// directory's memory, which makes the directory look like one
-			// of this instance's files.
+			// And one of that user's at a name of this instance's files
+			// (its memory's): the directory then holds something of this
+			// instance's by name, which is what a primary looks for.
 			mem := filepath.Join(planted, hugetlb.FileName(runtimeName(cfg.Prefix, os.Geteuid(), cfg.RuntimeDir), 0))
 			require.NoError(t, os.WriteFile(mem, nil, 0o600))
 			require.NoError(t, os.Chown(mem, squatterUID, squatterUID))
@@ -474,18 +473,21 @@ func TestAMountInTheBackendDirectoryNeitherHangsNorHidesAPrimary(t *testing.T) {
 		require.NoError(t, os.Mkdir(mnt, 0o755))
 		require.NoError(t, os.Chown(mnt, squatterUID, squatterUID))
 		t.Cleanup(func() { os.Remove(mnt) })
-		var fuse *testproc.Proc
+		// Mounted elsewhere first, then bound there from Start's
+		// goroutine (which may not end the test).
+		src, fuse := fusetest.Mount(t, "seg-fuse")
+		fuse.Stop()
+		var bound error
 		defer primary.SetMountsRead(func(string) {
-			if fuse == nil {
-				fuse = fusetest.MountAt(t, mnt, "seg-fuse")
-				fuse.Stop()
-			}
+			bound = syscall.Mount(src, mnt, "", syscall.MS_BIND, "")
 		})()
-		p, err := startWithin(t, cfg, func() { fuse.Kill() })
+		t.Cleanup(func() { _ = syscall.Unmount(mnt, syscall.MNT_DETACH) })
+		p, err := startWithin(t, cfg, fuse.Kill)
 		if err == nil {
 			p.Close()
 		}
+		require.NoError(t, bound)
 		require.ErrorIs(t, err, primary.ErrPermission)
-		assert.Contains(t, err.Error(), "might not answer")
+		assert.Contains(t, err.Error(), "is mounted on "+mnt)
 	})
 }
