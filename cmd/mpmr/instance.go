@@ -330,7 +330,8 @@ func (t *target) backend() *backendHandle {
 		t.bk.err = fmt.Errorf("backend directory %s is on %s (%s), not tmpfs or hugetlbfs: not looked into", dir, m.Dir, m.Type)
 	} else if err := t.noMountOnNames(f); err != nil {
 		t.bk.err = fmt.Errorf("backend directory %s: %w", dir, err)
-	} else if instance.IsPrivateDirOf(filepath.Base(dir), t.Prefix, t.UID) && !t.ownDir(dir, f) {
+	} else if (instance.IsPrivateDirOf(filepath.Base(filepath.Clean(dir)), t.Prefix, t.UID) ||
+		instance.IsPrivateDirOf(filepath.Base(resolved), t.Prefix, t.UID)) && !t.ownDir(filepath.Clean(dir), f) {
 		// A primary's directory of its own (instance.PrivateDirName), of
 		// this runtime directory or one it was moved from, is its user's,
 		// itself; another user may have made one at the name, which was
@@ -348,7 +349,7 @@ func (t *target) backend() *backendHandle {
 
 // ownDir reports whether the name dir, looked at through its parent
 // without following a link there or crossing a mount, is a directory of
-// the instance's user, the one held open as held.
+// the instance's user, and the very directory open as held.
 func (t *target) ownDir(dir string, held *os.File) bool {
 	parent, _, _, err := mounts.OpenDir(filepath.Dir(dir))
 	if err != nil {
