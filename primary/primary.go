@@ -274,9 +274,9 @@ func (p *Primary) squatted(err error) bool {
 // this user, if anything is: another user's file or directory, or a FIFO,
 // which the primary may neither use nor remove. Where anything is mounted
 // on one of the names (by the mount table, or found so) nothing is looked
-// up there, and nothing is said taken: a directory of its own there would not help,
-// for the names must still be looked at (see recoverLeftovers), and the
-// start fails on it.
+// up there, and nothing is said taken: a directory of its own there would
+// not help, for the names must still be looked at (see recoverLeftovers),
+// and the start fails on it.
 func (p *Primary) nameTaken() (string, bool) {
 	if p.name == "" || p.backend.Dir == "" {
 		return "", false

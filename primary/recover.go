@@ -235,12 +235,15 @@ func (p *Primary) recoverLeftovers() error {
 		// They are a dead primary's of this user and prefix unless one
 		// holds their life file (a copy's original, alive), and go as
 		// this instance's would.
-		if mine, err := ownDir(dirs[0]); p.privateShaped(dirs[0]) && !mine {
-			if !errors.Is(err, os.ErrNotExist) {
+		foreign := false
+		if p.privateShaped(dirs[0]) {
+			mine, err := ownDir(dirs[0])
+			if foreign = !mine; foreign && !errors.Is(err, os.ErrNotExist) {
 				p.log.Warn("left alone what is at the name of the directory the description names",
 					"dir", dirs[0], "err", err)
 			}
-		} else if resolved, ok, _ := reachable(dirs[0], moved); ok {
+		}
+		if resolved, ok, _ := reachable(dirs[0], moved); ok && !foreign {
 			if err := p.removeDeadFiles(resolved, moved, true); err != nil {
 				return err
 			}
@@ -374,12 +377,7 @@ func ownFiles(dir, name string) bool {
 // link to one), looked at through its parent without crossing into a
 // mount; or why it cannot tell (os.ErrNotExist if nothing is there).
 func ownDir(dir string) (bool, error) {
-	f, _, _, err := mounts.OpenDir(filepath.Dir(dir))
-	if err != nil {
-		return false, err
-	}
-	defer f.Close()
-	st, err := mounts.StatAt(f, filepath.Base(dir))
+	st, err := mounts.Lstat(dir)
 	if err != nil {
 		return false, err
 	}

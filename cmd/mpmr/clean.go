@@ -296,8 +296,8 @@ func (t *target) removeDir(path string, looked os.FileInfo, out *cleanOut) {
 	}
 	defer parent.Close()
 	base := filepath.Base(path)
-	var st unix.Stat_t
-	if err := unix.Fstatat(int(parent.Fd()), base, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+	st, err := mounts.StatAt(parent, base)
+	if err != nil {
 		out.Warnings = append(out.Warnings, fmt.Sprintf("%s kept: %v", path, err))
 		return
 	}

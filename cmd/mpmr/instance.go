@@ -351,12 +351,7 @@ func (t *target) backend() *backendHandle {
 // without following a link there or crossing a mount, is a directory of
 // the instance's user, and the very directory open as held.
 func (t *target) ownDir(dir string, held *os.File) bool {
-	parent, _, _, err := mounts.OpenDir(filepath.Dir(dir))
-	if err != nil {
-		return false
-	}
-	defer parent.Close()
-	st, err := mounts.StatAt(parent, filepath.Base(dir))
+	st, err := mounts.Lstat(dir)
 	if err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFDIR || int(st.Uid) != t.UID {
 		return false
 	}

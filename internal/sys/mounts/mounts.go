@@ -337,3 +337,14 @@ func StatAt(dir *os.File, name string) (unix.Stat_t, error) {
 	}
 	return st, nil
 }
+
+// Lstat is StatAt for the last name of the absolute path p, in its parent
+// directory reached as OpenDir reaches one.
+func Lstat(p string) (unix.Stat_t, error) {
+	dir, _, _, err := OpenDir(filepath.Dir(p))
+	if err != nil {
+		return unix.Stat_t{}, err
+	}
+	defer dir.Close()
+	return StatAt(dir, filepath.Base(p))
+}

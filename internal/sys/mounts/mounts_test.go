@@ -129,6 +129,9 @@ func TestStatAtCrossesNoMountAndFollowsNoLink(t *testing.T) {
 	assert.Equal(t, uint32(syscall.S_IFLNK), st.Mode&syscall.S_IFMT, "the link itself")
 	_, err = StatAt(d, "none")
 	assert.ErrorIs(t, err, os.ErrNotExist)
+	st, err = Lstat(filepath.Join(dir, "link"))
+	require.NoError(t, err)
+	assert.Equal(t, uint32(syscall.S_IFLNK), st.Mode&syscall.S_IFMT, "the link itself, by path")
 
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: to mount")
